@@ -1,0 +1,34 @@
+"""Content hashes and work-derived seeds.
+
+Both are pure functions of their inputs, never of a rank, a pid or a clock: this is what
+makes a run on 8 workers byte-identical to a run on 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+_canonical = msgspec.json.Encoder(order="sorted")
+
+
+def canonical_json(value) -> bytes:
+    """JSON bytes with dict keys sorted, so equal values always give equal bytes."""
+    return _canonical.encode(value)
+
+
+def content_hash(value) -> str:
+    """16 hex digits of sha256 over the canonical JSON of ``value``.
+
+    Used for guidance states, prompt profiles and pool snapshots: two values with the
+    same hash are treated as the same snapshot everywhere (IPC de-duplication, the
+    rollout cache and every artifact row).
+    """
+    return hashlib.sha256(canonical_json(value)).hexdigest()[:16]
+
+
+def stable_seed(*parts) -> int:
+    """A 63-bit seed from the parts' text, e.g. ``stable_seed(run_seed, "train", chunk, d, s)``."""
+    text = "/".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1

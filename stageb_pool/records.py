@@ -1,0 +1,105 @@
+"""Typed records that travel between the parent and the generation engine in the workers.
+
+They are the single source of truth for the engine's requests and results: the parent
+encodes them into pool frames, the worker decodes them back into these Structs.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Decode(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One entry of a sampling grid. ``temperature <= 0`` means greedy decoding.
+
+    ``seed`` (optional) is mixed into every generation seed of this decode, like the
+    upstream per-decode seed; it never replaces the per-chunk derivation.
+    """
+
+    temperature: float
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+
+class TicketText(msgspec.Struct, frozen=True):
+    """What a worker needs of a ticket to render its prompt. The label never leaves the parent."""
+
+    key: str
+    mission: str
+    per_image: dict[str, str]
+
+
+class RolloutChunk(msgspec.Struct, frozen=True):
+    """One unit of rollout work: ``chunk_size`` tickets, one generate batch per (decode, sample).
+
+    The generation seed of (decode d, sample s) is
+    ``stable_seed(seed_key, chunk_index, d, decode.seed, s)``: it depends on the work only.
+    ``seed_key`` names the rollout's ticket pool (e.g. ``"1234/train"``), not the guidance,
+    so a baseline and its candidates draw the same random numbers (common random numbers).
+    """
+
+    seed_key: str
+    chunk_index: int
+    tickets: list[TicketText]
+    grid: list[Decode]
+    samples_per_decode: int = 1
+    max_prompt_tokens: int | None = None
+    return_token_ids: bool = False
+
+
+class Sample(msgspec.Struct, frozen=True):
+    """One generated candidate. ``finish_reason`` is ``"stop"`` or ``"length"``."""
+
+    decode_index: int
+    sample_index: int
+    text: str
+    completion_tokens: int
+    finish_reason: str
+    token_ids: list[int] | None = None
+
+
+class TicketRollout(msgspec.Struct, frozen=True):
+    """All candidates of one ticket, in (decode, sample) order, or ``dropped`` when its
+    prompt exceeded ``max_prompt_tokens`` (never truncated, never generated)."""
+
+    key: str
+    prompt_tokens: int
+    dropped: bool = False
+    samples: list[Sample] = []
+
+
+class ChunkResult(msgspec.Struct, frozen=True):
+    chunk_index: int
+    tickets: list[TicketRollout]
+    generated_tokens: int = 0
+    elapsed_s: float = 0.0  # wall clock: volatile, never part of a deterministic artifact
+
+
+class ChatRequest(msgspec.Struct, frozen=True):
+    """A free-form generation (the rule proposer).
+
+    The user message is ``user_head + examples[:k] + user_tail`` (joined with blank
+    lines) for the largest ``k`` whose rendered prompt fits ``max_prompt_tokens``;
+    examples are dropped from the end, the text is never truncated.
+    """
+
+    system: str
+    user_head: str
+    examples: list[str]
+    user_tail: str
+    decode: Decode
+    seed_key: str
+    max_prompt_tokens: int | None = None
+
+
+class ChatResult(msgspec.Struct, frozen=True):
+    """``text`` is None when the prompt does not fit even with zero examples dropped to one
+    (``examples_used == 0`` and examples were given) or without examples."""
+
+    text: str | None
+    examples_used: int
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str = ""
