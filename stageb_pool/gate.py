@@ -1,0 +1,213 @@
+"""The A/B metric gate of the rule search (upstream 3.7, formulas exact).
+
+A candidate edit is compared with the baseline on the tickets present in both rollouts
+(``C``, sorted by key). With per-ticket correctness ``c_b(i)``, ``c_c(i)``:
+
+* ``acc = mean(c)``, ``err = max(0, 1 - acc)``,
+  ``RER = (err_b - err_c) / max(err_b, 1e-12)`` (baseline error 0 -> RER <= 0);
+* churn ``chi`` = fraction of ``C`` whose majority changed (None vs a verdict counts);
+* ``p`` = paired ticket-level bootstrap of the RER itself: ``B`` resamples of ``n``
+  indices drawn with ``random.Random(bootstrap_seed + iteration).randrange(n)``,
+  ``p = #(RER* >= tau) / B`` (0 when ``n = 0``); every candidate of an iteration sees
+  the same resamples.
+
+Pass iff ``RER >= tau`` and ``chi <= chi_max`` and ``p >= p_min``, and the FP rate does
+not rise by more than ``max_fp_rate_increase`` (+1e-12) — for every op, the documented
+business rule (upstream applied it to update/merge/remove only). ``update``, ``merge``
+and ``remove`` must in addition strictly lower the FP rate and strictly raise accuracy.
+``max_changed_fraction = 0`` means no churn at all (upstream silently used 0.05).
+
+The gate reads any config object with the attributes of ``config.GateConfig``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Mapping, Sequence
+
+import msgspec
+
+EPS = 1e-12
+REGRESSION_LIST_CAP = 50
+LIFECYCLE_OPS = frozenset({"update", "merge", "remove"})
+
+
+class GateResult(msgspec.Struct):
+    """Everything the gate measured, for ``rule_candidates.jsonl`` and the decision.
+
+    Rates and accuracies are over the common tickets ``C``. ``reason`` is the first
+    failing condition (None when passed). ``regression_count`` counts every
+    base-correct -> candidate-wrong ticket; ``regressions`` lists at most 50 of them.
+    """
+
+    passed: bool
+    reason: str | None
+    n_common: int
+    relative_error_reduction: float
+    changed_fraction: float
+    bootstrap_prob: float
+    base_acc: float
+    cand_acc: float
+    base_fp_rate: float
+    cand_fp_rate: float
+    d_acc: float
+    d_fp_rate: float
+    regression_count: int
+    regressions: list[dict] = []
+
+
+def _correct(stats) -> int:
+    return 1 if stats.majority is not None and stats.majority == stats.gt_label else 0
+
+
+def _false_release(stats) -> int:
+    # An invalid (None) majority on a fail ticket counts as a release, as in compute_metrics.
+    return 1 if stats.gt_label == "fail" and stats.majority != "fail" else 0
+
+
+def relative_error_reduction(base_acc: float, cand_acc: float) -> float:
+    """``(e_b - e_c) / max(e_b, 1e-12)`` with ``e = max(0, 1 - acc)``."""
+    base_err = max(0.0, 1.0 - base_acc)
+    cand_err = max(0.0, 1.0 - cand_acc)
+    return (base_err - cand_err) / max(base_err, EPS)
+
+
+def bootstrap_probability(
+    base_correct: Sequence[int], cand_correct: Sequence[int], *, threshold: float, iterations: int, seed: int
+) -> float:
+    """Share of paired ticket-level resamples whose RER reaches ``threshold``.
+
+    Draws exactly as upstream (one ``randrange(n)`` per ticket per resample), so equal
+    seeds and inputs give upstream's probability.
+    """
+    if iterations <= 0:
+        raise ValueError("bootstrap iterations must be > 0")
+    n = len(base_correct)
+    if n != len(cand_correct):
+        raise ValueError("paired correctness lists differ in length")
+    if n == 0:
+        return 0.0
+    rng = random.Random(int(seed))
+    hits = 0
+    for _ in range(iterations):
+        sum_b = sum_c = 0
+        for _ in range(n):
+            i = rng.randrange(n)
+            sum_b += base_correct[i]
+            sum_c += cand_correct[i]
+        if relative_error_reduction(sum_b / n, sum_c / n) >= threshold:
+            hits += 1
+    return hits / iterations
+
+
+def _regression_row(key: str, b, c) -> dict:
+    return {
+        "ticket_key": key,
+        "gt_label": b.gt_label,
+        "base_pred": b.majority,
+        "cand_pred": c.majority,
+        "base_agreement": b.agreement,
+        "cand_agreement": c.agreement,
+        "base_pass_count": b.pass_count,
+        "base_fail_count": b.fail_count,
+        "cand_pass_count": c.pass_count,
+        "cand_fail_count": c.fail_count,
+    }
+
+
+def find_regressions(base: Mapping, cand: Mapping, keys: Sequence[str]) -> list[dict]:
+    """Base-correct -> candidate-wrong rows (upstream 5 ``regressions`` entries), sorted by
+    ``(cand_agreement, base_agreement)`` descending, then ticket key. Not capped."""
+    rows = [_regression_row(k, base[k], cand[k]) for k in keys if _correct(base[k]) and not _correct(cand[k])]
+    rows.sort(key=lambda r: r["ticket_key"])
+    rows.sort(key=lambda r: (r["cand_agreement"], r["base_agreement"]), reverse=True)
+    return rows
+
+
+def _first_failure(op, rer, chi, p, d_fp, d_acc, gate) -> str | None:
+    tau = gate.min_relative_error_reduction
+    if not rer >= tau:
+        return f"RER {rer:.3f} < {tau:.3f}"
+    if not chi <= gate.max_changed_fraction:
+        return f"changed fraction {chi:.3f} > {gate.max_changed_fraction:.3f}"
+    if not p >= gate.bootstrap.min_prob:
+        return f"bootstrap prob {p:.3f} < {gate.bootstrap.min_prob:.3f}"
+    if not d_fp <= gate.max_fp_rate_increase + EPS:
+        return f"FP rate rise {d_fp:+.3f} > {gate.max_fp_rate_increase:.3f}"
+    if op in LIFECYCLE_OPS and not d_fp < -EPS:
+        return f"{op} must lower the FP rate (d_fp {d_fp:+.3f})"
+    if op in LIFECYCLE_OPS and not d_acc > EPS:
+        return f"{op} must raise accuracy (d_acc {d_acc:+.3f})"
+    return None
+
+
+def evaluate_gate(
+    base: Mapping, cand: Mapping, *, op: str, gate, iteration: int, bootstrap_seed: int | None = None
+) -> GateResult:
+    """Gate one candidate rollout (``cand``) against the baseline (``base``).
+
+    ``base``/``cand`` map ticket key -> ``verdicts.TicketStats`` (majority, gt_label,
+    agreement, pass/fail counts). ``bootstrap_seed`` is the resolved base seed (config
+    ``gate.bootstrap.seed`` or the run seed); None reads ``gate.bootstrap.seed``. The
+    resamples use ``bootstrap_seed + iteration``. Pure: same inputs, same result.
+    """
+    if bootstrap_seed is None:
+        bootstrap_seed = gate.bootstrap.seed
+    if bootstrap_seed is None:
+        raise ValueError("bootstrap seed is unresolved: pass bootstrap_seed (the run seed)")
+    keys = sorted(set(base) & set(cand))
+    n = len(keys)
+    if n == 0:
+        return GateResult(
+            passed=False, reason="no common tickets", n_common=0, relative_error_reduction=0.0,
+            changed_fraction=0.0, bootstrap_prob=0.0, base_acc=0.0, cand_acc=0.0, base_fp_rate=0.0,
+            cand_fp_rate=0.0, d_acc=0.0, d_fp_rate=0.0, regression_count=0,
+        )
+    base_correct = [_correct(base[k]) for k in keys]
+    cand_correct = [_correct(cand[k]) for k in keys]
+    base_acc, cand_acc = sum(base_correct) / n, sum(cand_correct) / n
+    base_fp = sum(_false_release(base[k]) for k in keys) / n
+    cand_fp = sum(_false_release(cand[k]) for k in keys) / n
+    rer = relative_error_reduction(base_acc, cand_acc)
+    chi = sum(base[k].majority != cand[k].majority for k in keys) / n
+    tau = gate.min_relative_error_reduction
+    p = bootstrap_probability(
+        base_correct, cand_correct, threshold=tau, iterations=gate.bootstrap.iterations,
+        seed=int(bootstrap_seed) + int(iteration),
+    )
+    d_acc, d_fp = cand_acc - base_acc, cand_fp - base_fp
+    reason = _first_failure(op, rer, chi, p, d_fp, d_acc, gate)
+    regressions = find_regressions(base, cand, keys)
+    return GateResult(
+        passed=reason is None, reason=reason, n_common=n, relative_error_reduction=rer,
+        changed_fraction=chi, bootstrap_prob=p, base_acc=base_acc, cand_acc=cand_acc,
+        base_fp_rate=base_fp, cand_fp_rate=cand_fp, d_acc=d_acc, d_fp_rate=d_fp,
+        regression_count=len(regressions), regressions=regressions[:REGRESSION_LIST_CAP],
+    )
+
+
+def select_best(results: Sequence) -> int | None:
+    """Index of the passing result with the largest RER; the earliest wins ties; None if
+    nothing passed. Items are ``GateResult`` or ``(candidate, GateResult)`` pairs."""
+    best = None
+    best_rer = None
+    for index, item in enumerate(results):
+        result = item[1] if isinstance(item, tuple) else item
+        if result.passed and (best_rer is None or result.relative_error_reduction > best_rer):
+            best, best_rer = index, result.relative_error_reduction
+    return best
+
+
+def eval_veto(base_eval_acc: float | None, cand_eval_acc: float | None, max_acc_drop: float | None) -> tuple[bool, float | None]:
+    """``(vetoed, eval_acc_drop)`` for the optional eval-pool veto.
+
+    ``eval_acc_drop = base - cand``; with ``max_acc_drop`` None (upstream: log only) or no
+    eval numbers (empty eval pool) nothing is vetoed. Vetoed iff the drop exceeds
+    ``max_acc_drop`` (+1e-12).
+    """
+    if base_eval_acc is None or cand_eval_acc is None:
+        return False, None
+    drop = base_eval_acc - cand_eval_acc
+    if max_acc_drop is None:
+        return False, drop
+    return drop > max_acc_drop + EPS, drop
