@@ -1,0 +1,323 @@
+"""Mission guidance (upstream 1.3): the rule list in the prompt, its edits and its files.
+
+File format: ``{<mission>: {"step", "updated_at", "experiences", "metadata"}}``.
+``G0`` is the mission checklist (mandatory, updatable, never removable), ``S*`` are
+read-only structural invariants, ``G1+`` are the learnable rules. Edits are pure
+(``apply_operation`` returns a new Guidance); only ``GuidanceRepository`` touches disk.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+
+import msgspec
+
+from .errors import InputError
+from .fileio import atomic_write_bytes, write_json
+from .hashing import content_hash
+
+LEARNABLE_KEY = re.compile(r"^G\d+$")
+SCAFFOLD_KEY = re.compile(r"^S\d+$")
+PLACEHOLDER_G0 = "Initial guidance placeholder"
+OPERATIONS = ("upsert", "update", "merge", "remove")
+_SNAPSHOT = re.compile(r"^guidance-step(\d+)\.json$")
+_SECTION_KEYS = ("step", "updated_at", "experiences", "metadata", "focus")
+
+
+class GuidanceError(Exception):
+    """An operation that cannot apply (no change, G0 removal, S* target, ...)."""
+
+
+class ExperienceMeta(msgspec.Struct, forbid_unknown_fields=True):
+    updated_at: str
+    reflection_id: str
+    sources: list[str] = []
+    rationale: str | None = None
+    hit_count: int = 0
+    miss_count: int = 0
+    confidence: float = 1.0
+
+
+class Guidance(msgspec.Struct):
+    step: int
+    updated_at: str
+    experiences: dict[str, str]
+    metadata: dict[str, ExperienceMeta] = {}
+
+    @property
+    def hash(self) -> str:
+        """What rollouts, pool snapshots and artifact rows refer to: the rule texts only."""
+        return content_hash(self.experiences)
+
+
+class Operation(msgspec.Struct):
+    op: str  # upsert | update | merge | remove
+    key: str | None = None
+    text: str | None = None
+    rationale: str | None = None
+    evidence: list[str] = []
+    merged_from: list[str] = []
+
+
+# --------------------------------------------------------------------------- reading
+
+def _is_iso(value) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _meta_from_raw(raw, where: str) -> ExperienceMeta:
+    def bad(key: str, what: str):
+        return InputError(what, f"{where}.{key}")
+
+    if not isinstance(raw, dict):
+        raise InputError("must be an object", where)
+    for key in raw:
+        if key not in ExperienceMeta.__struct_fields__:
+            raise bad(key, "unknown field")
+    if "updated_at" not in raw:
+        raise bad("updated_at", "missing")
+    if not _is_iso(raw["updated_at"]):
+        raise bad("updated_at", "must be an ISO-8601 time string")
+    if not isinstance(raw.get("reflection_id"), str) or not raw["reflection_id"].strip():
+        raise bad("reflection_id", "missing" if "reflection_id" not in raw else "must be a non-empty string")
+    sources = raw.get("sources", [])
+    if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+        raise bad("sources", "must be a list of strings")
+    if raw.get("rationale") is not None and not isinstance(raw["rationale"], str):
+        raise bad("rationale", "must be a string or null")
+    for key in ("hit_count", "miss_count"):
+        if key in raw and (type(raw[key]) is not int or raw[key] < 0):
+            raise bad(key, "must be a non-negative integer")
+    if "confidence" in raw and (isinstance(raw["confidence"], bool) or not isinstance(raw["confidence"], (int, float))):
+        raise bad("confidence", "must be a number")
+    return msgspec.convert(raw, ExperienceMeta)
+
+
+def parse_section(raw, where: str) -> Guidance:
+    """Validate one mission's section; errors name ``where`` plus the key path."""
+    if not isinstance(raw, dict):
+        raise InputError("must be an object", where)
+    if "version" in raw or "guidance" in raw:
+        raise InputError("legacy schema (version + guidance) is not supported: use step, updated_at, experiences", where)
+    for key in raw:
+        if key not in _SECTION_KEYS:
+            raise InputError(f"unknown field (expected {', '.join(_SECTION_KEYS[:4])})", f"{where}: {key}")
+    step = raw.get("step")
+    if "step" not in raw:
+        raise InputError("missing", f"{where}: step")
+    if type(step) is not int or step < 0:
+        raise InputError(f"must be a non-negative integer, got {step!r}", f"{where}: step")
+    if "updated_at" not in raw:
+        raise InputError("missing", f"{where}: updated_at")
+    if not _is_iso(raw["updated_at"]):
+        raise InputError(f"must be an ISO-8601 time string, got {raw['updated_at']!r}", f"{where}: updated_at")
+    experiences = raw.get("experiences")
+    if "experiences" not in raw:
+        raise InputError("missing", f"{where}: experiences")
+    if not isinstance(experiences, dict) or not experiences:
+        raise InputError("must be a non-empty object of rule texts", f"{where}: experiences")
+    clean: dict[str, str] = {}
+    for key, text in experiences.items():
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("must be a non-empty string", f"{where}: experiences.{key}")
+        clean[key] = text.strip()
+    focus = raw.get("focus")
+    if focus is not None and not isinstance(focus, str):
+        raise InputError("must be a string", f"{where}: focus")
+    if focus and focus.strip() and clean.get("G0", PLACEHOLDER_G0) == PLACEHOLDER_G0:
+        # Legacy files carried the checklist in `focus`; upstream promotes it into G0.
+        clean = {"G0": focus.strip(), **{k: v for k, v in clean.items() if k != "G0"}}
+    if "G0" not in clean:
+        raise InputError("missing", f"{where}: experiences.G0")
+    metadata_raw = raw.get("metadata", {})
+    if not isinstance(metadata_raw, dict):
+        raise InputError("must be an object", f"{where}: metadata")
+    metadata = {k: _meta_from_raw(v, f"{where}: metadata.{k}") for k, v in metadata_raw.items()}
+    return Guidance(step=step, updated_at=raw["updated_at"], experiences=clean, metadata=metadata)
+
+
+def read_guidance_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("guidance file not found", str(path))
+    try:
+        data = msgspec.json.decode(path.read_bytes())
+    except msgspec.DecodeError as exc:
+        raise InputError(f"invalid JSON: {exc}", str(path)) from None
+    if not isinstance(data, dict):
+        raise InputError("must be a JSON object keyed by mission", str(path))
+    return data
+
+
+def load_guidance(path: str | Path, mission: str) -> Guidance:
+    """The mission's section of a guidance file, validated."""
+    data = read_guidance_file(path)
+    if mission not in data:
+        have = ", ".join(repr(m) for m in data) or "none"
+        raise InputError(f"mission {mission!r} not in the guidance file; missions there: {have}", str(path))
+    return parse_section(data[mission], f"{path}: {mission}")
+
+
+# --------------------------------------------------------------------------- edits
+
+def normalize_rule_text(text: str) -> str:
+    """Whitespace collapsed (full-width spaces included), trailing 。/. stripped."""
+    return re.sub(r"\s+", " ", text.replace("\u3000", " ")).strip().rstrip("。.").strip()
+
+
+def _check_learnable(key: str, role: str) -> None:
+    if SCAFFOLD_KEY.match(key):
+        raise GuidanceError(f"{role} {key} is a read-only scaffold rule")
+    if not LEARNABLE_KEY.match(key):
+        raise GuidanceError(f"{role} {key!r} is not a learnable rule key (G<n>)")
+
+
+def _lowest_free_key(experiences: dict[str, str]) -> str:
+    i = 1
+    while f"G{i}" in experiences:
+        i += 1
+    return f"G{i}"
+
+
+def _dedupe(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _folded_meta(g: Guidance, keys: list[str], op: Operation, now: str, reflection_id: str) -> ExperienceMeta:
+    """Metadata of a key written by ``op``: hits and misses of the key and every merged key
+    folded together, plus one hit for this write (upstream 1.3)."""
+    old = [g.metadata[k] for k in keys if k in g.metadata]
+    hits = sum(m.hit_count for m in old) + 1
+    misses = sum(m.miss_count for m in old)
+    target_old = g.metadata.get(keys[0])
+    return ExperienceMeta(
+        updated_at=now,
+        reflection_id=reflection_id,
+        sources=_dedupe(list(op.evidence) + [s for m in old for s in m.sources]),
+        rationale=op.rationale if op.rationale else (target_old.rationale if target_old else None),
+        hit_count=hits,
+        miss_count=misses,
+        confidence=hits / (hits + misses + 1e-5),
+    )
+
+
+def _resolve_target(g: Guidance, op: Operation, text: str) -> str:
+    if op.op == "upsert" and op.key is None:
+        target = _lowest_free_key(g.experiences)
+    elif op.key is None:
+        raise GuidanceError(f"{op.op} needs a key")
+    else:
+        target = op.key
+        _check_learnable(target, "target")
+    if op.op == "update" and target not in g.experiences:
+        raise GuidanceError(f"update target {target} does not exist")
+    for key, existing in g.experiences.items():
+        if key != target and normalize_rule_text(existing) == text:
+            if SCAFFOLD_KEY.match(key):
+                raise GuidanceError(f"text duplicates read-only scaffold rule {key}")
+            if LEARNABLE_KEY.match(key):
+                return key  # identical rule already there: rewrite that key instead
+    return target
+
+
+def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str) -> Guidance:
+    """The guidance after ``op`` (a pure preview: nothing is written). ``step + 1`` and
+    ``updated_at = now``. Raises GuidanceError when the operation cannot apply or changes
+    nothing."""
+    if op.op not in OPERATIONS:
+        raise GuidanceError(f"unknown operation {op.op!r} (expected {', '.join(OPERATIONS)})")
+    experiences = dict(g.experiences)
+    metadata = dict(g.metadata)
+    if op.op == "remove":
+        if op.key is None:
+            raise GuidanceError("remove needs a key")
+        if op.key == "G0":
+            raise GuidanceError("G0 (the mission checklist) cannot be removed")
+        _check_learnable(op.key, "remove target")
+        experiences.pop(op.key, None)
+        metadata.pop(op.key, None)
+    else:
+        text = normalize_rule_text(op.text or "")
+        if not text:
+            raise GuidanceError(f"{op.op} needs a non-empty text")
+        target = _resolve_target(g, op, text)
+        merged: list[str] = []
+        if op.op == "merge":
+            for key in _dedupe(list(op.merged_from)):
+                if key == "G0":
+                    raise GuidanceError("G0 (the mission checklist) cannot be merged away")
+                _check_learnable(key, "merged_from")
+                if key != target and key in experiences:
+                    merged.append(key)
+        experiences[target] = text
+        for key in merged:
+            del experiences[key]
+            metadata.pop(key, None)
+        metadata[target] = _folded_meta(g, [target, *merged], op, now, reflection_id)
+    if experiences == g.experiences:
+        target = f" {op.key}" if op.key else ""
+        raise GuidanceError(f"{op.op}{target} did not modify guidance")
+    return Guidance(step=g.step + 1, updated_at=now, experiences=experiences, metadata=metadata)
+
+
+# --------------------------------------------------------------------------- files
+
+def section_of(g: Guidance) -> dict:
+    """The JSON section of a guidance state (what ``guidance.json`` holds per mission)."""
+    return msgspec.to_builtins(g)
+
+
+class GuidanceRepository:
+    """The per-run guidance file ``run_dir/guidance.json`` (one mission) and its snapshots
+    ``run_dir/snapshots/guidance-step{NNNN}.json``, named by guidance step so that two runs
+    of the same config produce the same names."""
+
+    def __init__(self, run_dir: str | Path, mission: str, retention: int = 5):
+        self.run_dir = Path(run_dir)
+        self.mission = mission
+        self.retention = retention
+        self.path = self.run_dir / "guidance.json"
+        self.snapshot_dir = self.run_dir / "snapshots"
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def load(self) -> Guidance:
+        return load_guidance(self.path, self.mission)
+
+    def write(self, g: Guidance) -> None:
+        """Atomic: the file holds the old or the new guidance, never a mix."""
+        write_json(self.path, {self.mission: section_of(g)})
+
+    def snapshots(self) -> list[Path]:
+        """Snapshot files, oldest step first."""
+        if not self.snapshot_dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.snapshot_dir.iterdir() if (m := _SNAPSHOT.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def snapshot_and_write(self, new: Guidance) -> Path | None:
+        """Copy the current file to its step's snapshot, prune to ``retention``, then write
+        ``new`` atomically. Returns the snapshot path (None when there was no file)."""
+        snapshot = None
+        if self.exists():
+            old = self.load()
+            snapshot = self.snapshot_dir / f"guidance-step{old.step:04d}.json"
+            atomic_write_bytes(snapshot, self.path.read_bytes())  # verbatim copy
+            self._prune()
+        self.write(new)
+        return snapshot
+
+    def _prune(self) -> None:
+        keep = max(self.retention, 0)
+        files = self.snapshots()
+        for path in files[: len(files) - keep] if keep else files:
+            path.unlink()

@@ -1,0 +1,291 @@
+"""Stage-A ticket files (upstream 1.2): read, validate, normalise, filter.
+
+One JSON object per line; each becomes a ``Ticket`` keyed ``"{group_id}::{label}"``.
+Every problem is reported with its ``path:line``; by default the first bad line stops
+the run (``InputError``, exit code 2) before any work starts, with ``on_bad_line="skip"``
+bad lines are skipped and listed in ``IngestReport.skipped``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+
+from .errors import InputError
+from .records import TicketText
+
+LABELS = ("pass", "fail")
+IRRELEVANT = "无关图片"
+STATION_DISTANCE = "站点距离"
+HEADER_LINE = re.compile(r"^<DOMAIN=.*>\s*,\s*<TASK=.*>$")
+_TRAILING_INT = re.compile(r"(\d+)$")
+_TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
+
+
+class Ticket(msgspec.Struct, frozen=True):
+    """One photo group with its reviewer label. ``per_image`` keys are ``image_1..image_n``."""
+
+    key: str
+    group_id: str
+    mission: str
+    label: str  # "pass" | "fail"
+    per_image: dict[str, str]
+    label_source: str = "human"
+    label_timestamp: str | None = None
+
+    def text(self) -> TicketText:
+        """What a worker needs to render the prompt (never the label)."""
+        return TicketText(self.key, self.mission, self.per_image)
+
+
+class IngestReport(msgspec.Struct):
+    tickets: list[Ticket]
+    skipped: list[dict] = []  # {"location": "path:line", "error": "..."}
+    excluded: int = 0
+
+
+class _BadLine(Exception):
+    """A problem with one line; turned into a located InputError or a skipped entry."""
+
+
+def _type_name(value) -> str:
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+# --------------------------------------------------------------------------- summaries
+
+def strip_header_lines(text: str) -> str:
+    """Drop ``<DOMAIN=...>, <TASK=...>`` header lines from a summary."""
+    lines = text.splitlines()
+    kept = [line for line in lines if not HEADER_LINE.match(line.strip())]
+    return "\n".join(kept).strip() if len(kept) != len(lines) else text
+
+
+def _unwrap(value: str) -> str:
+    # Some Stage-A writers JSON-encode the summary twice: '"{\"统计\": ...}"'.
+    if value.strip().startswith('"'):
+        try:
+            inner = json.loads(value)
+        except ValueError:
+            return value
+        if isinstance(inner, str):
+            return inner
+    return value
+
+
+def _canonical_summary(obj: dict) -> str:
+    first = [k for k in ("统计", "备注", "分组统计") if k in obj]
+    ordered = {k: obj[k] for k in first + [k for k in obj if k not in first]}
+    return json.dumps(ordered, ensure_ascii=False, separators=(", ", ": "))
+
+
+def _remove_station_fragments(text: str) -> str:
+    """Best effort for unparsable text: drop every innermost ``{...}`` span that mentions
+    the station distance, with one adjacent comma separator."""
+    while True:
+        hit = text.find(STATION_DISTANCE)
+        if hit < 0:
+            return text
+        start = text.rfind("{", 0, hit)
+        end = text.find("}", hit)
+        if start < 0 or end < 0:
+            return text.replace(STATION_DISTANCE, "")
+        before, after = text[:start].rstrip(), text[end + 1:].lstrip()
+        if after.startswith(","):
+            after = after[1:].lstrip()
+        elif before.endswith(","):
+            before = before[:-1].rstrip()
+        text = before + (" " if before and after and not before.endswith(("[", "{")) else "") + after
+
+
+def bbu_clean_summary(text: str) -> str:
+    """Upstream's BBU clean-up: irrelevant photos become exactly 无关图片; station-distance
+    evidence (an RRU concept) is removed and the JSON re-serialised canonically."""
+    if text.strip().startswith(IRRELEVANT):
+        return IRRELEVANT
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return _remove_station_fragments(text)
+    if not isinstance(obj, dict) or not isinstance(obj.get("统计"), list):
+        return text
+    obj["统计"] = [e for e in obj["统计"] if not (isinstance(e, dict) and e.get("类别") == STATION_DISTANCE)]
+    if isinstance(obj.get("分组统计"), dict):
+        obj["分组统计"].pop(STATION_DISTANCE, None)
+    return _canonical_summary(obj).replace(STATION_DISTANCE, "")
+
+
+def normalize_per_image(per_image: dict) -> dict[str, str]:
+    """Keys -> ``image_{n}`` by trailing integer (no digits: 1-based position), sorted by n;
+    JSON-string values unwrapped; header lines dropped."""
+    by_index: dict[int, tuple[str, str]] = {}
+    for position, (key, value) in enumerate(per_image.items(), start=1):
+        if not isinstance(value, str):
+            raise _BadLine(f"per_image[{key!r}] must be a string, got {_type_name(value)}")
+        m = _TRAILING_INT.search(key)
+        n = int(m.group(1)) if m else position
+        if n in by_index:
+            raise _BadLine(f"per_image keys {by_index[n][0]!r} and {key!r} both map to image_{n}")
+        by_index[n] = (key, strip_header_lines(_unwrap(value)))
+    return {f"image_{n}": by_index[n][1] for n in sorted(by_index)}
+
+
+# --------------------------------------------------------------------------- one line
+
+def _text_field(record: dict, name: str, *, required: bool) -> str | None:
+    if name not in record or (not required and record[name] is None):
+        if required:
+            raise _BadLine(f"missing field {name!r}")
+        return None
+    value = record[name]
+    if not isinstance(value, str):
+        raise _BadLine(f"field {name!r} must be a string, got {_type_name(value)}")
+    if required and not value.strip():
+        raise _BadLine(f"field {name!r} is empty")
+    return value
+
+
+def _timestamp(value: str | None) -> str | None:
+    # Upstream parsed with datetime.fromisoformat and kept None when that failed.
+    if value is None:
+        return None
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return value
+
+
+def parse_ticket_line(line: str, *, bbu_cleanup: bool = False) -> Ticket:
+    """One JSONL line -> Ticket; raises ``_BadLine`` with what is wrong."""
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise _BadLine(f"invalid JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise _BadLine(f"expected a JSON object, got {_type_name(record)}")
+    mission = _text_field(record, "mission", required=True).strip()
+    group_id = _text_field(record, "group_id", required=True).strip()
+    label = _text_field(record, "label", required=True).strip().lower()
+    if label not in LABELS:
+        raise _BadLine(f"label must be 'pass' or 'fail', got {record['label']!r}")
+    if "per_image" not in record:
+        raise _BadLine("missing field 'per_image'")
+    per_image = record["per_image"]
+    if not isinstance(per_image, dict):
+        raise _BadLine(f"field 'per_image' must be an object, got {_type_name(per_image)}")
+    if not per_image:
+        raise _BadLine("field 'per_image' is empty")
+    summaries = normalize_per_image(per_image)
+    if bbu_cleanup and not mission.startswith("RRU"):
+        summaries = {k: bbu_clean_summary(v) for k, v in summaries.items()}
+    source = _text_field(record, "label_source", required=False)
+    return Ticket(
+        key=f"{group_id}::{label}",
+        group_id=group_id,
+        mission=mission,
+        label=label,
+        per_image=summaries,
+        label_source=source.strip() if source and source.strip() else "human",
+        label_timestamp=_timestamp(_text_field(record, "label_timestamp", required=False)),
+    )
+
+
+# --------------------------------------------------------------------------- files
+
+def _read_lines(path: Path) -> Iterable[tuple[int, str | None]]:
+    """(line number, text) for every non-blank line; text None when not UTF-8."""
+    if not path.is_file():
+        raise InputError("ticket file not found", str(path))
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    for number, chunk in enumerate(raw.split(b"\n"), start=1):
+        chunk = chunk.rstrip(b"\r")
+        if not chunk.strip():
+            continue
+        try:
+            yield number, chunk.decode("utf-8")
+        except UnicodeDecodeError:
+            yield number, None
+
+
+def _check_one_mission(tickets: list[Ticket], where: dict[str, str]) -> None:
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for t in tickets:
+        counts[t.mission] = counts.get(t.mission, 0) + 1
+        first.setdefault(t.mission, where[t.key])
+    if len(counts) > 1:
+        listing = ", ".join(f"{m!r} ({c} tickets, first at {first[m]})" for m, c in counts.items())
+        raise InputError(f"tickets hold {len(counts)} missions, a run takes one: {listing}")
+
+
+def load_tickets(
+    paths: str | Path | Iterable[str | Path],
+    *,
+    on_bad_line: str = "error",
+    exclude_keys: frozenset[str] | set[str] = frozenset(),
+    bbu_cleanup: bool = False,
+) -> IngestReport:
+    """Read Stage-A JSONL files into tickets (file order kept), drop excluded keys.
+
+    ``on_bad_line``: ``"error"`` raises ``InputError("path:line: ...")`` at the first bad
+    line; ``"skip"`` records it in ``skipped``. ``bbu_cleanup`` applies upstream's BBU
+    summary clean-up to missions not starting with "RRU" (the bbu_rru profile asks for it).
+    Missing files, no tickets, duplicate keys and more than one mission always raise.
+    """
+    if on_bad_line not in ("error", "skip"):
+        raise InputError(f"on_bad_line must be 'error' or 'skip', got {on_bad_line!r}", "ingest.on_bad_line")
+    path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    if not path_list:
+        raise InputError("no ticket files given", "stage_a_paths")
+    tickets: list[Ticket] = []
+    skipped: list[dict] = []
+    where: dict[str, str] = {}
+    excluded = 0
+    for path in path_list:
+        for number, line in _read_lines(path):
+            location = f"{path}:{number}"
+            try:
+                if line is None:
+                    raise _BadLine("not valid UTF-8")
+                ticket = parse_ticket_line(line, bbu_cleanup=bbu_cleanup)
+            except _BadLine as exc:
+                if on_bad_line == "error":
+                    raise InputError(str(exc), location) from None
+                skipped.append({"location": location, "error": str(exc)})
+                continue
+            if ticket.key in exclude_keys:
+                excluded += 1
+                continue
+            if ticket.key in where:
+                raise InputError(f"duplicate ticket key {ticket.key!r} (first at {where[ticket.key]})", location)
+            where[ticket.key] = location
+            tickets.append(ticket)
+    if not tickets:
+        detail = f" ({excluded} excluded, {len(skipped)} bad lines skipped)" if excluded or skipped else ""
+        raise InputError(f"no tickets{detail}", ", ".join(map(str, path_list)))
+    _check_one_mission(tickets, where)
+    return IngestReport(tickets=tickets, skipped=skipped, excluded=excluded)
+
+
+def load_exclusions(keys: Iterable[str] | None, path: str | Path | None) -> frozenset[str]:
+    """Union of the inline keys and the lines of ``path`` (blank lines and ``#`` comments
+    ignored). A missing file is an error: silently excluding nothing would hide a typo."""
+    result = {k.strip() for k in (keys or ()) if k.strip()}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise InputError("exclusion list not found", str(path))
+        text = path.read_bytes().decode("utf-8-sig", errors="replace")
+        for line in text.splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                result.add(line)
+    return frozenset(result)

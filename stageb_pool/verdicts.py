@@ -1,0 +1,216 @@
+"""The two-line verdict protocol, the majority vote and the metrics (upstream 2.3 and 2.4).
+
+Pure functions of their inputs: the parent runs them on the candidate texts the workers
+send back. Positive class is "pass": a false release (fp) is a GT-fail ticket the model
+let through, a false block (fn) is a GT-pass ticket it stopped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable
+
+import msgspec
+
+from .prompts import VerdictVocab
+
+# A chat template sometimes echoes the role before the answer. Only a *leading* marker is
+# removed; upstream cut at the last bare word "assistant" anywhere, which truncated any
+# Reason that used the word (upstream 9.3 item 10).
+_ASSISTANT_MARKER = re.compile(
+    r"^\s*(?:<\|im_start\|>\s*assistant\b[ \t]*[:：]?|assistant[ \t]*(?:[:：]|\r?\n|$))",
+    re.IGNORECASE,
+)
+_COLON = re.compile(r"[:：]")
+_SPACES = re.compile(r"\s+")
+
+
+class Parsed(msgspec.Struct, frozen=True):
+    """One candidate. ``verdict`` is "pass" | "fail", or None for an invalid sample;
+    ``error`` says why a sample is invalid (for logs; never part of a vote)."""
+
+    verdict: str | None
+    reason: str | None
+    error: str | None = None
+
+
+def _invalid(error: str) -> Parsed:
+    return Parsed(None, None, error)
+
+
+def normalize_verdict_word(value: str) -> str:
+    """Spaces removed, lower-cased, trailing 。 / . stripped: ``" 通过。"`` -> ``"通过"``."""
+    return _SPACES.sub("", value).lower().rstrip("。.")
+
+
+def strip_assistant_marker(text: str) -> str:
+    """Remove leading ``assistant`` / ``Assistant:`` / ``<|im_start|>assistant`` markers."""
+    while True:
+        m = _ASSISTANT_MARKER.match(text)
+        if not m:
+            return text
+        text = text[m.end():]
+
+
+def _split_field(line: str) -> str | None:
+    m = _COLON.search(line)
+    return None if m is None else line[m.end():].strip()
+
+
+def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
+    """Parse ``Verdict: <word>`` / ``Reason: <text>``: exactly two non-empty lines (blank
+    lines between them are tolerated), the verdict word in the profile's vocabulary and a
+    non-empty reason. Anything else is an invalid sample (``verdict=None``)."""
+    if text is None:
+        return _invalid("no text")
+    body = strip_assistant_marker(text.strip()).strip()
+    lines = [line.strip() for line in body.splitlines() if line.strip()]
+    if len(lines) != 2:
+        return _invalid(f"expected 2 non-empty lines, got {len(lines)}")
+    verdict_line, reason_line = lines
+    if not verdict_line.lower().startswith("verdict"):
+        return _invalid("line 1 does not start with 'Verdict'")
+    if not reason_line.lower().startswith("reason"):
+        return _invalid("line 2 does not start with 'Reason'")
+    value = _split_field(verdict_line)
+    reason = _split_field(reason_line)
+    if value is None:
+        return _invalid("no ':' after 'Verdict'")
+    if reason is None:
+        return _invalid("no ':' after 'Reason'")
+    word = normalize_verdict_word(value)
+    if word in {normalize_verdict_word(w) for w in vocab.pass_words}:
+        verdict = "pass"
+    elif word in {normalize_verdict_word(w) for w in vocab.fail_words}:
+        verdict = "fail"
+    else:
+        return _invalid(f"unknown verdict {value!r}")
+    if not reason:
+        return _invalid("empty reason")
+    return Parsed(verdict, reason)
+
+
+class TicketStats(msgspec.Struct):
+    """The vote of one ticket's candidates (upstream ``build_ticket_stats``)."""
+
+    key: str
+    gt_label: str
+    majority: str | None
+    pass_count: int
+    fail_count: int
+    invalid_count: int
+    total_samples: int
+    agreement: float
+    difficulty: float
+    hard_wrong: float
+    verdicts: list[str | None]
+    reasons: list[str | None]
+
+    @property
+    def correct(self) -> bool:
+        return self.majority == self.gt_label
+
+
+def ticket_stats(key: str, gt_label: str, parsed: list[Parsed]) -> TicketStats:
+    """Majority vote, fail on ties, invalid samples do not vote; no valid sample -> None."""
+    verdicts = [p.verdict for p in parsed]
+    n_pass = verdicts.count("pass")
+    n_fail = verdicts.count("fail")
+    voting = n_pass + n_fail
+    if voting == 0:
+        majority, agreement, difficulty = None, 0.0, 0.5
+    else:
+        majority = "pass" if n_pass > n_fail else "fail"
+        agreement = max(n_pass, n_fail) / voting
+        difficulty = 1.0 - agreement
+    hard_wrong = agreement if majority is not None and majority != gt_label else 0.0
+    return TicketStats(
+        key=key,
+        gt_label=gt_label,
+        majority=majority,
+        pass_count=n_pass,
+        fail_count=n_fail,
+        invalid_count=len(parsed) - voting,
+        total_samples=len(parsed),
+        agreement=agreement,
+        difficulty=difficulty,
+        hard_wrong=hard_wrong,
+        verdicts=verdicts,
+        reasons=[p.reason for p in parsed],
+    )
+
+
+class Metrics(msgspec.Struct):
+    """Ticket-level metrics (upstream 2.4). Rates are over all ``n`` tickets. A ratio that
+    would be infinite (``fn_over_tp`` with tp = 0 < fn) is None, JSON null; upstream wrote
+    the non-standard token ``Infinity``."""
+
+    n: int
+    acc: float
+    tp: int
+    fp: int
+    fn: int
+    tn: int
+    fn_rate: float
+    fp_rate: float
+    fn_over_tp: float | None
+    fp_over_tp: float | None
+    false_release_rate: float
+    false_block_rate: float
+
+
+def _ratio(num: int, den: int) -> float | None:
+    if den:
+        return num / den
+    return None if num else 0.0
+
+
+def _share(num: int, den: int) -> float:
+    return num / den if den else 0.0
+
+
+def compute_metrics(stats: Iterable[TicketStats] | dict[str, TicketStats]) -> Metrics:
+    """Counts and rates over the given tickets. An invalid (None) majority is always an
+    error: a false release for GT fail, a false block for GT pass."""
+    rows = list(stats.values()) if isinstance(stats, dict) else list(stats)
+    n = len(rows)
+    tp = sum(1 for s in rows if s.gt_label == "pass" and s.majority == "pass")
+    fn = sum(1 for s in rows if s.gt_label == "pass" and s.majority != "pass")
+    tn = sum(1 for s in rows if s.gt_label == "fail" and s.majority == "fail")
+    fp = sum(1 for s in rows if s.gt_label == "fail" and s.majority != "fail")
+    correct = sum(1 for s in rows if s.majority is not None and s.majority == s.gt_label)
+    return Metrics(
+        n=n,
+        acc=_share(correct, n),
+        tp=tp,
+        fp=fp,
+        fn=fn,
+        tn=tn,
+        fn_rate=_share(fn, n),
+        fp_rate=_share(fp, n),
+        fn_over_tp=_ratio(fn, tp),
+        fp_over_tp=_ratio(fp, tp),
+        false_release_rate=_share(fp, tp + fp),
+        false_block_rate=_share(fn, tp + fn),
+    )
+
+
+def _most_common(values: list[str]) -> list[tuple[str, int]]:
+    # Counter keeps first-occurrence order and sorted() is stable, so ties go to the
+    # reason seen first: deterministic for a given sample order.
+    return sorted(Counter(values).items(), key=lambda kv: -kv[1])
+
+
+def majority_reason(stats: TicketStats) -> str | None:
+    """The most frequent reason among the samples that voted with the majority."""
+    if stats.majority is None:
+        return None
+    reasons = [r for v, r in zip(stats.verdicts, stats.reasons) if v == stats.majority and r is not None]
+    return _most_common(reasons)[0][0] if reasons else None
+
+
+def reason_counts(stats: TicketStats, top: int = 5) -> list[dict]:
+    """``[{"reason", "count"}]`` of the valid samples' reasons, most frequent first."""
+    reasons = [r for r in stats.reasons if r is not None]
+    return [{"reason": r, "count": c} for r, c in _most_common(reasons)[:top]]
