@@ -1,0 +1,255 @@
+"""The parent-side rollout runner: tickets -> chunks -> pool -> per-ticket verdict statistics.
+
+A rollout (``RolloutSpec``) is a list of tickets judged under one guidance snapshot with one
+sampler. The runner cuts the tickets, in their canonical order, into chunks of ``chunk_size``
+(independent of the worker count, so the generation seeds, which come from
+``(seed_key, chunk_index, decode, sample)``, are too) and submits every chunk to the pool.
+``wait`` drives ONE ``pool.gather`` over all chunks of all pending rollouts and chat calls, so
+the candidates of an iteration and the proposer call share the GPUs, then assembles the results
+in ticket order.
+
+A chunk result is cached under the content hash of everything that determines it (ticket
+keys, guidance hash, profile hash, sampler, seed key, chunk index): within a run it is never
+generated twice, e.g. the eval baseline while the guidance is unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from . import verdicts
+from .config import SamplerConfig
+from .hashing import content_hash
+from .records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, TicketRollout
+from .tickets import Ticket
+from .verdicts import TicketStats
+
+
+class RolloutSpec(msgspec.Struct, frozen=True):
+    """One rollout: ``tickets`` (canonical order) under ``guidance`` with ``sampler``.
+
+    ``seed_key`` names the ticket pool, not the guidance: a baseline and its candidates share
+    it, so they draw the same random numbers (common random numbers)."""
+
+    name: str
+    seed_key: str
+    tickets: list[Ticket]
+    guidance: dict[str, str]
+    sampler: SamplerConfig
+
+
+class RolloutResult(msgspec.Struct):
+    """Per-ticket statistics in ticket order; dropped (overlength) tickets are only in
+    ``dropped`` (key -> prompt token count). ``rollouts`` holds the raw candidates of the
+    kept tickets. ``generations`` were generated for this rollout, ``cached_generations``
+    came from earlier (or concurrent) identical chunks. ``chunk_done_s`` (an addition to the
+    contract; wall clock, volatile) is, per chunk, the seconds from the start of the gather
+    until that chunk's result was in (0 for cached chunks)."""
+
+    spec_name: str
+    guidance_hash: str
+    stats: dict[str, TicketStats]
+    dropped: dict[str, int]
+    rollouts: dict[str, TicketRollout]
+    generations: int
+    cached_generations: int
+    chunk_done_s: list[float] = []
+
+
+class _Part(msgspec.Struct):
+    """One chunk of a pending rollout: its cache key and whether this rollout generates it."""
+
+    key: str
+    n_tickets: int
+    owner: bool
+
+
+class Pending:
+    """A submitted rollout or chat call; pass it to ``RolloutRunner.wait``."""
+
+    __slots__ = ("spec", "guidance_hash", "parts", "chat_task", "done")
+
+    def __init__(self, spec=None, guidance_hash="", parts=(), chat_task=None):
+        self.spec = spec
+        self.guidance_hash = guidance_hash
+        self.parts = list(parts)
+        self.chat_task = chat_task
+        self.done = False
+
+
+class RolloutRunner:
+    """Runs rollouts over ``pool`` with the prompt ``profile``.
+
+    ``save_rollouts`` (an addition to the contract) asks the engine for token ids too, for
+    ``rollouts/*.jsonl``. ``progress`` is a ``progress.Progress`` (or None)."""
+
+    def __init__(self, pool, profile, *, chunk_size: int, progress=None, save_rollouts: bool = False):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.pool = pool
+        self.profile = profile
+        self.profile_hash = content_hash(profile)
+        self.chunk_size = chunk_size
+        self.progress = progress
+        self.save_rollouts = save_rollouts
+        self.generations_done = 0
+        self.generations_saved = 0
+        self.rollout_seconds = 0.0  # wall time spent inside wait(): the rollout phase
+        self._cache: dict[str, ChunkResult] = {}
+        self._inflight: dict[str, object] = {}  # cache key -> pool task, submitted, not yet gathered
+        self._done_s: dict[str, float] = {}
+
+    # -- submission ---------------------------------------------------------------------------
+
+    def submit(self, spec: RolloutSpec) -> Pending:
+        """Queue every chunk of ``spec`` that is neither cached nor already in flight."""
+        guidance_hash = content_hash(spec.guidance)
+        sampler = msgspec.to_builtins(spec.sampler)
+        parts = []
+        for index, start in enumerate(range(0, len(spec.tickets), self.chunk_size)):
+            tickets = spec.tickets[start : start + self.chunk_size]
+            key = content_hash(
+                [[t.key for t in tickets], guidance_hash, self.profile_hash, sampler,
+                 spec.seed_key, index, self.save_rollouts]
+            )
+            owner = key not in self._cache and key not in self._inflight
+            if owner:
+                chunk = RolloutChunk(
+                    seed_key=spec.seed_key,
+                    chunk_index=index,
+                    tickets=[t.text() for t in tickets],
+                    grid=list(spec.sampler.grid),
+                    samples_per_decode=spec.sampler.samples_per_decode,
+                    max_prompt_tokens=spec.sampler.max_prompt_tokens,
+                    return_token_ids=self.save_rollouts,
+                )
+                self._inflight[key] = self.pool.submit(
+                    "rollout", chunk, guidance=spec.guidance, profile=self.profile,
+                    result_type=ChunkResult,
+                )
+            parts.append(_Part(key, len(tickets), owner))
+        return Pending(spec, guidance_hash, parts)
+
+    def submit_chat(self, request: ChatRequest) -> Pending:
+        """Queue one free-form generation (the proposer); ``wait`` returns its ChatResult."""
+        task = self.pool.submit("chat", request, result_type=ChatResult)
+        return Pending(chat_task=task)
+
+    # -- completion -------------------------------------------------------------------------
+
+    def wait(self, pendings: list[Pending]) -> list:
+        """Gather everything the pendings still need in one ``pool.gather``; return, per
+        pending, a RolloutResult (rollout) or a ChatResult (chat), in the given order."""
+        keys, tasks, counts = [], [], []
+        seen: set[str] = set()
+        chat_slots = {}
+        for pending in pendings:
+            if pending.done:
+                raise ValueError("this pending rollout was already waited for")
+            if pending.chat_task is not None:
+                chat_slots[id(pending)] = len(tasks)
+                keys.append(None)
+                tasks.append(pending.chat_task)
+                counts.append(0)
+                continue
+            for part in pending.parts:
+                if part.key in self._inflight and part.key not in seen:
+                    seen.add(part.key)
+                    keys.append(part.key)
+                    tasks.append(self._inflight[part.key])
+                    counts.append(part.n_tickets)
+        started = time.monotonic()
+        if self.progress is not None:
+            self.progress.start(_label(pendings), sum(counts))
+        done_at = [0.0] * len(tasks)
+
+        def on_result(index, _result):
+            done_at[index] = time.monotonic() - started
+            if counts[index] and self.progress is not None:
+                self.progress.advance(counts[index])
+
+        try:
+            results = self.pool.gather(tasks, on_result=on_result) if tasks else []
+        finally:
+            if self.progress is not None:
+                self.progress.finish()
+            self.rollout_seconds += time.monotonic() - started
+        for key, result, at in zip(keys, results, done_at):
+            if key is not None:
+                self._cache[key] = result
+                self._done_s[key] = at
+                del self._inflight[key]
+        out = []
+        for pending in pendings:
+            pending.done = True
+            if pending.chat_task is not None:
+                out.append(results[chat_slots[id(pending)]])
+            else:
+                out.append(self._assemble(pending))
+        return out
+
+    def run(self, spec: RolloutSpec) -> RolloutResult:
+        """Submit and wait for one rollout."""
+        return self.wait([self.submit(spec)])[0]
+
+    def _assemble(self, pending: Pending) -> RolloutResult:
+        spec = pending.spec
+        stats, dropped, rollouts = {}, {}, {}
+        generations = cached = 0
+        done_s = []
+        position = 0
+        for part in pending.parts:
+            result = self._cache[part.key]
+            tickets = spec.tickets[position : position + part.n_tickets]
+            position += part.n_tickets
+            _check_chunk(result, tickets, part.key)
+            n = 0
+            for ticket, rollout in zip(tickets, result.tickets):
+                if rollout.dropped:
+                    dropped[ticket.key] = rollout.prompt_tokens
+                    continue
+                parsed = [verdicts.parse_verdict(s.text, self.profile.verdict) for s in rollout.samples]
+                stats[ticket.key] = verdicts.ticket_stats(ticket.key, ticket.label, parsed)
+                rollouts[ticket.key] = rollout
+                n += len(rollout.samples)
+            if part.owner:
+                generations += n
+                done_s.append(self._done_s.get(part.key, 0.0))
+            else:
+                cached += n
+                done_s.append(0.0)
+        self.generations_done += generations
+        self.generations_saved += cached
+        return RolloutResult(
+            spec_name=spec.name,
+            guidance_hash=pending.guidance_hash,
+            stats=stats,
+            dropped=dropped,
+            rollouts=rollouts,
+            generations=generations,
+            cached_generations=cached,
+            chunk_done_s=done_s,
+        )
+
+
+def _check_chunk(result: ChunkResult, tickets: list[Ticket], key: str) -> None:
+    """The engine must answer every ticket of the chunk, in order: anything else is a bug
+    that would silently misattribute verdicts, so it stops the run."""
+    got = [t.key for t in result.tickets]
+    want = [t.key for t in tickets]
+    if got != want:
+        raise RuntimeError(f"chunk {result.chunk_index} ({key}) answered tickets {got[:3]}... for {want[:3]}...")
+
+
+def _label(pendings: list[Pending]) -> str:
+    names = [p.spec.name for p in pendings if p.spec is not None]
+    if not names:
+        return "chat"
+    if len(names) == 1:
+        return names[0]
+    return f"{names[0]} +{len(names) - 1} more"
+
+
+__all__ = ["RolloutSpec", "RolloutResult", "RolloutRunner", "Pending"]

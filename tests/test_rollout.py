@@ -1,0 +1,229 @@
+"""The rollout runner over a real Pool (inline and forked CPU workers) with the fake engine."""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+
+import msgspec
+import pytest
+import tqdm
+
+from fake_engines import MISSION, FakeEngine, demo_ticket_records, fake_factory
+from stageb_pool import Pool
+from stageb_pool.config import SamplerConfig
+from stageb_pool.prompts import load_profile
+from stageb_pool.records import ChatRequest, ChatResult, Decode
+from stageb_pool.rollout import RolloutRunner, RolloutSpec
+from stageb_pool.tickets import parse_ticket_line
+from stageb_pool.progress import Progress
+
+import json
+
+SAMPLER = SamplerConfig(grid=[Decode(temperature=0.7, seed=3), Decode(temperature=0.3)], samples_per_decode=2)
+K = 4  # samples per ticket
+GUIDANCE = {"G0": "Check every cabinet for missing or loose parts."}
+
+
+@pytest.fixture(scope="module")
+def tickets():
+    return [parse_ticket_line(json.dumps(r)) for r in demo_ticket_records(10)]
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return load_profile("generic", mission=MISSION)
+
+
+def spec(tickets, name="audit", guidance=GUIDANCE, seed_key="17/audit", sampler=SAMPLER):
+    return RolloutSpec(name=name, seed_key=seed_key, tickets=list(tickets), guidance=dict(guidance), sampler=sampler)
+
+
+def items_total(pool) -> int:
+    stats = pool.stats
+    items = stats["items_per_rank"] if isinstance(stats, dict) else stats.items_per_rank
+    return sum(items.values() if isinstance(items, dict) else items)
+
+
+def snapshot_sends(pool) -> int:
+    stats = pool.stats
+    value = stats["snapshot_sends"] if isinstance(stats, dict) else stats.snapshot_sends
+    return sum(value.values()) if isinstance(value, dict) else sum(value) if isinstance(value, list) else value
+
+
+def expected_majority(ticket) -> str:
+    return "fail" if any("missing" in v for v in ticket.per_image.values()) else "pass"
+
+
+@pytest.mark.parametrize("gpus,inline", [("cpu:1", True), ("cpu:2", False)])
+def test_results_in_ticket_order_with_votes(tickets, profile, gpus, inline):
+    with Pool(fake_factory(), gpus, inline=inline) as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=3)
+        result = runner.run(spec(tickets))
+    assert list(result.stats) == [t.key for t in tickets]
+    assert list(result.rollouts) == [t.key for t in tickets]
+    for t in tickets:
+        s = result.stats[t.key]
+        assert s.gt_label == t.label
+        assert s.total_samples == K and s.invalid_count == 0
+        assert s.majority == expected_majority(t)
+    assert result.generations == len(tickets) * K
+    assert result.cached_generations == 0
+    assert result.dropped == {}
+    assert len(result.chunk_done_s) == 4  # 10 tickets in chunks of 3
+
+
+def test_same_results_on_one_or_two_workers(tickets, profile):
+    outs = []
+    for gpus, inline in (("cpu:1", True), ("cpu:2", False)):
+        with Pool(fake_factory(flip=0.5), gpus, inline=inline) as pool:
+            result = RolloutRunner(pool, profile, chunk_size=3, save_rollouts=True).run(spec(tickets))
+        outs.append((msgspec.to_builtins(result.stats), msgspec.to_builtins(result.rollouts)))
+    assert outs[0] == outs[1]
+    verdicts = [v for s in outs[0][0].values() for v in s["verdicts"]]
+    assert "pass" in verdicts and "fail" in verdicts  # the noise really drew both
+
+
+def test_cache_hit_generates_nothing(tickets, profile):
+    with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=4)
+        first = runner.run(spec(tickets))
+        done = items_total(pool)
+        again = runner.run(spec(tickets, name="eval/it2/base"))
+        assert items_total(pool) == done  # no task reached a worker
+    assert again.generations == 0
+    assert again.cached_generations == len(tickets) * K
+    assert msgspec.to_builtins(again.stats) == msgspec.to_builtins(first.stats)
+    assert runner.generations_done == len(tickets) * K
+    assert runner.generations_saved == len(tickets) * K
+
+
+def test_different_guidance_or_seed_key_is_generated(tickets, profile):
+    rule = dict(GUIDANCE, G1="Fail if scratch on the door.")
+    with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=4)
+        base = runner.run(spec(tickets))
+        cand = runner.run(spec(tickets, name="cand", guidance=rule))
+        other = runner.run(spec(tickets, name="other", seed_key="17/eval"))
+    assert cand.generations == other.generations == len(tickets) * K
+    assert cand.guidance_hash != base.guidance_hash
+    scratched = [t.key for t in tickets if any("scratch" in v for v in t.per_image.values())]
+    assert scratched
+    for key in scratched:
+        assert cand.stats[key].majority == "fail"
+    assert any(base.stats[k].majority == "pass" for k in scratched)
+
+
+def test_dropped_tickets_excluded_and_counted(tickets, profile):
+    drop = {tickets[1].key, tickets[7].key}
+    with Pool(fake_factory(drop_keys=drop), "cpu:1", inline=True) as pool:
+        result = RolloutRunner(pool, profile, chunk_size=3).run(spec(tickets))
+    assert set(result.dropped) == drop
+    assert all(n > 0 for n in result.dropped.values())
+    assert list(result.stats) == [t.key for t in tickets if t.key not in drop]
+    assert result.generations == (len(tickets) - 2) * K
+
+
+def test_overlength_tickets_dropped_by_max_prompt_tokens(tickets, profile):
+    from fake_engines import prompt_tokens
+
+    lengths = {t.key: prompt_tokens(t.text(), GUIDANCE) for t in tickets}
+    limit = sorted(lengths.values())[len(tickets) // 2]
+    sampler = msgspec.structs.replace(SAMPLER, max_prompt_tokens=limit)
+    with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+        result = RolloutRunner(pool, profile, chunk_size=3).run(spec(tickets, sampler=sampler))
+    assert result.dropped == {k: n for k, n in lengths.items() if n > limit}
+    assert set(result.stats) == {k for k, n in lengths.items() if n <= limit}
+
+
+def test_invalid_samples_counted(tickets, profile):
+    bad = tickets[2].key
+    with Pool(fake_factory(invalid_keys={bad}), "cpu:1", inline=True) as pool:
+        result = RolloutRunner(pool, profile, chunk_size=3).run(spec(tickets))
+    s = result.stats[bad]
+    assert s.majority is None and s.invalid_count == K and s.verdicts == [None] * K
+
+
+def test_snapshots_sent_once_per_worker(tickets, profile):
+    rule = dict(GUIDANCE, G1="Fail if scratch on the door.")
+    with Pool(fake_factory(), "cpu:2") as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=1)
+        runner.wait([runner.submit(spec(tickets)), runner.submit(spec(tickets, name="c", guidance=rule))])
+        sends = snapshot_sends(pool)
+        assert items_total(pool) == 2 * len(tickets)
+    # three distinct shared values (2 guidances, 1 profile), at most once to each of 2 workers,
+    # for 20 chunks
+    assert 3 <= sends <= 6
+
+
+def test_one_gather_for_rollouts_and_chat(tickets, profile):
+    request = ChatRequest(system="s", user_head="h", examples=["a", "b"], user_tail="t",
+                          decode=Decode(temperature=0.4), seed_key="17/proposer/it1")
+    with Pool(fake_factory(chat_text='{"operations": [{"op": "upsert"}]}'), "cpu:2") as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=4)
+        gathers = []
+        real_gather = pool.gather
+        pool.gather = lambda tasks, **kw: gathers.append(len(tasks)) or real_gather(tasks, **kw)
+        a = runner.submit(spec(tickets, name="base"))
+        b = runner.submit(spec(tickets, name="twin"))  # same chunks: generated once, shared
+        c = runner.submit_chat(request)
+        ra, rb, rc = runner.wait([a, b, c])
+    assert gathers == [3 + 1]  # 3 chunks (shared by both specs) + the chat, in ONE gather
+    assert isinstance(rc, ChatResult) and rc.text.startswith('{"operations"') and rc.examples_used == 2
+    assert ra.generations == len(tickets) * K and ra.cached_generations == 0
+    assert rb.generations == 0 and rb.cached_generations == len(tickets) * K
+    assert msgspec.to_builtins(ra.stats) == msgspec.to_builtins(rb.stats)
+    with pytest.raises(ValueError):
+        runner.wait([a])
+
+
+def test_engine_answering_wrong_tickets_is_an_error(tickets, profile):
+    class Shuffler(FakeEngine):
+        def rollout(self, chunk, **kw):
+            result = super().rollout(chunk, **kw)
+            return msgspec.structs.replace(result, tickets=result.tickets[::-1])
+
+    with Pool(lambda device: Shuffler(device), "cpu:1", inline=True) as pool:
+        with pytest.raises(RuntimeError, match="answered tickets"):
+            RolloutRunner(pool, profile, chunk_size=3).run(spec(tickets))
+
+
+def test_progress_log_lines_without_terminal(tickets, profile, caplog):
+    log = logging.getLogger("test.progress")
+    progress = Progress(stream=io.StringIO(), log=log, interval_s=1e9, every_chunks=2)
+    assert not progress.tty
+    with caplog.at_level(logging.INFO, logger="test.progress"):
+        with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+            RolloutRunner(pool, profile, chunk_size=3, progress=progress).run(spec(tickets))
+    lines = [r.getMessage() for r in caplog.records]
+    # 4 chunks: a line after chunks 2 and 4, and the final line
+    assert len(lines) == 3
+    assert lines[-1].startswith("audit: 10/10 tickets (100%)")
+    assert "tickets/s" in lines[0] and lines[0].startswith("audit: 6/10")
+
+
+def test_progress_bar_on_terminal_starts_no_thread():
+    stream = io.StringIO()
+    before = threading.active_count()
+    progress = Progress(stream=stream, tty=True, log=logging.getLogger("test.bar"),
+                        stats_fn=lambda: {0: 3, 1: 1})
+    progress.start("train/it1", 8)
+    progress.advance(4)
+    progress.advance(4)
+    assert progress.line().startswith("train/it1: 8/8 tickets")
+    assert progress._bar.n == 8
+    progress.finish()
+    assert threading.active_count() == before
+    assert tqdm.tqdm.monitor is None
+    assert "train/it1" in stream.getvalue() and "ticket" in stream.getvalue()
+
+
+def test_progress_share_per_worker():
+    counts = {0: 10, 1: 10}
+    progress = Progress(stream=io.StringIO(), tty=False, stats_fn=lambda: counts)
+    progress.start("x", 4)
+    counts[0] += 3
+    counts[1] += 1
+    progress.advance(4)
+    assert progress.line().endswith("workers 0:75% 1:25%")
