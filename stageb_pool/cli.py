@@ -1,0 +1,246 @@
+"""The ``stageb-pool`` command: run, check and diff.
+
+    stageb-pool [run] --gpus SPEC CONFIG [--audit] [--resume | --overwrite] [--debug]
+                      [--log-level LEVEL] [--set key.path=value ...]
+    stageb-pool check CONFIG [--set key.path=value ...]
+    stageb-pool diff RUN_A RUN_B
+    stageb-pool --version
+
+Exit codes: 0 done, 1 run failed (a worker error; for diff: the runs differ), 2 bad input
+(config, tickets, guidance, arguments), 130 interrupted. Errors are one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import os
+import sys
+
+from . import __version__
+from .errors import InputError
+
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+COMMANDS = ("run", "check", "diff")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+log = logging.getLogger("stageb_pool")
+
+
+class UsageError(InputError):
+    """A command-line mistake; printed as ``stageb-pool run: error: ...``."""
+
+    def __str__(self) -> str:
+        return f"{self.location}: error: {self.message}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the default prints the usage block too)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override one config key (value read as YAML); repeatable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="stageb-pool", description="Stage-B rule search and audit on N GPUs.",
+                     epilog="The word 'run' may be left out: stageb-pool --gpus 0-7 config.yaml")
+    parser.add_argument("--version", action="version", version=f"stageb-pool {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,check,diff}", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run the rule search (or the baseline audit with --audit)")
+    run.add_argument("config", metavar="CONFIG", help="YAML config file")
+    run.add_argument("--gpus", required=True, metavar="SPEC",
+                     help="devices: 0-7, 0,2,5, 0, cpu (one CPU worker) or cpu:N")
+    run.add_argument("--audit", action="store_true", help="baseline audit only (same as mode: audit)")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue the run directory from its last completed iteration")
+    again.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    run.add_argument("--debug", action="store_true", help="one worker, inline in this process (breakpoints work)")
+    run.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                     help="logging verbosity on stderr (default: info; debug adds worker tracebacks)")
+    _add_set(run)
+
+    check = sub.add_parser("check", help="validate a config and its inputs and show what a run would do (no model)")
+    check.add_argument("config", metavar="CONFIG", help="YAML config file")
+    check.add_argument("--audit", action="store_true", help="describe the baseline audit instead of the rule search")
+    _add_set(check)
+
+    diff = sub.add_parser("diff", help="compare two run directories, ignoring the volatile fields")
+    diff.add_argument("run_a", metavar="RUN_A")
+    diff.add_argument("run_b", metavar="RUN_B")
+    diff.add_argument("--max", type=int, default=10, metavar="N", help="differences to show (default 10)")
+    return parser
+
+
+def _with_default_command(argv: list[str]) -> list[str]:
+    """``stageb-pool --gpus 0 cfg.yaml`` means ``stageb-pool run --gpus 0 cfg.yaml``."""
+    if not argv or argv[0] in COMMANDS or argv[0] in ("-h", "--help", "--version"):
+        return argv
+    first = argv[0]
+    if not first.startswith("-") and not first.endswith((".yaml", ".yml")) and not os.path.exists(first):
+        close = difflib.get_close_matches(first, COMMANDS, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"commands: {', '.join(COMMANDS)}, or a config file"
+        raise UsageError(f"unknown command {first!r}: {hint}", "stageb-pool")
+    return ["run", *argv]
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper()))
+
+
+def cmd_run(args) -> int:
+    from .config import load_config
+    from .devices import parse_gpus
+
+    devices = parse_gpus(args.gpus)
+    config = load_config(args.config, args.overrides)
+    from .job import run_job  # imported late: a bad config never pays for the pool's imports
+
+    return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug)
+
+
+def cmd_check(args) -> int:
+    print(describe(args.config, args.overrides, audit=args.audit))
+    return EXIT_OK
+
+
+def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
+    """Validate the config and every input a run reads (without loading a model) and
+    describe what the run would do. Raises InputError like the run itself would."""
+    import msgspec
+
+    from .config import config_hash, load_config
+    from .job import load_inputs
+    from .pools import resolve_train_pool_size, split_eval_pool
+    from .rundir import run_dir_path
+
+    cfg = load_config(config_path, overrides)
+    if audit:
+        cfg = msgspec.structs.replace(cfg, mode="audit")
+    inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
+    tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
+    rs, chunk = cfg.rule_search, cfg.runner.chunk_size
+    run_dir = run_dir_path(cfg, inputs.mission)
+    lines = [
+        ("config", f"{os.path.abspath(config_path)} (hash {config_hash(cfg)})"),
+        ("mode", cfg.mode),
+        ("mission", inputs.mission),
+        ("tickets", f"{len(tickets)} ({_by_label(tickets)}); {len(ingest.skipped)} bad lines skipped; "
+                    f"{ingest.excluded} excluded"),
+    ]
+    lines += [("  skipped", f"{s['location']}: {s['error']}") for s in ingest.skipped[:5]]
+    lines += [
+        ("model", inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}"),
+        ("profile", f"{cfg.prompt.profile} ({getattr(inputs.profile, 'name', '?')})"),
+        ("guidance", f"{cfg.guidance.path}: step {g.step}, rules {', '.join(g.experiences)}"),
+        ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir.exists() else "")),
+    ]
+    k_train = len(rs.train_sampler.grid) * rs.train_sampler.samples_per_decode
+    k_eval = len(rs.eval_sampler.grid) * rs.eval_sampler.samples_per_decode
+    if cfg.mode == "audit":
+        lines += [
+            ("samples", f"K={k_train} per ticket (train_sampler: {len(rs.train_sampler.grid)} decodes x {rs.train_sampler.samples_per_decode})"),
+            ("rollout", f"{len(tickets)} tickets in {_chunks(len(tickets), chunk)} chunks of {chunk}: "
+                        f"{len(tickets) * k_train} generations"),
+        ]
+        return _table(lines)
+    train, held = split_eval_pool(tickets, rs.eval_pool_size, cfg.seed)
+    t = resolve_train_pool_size(len(train), rs.train_pool_size, rs.train_pool_fraction)
+    n = rs.num_candidate_rules
+    per_iteration = t * k_train * (1 + n) + len(held) * k_eval
+    lines += [
+        ("eval pool", f"{len(held)} tickets ({_by_label(held)}), fixed for the run"),
+        ("train", f"{len(train)} tickets; a train pool of {t} per iteration"),
+        ("samples", f"train K={k_train} ({len(rs.train_sampler.grid)} decodes x {rs.train_sampler.samples_per_decode}), "
+                    f"eval K={k_eval} ({len(rs.eval_sampler.grid)} decodes x {rs.eval_sampler.samples_per_decode})"),
+        ("chunks", f"chunk_size {chunk}: {_chunks(t, chunk)} per train rollout, {_chunks(len(held), chunk)} per eval rollout"),
+        ("per iteration", f"up to {per_iteration} generations = train baseline {t * k_train} + {n} candidates x "
+                          f"{t * k_train} + eval baseline {len(held) * k_eval}; 1 proposer call; "
+                          f"+{len(held) * k_eval} per candidate that passes the gate"),
+        ("iterations", f"at most {cfg.runner.epochs} (early stop after {rs.early_stop.patience} without an accepted edit)"),
+    ]
+    return _table(lines)
+
+
+def _by_label(tickets) -> str:
+    counts: dict[str, int] = {}
+    for t in tickets:
+        counts[t.label] = counts.get(t.label, 0) + 1
+    return ", ".join(f"{label} {counts[label]}" for label in sorted(counts)) or "none"
+
+
+def _chunks(n: int, size: int) -> int:
+    return -(-n // size)
+
+
+def _table(lines: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
+
+
+def cmd_diff(args) -> int:
+    from .diff import diff_runs, format_differences
+
+    differences = diff_runs(args.run_a, args.run_b, limit=max(1, args.max))
+    if not differences:
+        print(f"identical (volatile fields aside): {args.run_a} {args.run_b}")
+        return EXIT_OK
+    print(format_differences(differences, args.run_a, args.run_b))
+    return EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    level = "info"
+    try:
+        args = build_parser().parse_args(_with_default_command(argv))
+        if args.command is None:
+            build_parser().print_usage(sys.stderr)
+            print("stageb-pool: error: a command or a config is needed (see stageb-pool --help)", file=sys.stderr)
+            return EXIT_INPUT
+        level = getattr(args, "log_level", "info")
+        setup_logging(level)
+        return {"run": cmd_run, "check": cmd_check, "diff": cmd_diff}[args.command](args)
+    except UsageError as err:
+        print(err, file=sys.stderr)
+        return EXIT_INPUT
+    except InputError as err:
+        print(f"stageb-pool: error: {err}", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        print("stageb-pool: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `stageb-pool diff a b | head`
+        return EXIT_FAILED
+    except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1
+        return _report_failure(err, level)
+
+
+def _report_failure(err: Exception, level: str) -> int:
+    from .pool import PoolError
+
+    if isinstance(err, PoolError):
+        print(f"stageb-pool: run failed: {err}", file=sys.stderr)
+        remote = getattr(err, "remote_traceback", None)
+        if level == "debug" and remote:
+            print(remote.rstrip(), file=sys.stderr)
+        elif remote:
+            print("stageb-pool: (the worker's traceback is shown with --log-level debug)", file=sys.stderr)
+        return EXIT_FAILED
+    # A bug, not bad input: the traceback is what a bug report needs.
+    log.exception("internal error")
+    print(f"stageb-pool: internal error: {type(err).__name__}: {err}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Compare two run directories, ignoring the documented volatile fields.
+
+Same config and seed must give the same artifacts on 1 or 8 GPUs, apart from wall-clock
+fields. This module names those fields (``VOLATILE_KEYS``, ``VOLATILE_PATHS``) and
+implements ``stageb-pool diff``: the same set of files; JSON and JSONL compared
+structurally with the volatile fields removed (types included: ``1`` is not ``1.0``);
+every other file byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from .errors import InputError
+
+# Any JSON key with one of these names, at any depth of any JSON/JSONL artifact.
+VOLATILE_KEYS = frozenset({"timestamp", "updated_at", "started_at", "finished_at", "elapsed_s", "elapsed_sec"})
+
+# Whole subtrees of particular files (path relative to the run directory -> dotted key paths).
+VOLATILE_PATHS: dict[str, tuple[str, ...]] = {
+    "run.json": ("invocation", "config.output"),  # gpus, workers, threads, argv, hostname; where the run was written
+    "summary.json": ("timing", "workers"),  # wall time per phase; throughput per worker
+}
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT = _Absent()  # the value shown for a key or file that exists on one side only
+
+
+class Difference(msgspec.Struct, frozen=True):
+    """One difference: ``file`` (relative path), ``where`` (``"line N"`` for JSONL and text,
+    ``""`` for a whole JSON document), ``key`` (dotted key path, ``""`` for the whole value)."""
+
+    file: str
+    where: str
+    key: str
+    a: object
+    b: object
+
+
+def _files(root: Path) -> list[str]:
+    out = []
+    for folder, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            out.append(Path(folder, name).relative_to(root).as_posix())
+    return out
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def compare_values(a, b, *, skip: tuple[str, ...] = (), path: str = ""):
+    """Yield ``(key_path, a, b)`` for every difference between two JSON values, ignoring
+    ``VOLATILE_KEYS`` at any depth and the dotted paths in ``skip``."""
+    if path in skip:
+        return
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if key in VOLATILE_KEYS:
+                continue
+            sub = _join(path, str(key))
+            if key not in a or key not in b:
+                if sub not in skip:
+                    yield sub, a.get(key, ABSENT), b.get(key, ABSENT)
+                continue
+            yield from compare_values(a[key], b[key], skip=skip, path=sub)
+    elif isinstance(a, list) and isinstance(b, list):
+        for i in range(max(len(a), len(b))):
+            sub = f"{path}[{i}]"
+            if i >= len(a) or i >= len(b):
+                yield sub, a[i] if i < len(a) else ABSENT, b[i] if i < len(b) else ABSENT
+            else:
+                yield from compare_values(a[i], b[i], skip=skip, path=sub)
+    elif type(a) is not type(b) or a != b:
+        yield path, a, b
+
+
+def _decode(data: bytes):
+    try:
+        return True, msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return False, None
+
+
+def _compare_file(name: str, a: bytes, b: bytes):
+    if a == b:
+        return
+    skip = VOLATILE_PATHS.get(name, ())
+    if name.endswith(".json"):
+        ok_a, va = _decode(a)
+        ok_b, vb = _decode(b)
+        if ok_a and ok_b:
+            for key, x, y in compare_values(va, vb, skip=skip):
+                yield Difference(name, "", key, x, y)
+            return
+    if name.endswith(".jsonl"):
+        yield from _compare_lines(name, a, b, skip, structured=True)
+        return
+    yield from _compare_lines(name, a, b, skip, structured=False)
+
+
+def _compare_lines(name: str, a: bytes, b: bytes, skip, *, structured: bool):
+    lines_a, lines_b = a.splitlines(), b.splitlines()
+    for i in range(max(len(lines_a), len(lines_b))):
+        where = f"line {i + 1}"
+        if i >= len(lines_a) or i >= len(lines_b):
+            yield Difference(name, where, "", _text(lines_a, i), _text(lines_b, i))
+            continue
+        if lines_a[i] == lines_b[i]:
+            continue
+        if structured:
+            ok_a, va = _decode(lines_a[i])
+            ok_b, vb = _decode(lines_b[i])
+            if ok_a and ok_b:
+                for key, x, y in compare_values(va, vb, skip=skip):
+                    yield Difference(name, where, key, x, y)
+                continue
+        yield Difference(name, where, "", _text(lines_a, i), _text(lines_b, i))
+    if a != b and lines_a == lines_b:  # only line endings or the final newline differ
+        yield Difference(name, "", "(bytes)", f"{len(a)} bytes", f"{len(b)} bytes")
+
+
+def _text(lines: list[bytes], i: int):
+    return lines[i].decode("utf-8", "replace") if i < len(lines) else ABSENT
+
+
+def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, limit: int | None = 10) -> list[Difference]:
+    """The first ``limit`` differences between two run directories (all when ``None``);
+    an empty list means identical apart from the volatile fields."""
+    root_a, root_b = Path(run_a), Path(run_b)
+    for root in (root_a, root_b):
+        if not root.is_dir():
+            raise InputError("not a run directory" if root.exists() else "no such directory", str(root))
+    files_a, files_b = _files(root_a), _files(root_b)
+    set_a, set_b = set(files_a), set(files_b)
+    out: list[Difference] = []
+    for name in sorted(set_a | set_b):
+        if name not in set_b:
+            out.append(Difference(name, "", "(file)", "present", ABSENT))
+        elif name not in set_a:
+            out.append(Difference(name, "", "(file)", ABSENT, "present"))
+        else:
+            for d in _compare_file(name, (root_a / name).read_bytes(), (root_b / name).read_bytes()):
+                out.append(d)
+                if limit is not None and len(out) >= limit:
+                    break
+        if limit is not None and len(out) >= limit:
+            return out[:limit]
+    return out
+
+
+def _show(value, width: int = 120) -> str:
+    if value is ABSENT:
+        return "(absent)"
+    text = value if isinstance(value, str) else msgspec.json.encode(value).decode()
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_differences(differences: list[Difference], run_a: str, run_b: str) -> str:
+    """Human-readable lines for ``stageb-pool diff``."""
+    lines = [f"runs differ (first {len(differences)} difference{'s' if len(differences) != 1 else ''}):",
+             f"  A = {run_a}", f"  B = {run_b}"]
+    for d in differences:
+        place = " ".join(p for p in (d.file, d.where, d.key) if p)
+        lines.append(f"  {place}:\n    A: {_show(d.a)}\n    B: {_show(d.b)}")
+    return "\n".join(lines)
