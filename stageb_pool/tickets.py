@@ -289,3 +289,12 @@ def load_exclusions(keys: Iterable[str] | None, path: str | Path | None) -> froz
             if line and not line.startswith("#"):
                 result.add(line)
     return frozenset(result)
+
+
+def bbu_clean_tickets(tickets: list[Ticket]) -> list[Ticket]:
+    """``bbu_cleanup`` applied after loading (for callers that learn the profile, and so
+    whether it asks for the clean-up, only once the mission is known)."""
+    return [
+        t if t.mission.startswith("RRU") else msgspec.structs.replace(t, per_image={k: bbu_clean_summary(v) for k, v in t.per_image.items()})
+        for t in tickets
+    ]
