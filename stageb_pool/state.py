@@ -1,0 +1,169 @@
+"""The rule search's resume state: ``state.json``, written atomically at every iteration end.
+
+``state.json`` is the single commit point of the search. An iteration appends rows to the
+JSONL artifacts as it goes, then writes ``guidance.json``, then ``state.json``. A run killed
+anywhere in between resumes from the last ``state.json``: every append-only artifact is cut
+back to the byte length recorded there (so no partial iteration survives), and
+``guidance.json`` is restored from the copy kept in the state if it ran ahead of it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from . import fileio
+from .errors import InputError
+from .hashing import content_hash
+from .pools import TrainPoolSampler
+
+STATE_FILE = "state.json"
+STATE_VERSION = 1
+
+# Every append-only artifact of the search, relative to the run directory. Their byte
+# lengths go into state.json; a resume truncates them back to those lengths.
+APPEND_ARTIFACTS = (
+    "rule_candidates.jsonl",
+    "benchmarks.jsonl",
+    "rule_search_hard_cases.jsonl",
+    "rule_search_candidate_regressions.jsonl",
+    "reflection_cache/rule_search_proposer_failures.jsonl",
+)
+
+
+class SearchState(msgspec.Struct, forbid_unknown_fields=True):
+    """Everything a resumed run needs to continue exactly where the killed one committed.
+
+    ``iteration`` counts completed iterations. ``guidance`` is the full guidance document
+    at that point (restored if ``guidance.json`` ran ahead). ``config`` is the resolved
+    config without its ``output`` section, kept to name the keys that changed.
+    """
+
+    iteration: int
+    guidance_hash: str
+    guidance_step: int
+    guidance: dict[str, Any]
+    no_gain: int
+    rejected_ids: list[str]
+    sampler: TrainPoolSampler
+    config_hash: str
+    tickets_hash: str
+    artifacts: dict[str, int]
+    config: dict[str, Any]
+    stop_reason: str | None = None
+    # Facts the final summary needs that a resumed process could not recompute for free.
+    first_pool: list[str] = []
+    baseline: dict[str, Any] = {}
+    edits: list[dict[str, Any]] = []
+    version: int = STATE_VERSION
+
+
+def load_state(run_dir: Path) -> SearchState | None:
+    """The committed state of ``run_dir``, or None when no iteration has completed."""
+    path = Path(run_dir) / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        return fileio.read_json(path, type=SearchState)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise InputError(f"cannot resume: unreadable search state ({err})", str(path)) from err
+
+
+def write_state(run_dir: Path, state: SearchState) -> None:
+    fileio.write_json(Path(run_dir) / STATE_FILE, state)
+
+
+def artifact_lengths(run_dir: Path) -> dict[str, int]:
+    """Current byte length of every append-only artifact (0 when absent)."""
+    lengths = {}
+    for name in APPEND_ARTIFACTS:
+        path = Path(run_dir) / name
+        lengths[name] = path.stat().st_size if path.exists() else 0
+    return lengths
+
+
+def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]:
+    """Cut every append-only artifact back to its committed length (missing names: 0).
+
+    Returns the number of bytes removed per file. A file shorter than its committed length
+    was damaged outside the program: that is refused rather than silently continued.
+    """
+    removed = {}
+    for name in APPEND_ARTIFACTS:
+        path = Path(run_dir) / name
+        want = int(lengths.get(name, 0))
+        have = path.stat().st_size if path.exists() else 0
+        if have < want:
+            raise InputError(
+                f"cannot resume: {name} has {have} bytes but state.json committed {want}", str(path)
+            )
+        if have > want:
+            with open(path, "r+b") as f:
+                f.truncate(want)
+                f.flush()
+                os.fsync(f.fileno())
+            removed[name] = have - want
+    return removed
+
+
+def config_document(config) -> dict[str, Any]:
+    """The resolved config as plain data without ``output`` (where a run is written does
+    not change what it computes, so it is not part of the identity)."""
+    doc = msgspec.to_builtins(config)
+    doc.pop("output", None)
+    return doc
+
+
+def config_identity(config) -> str:
+    """The config hash used to refuse a resume with a different config."""
+    try:
+        from . import config as config_module
+
+        fn = getattr(config_module, "config_hash", None)
+    except ImportError:  # pragma: no cover - config.py is always there in a full tree
+        fn = None
+    if fn is not None:
+        return fn(config)
+    return content_hash(config_document(config))
+
+
+def tickets_identity(tickets) -> str:
+    """Hash of the run's tickets (keys, labels, summaries, in run order)."""
+    return content_hash([msgspec.to_builtins(t) for t in tickets])
+
+
+def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted key paths where two plain-data documents differ (lists compared whole)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(set(old) | set(new))
+        out: list[str] = []
+        for key in keys:
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old or key not in new:
+                out.append(path)
+            else:
+                out.extend(differing_keys(old[key], new[key], path))
+        return out
+    return [] if old == new else [prefix or "<root>"]
+
+
+def check_resumable(state: SearchState, *, config, tickets, run_dir: Path) -> None:
+    """Refuse (InputError) a resume whose config or tickets differ from the committed run."""
+    location = str(Path(run_dir) / STATE_FILE)
+    if state.version != STATE_VERSION:
+        raise InputError(f"cannot resume: state version {state.version}, expected {STATE_VERSION}", location)
+    current = config_document(config)
+    if config_identity(config) != state.config_hash:
+        keys = differing_keys(state.config, current) or ["<unknown>"]
+        raise InputError(
+            "cannot resume: the config differs from the interrupted run's at " + ", ".join(keys), location
+        )
+    if tickets_identity(tickets) != state.tickets_hash:
+        raise InputError(
+            "cannot resume: the tickets differ from the interrupted run's (stage_a_paths content or "
+            "ticket_filter changed)",
+            location,
+        )

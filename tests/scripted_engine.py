@@ -1,0 +1,197 @@
+"""A scripted test engine for the rule search: it follows the guidance rules deterministically.
+
+Tickets carry hidden features in their summaries (``rust``, ``crack``, ``dust``, ``clean``);
+a ticket's ground truth is fail iff it shows rust or crack. The engine judges a ticket
+*fail* when a rule of the guidance says "If any photo shows <feature>, the verdict is fail."
+and the ticket shows that feature, else *pass*; then each sample flips with probability
+``noise``, drawn from the chunk's work-derived seed and the ticket key (never from a rank,
+never from the guidance, so a baseline and its candidates see the same flips). A good rule
+(rust) really lowers the error, a harmful one (clean) really raises it.
+
+``chat`` answers the proposer with a script keyed by iteration (read from the request's
+seed key ``.../proposer/it<N>``), so the answer does not depend on which worker took the
+call. ``hang_at`` / ``raise_at`` make the proposer call of one iteration block (after
+touching ``marker``) or raise: the kill/resume tests use them to stop a run mid-iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+import msgspec
+
+from stageb_pool.hashing import content_hash, stable_seed
+from stageb_pool.records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, TicketRollout
+
+MISSION = "Cabinet inspection"
+FEATURES = ("rust", "crack", "dust", "clean")
+_RULE = re.compile(r"shows (\w+)[^.]*verdict is fail", re.IGNORECASE)
+_ITERATION = re.compile(r"/proposer/it(\d+)$")
+
+
+def rule(feature: str) -> str:
+    """A rule text the engine obeys and the proposer validation accepts."""
+    return f"If any photo shows {feature}, the verdict is fail."
+
+
+def op(text: str, rationale: str = "confidently wrong tickets share this feature", **extra) -> dict:
+    return {"op": "upsert", "text": text, "rationale": rationale, **extra}
+
+
+def proposal(*ops) -> str:
+    return json.dumps({"operations": list(ops)})
+
+
+# The default script: it1 proposes a good rule (rust), a harmful one (clean), a duplicate of
+# the seed rule G1 and an invalid op; it2 answers malformed JSON; it3 proposes crack (good);
+# it4 re-proposes the rejected clean rule; later iterations propose nothing.
+DEFAULT_SCRIPT = {
+    1: proposal(op(rule("rust")), op(rule("clean")), op(rule("dust")), {"op": "frobnicate", "text": "x"}),
+    2: 'Sure! Here are my rules: {"operations": [{"op": "upsert", "text": "If any photo shows',
+    3: proposal(op(rule("crack"))),
+    4: proposal(op(rule("clean"))),
+}
+EMPTY = '{"operations": []}'
+
+
+class ScriptedEngine:
+    """Engine double with the real engine's ``rollout`` / ``chat`` signatures.
+
+    ``calls`` records every generated chunk as ``(seed_key, chunk_index, guidance_hash)``
+    (visible to tests with an inline pool, where the engine lives in the parent)."""
+
+    def __init__(self, device=None, *, script=None, noise: float = 0.05, hang_at: int | None = None,
+                 raise_at: int | None = None, marker: str | None = None):
+        self.device = device
+        self.script = DEFAULT_SCRIPT if script is None else script
+        self.noise = noise
+        self.hang_at = hang_at
+        self.raise_at = raise_at
+        self.marker = marker
+        self.calls: list[tuple[str, int, str]] = []
+        self.chats: list[int] = []
+
+    def info(self) -> dict:
+        return {"engine": "scripted", "model": "scripted"}
+
+    def rollout(self, chunk, *, guidance, profile=None) -> ChunkResult:
+        chunk = msgspec.convert(chunk, RolloutChunk)
+        self.calls.append((chunk.seed_key, chunk.chunk_index, content_hash(guidance)))
+        fail_features = {m.lower() for text in guidance.values() for m in _RULE.findall(text)}
+        out = []
+        for ticket in chunk.tickets:
+            text = " ".join(ticket.per_image.values()).lower()
+            hit = sorted(f for f in fail_features if re.search(rf"\b{re.escape(f)}\b", text))
+            samples = []
+            for d, decode in enumerate(chunk.grid):
+                for s in range(chunk.samples_per_decode):
+                    rng = random.Random(stable_seed(chunk.seed_key, chunk.chunk_index, d, decode.seed, s, ticket.key))
+                    verdict = "fail" if hit else "pass"
+                    if rng.random() < self.noise:
+                        verdict = "pass" if verdict == "fail" else "fail"
+                    why = f"shows {hit[0]}" if hit else "nothing wrong"
+                    body = f"Verdict: {verdict}\nReason: {why}"
+                    samples.append(Sample(decode_index=d, sample_index=s, text=body,
+                                          completion_tokens=len(body) // 4, finish_reason="stop"))
+            out.append(TicketRollout(key=ticket.key, prompt_tokens=20 + len(text) // 4, samples=samples))
+        return ChunkResult(chunk_index=chunk.chunk_index, tickets=out)
+
+    def chat(self, request) -> ChatResult:
+        request = msgspec.convert(request, ChatRequest)
+        match = _ITERATION.search(request.seed_key)
+        it = int(match.group(1)) if match else 0
+        self.chats.append(it)
+        if it == self.raise_at:
+            raise RuntimeError(f"scripted failure in the proposer call of iteration {it}")
+        if it == self.hang_at:
+            if self.marker:
+                Path(self.marker).write_text(str(it))
+            while True:  # the engine hangs here until the test kills the process
+                time.sleep(0.05)
+        text = self.script.get(it, EMPTY)
+        return ChatResult(text=text, examples_used=len(request.examples),
+                          prompt_tokens=10 + sum(len(e) for e in request.examples) // 4,
+                          completion_tokens=len(text) // 4, finish_reason="stop")
+
+
+def scripted_factory(holder: list | None = None, **kwargs):
+    """An engine factory; with ``holder`` the built engines are appended to it (inline pools)."""
+
+    def build(device):
+        engine = ScriptedEngine(device, **kwargs)
+        if holder is not None:
+            holder.append(engine)
+        return engine
+
+    return build
+
+
+# ----------------------------------------------------------------------------- run inputs
+
+def ticket_records(n: int = 80, seed: int = 5) -> list[dict]:
+    """``n`` Stage-A records with hidden features; fail iff rust or crack (never mislabelled,
+    so a perfect rule set reaches the noise floor)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        feats = [f for f, p in (("rust", 0.2), ("crack", 0.15), ("dust", 0.3), ("clean", 0.35)) if rng.random() < p]
+        label = "fail" if ("rust" in feats or "crack" in feats) else "pass"
+        per_image = {"image_1": f"cabinet {i} front view" + "".join(f", {f} seen" for f in feats[:1]),
+                     "image_2": f"cabinet {i} side view" + "".join(f", {f} seen" for f in feats[1:])}
+        rows.append({"mission": MISSION, "group_id": f"CAB-{i:04d}", "label": label, "per_image": per_image})
+    return rows
+
+
+SEED_GUIDANCE = {
+    MISSION: {
+        "step": 0,
+        "updated_at": "2026-01-01T00:00:00+00:00",
+        "experiences": {"G0": "Check the cabinet for damage.", "G1": rule("dust")},
+    }
+}
+
+CONFIG = """\
+seed: 11
+mode: search
+stage_a_paths: tickets.jsonl
+model: {{path: tiny}}
+prompt: {{profile: generic}}
+guidance: {{path: guidance.json}}
+output: {{root: {out}, run_name: {run_name}}}
+runner: {{epochs: {epochs}, chunk_size: 8}}
+rule_search:
+  proposer_prompt_path: proposer.txt
+  reflect_size: 4
+  num_candidate_rules: 3
+  train_pool_size: {train_pool_size}
+  eval_pool_size: 20
+  gate:
+    min_relative_error_reduction: 0.1
+    max_changed_fraction: 0.5
+    max_fp_rate_increase: 0.05
+    bootstrap: {{iterations: 100, min_prob: 0.8}}
+  early_stop: {{patience: 2}}
+  train_sampler:
+    grid: [{{temperature: 0.7, top_p: 0.9, max_new_tokens: 16}}]
+    samples_per_decode: 3
+  eval_sampler:
+    grid: [{{temperature: 0.3, max_new_tokens: 16}}]
+{extra}"""
+
+
+def write_inputs(root, *, out: str = "out", run_name: str = "run", epochs: int = 8, train_pool_size: int = 512,
+                 extra: str = "", n_tickets: int = 80) -> str:
+    """Tickets, seed guidance, proposer prompt and config under ``root``; returns the config path."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tickets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ticket_records(n_tickets)))
+    (root / "guidance.json").write_text(json.dumps(SEED_GUIDANCE))
+    (root / "proposer.txt").write_text("You learn inspection rules. Answer with JSON operations only.\n")
+    path = root / "config.yaml"
+    path.write_text(CONFIG.format(out=out, run_name=run_name, epochs=epochs, train_pool_size=train_pool_size,
+                                  extra=extra))
+    return str(path)
