@@ -84,23 +84,42 @@ def _canonical_summary(obj: dict) -> str:
     return json.dumps(ordered, ensure_ascii=False, separators=(", ", ": "))
 
 
+def _enclosing_braces(text: str, pos: int) -> tuple[int, int] | None:
+    """The ``{...}`` span that encloses ``pos`` (brace counting, strings not parsed)."""
+    depth, start = 0, -1
+    for i in range(pos - 1, -1, -1):
+        if text[i] == "}":
+            depth += 1
+        elif text[i] == "{":
+            if depth == 0:
+                start = i
+                break
+            depth -= 1
+    if start < 0:
+        return None
+    depth = 0
+    for j in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return start, j + 1
+    return None
+
+
 def _remove_station_fragments(text: str) -> str:
-    """Best effort for unparsable text: drop every innermost ``{...}`` span that mentions
-    the station distance, with one adjacent comma separator."""
-    while True:
-        hit = text.find(STATION_DISTANCE)
-        if hit < 0:
-            return text
-        start = text.rfind("{", 0, hit)
-        end = text.find("}", hit)
-        if start < 0 or end < 0:
+    """Best effort for unparsable text: drop every ``{...}`` object that mentions the
+    station distance, with one adjacent comma separator."""
+    while (hit := text.find(STATION_DISTANCE)) >= 0:
+        span = _enclosing_braces(text, hit)
+        if span is None:
             return text.replace(STATION_DISTANCE, "")
-        before, after = text[:start].rstrip(), text[end + 1:].lstrip()
+        before, after = text[: span[0]].rstrip(), text[span[1]:].lstrip()
         if after.startswith(","):
             after = after[1:].lstrip()
         elif before.endswith(","):
             before = before[:-1].rstrip()
-        text = before + (" " if before and after and not before.endswith(("[", "{")) else "") + after
+        gap = " " if before and after and before[-1] not in "[{" and after[0] not in "]}" else ""
+        text = before + gap + after
+    return text
 
 
 def bbu_clean_summary(text: str) -> str:

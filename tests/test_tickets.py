@@ -1,0 +1,280 @@
+"""Stage-A ingest: normalisation, every malformed-line kind with its located message,
+skip mode, file-level errors and exclusions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stageb_pool.errors import InputError
+from stageb_pool.records import TicketText
+from stageb_pool.tickets import (
+    bbu_clean_summary,
+    bbu_clean_tickets,
+    load_exclusions,
+    load_tickets,
+    normalize_per_image,
+)
+
+BBU = "BBU安装方式检查（正装）"
+RRU = "RRU安装检查"
+
+
+def rec(group="G-1", label="pass", mission=BBU, per_image=None, **extra):
+    return {"mission": mission, "group_id": group, "label": label,
+            "per_image": per_image if per_image is not None else {"image_1": "s1"}, **extra}
+
+
+def line(record) -> str:
+    return record if isinstance(record, str) else json.dumps(record, ensure_ascii=False)
+
+
+def write(tmp_path, rows, name="t.jsonl", *, newline="\n", bom=False):
+    path = tmp_path / name
+    data = newline.join(line(r) for r in rows) + newline
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + data.encode("utf-8"))
+    return path
+
+
+# ----------------------------------------------------------------------------- good input
+
+def test_fields_key_and_order(tmp_path):
+    path = write(tmp_path, [
+        rec("G-2", "FAIL", images=["a.jpg"], label_source="audit", label_timestamp="2025-03-15T10:22:00"),
+        rec("G-1", " Pass "),
+        rec("G-2", "pass"),  # same group, other label: a distinct ticket
+    ])
+    report = load_tickets(str(path))
+    assert [t.key for t in report.tickets] == ["G-2::fail", "G-1::pass", "G-2::pass"]
+    first = report.tickets[0]
+    assert (first.group_id, first.mission, first.label) == ("G-2", BBU, "fail")
+    assert (first.label_source, first.label_timestamp) == ("audit", "2025-03-15T10:22:00")
+    assert (report.tickets[1].label_source, report.tickets[1].label_timestamp) == ("human", None)
+    assert report.skipped == [] and report.excluded == 0
+    assert first.text() == TicketText("G-2::fail", BBU, {"image_1": "s1"})
+
+
+def test_invalid_timestamp_becomes_none_like_upstream(tmp_path):
+    report = load_tickets(write(tmp_path, [rec(label_timestamp="yesterday")]))
+    assert report.tickets[0].label_timestamp is None
+
+
+@pytest.mark.parametrize("per_image,expected", [
+    ({"image_2": "b", "image_10": "c", "image_1": "a"}, {"image_1": "a", "image_2": "b", "image_10": "c"}),
+    ({"图片_3": "x", "图片_1": "y"}, {"image_1": "y", "image_3": "x"}),
+    ({"front": "x", "back": "y"}, {"image_1": "x", "image_2": "y"}),  # no digits: 1-based position
+    ({"img7": "x", "side": "y"}, {"image_2": "y", "image_7": "x"}),
+    ({"image_1": '"quoted \\"text\\""'}, {"image_1": 'quoted "text"'}),  # JSON string unwrapped
+    ({"image_1": '{"统计": []}'}, {"image_1": '{"统计": []}'}),  # JSON objects kept as text
+    ({"image_1": '"unterminated'}, {"image_1": '"unterminated'}),
+    ({"image_1": "<DOMAIN=BBU>, <TASK=SUMMARY>\n{\"统计\": []}"}, {"image_1": '{"统计": []}'}),
+    ({"image_1": "<DOMAIN=RRU> ,<TASK=SUMMARY>\r\nfree text"}, {"image_1": "free text"}),
+])
+def test_per_image_normalisation(per_image, expected):
+    out = normalize_per_image(per_image)
+    assert out == expected and list(out) == list(expected)
+
+
+@pytest.mark.parametrize("bom", [False, True])
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_bom_and_crlf(tmp_path, bom, newline):
+    path = write(tmp_path, [rec("A"), "", rec("B", per_image={"image_1": "第一行"})], newline=newline, bom=bom)
+    report = load_tickets(path)
+    assert [t.key for t in report.tickets] == ["A::pass", "B::pass"]
+    assert report.tickets[1].per_image == {"image_1": "第一行"}
+
+
+def test_several_files_keep_file_order(tmp_path):
+    a = write(tmp_path, [rec("A"), rec("B")], "a.jsonl")
+    b = write(tmp_path, [rec("C")], "b.jsonl")
+    assert [t.group_id for t in load_tickets([a, b]).tickets] == ["A", "B", "C"]
+
+
+# ----------------------------------------------------------------------------- bad lines
+
+BAD_LINES = [
+    ("{not json", "invalid JSON: "),
+    ('["a", "b"]', "expected a JSON object, got array"),
+    ('"text"', "expected a JSON object, got string"),
+    ("42", "expected a JSON object, got integer"),
+    ({k: v for k, v in rec().items() if k != "mission"}, "missing field 'mission'"),
+    ({k: v for k, v in rec().items() if k != "group_id"}, "missing field 'group_id'"),
+    ({k: v for k, v in rec().items() if k != "label"}, "missing field 'label'"),
+    ({k: v for k, v in rec().items() if k != "per_image"}, "missing field 'per_image'"),
+    (rec(mission=""), "field 'mission' is empty"),
+    (rec(group="  "), "field 'group_id' is empty"),
+    (rec(label=""), "field 'label' is empty"),
+    (rec(mission=7), "field 'mission' must be a string, got integer"),
+    (rec(group=15502), "field 'group_id' must be a string, got integer"),
+    (rec(label=True), "field 'label' must be a string, got boolean"),
+    (rec(label="maybe"), "label must be 'pass' or 'fail', got 'maybe'"),
+    (rec(label="通过"), "label must be 'pass' or 'fail', got '通过'"),
+    (rec(per_image=["a"]), "field 'per_image' must be an object, got array"),
+    (rec(per_image="a"), "field 'per_image' must be an object, got string"),
+    (rec(per_image={}), "field 'per_image' is empty"),
+    (rec(per_image={"image_1": 3}), "per_image['image_1'] must be a string, got integer"),
+    (rec(per_image={"image_1": {"统计": []}}), "per_image['image_1'] must be a string, got object"),
+    (rec(per_image={"image_1": None}), "per_image['image_1'] must be a string, got null"),
+    (rec(per_image={"image_1": "a", "图片_1": "b"}), "per_image keys 'image_1' and '图片_1' both map to image_1"),
+    (rec(label_source=5), "field 'label_source' must be a string, got integer"),
+    (rec(label_timestamp=20250315), "field 'label_timestamp' must be a string, got integer"),
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD_LINES)
+def test_bad_line_is_located(tmp_path, bad, message):
+    path = write(tmp_path, [rec("A"), "", bad, rec("C")])  # bad record on line 3
+    with pytest.raises(InputError) as err:
+        load_tickets(path)
+    assert err.value.location == f"{path}:3"
+    assert err.value.message.startswith(message)
+    assert str(err.value).startswith(f"{path}:3: {message}")
+
+
+@pytest.mark.parametrize("bad,message", BAD_LINES)
+def test_skip_mode_records_and_continues(tmp_path, bad, message):
+    path = write(tmp_path, [rec("A"), bad, rec("C")])
+    report = load_tickets(path, on_bad_line="skip")
+    assert [t.group_id for t in report.tickets] == ["A", "C"]
+    assert len(report.skipped) == 1
+    assert report.skipped[0]["location"] == f"{path}:2"
+    assert report.skipped[0]["error"].startswith(message)
+
+
+def test_invalid_utf8_is_located(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(line(rec("A")).encode() + b"\n\xff\xfe bad\n")
+    with pytest.raises(InputError, match=r":2: not valid UTF-8"):
+        load_tickets(path)
+
+
+def test_skip_mode_counts_every_bad_line(tmp_path):
+    path = write(tmp_path, [rec("A"), "{", rec(label="x"), rec("B"), "[]"])
+    report = load_tickets(path, on_bad_line="skip")
+    assert [s["location"] for s in report.skipped] == [f"{path}:2", f"{path}:3", f"{path}:5"]
+    assert len(report.tickets) == 2
+
+
+def test_unknown_on_bad_line_value(tmp_path):
+    with pytest.raises(InputError, match="'error' or 'skip'"):
+        load_tickets(write(tmp_path, [rec()]), on_bad_line="ignore")
+
+
+# ----------------------------------------------------------------------------- file-level errors
+
+def test_missing_file(tmp_path):
+    with pytest.raises(InputError, match="ticket file not found") as err:
+        load_tickets(tmp_path / "nope.jsonl")
+    assert err.value.location == str(tmp_path / "nope.jsonl")
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(InputError, match="no tickets"):
+        load_tickets(path)
+
+
+def test_all_lines_skipped_is_empty(tmp_path):
+    with pytest.raises(InputError, match=r"no tickets \(0 excluded, 2 bad lines skipped\)"):
+        load_tickets(write(tmp_path, ["{", "["]), on_bad_line="skip")
+
+
+def test_duplicate_keys_name_both_locations(tmp_path):
+    a = write(tmp_path, [rec("A"), rec("B")], "a.jsonl")
+    b = write(tmp_path, [rec("C"), rec("B", per_image={"image_1": "other"})], "b.jsonl")
+    with pytest.raises(InputError) as err:
+        load_tickets([a, b])
+    assert err.value.location == f"{b}:2"
+    assert f"duplicate ticket key 'B::pass' (first at {a}:2)" in err.value.message
+
+
+def test_duplicates_are_errors_in_skip_mode_too(tmp_path):
+    with pytest.raises(InputError, match="duplicate"):
+        load_tickets(write(tmp_path, [rec("A"), rec("A")]), on_bad_line="skip")
+
+
+def test_more_than_one_mission_names_them_with_counts(tmp_path):
+    path = write(tmp_path, [rec("A"), rec("B", mission=RRU), rec("C"), rec("D", mission=RRU), rec("E")])
+    with pytest.raises(InputError) as err:
+        load_tickets(path)
+    msg = str(err.value)
+    assert f"'{BBU}' (3 tickets, first at {path}:1)" in msg
+    assert f"'{RRU}' (2 tickets, first at {path}:2)" in msg
+
+
+# ----------------------------------------------------------------------------- exclusions
+
+def test_exclusions_union_of_list_and_file(tmp_path):
+    f = tmp_path / "exclude.txt"
+    f.write_text("# noisy labels\nB::pass\n\n  C::fail  \n# D::pass\n", encoding="utf-8")
+    keys = load_exclusions(["A::pass", " "], f)
+    assert keys == frozenset({"A::pass", "B::pass", "C::fail"})
+    assert load_exclusions(["A::pass"], None) == frozenset({"A::pass"})
+    assert load_exclusions([], None) == frozenset()
+
+
+def test_exclusion_file_missing(tmp_path):
+    with pytest.raises(InputError, match="exclusion list not found"):
+        load_exclusions([], tmp_path / "nope.txt")
+
+
+def test_exclusions_applied_and_counted(tmp_path):
+    path = write(tmp_path, [rec("A"), rec("B"), rec("B", "fail"), rec("C")])
+    report = load_tickets(path, exclude_keys=frozenset({"B::pass", "C::pass", "Z::pass"}))
+    assert [t.key for t in report.tickets] == ["A::pass", "B::fail"]
+    assert report.excluded == 2
+
+
+def test_exclusion_happens_before_the_mission_check(tmp_path):
+    path = write(tmp_path, [rec("A"), rec("B", mission=RRU)])
+    assert [t.key for t in load_tickets(path, exclude_keys={"B::pass"}).tickets] == ["A::pass"]
+
+
+def test_everything_excluded_is_empty(tmp_path):
+    with pytest.raises(InputError, match=r"no tickets \(1 excluded"):
+        load_tickets(write(tmp_path, [rec("A")]), exclude_keys={"A::pass"})
+
+
+# ----------------------------------------------------------------------------- BBU clean-up
+
+STATION_JSON = json.dumps({"备注": ["近景"], "统计": [
+    {"类别": "BBU设备", "可见性": {"完整": 1}},
+    {"类别": "站点距离", "站点距离": {"35": 1}},
+], "分组统计": {"站点距离": {"35": 1}, "BBU": 1}}, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ("无关图片", "无关图片"),
+    ("无关图片（室外远景）", "无关图片"),
+    (STATION_JSON, '{"统计": [{"类别": "BBU设备", "可见性": {"完整": 1}}], "备注": ["近景"], "分组统计": {"BBU": 1}}'),
+    ('{"统计":[{"类别":"标签","文本":{"站点距离35米":1}}]}', '{"统计": [{"类别": "标签", "文本": {"35米": 1}}]}'),
+    ('{"other": 1}', '{"other": 1}'),  # no 统计 list: untouched
+    ("BBU设备, 螺丝齐全", "BBU设备, 螺丝齐全"),
+    ('统计=[{"类别": "BBU设备"}, {"类别": "站点距离", "站点距离": {"35": 1}}]', '统计=[{"类别": "BBU设备"}]'),
+])
+def test_bbu_clean_summary(raw, expected):
+    assert bbu_clean_summary(raw) == expected
+
+
+def test_bbu_cleanup_only_for_non_rru_missions(tmp_path):
+    rows = [rec("A", per_image={"image_1": STATION_JSON, "image_2": "无关图片!"}),
+            ]
+    bbu = load_tickets(write(tmp_path, rows, "bbu.jsonl"), bbu_cleanup=True).tickets[0]
+    assert "站点距离" not in bbu.per_image["image_1"] and bbu.per_image["image_2"] == "无关图片"
+    raw = load_tickets(write(tmp_path, rows, "bbu.jsonl")).tickets[0]  # default: no clean-up
+    assert raw.per_image["image_1"] == STATION_JSON
+    rru_rows = [rec("A", mission=RRU, per_image={"image_1": STATION_JSON})]
+    rru = load_tickets(write(tmp_path, rru_rows, "rru.jsonl"), bbu_cleanup=True).tickets[0]
+    assert rru.per_image["image_1"] == STATION_JSON
+    assert bbu_clean_tickets([raw, rru]) == [bbu, rru]
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ('统计=[{"类别": "A"}, {"类别": "站点距离", "站点距离": {"35": 1}}, {"类别": "B"}]', '统计=[{"类别": "A"}, {"类别": "B"}]'),
+    ('统计=[{"类别": "站点距离", "站点距离": {"35": 1}}, {"类别": "B"}] 备注', '统计=[{"类别": "B"}] 备注'),
+    ("站点距离=35, 设备完整", "=35, 设备完整"),  # no braces: the word itself is removed
+])
+def test_bbu_clean_unparsable_text(raw, expected):
+    assert bbu_clean_summary(raw) == expected
