@@ -16,10 +16,7 @@ from stageb_pool.gate import (
     select_best,
 )
 
-try:
-    from stageb_pool.verdicts import TicketStats
-except ImportError:  # the DATA module is written in parallel; the gate only reads these fields
-    TicketStats = None
+from stageb_pool.verdicts import TicketStats, compute_metrics
 
 
 def st(key, gt, majority, agreement=1.0):
@@ -27,8 +24,6 @@ def st(key, gt, majority, agreement=1.0):
     fail_count = 3 if majority == "fail" else 0
     fields = dict(key=key, gt_label=gt, majority=majority, agreement=agreement, pass_count=pass_count,
                   fail_count=fail_count)
-    if TicketStats is None:
-        return SimpleNamespace(**fields)
     total = pass_count + fail_count
     return TicketStats(**fields, invalid_count=0 if total else 3, total_samples=3,
                        difficulty=1 - agreement if total else 0.5,
@@ -71,6 +66,14 @@ def test_hand_computed_statistics():
     assert r.regression_count == 1 and r.regressions[0]["ticket_key"] == "k003"
     assert r.passed and r.reason is None
     assert isinstance(r, GateResult)
+
+
+def test_rates_agree_with_compute_metrics():
+    rows = [("pass", "fail", "pass"), ("fail", None, "pass"), ("fail", "fail", None), ("pass", None, "fail")]
+    base, cand = pair(rows + [("fail", "pass", "fail"), ("pass", "pass", "pass")])
+    r = run(base, cand, **OPEN)
+    mb, mc = compute_metrics(base), compute_metrics(cand)
+    assert (r.base_acc, r.cand_acc, r.base_fp_rate, r.cand_fp_rate) == (mb.acc, mc.acc, mb.fp_rate, mc.fp_rate)
 
 
 def test_rer_formula_table():
