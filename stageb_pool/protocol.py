@@ -1,0 +1,230 @@
+"""The wire protocol between the parent, the zygote and the workers.
+
+Every message is a msgspec Struct in one tagged union (``{"type": "Task", ...}``), so a
+reader can tell what it got without guessing, and an unknown message is a clear error.
+A frame is a 4-byte big-endian length followed by the message's JSON. Frames larger than
+``max_frame`` are refused on both ends: the sender raises ``FrameTooLarge`` naming the
+size, the receiver raises ``ProtocolError`` instead of silently desynchronising.
+
+Who sends what:
+
+- worker -> parent: ``Ready`` | ``InitFailed`` once, then ``Result`` | ``Failure`` per task
+- parent -> worker: ``Snapshot`` (a shared value, sent once per worker), ``Task``, ``Shutdown``
+- parent -> zygote: ``Spawn``, ``Kill``, ``Shutdown``
+- zygote -> parent: ``Spawned`` (with the worker's socket attached as SCM_RIGHTS), ``Exited``
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 256 * 1024 * 1024  # one result of a big rollout chunk is a few MB
+HEADER = struct.Struct("!I")
+
+
+class PoolError(Exception):
+    """Base class of every error the pool raises."""
+
+
+class ProtocolError(PoolError):
+    """The other end sent something that is not a valid frame of this protocol."""
+
+
+class FrameTooLarge(PoolError):
+    """A message does not fit in one frame (``max_frame`` bytes)."""
+
+    def __init__(self, size: int, limit: int, what: str = "message"):
+        super().__init__(
+            f"{what} of {size:,} bytes exceeds the pool's frame limit of {limit:,} bytes "
+            f"(raise max_frame_bytes, or pass a path instead of the data)"
+        )
+        self.size = size
+        self.limit = limit
+
+
+class Message(msgspec.Struct, tag_field="type", tag=True):
+    """Base of all messages; the tag is the class name."""
+
+
+class Ready(Message):
+    version: int
+    pid: int
+    info: dict[str, Any] = {}
+
+
+class InitFailed(Message):
+    version: int
+    pid: int
+    error: str
+    traceback: str
+
+
+class Snapshot(Message):
+    """A shared value the worker caches under ``key`` (its content hash).
+
+    ``evict`` lists keys the parent dropped from its bookkeeping of this worker's cache,
+    so the worker's cache always mirrors what the parent believes it holds."""
+
+    key: str
+    value: Any
+    evict: list[str] = []
+
+
+class Task(Message):
+    """Run ``engine.<method>(item, **{name: cache[key] for name, key in shared.items()})``."""
+
+    id: int
+    method: str
+    item: Any
+    shared: dict[str, str] = {}
+
+
+class Result(Message):
+    id: int
+    value: msgspec.Raw  # decoded by the parent, with the caller's result_type when given
+
+
+class Failure(Message):
+    id: int
+    error: str
+    traceback: str
+
+
+class Shutdown(Message):
+    """To a worker: finish and exit. To the zygote: stop all workers (message, TERM, KILL)."""
+
+    grace: float = 1.0
+
+
+class Spawn(Message):
+    rank: int
+
+
+class Spawned(Message):
+    rank: int
+    pid: int
+
+
+class Kill(Message):
+    pid: int
+    signal: int
+
+
+class Exited(Message):
+    pid: int
+    exitcode: int | None  # None when killed by a signal
+    signal: int | None
+
+
+AnyMessage = Union[
+    Ready, InitFailed, Snapshot, Task, Result, Failure, Shutdown, Spawn, Spawned, Kill, Exited
+]
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(AnyMessage)
+
+
+def encode(value) -> bytes:
+    """JSON bytes of any msgspec-encodable value (also used for items and results)."""
+    return _encoder.encode(value)
+
+
+def frame(msg: Message, max_frame: int = MAX_FRAME_BYTES) -> bytes:
+    """One frame: length prefix + JSON. Raises FrameTooLarge before anything is sent."""
+    body = _encoder.encode(msg)
+    if len(body) > max_frame:
+        raise FrameTooLarge(len(body), max_frame, f"{type(msg).__name__} frame")
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"cannot decode message ({exc}): {bytes(body[:120])!r}") from None
+
+
+def send(sock: socket.socket, msg: Message, max_frame: int = MAX_FRAME_BYTES) -> int:
+    """Send one message (blocking); returns the frame size."""
+    data = frame(msg, max_frame)
+    sock.sendall(data)
+    return len(data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def recv(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> Message | None:
+    """Receive one message (blocking, for the worker side); None on EOF."""
+    header = _recv_exact(sock, HEADER.size)
+    if header is None:
+        return None
+    (size,) = HEADER.unpack(header)
+    if size > max_frame:
+        raise ProtocolError(f"incoming frame of {size:,} bytes exceeds the limit of {max_frame:,} bytes")
+    body = _recv_exact(sock, size)
+    if body is None:
+        return None
+    return decode(body)
+
+
+class FrameReader:
+    """Incremental frame parser for the parent's non-blocking event loop.
+
+    The parent reads whatever a ready socket has and parses complete frames out of it, so a
+    worker that stalls in the middle of a frame can never block the parent."""
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES):
+        self.max_frame = max_frame
+        self.buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Message]:
+        self.buffer += data
+        messages = []
+        while len(self.buffer) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self.buffer)
+            if size > self.max_frame:
+                raise ProtocolError(f"incoming frame of {size:,} bytes exceeds the limit of {self.max_frame:,} bytes")
+            end = HEADER.size + size
+            if len(self.buffer) < end:
+                break
+            messages.append(decode(bytes(self.buffer[HEADER.size:end])))
+            del self.buffer[:end]
+        return messages
+
+
+# The zygote channel is a SOCK_SEQPACKET socketpair: one frame per packet, so a file
+# descriptor passed with SCM_RIGHTS arrives together with the message that explains it.
+PACKET_MAX = 64 * 1024
+
+
+def send_packet(sock: socket.socket, msg: Message, fds: list[int] = ()) -> None:
+    data = frame(msg, PACKET_MAX)
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+def recv_packet(sock: socket.socket) -> tuple[Message | None, list[int]]:
+    """One packet from the zygote channel: (message, passed fds); (None, []) on EOF."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, PACKET_MAX + HEADER.size, 4)
+    if not data:
+        return None, list(fds)
+    (size,) = HEADER.unpack_from(data)
+    if size != len(data) - HEADER.size:
+        raise ProtocolError(f"zygote packet of {len(data)} bytes announces {size} bytes")
+    return decode(data[HEADER.size:]), list(fds)

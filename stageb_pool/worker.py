@@ -1,0 +1,130 @@
+"""The worker: a forked child that builds one engine and answers tasks until told to stop.
+
+Everything here runs in a child process that was forked by the zygote. The child never
+returns into the code that forked it: ``worker_main`` always leaves through ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import signal
+import sys
+import traceback
+
+from . import protocol
+from .protocol import Failure, InitFailed, Ready, Result, Shutdown, Snapshot, Task
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(expected_ppid: int) -> None:
+    """SIGKILL this process when its parent dies.
+
+    The ``getppid`` re-check closes the race where the parent died between fork() and
+    prctl(): we would then already be re-parented and never get the signal."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(70)
+    if os.getppid() != expected_ppid:
+        os._exit(71)
+
+
+def close_fds_except(*keep: int) -> None:
+    """Close every descriptor above stderr except ``keep``.
+
+    A child that kept a sibling's socket (or the zygote's control socket) would hold that
+    connection open, and the parent would never see the EOF that tells it a process died."""
+    low = 3
+    for fd in sorted(set(keep)):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+
+
+def after_fork_in_child() -> None:
+    """Common first steps of the zygote and of every worker, right after fork."""
+    # Objects inherited from the parent must never be finalised here: a file object of the
+    # parent whose descriptor number we reuse would otherwise close *our* socket.
+    gc.freeze()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the parent
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handlers are not ours
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+def limit_threads(device) -> None:
+    """Pin devices and thread counts before anything can initialise CUDA or OpenMP."""
+    if device.kind == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.visible_devices()
+    os.environ["OMP_NUM_THREADS"] = str(device.threads)
+    os.environ["MKL_NUM_THREADS"] = str(device.threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # Must happen before the first torch op in this process (fork + OpenMP deadlock).
+        torch.set_num_threads(device.threads)
+
+
+def _line_buffered_stdio() -> None:
+    # fds 1 and 2 are pipes to the zygote, which prefixes each line with our rank; line
+    # buffering makes prints appear promptly and never lost at os._exit.
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+
+
+def worker_main(sock, device, engine_factory, max_frame: int) -> None:
+    """Body of a worker process. Never returns."""
+    code = 1
+    try:
+        _line_buffered_stdio()
+        limit_threads(device)
+        try:
+            engine = engine_factory(device)
+            info = engine.info() if hasattr(engine, "info") else {}
+        except Exception as exc:
+            protocol.send(sock, InitFailed(protocol.PROTOCOL_VERSION, os.getpid(), _describe(exc), traceback.format_exc()))
+            return
+        protocol.send(sock, Ready(protocol.PROTOCOL_VERSION, os.getpid(), dict(info)), max_frame)
+        serve(sock, engine, max_frame)
+        code = 0
+    except BaseException:  # noqa: BLE001 - whatever happens, leave through os._exit
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def serve(sock, engine, max_frame: int) -> None:
+    """Answer tasks until Shutdown or EOF (EOF means the parent is gone)."""
+    cache: dict[str, object] = {}  # snapshot key -> value; the parent decides what stays
+    while True:
+        msg = protocol.recv(sock, max_frame)
+        if msg is None or isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, Snapshot):
+            for key in msg.evict:
+                cache.pop(key, None)
+            cache[msg.key] = msg.value
+        elif isinstance(msg, Task):
+            sock.sendall(run_task(engine, cache, msg, max_frame))
+        else:
+            raise protocol.ProtocolError(f"worker got unexpected {type(msg).__name__}")
+
+
+def run_task(engine, cache: dict, task: Task, max_frame: int) -> bytes:
+    """The reply frame for one task: a Result, or a Failure carrying the traceback."""
+    try:
+        shared = {name: cache[key] for name, key in task.shared.items()}
+        value = getattr(engine, task.method)(task.item, **shared)
+        return protocol.frame(Result(task.id, value), max_frame)
+    except Exception as exc:
+        return protocol.frame(Failure(task.id, _describe(exc), traceback.format_exc()), max_frame)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,312 @@
+"""The zygote: a small fork server that the parent forks once, while it is still clean.
+
+Every worker (the first ones and every replacement) is forked by the zygote, never by the
+grown parent, so a replacement never inherits the parent's threads, CUDA context or
+OpenMP pool (moolib's EnvPool does the same). The zygote also
+
+- hands the parent its end of each worker's socketpair (SCM_RIGHTS over a SOCK_SEQPACKET
+  control socket), then closes its own copy so EOF still means "that worker is gone";
+- reaps its children (SIGCHLD via signal.set_wakeup_fd) and reports every exit status,
+  because only a process's parent can waitpid it;
+- relays each worker's stdout and stderr line by line with a "[w<rank> <device>] " prefix;
+- on Shutdown stops the workers (they got a Shutdown message; then SIGTERM, then SIGKILL),
+  reaps them all and exits. If the parent dies, the zygote dies (PDEATHSIG), and the
+  workers die with it (their PDEATHSIG, and EOF on their sockets as a backup).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+from . import protocol
+from .protocol import Exited, Kill, PoolError, Shutdown, Spawn, Spawned
+from .worker import after_fork_in_child, close_fds_except, die_with_parent, worker_main
+
+
+def check_fork_safe() -> None:
+    """Refuse to fork from a process where a child could deadlock or not use CUDA."""
+    problems = []
+    if threading.active_count() > 1:
+        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        problems.append(f"{threading.active_count()} Python threads are running (other: {names})")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        problems.append("CUDA is initialised in this process (a forked child cannot use it)")
+    if os.path.isdir("/proc/self/task"):
+        native = len(os.listdir("/proc/self/task"))
+        # A clean interpreter has 1 thread; `import torch` starts exactly one more. Any other
+        # thread is usually torch's OpenMP pool, started by a torch op: a forked child that
+        # runs its own first op would then deadlock.
+        clean = 1 + (torch is not None)
+        if native > clean and threading.active_count() == 1:
+            problems.append(
+                f"{native} native threads exist where a clean process has {clean} "
+                "(a torch op in this process started its OpenMP thread pool?)"
+            )
+    if problems:
+        raise PoolError(
+            "Refusing to fork the pool's workers: " + "; ".join(problems) + ". "
+            "Create the Pool as early as possible, before starting threads, running torch ops "
+            "or initialising CUDA in the parent."
+        )
+
+
+def _flush_stdio() -> None:
+    # Unflushed buffers would be inherited and printed once more by the child.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+class Zygote:
+    """The parent's handle on the fork server."""
+
+    def __init__(self, devices, engine_factory, max_frame: int):
+        check_fork_safe()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        parent_pid = os.getpid()
+        _flush_stdio()
+        pid = os.fork()
+        if pid == 0:  # the zygote; never returns
+            code = 1
+            try:
+                after_fork_in_child()
+                die_with_parent(parent_pid)
+                close_fds_except(theirs.fileno())
+                ForkServer(theirs, devices, engine_factory, max_frame).run()
+                code = 0
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.pid = pid
+        self.sock = ours
+        self.status: int | None = None
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def spawn(self, rank: int) -> None:
+        protocol.send_packet(self.sock, Spawn(rank))
+
+    def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        """Ask the zygote to signal its child: it knows whether the pid is still its child,
+        so we can never hit a recycled pid."""
+        protocol.send_packet(self.sock, Kill(pid, int(sig)))
+
+    def receive(self):
+        return protocol.recv_packet(self.sock)
+
+    def shutdown(self, grace: float) -> None:
+        """Stop every worker, then the zygote; returns once everything is reaped."""
+        if self.status is not None:
+            return
+        try:
+            protocol.send_packet(self.sock, Shutdown(grace))
+        except OSError:
+            pass
+        # The zygote closes its end only by exiting, after reaping all workers.
+        deadline = time.monotonic() + 2 * grace + 2.0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not _readable(self.sock, left):
+                _kill_quietly(self.pid)  # stuck: its workers die with it (PDEATHSIG)
+                break
+            try:
+                msg, fds = self.receive()
+            except (OSError, PoolError):
+                msg, fds = None, []
+            for fd in fds:
+                os.close(fd)
+            if msg is None:
+                break
+        _, status = os.waitpid(self.pid, 0)
+        self.status = os.waitstatus_to_exitcode(status)
+        self.sock.close()
+
+
+def _readable(sock, timeout: float) -> bool:
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_READ)
+        return bool(sel.select(timeout))
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class ForkServer:
+    """The zygote's event loop: spawn requests, child exits and worker output."""
+
+    def __init__(self, ctl: socket.socket, devices, engine_factory, max_frame: int):
+        self.ctl = ctl
+        self.devices = devices
+        self.engine_factory = engine_factory
+        self.max_frame = max_frame
+        self.children: dict[int, int] = {}  # pid -> rank
+        self.outputs: dict[int, list] = {}  # pipe fd -> [target fd, prefix, partial line]
+        self.stop_at: float | None = None  # when a stop began (Shutdown, or the parent's EOF)
+        self.grace = 0.0
+        self.signalled: set[int] = set()  # escalation steps done: SIGTERM, SIGKILL
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(ctl, selectors.EVENT_READ, "ctl")
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # SIGCHLD only writes a byte to this pipe; reaping happens in the loop, so no exit
+        # status is ever lost between two select calls.
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(wake_w)
+        self.sel.register(wake_r, selectors.EVENT_READ, "sigchld")
+        self.wake_r = wake_r
+
+    def run(self) -> None:
+        while not (self.stop_at is not None and not self.children):
+            for key, _ in self.sel.select(self.escalate()):
+                if key.data == "ctl":
+                    self.on_control()
+                elif key.data == "sigchld":
+                    self.reap()
+                else:
+                    self.relay(key.fd)
+            self.reap()  # cheap; also catches exits whose wakeup byte we already drained
+        for fd in list(self.outputs):  # flush what the dead workers printed last
+            self.relay(fd, final=True)
+
+    # -- control messages from the parent --------------------------------------------
+    def on_control(self) -> None:
+        try:
+            msg, _ = protocol.recv_packet(self.ctl)
+        except (ConnectionResetError, PoolError):
+            msg = None
+        if msg is None:  # the parent is gone: stop everything at once
+            self.sel.unregister(self.ctl)
+            self.begin_stop(grace=0.0)
+        elif isinstance(msg, Spawn):
+            self.spawn(msg.rank)
+        elif isinstance(msg, Kill):
+            if msg.pid in self.children:
+                os.kill(msg.pid, msg.signal)
+        elif isinstance(msg, Shutdown):
+            self.begin_stop(msg.grace)
+
+    def begin_stop(self, grace: float) -> None:
+        if self.stop_at is None or grace == 0.0:
+            self.stop_at, self.grace = time.monotonic(), grace
+
+    def escalate(self) -> float | None:
+        """Send TERM, then KILL, to workers that outlive the grace periods; return the
+        select timeout until the next step."""
+        if self.stop_at is None:
+            return None
+        elapsed = time.monotonic() - self.stop_at
+        for step, sig in enumerate((signal.SIGTERM, signal.SIGKILL), start=1):
+            if elapsed >= step * self.grace and sig not in self.signalled:
+                self.signalled.add(sig)
+                for pid in self.children:
+                    os.kill(pid, sig)
+            if sig not in self.signalled:
+                return step * self.grace - elapsed
+        return 0.5  # after SIGKILL only reaping is left
+
+    def report(self, msg, fds=()) -> None:
+        try:
+            protocol.send_packet(self.ctl, msg, fds)
+        except OSError:
+            pass  # the parent is gone; we are stopping anyway
+
+    # -- workers ---------------------------------------------------------------------
+    def spawn(self, rank: int) -> None:
+        device = self.devices[rank]
+        ours, theirs = socket.socketpair()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        zygote_pid = os.getpid()
+        _flush_stdio()
+        pid = os.fork()
+        if pid == 0:  # the worker; never returns
+            try:
+                after_fork_in_child()
+                die_with_parent(zygote_pid)
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                close_fds_except(theirs.fileno())
+                worker_main(theirs, device, self.engine_factory, self.max_frame)
+            finally:
+                os._exit(1)
+        theirs.close()
+        os.close(out_w)
+        os.close(err_w)
+        self.children[pid] = rank
+        self.report(Spawned(rank, pid), [ours.fileno()])
+        ours.close()  # the parent holds the only copy now: EOF stays meaningful
+        prefix = f"[w{rank} {device.name}] ".encode()
+        for fd, target in ((out_r, 1), (err_r, 2)):
+            self.outputs[fd] = [target, prefix, b""]
+            self.sel.register(fd, selectors.EVENT_READ, "output")
+
+    def reap(self) -> None:
+        try:
+            while os.read(self.wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.pop(pid, None)
+            code = os.waitstatus_to_exitcode(status)
+            self.report(Exited(pid, code if code >= 0 else None, -code if code < 0 else None))
+
+    def relay(self, fd: int, final: bool = False) -> None:
+        """Copy a worker's output to ours, prefixing every complete line.
+
+        ``final``: the worker is gone; copy whatever is left without blocking."""
+        if final:
+            os.set_blocking(fd, False)
+        entry = self.outputs[fd]
+        target, prefix = entry[0], entry[1]
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                data = b""
+            if not data:
+                break
+            lines = (entry[2] + data).split(b"\n")
+            entry[2] = lines.pop()
+            _write(target, b"".join(prefix + line + b"\n" for line in lines))
+            if not final:
+                return
+        if data is None and not final:
+            return
+        if entry[2]:
+            _write(target, prefix + entry[2] + b"\n")
+        self.sel.unregister(fd)
+        os.close(fd)
+        del self.outputs[fd]
+
+
+def _write(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass  # nobody reads our stdout any more; never die of it
