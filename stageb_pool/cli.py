@@ -140,7 +140,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     lines += [("  skipped", f"{s['location']}: {s['error']}") for s in ingest.skipped[:5]]
     lines += [
         ("model", inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}"),
-        ("profile", f"{cfg.prompt.profile} ({getattr(inputs.profile, 'name', '?')})"),
+        ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),
         ("guidance", f"{cfg.guidance.path}: step {g.step}, rules {', '.join(g.experiences)}"),
         ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir.exists() else "")),
     ]
@@ -148,7 +148,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     k_eval = len(rs.eval_sampler.grid) * rs.eval_sampler.samples_per_decode
     if cfg.mode == "audit":
         lines += [
-            ("samples", f"K={k_train} per ticket (train_sampler: {len(rs.train_sampler.grid)} decodes x {rs.train_sampler.samples_per_decode})"),
+            ("samples", f"K={k_train} per ticket (train_sampler: {_k(rs.train_sampler)})"),
             ("rollout", f"{len(tickets)} tickets in {_chunks(len(tickets), chunk)} chunks of {chunk}: "
                         f"{len(tickets) * k_train} generations"),
         ]
@@ -160,8 +160,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     lines += [
         ("eval pool", f"{len(held)} tickets ({_by_label(held)}), fixed for the run"),
         ("train", f"{len(train)} tickets; a train pool of {t} per iteration"),
-        ("samples", f"train K={k_train} ({len(rs.train_sampler.grid)} decodes x {rs.train_sampler.samples_per_decode}), "
-                    f"eval K={k_eval} ({len(rs.eval_sampler.grid)} decodes x {rs.eval_sampler.samples_per_decode})"),
+        ("samples", f"train K={k_train} ({_k(rs.train_sampler)}), eval K={k_eval} ({_k(rs.eval_sampler)})"),
         ("chunks", f"chunk_size {chunk}: {_chunks(t, chunk)} per train rollout, {_chunks(len(held), chunk)} per eval rollout"),
         ("per iteration", f"up to {per_iteration} generations = train baseline {t * k_train} + {n} candidates x "
                           f"{t * k_train} + eval baseline {len(held) * k_eval}; 1 proposer call; "
@@ -169,6 +168,16 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
         ("iterations", f"at most {cfg.runner.epochs} (early stop after {rs.early_stop.patience} without an accepted edit)"),
     ]
     return _table(lines)
+
+
+def _k(sampler) -> str:
+    n = len(sampler.grid)
+    return f"{n} decode{'s' if n != 1 else ''} x {sampler.samples_per_decode} sample{'s' if sampler.samples_per_decode != 1 else ''}"
+
+
+def _profile_line(configured: str, profile) -> str:
+    facts = [f"{k} {getattr(profile, k)}" for k in ("language", "domain") if getattr(profile, k, None)]
+    return f"{configured} ({', '.join(facts)})" if facts else configured
 
 
 def _by_label(tickets) -> str:
