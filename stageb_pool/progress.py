@@ -110,7 +110,7 @@ def pool_items_per_rank(pool):
 
     def read():
         stats = pool.stats
-        for name in ("items_per_rank", "items", "tasks_per_rank"):
+        for name in ("items", "items_per_rank"):
             value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
             if value is not None:
                 return value

@@ -41,15 +41,7 @@ def spec(tickets, name="audit", guidance=GUIDANCE, seed_key="17/audit", sampler=
 
 
 def items_total(pool) -> int:
-    stats = pool.stats
-    items = stats["items_per_rank"] if isinstance(stats, dict) else stats.items_per_rank
-    return sum(items.values() if isinstance(items, dict) else items)
-
-
-def snapshot_sends(pool) -> int:
-    stats = pool.stats
-    value = stats["snapshot_sends"] if isinstance(stats, dict) else stats.snapshot_sends
-    return sum(value.values()) if isinstance(value, dict) else sum(value) if isinstance(value, list) else value
+    return sum(pool.stats.items)
 
 
 def expected_majority(ticket) -> str:
@@ -150,7 +142,7 @@ def test_snapshots_sent_once_per_worker(tickets, profile):
     with Pool(fake_factory(), "cpu:2") as pool:
         runner = RolloutRunner(pool, profile, chunk_size=1)
         runner.wait([runner.submit(spec(tickets)), runner.submit(spec(tickets, name="c", guidance=rule))])
-        sends = snapshot_sends(pool)
+        sends = pool.stats.snapshot_sends
         assert items_total(pool) == 2 * len(tickets)
     # three distinct shared values (2 guidances, 1 profile), at most once to each of 2 workers,
     # for 20 chunks

@@ -1,0 +1,222 @@
+"""One run, start to finish: validate every input, prepare the run directory, start the
+pool, run the audit or the rule search, write the summary, close the pool.
+
+Order matters: ALL input validation (tickets, exclusions, prompt profile, model path, seed
+guidance, run directory refusal) happens before anything on disk is touched or any worker
+is forked, so bad input costs nothing and damages nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from . import guidance as guidance_mod
+from . import models, prompts, rundir, tickets as tickets_mod
+from .devices import Device, parse_gpus
+from .errors import InputError
+from .fileio import write_json
+from .hashing import content_hash
+from .pool import Pool
+from .progress import Progress, pool_items_per_rank
+from .rollout import RolloutRunner
+
+log = logging.getLogger("stageb_pool")
+
+
+@dataclass
+class RunContext:
+    """Everything the audit and the rule search need; the parent owns all of it.
+
+    Beyond the contract: ``ingest`` (the IngestReport: skipped lines, exclusions),
+    ``devices``, ``debug``, ``seed_guidance`` (the validated seed file) and ``started``
+    (monotonic start time)."""
+
+    config: object
+    mission: str
+    tickets: list  # after the filter, in run order (shuffled with random.Random(seed))
+    profile: object
+    guidance_repo: object
+    run_dir: Path
+    runner: RolloutRunner
+    pool: object
+    log: logging.Logger
+    resume: bool = False
+    interrupted: bool = False
+    ingest: object = None
+    devices: list = field(default_factory=list)
+    debug: bool = False
+    started: float = 0.0
+
+
+class _Inputs(msgspec.Struct):
+    mission: str
+    ingest: object
+    tickets: list
+    profile: object
+    model_path: str
+    seed_guidance: object
+
+
+def load_inputs(config) -> _Inputs:
+    """Read and validate every input file; raises InputError with a location on bad input."""
+    exclude = tickets_mod.load_exclusions(
+        config.ticket_filter.exclude_ticket_keys, config.ticket_filter.exclude_ticket_keys_path
+    )
+
+    def read(bbu_cleanup: bool):
+        return tickets_mod.load_tickets(
+            config.stage_a_paths, on_bad_line=config.ingest.on_bad_line,
+            exclude_keys=exclude, bbu_cleanup=bbu_cleanup,
+        )
+
+    # The mission (from the tickets) picks the profile's domain, and the profile may ask
+    # for upstream's BBU summary clean-up (bbu_rru): then the files are read again with it.
+    ingest = read(False)
+    mission = ingest.tickets[0].mission
+    profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain)
+    if profile.options.bbu_cleanup:
+        ingest = read(True)
+    model_path = models.check_model_path(config.model.path)
+    seed_guidance = guidance_mod.load_guidance(config.guidance.path, mission)
+    if config.mode == "search":
+        _check_readable(config.rule_search.proposer_prompt_path, "rule_search.proposer_prompt_path")
+    run_order = list(ingest.tickets)
+    random.Random(config.seed).shuffle(run_order)  # upstream run order (3.1 step 7)
+    return _Inputs(mission, ingest, run_order, profile, model_path, seed_guidance)
+
+
+def _check_readable(path: str, key: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"file not found: {path}", f"config: {key}")
+    try:
+        p.read_bytes()
+    except OSError as err:
+        raise InputError(f"cannot read {path}: {err.strerror or err}", f"config: {key}") from err
+
+
+def engine_factory_for(model_config, model_path: str):
+    """The factory each worker calls after fork. It imports the engine (torch,
+    transformers) inside the worker: the parent never imports torch."""
+
+    def build(device: Device):
+        from stageb_pool.engine import Engine
+
+        return Engine(
+            device,
+            path=model_path,
+            dtype=model_config.dtype,
+            attn_implementation=model_config.attn_implementation,
+            trust_remote_code=model_config.trust_remote_code,
+            stop=model_config.stop,
+        )
+
+    return build
+
+
+def tickets_hash(tickets) -> str:
+    """Hash of the ticket set (key order, not run order): what the run judged."""
+    return content_hash(sorted((msgspec.to_builtins(t) for t in tickets), key=lambda t: t["key"]))
+
+
+def run_job(config, devices, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
+            debug: bool = False, engine_factory=None, argv: list[str] | None = None) -> int:
+    """Run one audit or rule search; return 0 on success. Exceptions propagate (the CLI
+    maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
+
+    ``devices`` is a list of Device or a ``--gpus`` spec. ``engine_factory`` (a test seam)
+    replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv)."""
+    started = time.monotonic()
+    started_at = rundir.utc_now()
+    if audit and config.mode != "audit":
+        config = msgspec.structs.replace(config, mode="audit")
+    if not isinstance(devices, list):
+        devices = parse_gpus(devices)
+    if debug:
+        devices = devices[:1]
+
+    inputs = load_inputs(config)
+    run_dir = rundir.run_dir_path(config, inputs.mission)
+    rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
+
+    repo = guidance_mod.GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
+    if not (resume and repo.exists()):
+        repo.write(inputs.seed_guidance)
+
+    factory = engine_factory or engine_factory_for(config.model, inputs.model_path)
+    pool = Pool(
+        factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
+        max_restarts=config.pool.max_restarts, inline=debug,
+    )
+    try:
+        progress = Progress(log=log, stats_fn=pool_items_per_rank(pool))
+        runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
+                               progress=progress, save_rollouts=config.output.save_rollouts)
+        info = pool.worker_info[0] if pool.worker_info else {}
+        rundir.write_run_json(
+            run_dir, config=config, devices=devices, workers=pool.size, debug=debug,
+            started_at=started_at, argv=argv,
+            provenance=rundir.provenance(
+                worker_info=info, model_path=config.model.path, chunk_size=config.runner.chunk_size,
+                profile_hash=runner.profile_hash, tickets_hash=tickets_hash(inputs.tickets),
+            ),
+        )
+        ctx = RunContext(
+            config=config, mission=inputs.mission, tickets=inputs.tickets, profile=inputs.profile,
+            guidance_repo=repo, run_dir=Path(run_dir), runner=runner, pool=pool, log=log,
+            resume=resume, ingest=inputs.ingest, devices=devices, debug=debug, started=started,
+        )
+        log.info("%s run of %d tickets (mission %s) on %d worker(s) -> %s",
+                 config.mode, len(inputs.tickets), inputs.mission, pool.size, run_dir)
+        if config.mode == "audit":
+            from .audit import run_audit
+
+            summary = run_audit(ctx)
+        else:
+            from .search import run_search
+
+            summary = run_search(ctx)
+        write_summary(ctx, summary)
+    finally:
+        pool.close()
+    return 0
+
+
+def write_summary(ctx: RunContext, summary: dict) -> dict:
+    """Add the volatile ``timing`` and ``workers`` objects, write ``summary.json``, log it."""
+    summary = dict(summary)
+    timing = dict(summary.get("timing") or {})
+    timing.setdefault("wall_s", round(time.monotonic() - ctx.started, 3))
+    timing.setdefault("rollout_s", round(ctx.runner.rollout_seconds, 3))
+    summary["timing"] = timing
+    summary.setdefault("generations_done", ctx.runner.generations_done)
+    summary.setdefault("generations_saved", ctx.runner.generations_saved)
+    summary["workers"] = worker_throughput(ctx.pool)
+    write_json(ctx.run_dir / rundir.SUMMARY_JSON, summary)
+    ctx.log.info("summary: %s", rundir.SUMMARY_JSON)
+    for key in ("mode", "iterations", "edits_accepted", "metrics", "generations_done", "generations_saved"):
+        if key in summary:
+            ctx.log.info("  %s: %s", key, summary[key])
+    return summary
+
+
+def worker_throughput(pool) -> dict:
+    """Per worker: items done and busy seconds (from pool.stats), tickets/s where known."""
+    stats = pool.stats
+    get = (lambda n: stats.get(n)) if isinstance(stats, dict) else (lambda n: getattr(stats, n, None))
+    items = get("items") or {}
+    busy = get("busy_s") or {}
+    items = dict(enumerate(items)) if isinstance(items, list) else dict(items)
+    busy = dict(enumerate(busy)) if isinstance(busy, list) else dict(busy)
+    out = {}
+    for rank, device in enumerate(pool.devices):
+        n = items.get(rank, items.get(str(rank), 0))
+        s = busy.get(rank, busy.get(str(rank), 0.0))
+        out[device.name] = {"items": n, "busy_s": round(float(s), 3)}
+    return out

@@ -1,0 +1,145 @@
+"""The run directory ``{output.root}/{mission}/{output.run_name}/`` and ``run.json``.
+
+A run never silently deletes an earlier run: an existing directory is refused unless the
+user asked to ``--overwrite`` it (deleted and recreated) or to ``--resume`` it (kept; the
+caller checks that the config and tickets still match). The refusal happens before anything
+on disk is touched.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import msgspec
+
+from . import __version__
+from .errors import InputError
+from .fileio import write_json
+
+RUN_JSON = "run.json"
+SUMMARY_JSON = "summary.json"
+GUIDANCE_JSON = "guidance.json"
+STATE_JSON = "state.json"
+ROLLOUTS_DIR = "rollouts"
+
+# engine.info() keys that describe one worker rather than the run (would differ between
+# worker counts or reruns); they never reach run.json's provenance.
+_WORKER_ONLY_INFO = {"rank", "pid", "index", "threads", "hostname", "load_s", "load_seconds",
+                     "elapsed_s", "started_at", "visible_devices", "device_index"}
+
+
+def run_dir_path(config, mission: str) -> Path:
+    """``{output.root}/{mission}/{output.run_name}``"""
+    return Path(config.output.root) / mission / config.output.run_name
+
+
+def prepare_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool = False) -> Path:
+    """Create a fresh run directory, or (when asked) replace or keep an existing one.
+
+    Raises InputError, before touching anything, when the directory exists and neither
+    ``overwrite`` nor ``resume`` is set, when both are set, when there is nothing to resume,
+    or when ``overwrite`` would delete a directory that is not a stageb-pool run."""
+    path = Path(path)
+    if overwrite and resume:
+        raise InputError("--overwrite and --resume exclude each other: choose one", str(path))
+    if path.exists() and not path.is_dir():
+        raise InputError("the run directory path exists and is not a directory", str(path))
+    exists = path.is_dir()
+    if resume:
+        if not exists:
+            raise InputError("nothing to resume: the run directory does not exist (drop --resume to start it)", str(path))
+        return path
+    if exists:
+        if not overwrite:
+            raise InputError(
+                "the run directory already exists: pass --overwrite to replace it or --resume to continue it",
+                str(path),
+            )
+        if any(path.iterdir()) and not (path / RUN_JSON).exists():
+            raise InputError(
+                f"refusing to --overwrite a non-empty directory without {RUN_JSON}: it does not look like a stageb-pool run",
+                str(path),
+            )
+        shutil.rmtree(path)
+    try:
+        path.mkdir(parents=True)
+    except OSError as err:
+        raise InputError(f"cannot create the run directory: {err.strerror or err}", str(path)) from err
+    return path
+
+
+def utc_now() -> str:
+    """ISO 8601 UTC timestamp with seconds, e.g. ``2026-11-22T18:03:00Z``."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _package_version(name: str) -> str | None:
+    # importlib.metadata reads the installed version without importing the package
+    # (the parent must not import torch).
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def provenance(*, worker_info: dict | None, model_path: str, chunk_size: int,
+               profile_hash: str, tickets_hash: str) -> dict:
+    """What produced the results: library versions, the model, the device kind and dtype
+    (from rank 0's ``engine.info()``), chunk size and input hashes. Nothing in it depends
+    on the worker count."""
+    # enc_hook=str: plain JSON values even for str subclasses such as torch's TorchVersion
+    info = msgspec.to_builtins(worker_info or {}, enc_hook=str)
+    info = {k: v for k, v in info.items() if k not in _WORKER_ONLY_INFO}
+    return {
+        "torch": info.pop("torch", None) or _package_version("torch"),
+        "transformers": info.pop("transformers", None) or _package_version("transformers"),
+        "python": platform.python_version(),
+        "model_path": model_path,
+        "chunk_size": chunk_size,
+        "profile_hash": profile_hash,
+        "tickets_hash": tickets_hash,
+        "engine": info,
+    }
+
+
+def gpus_spec(devices) -> str:
+    """The ``--gpus`` spec that gives these devices, e.g. ``"cpu:3"`` or ``"0,2,5"``."""
+    if devices and devices[0].kind == "cpu":
+        return f"cpu:{len(devices)}"
+    return ",".join(str(d.index) for d in devices)
+
+
+def write_run_json(run_dir: str | Path, *, config, provenance: dict, devices, workers: int,
+                   debug: bool, started_at: str, argv: list[str] | None = None) -> dict:
+    """Write ``run.json`` atomically and return its content. ``invocation`` is volatile
+    (differs between worker counts and reruns); ``config`` is the resolved config."""
+    doc = {
+        "tool": {"name": "stageb_pool", "version": __version__},
+        "config": msgspec.to_builtins(config),
+        "provenance": provenance,
+        "invocation": {
+            "gpus": gpus_spec(devices),
+            "workers": workers,
+            "threads": devices[0].threads if devices else None,
+            "debug": debug,
+            "argv": list(sys.argv if argv is None else argv),
+            "started_at": started_at,
+        },
+    }
+    write_json(Path(run_dir) / RUN_JSON, doc)
+    return doc
+
+
+def artifact(run_dir: str | Path, name: str) -> Path:
+    """Path of an artifact file in the run directory."""
+    return Path(run_dir) / name
+
+
+def rollouts_path(run_dir: str | Path, rollout_id: str) -> Path:
+    """``rollouts/<rollout_id>.jsonl``; ``/`` in ids such as ``train/it3/cand2`` become ``-``."""
+    return Path(run_dir) / ROLLOUTS_DIR / (rollout_id.replace("/", "-") + ".jsonl")

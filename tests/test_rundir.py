@@ -1,0 +1,170 @@
+"""Run directory: fresh / refuse / overwrite / resume, run.json, and validation before any
+disk write or fork."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from fake_engines import MISSION, fake_factory, write_run_inputs
+from stageb_pool import __version__
+from stageb_pool.config import load_config
+from stageb_pool.errors import InputError
+from stageb_pool.fileio import read_json
+from stageb_pool.job import run_job
+from stageb_pool.rundir import gpus_spec, prepare_run_dir, rollouts_path
+from stageb_pool.devices import parse_gpus
+
+
+def tree_digest(root: Path) -> dict:
+    """Every file and directory under root with its bytes' hash and mtime."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.stat()
+        out[p.relative_to(root).as_posix()] = (
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir", st.st_mtime_ns
+        )
+    return out
+
+
+def never_called(device):
+    raise AssertionError("no engine may be built for a refused run")
+
+
+def test_fresh_directory_is_created(tmp_path):
+    path = prepare_run_dir(tmp_path / "out" / "m" / "r")
+    assert path.is_dir() and not any(path.iterdir())
+
+
+def test_existing_directory_refused_untouched(tmp_path):
+    run = tmp_path / "r"
+    (run / "sub").mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    (run / "sub" / "x.jsonl").write_bytes(b"keep me\n")
+    before = tree_digest(tmp_path)
+    with pytest.raises(InputError) as err:
+        prepare_run_dir(run)
+    assert "--overwrite" in str(err.value) and "--resume" in str(err.value) and str(run) in str(err.value)
+    assert tree_digest(tmp_path) == before
+
+
+def test_overwrite_replaces_and_resume_keeps(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    (run / "old.jsonl").write_text("old\n")
+    assert prepare_run_dir(run, resume=True) == run
+    assert (run / "old.jsonl").read_text() == "old\n"
+    prepare_run_dir(run, overwrite=True)
+    assert run.is_dir() and list(run.iterdir()) == []
+
+
+@pytest.mark.parametrize("setup,kw,message", [
+    ("none", {"resume": True}, "nothing to resume"),
+    ("run", {"resume": True, "overwrite": True}, "exclude each other"),
+    ("file", {}, "not a directory"),
+    ("foreign", {"overwrite": True}, "does not look like a stageb-pool run"),
+])
+def test_refusals(tmp_path, setup, kw, message):
+    run = tmp_path / "r"
+    if setup == "run":
+        run.mkdir()
+        (run / "run.json").write_text("{}")
+    elif setup == "file":
+        run.write_text("a file")
+    elif setup == "foreign":
+        run.mkdir()
+        (run / "thesis.tex").write_text("precious")
+    before = tree_digest(tmp_path)
+    with pytest.raises(InputError, match=message):
+        prepare_run_dir(run, **kw)
+    assert tree_digest(tmp_path) == before
+
+
+def test_gpus_spec_and_rollouts_path():
+    assert gpus_spec(parse_gpus("cpu:3")) == "cpu:3"
+    assert gpus_spec(parse_gpus("0,2,5-6", gpu_count=8)) == "0,2,5,6"
+    assert rollouts_path("/r", "train/it3/cand2") == Path("/r/rollouts/train-it3-cand2.jsonl")
+
+
+# ------------------------------------------------------------------------------ run_job
+
+
+def audit(cfg_path, gpus="cpu:1", **kw):
+    return run_job(load_config(cfg_path), gpus, audit=True, argv=["stageb-pool", "--audit"], **kw)
+
+
+def test_run_job_refuses_existing_run_untouched_and_without_workers(tmp_path):
+    cfg = write_run_inputs(tmp_path, n_tickets=9)
+    assert audit(cfg, engine_factory=fake_factory()) == 0
+    run = tmp_path / "out" / MISSION / "run1"
+    before = tree_digest(tmp_path / "out")
+    with pytest.raises(InputError, match="--overwrite"):
+        audit(cfg, engine_factory=never_called, debug=True)
+    assert tree_digest(tmp_path / "out") == before
+    assert (run / "baseline_metrics.json").is_file()
+
+
+def test_run_job_overwrite_replaces_the_run(tmp_path):
+    cfg = write_run_inputs(tmp_path, n_tickets=9)
+    assert audit(cfg, engine_factory=fake_factory()) == 0
+    run = tmp_path / "out" / MISSION / "run1"
+    (run / "stale.txt").write_text("from an older run")
+    assert audit(cfg, engine_factory=fake_factory(), overwrite=True) == 0
+    assert not (run / "stale.txt").exists()
+    assert read_json(run / "baseline_metrics.json")["n_total"] == 9
+
+
+def test_run_job_resume_keeps_the_run_guidance(tmp_path):
+    cfg = write_run_inputs(tmp_path, n_tickets=9)
+    assert audit(cfg, engine_factory=fake_factory()) == 0
+    run = tmp_path / "out" / MISSION / "run1"
+    seed_hash = read_json(run / "baseline_metrics.json")["guidance_hash"]
+    guidance = read_json(run / "guidance.json")
+    guidance[MISSION]["experiences"]["G1"] = "Fail if scratch on the door."
+    (run / "guidance.json").write_text(json.dumps(guidance))
+    assert audit(cfg, engine_factory=fake_factory(), resume=True) == 0
+    assert read_json(run / "guidance.json")[MISSION]["experiences"]["G1"].startswith("Fail if scratch")
+    assert read_json(run / "baseline_metrics.json")["guidance_hash"] != seed_hash
+
+
+@pytest.mark.parametrize("break_it,location", [
+    ("tickets", "tickets.jsonl:2"),
+    ("guidance", "guidance.json"),
+    ("model", "no-such-model.gguf"),
+])
+def test_bad_input_stops_before_disk_or_fork(tmp_path, break_it, location):
+    cfg = write_run_inputs(tmp_path, n_tickets=6)
+    if break_it == "tickets":
+        lines = (tmp_path / "tickets.jsonl").read_text().splitlines()
+        lines[1] = lines[1].replace('"label": "pass"', '"label": "maybe"')
+        (tmp_path / "tickets.jsonl").write_text("\n".join(lines) + "\n")
+    elif break_it == "guidance":
+        (tmp_path / "guidance.json").write_text(json.dumps({MISSION: {"step": 0}}))
+    else:
+        text = Path(cfg).read_text().replace("path: tiny", "path: ./no-such-model.gguf")
+        Path(cfg).write_text(text)
+    with pytest.raises(InputError) as err:
+        run_job(load_config(cfg, check_files=False), "cpu:1", audit=True, engine_factory=never_called, debug=True)
+    assert location in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_json_content(tmp_path):
+    cfg_path = write_run_inputs(tmp_path, n_tickets=6)
+    assert audit(cfg_path, "cpu:2", engine_factory=fake_factory()) == 0
+    doc = read_json(tmp_path / "out" / MISSION / "run1" / "run.json")
+    assert doc["tool"] == {"name": "stageb_pool", "version": __version__}
+    assert doc["config"]["seed"] == 17 and doc["config"]["mode"] == "audit"
+    assert doc["config"]["runner"]["chunk_size"] == 4
+    prov = doc["provenance"]
+    assert prov["model_path"] == "tiny" and prov["chunk_size"] == 4
+    assert len(prov["profile_hash"]) == 16 and len(prov["tickets_hash"]) == 16
+    assert prov["python"].count(".") == 2 and prov["torch"] and prov["transformers"]
+    assert prov["engine"]["engine"] == "fake"
+    inv = doc["invocation"]
+    assert (inv["gpus"], inv["workers"], inv["debug"], inv["argv"]) == ("cpu:2", 2, False, ["stageb-pool", "--audit"])
+    assert inv["started_at"].endswith("Z")
