@@ -1,0 +1,303 @@
+"""Prompt profiles: loading, located errors, the user layout (upstream 2.1) as snapshots,
+the obj estimate and the RRU station-distance blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from stageb_pool.errors import InputError
+from stageb_pool.prompts import (
+    PROFILES_DIR,
+    PromptProfile,
+    build_messages,
+    estimate_objects,
+    load_profile,
+    render_template,
+    station_summary_lines,
+)
+from stageb_pool.records import TicketText
+
+DATA = Path(__file__).parent / "data" / "data_prompts"
+UPDATE = os.environ.get("STAGEB_UPDATE_SNAPSHOTS") == "1"
+
+
+def j(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+BBU = "BBU安装方式检查（正装）"
+BBU_GUIDANCE = {
+    "G0": "需同时确认BBU设备与BBU安装螺丝，且螺丝符合要求",
+    "G2": "若任一图片中BBU安装螺丝出现不符合，则判定不通过",
+    "S1": "若所有图片都无法确认BBU安装螺丝的状态，则判定不通过",
+    "G10": "螺丝数量以完整可见的图片为准",
+    "S2": "无关图片不参与判断",
+    "X1": "other prefixes are never rendered",
+}
+BBU_TICKET = TicketText("QC-DEMO-0042::fail", BBU, {
+    "image_1": "<DOMAIN=BBU>, <TASK=SUMMARY>\n" + j({"统计": [
+        {"类别": "BBU设备", "品牌": {"华为": 1}, "可见性": {"完整": 1}},
+        {"类别": "BBU安装螺丝", "符合性": {"符合": 2, "不符合/未拧紧": 1}}], "备注": []}),
+    "image_2": j({"统计": [{"类别": "标签", "文本": {"BBU-01": 1}}], "备注": ["局部特写"]}),
+    "image_10": "机柜正面，螺丝齐全，标签清晰",
+    "image_3": "无关图片",
+})
+RRU_TICKET = TicketText("QC-DEMO-0077::pass", "RRU安装检查", {
+    "image_1": j({"统计": [{"类别": "RRU设备", "可见性": {"完整": 1}}, {"类别": "站点距离", "站点距离": {"35": 1}}]}),
+    "image_2": j({"统计": [{"类别": "紧固件", "符合性": {"符合": 2}}, {"类别": "站点距离", "站点距离": {"35": 1}}]}),
+    "image_3": j({"统计": [{"类别": "RRU设备", "可见性": {"部分": 1}}, {"类别": "站点距离", "距离": {"8": 1}}]}),
+    "image_4": "无关图片",
+})
+GENERIC_GUIDANCE = {"G10": "Cable labels must be readable.", "G2": "Every bolt must be tight.",
+                    "G0": "Check the cabinet mounting.", "G1": "A missing ground wire fails."}
+GENERIC_TICKET = TicketText("demo-1::pass", "cabinet-mounting", {
+    "image_2": "Ground wire attached, label readable.",
+    "image_1": "<DOMAIN=BBU>, <TASK=SUMMARY>\nCabinet front, 4 bolts visible, all tight.",
+})
+
+
+def render(profile_name, mission, guidance, ticket) -> str:
+    messages = build_messages(load_profile(profile_name, mission=mission), guidance, ticket)
+    assert [m["role"] for m in messages] == ["system", "user"]
+    return f"=== system ===\n{messages[0]['content']}\n=== user ===\n{messages[1]['content']}\n"
+
+
+SNAPSHOTS = [
+    ("bbu_rru_bbu.txt", "bbu_rru", BBU, BBU_GUIDANCE, BBU_TICKET),
+    ("bbu_rru_rru.txt", "bbu_rru", "RRU安装检查", {"G0": "RRU与紧固件需在同一安装点出现"}, RRU_TICKET),
+    ("generic.txt", "generic", "cabinet-mounting", GENERIC_GUIDANCE, GENERIC_TICKET),
+]
+
+
+@pytest.mark.parametrize("name,profile,mission,guidance,ticket", SNAPSHOTS)
+def test_rendering_snapshot(name, profile, mission, guidance, ticket):
+    text = render(profile, mission, guidance, ticket)
+    path = DATA / name
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    assert text == path.read_text(encoding="utf-8")
+
+
+def test_bbu_user_layout_details():
+    user = build_messages(load_profile("bbu_rru", mission=BBU), BBU_GUIDANCE, BBU_TICKET)[1]["content"]
+    lines = user.split("\n")
+    assert lines[:4] == [f"任务: {BBU}", f"重点: {BBU_GUIDANCE['G0']}", "结构不变量：", f"1. {BBU_GUIDANCE['S1']}"]
+    # sorted by key string (G10 before G2), numbered by position, no keys shown
+    assert lines[6:11] == ["可学习规则：", f"1. {BBU_GUIDANCE['G0']}", f"2. {BBU_GUIDANCE['G10']}", f"3. {BBU_GUIDANCE['G2']}", ""]
+    assert lines[11] == "统计: Image1(obj=4), Image2(obj=1), Image3(obj=0), Image4(obj=3)；图片数量: 4"
+    assert "X1" not in user and "other prefixes" not in user and "G10" not in user
+    assert "<DOMAIN" not in user and "安装点汇总" not in user  # BBU: no station block
+    assert lines[-4:] == ["1. " + BBU_TICKET.per_image["image_1"].split("\n")[1],
+                          "2. " + BBU_TICKET.per_image["image_2"], "3. 无关图片", "4. 机柜正面，螺丝齐全，标签清晰"]
+
+
+def test_no_scaffold_block_leaves_no_gap():
+    user = build_messages(load_profile("bbu_rru", mission=BBU), {"G0": "清单"}, BBU_TICKET)[1]["content"]
+    assert user.startswith(f"任务: {BBU}\n重点: 清单\n可学习规则：\n1. 清单\n\n统计: ")
+
+
+def test_focus_falls_back_to_mission_when_g0_empty():
+    user = build_messages(load_profile("bbu_rru", mission=BBU), {"G0": "", "G1": "r"}, BBU_TICKET)[1]["content"]
+    assert f"重点: {BBU}" in user
+
+
+def test_empty_guidance_is_an_error():
+    with pytest.raises(ValueError):
+        build_messages(load_profile("generic", mission="m"), {}, GENERIC_TICKET)
+
+
+def test_domain_from_mission_prefix_and_override():
+    assert load_profile("bbu_rru", mission="RRU线缆").domain == "rru"
+    assert load_profile("bbu_rru", mission="挡风板安装检查").domain == "bbu"
+    bbu = load_profile("bbu_rru", mission=BBU)
+    forced = load_profile("bbu_rru", mission=BBU, domain="rru")
+    assert forced.domain == "rru" and forced.system != bbu.system
+    assert forced.system == (PROFILES_DIR / "bbu_rru" / "system_rru.txt").read_text(encoding="utf-8").rstrip("\n")
+    assert load_profile("generic", mission="x").domain is None
+
+
+def test_profile_is_a_self_contained_snapshot(tmp_path):
+    copy = tmp_path / "mine"
+    shutil.copytree(PROFILES_DIR / "bbu_rru", copy)
+    profile = load_profile(str(copy), mission=BBU)
+    shutil.rmtree(copy)  # nothing is read from disk after loading
+    wire = msgspec.json.decode(msgspec.json.encode(profile))  # what a worker receives
+    again = msgspec.convert(wire, PromptProfile)
+    assert again == profile and again.hash == profile.hash
+    assert build_messages(again, BBU_GUIDANCE, BBU_TICKET) == build_messages(load_profile("bbu_rru", mission=BBU), BBU_GUIDANCE, BBU_TICKET)
+    ticket_dict = {"key": "k", "mission": BBU, "per_image": BBU_TICKET.per_image}
+    assert build_messages(again, BBU_GUIDANCE, ticket_dict) == build_messages(again, BBU_GUIDANCE, BBU_TICKET)
+
+
+def test_profile_hash_changes_with_content(tmp_path):
+    copy = tmp_path / "generic"
+    shutil.copytree(PROFILES_DIR / "generic", copy)
+    before = load_profile(str(copy), mission="m").hash
+    (copy / "user.txt").write_text("Mission: {mission}\n\n{rules}\n", encoding="utf-8")
+    assert load_profile(str(copy), mission="m").hash != before
+
+
+def test_name_lookup_uses_base_dir(tmp_path):
+    shutil.copytree(PROFILES_DIR / "generic", tmp_path / "other")
+    assert load_profile("other", mission="m", base_dir=tmp_path).name == "other"
+
+
+# ----------------------------------------------------------------------------- malformed profiles
+
+@pytest.fixture
+def profile_dir(tmp_path):
+    d = tmp_path / "p"
+    shutil.copytree(PROFILES_DIR / "generic", d)
+    return d
+
+
+def test_unknown_profile_name_lists_known():
+    with pytest.raises(InputError, match=r"prompt profile not found \(profiles there: .*bbu_rru, generic"):
+        load_profile("nope", mission="m")
+
+
+@pytest.mark.parametrize("missing", ["profile.yaml", "user.txt", "system.txt"])
+def test_missing_profile_file(profile_dir, missing):
+    (profile_dir / missing).unlink()
+    with pytest.raises(InputError, match="missing profile file") as err:
+        load_profile(str(profile_dir), mission="m")
+    assert err.value.location == str(profile_dir / missing)
+
+
+def test_missing_domain_system_file(tmp_path):
+    d = tmp_path / "p"
+    shutil.copytree(PROFILES_DIR / "bbu_rru", d)
+    (d / "system_rru.txt").unlink()
+    with pytest.raises(InputError) as err:
+        load_profile(str(d), mission="RRU线缆")
+    assert err.value.location == str(d / "system_rru.txt")
+
+
+@pytest.mark.parametrize("yaml_text,location,message", [
+    ("verdict: {pass_words: [a], fail_words: [b], pass_text: a, fail_text: b}\ncolour: red\n", "", "Object contains unknown field `colour`"),
+    ("verdict: {pass_words: [a], fail_words: [b], pass_text: a, fail_text: b}\noptions: {stats: true}\n", "options", "Object contains unknown field `stats`"),
+    ("verdict: {pass_words: [a], fail_words: [b], pass_text: a, fail_text: b}\nlabels: {rule: x}\n", "labels", "Object contains unknown field `rule`"),
+    ("verdict: {pass_words: [a], fail_words: [b], pass_text: a}\n", "verdict", "Object missing required field `fail_text`"),
+    ("verdict: {pass_words: a, fail_words: [b], pass_text: a, fail_text: b}\n", "verdict.pass_words", "Expected `array`"),
+    ("verdict: {pass_words: [], fail_words: [b], pass_text: a, fail_text: b}\n", "verdict", "pass_words and fail_words must be non-empty"),
+    ("verdict: {pass_words: [a], fail_words: [b], pass_text: a, fail_text: b}\noptions: {rules_order: random}\n", "options.rules_order", "must be one of key, g0_first"),
+    ("language: en\n", "", "Object missing required field `verdict`"),
+])
+def test_bad_profile_yaml_is_located(profile_dir, yaml_text, location, message):
+    path = profile_dir / "profile.yaml"
+    path.write_text(yaml_text, encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        load_profile(str(profile_dir), mission="m")
+    assert err.value.location == (f"{path}: {location}" if location else str(path))
+    assert err.value.message.startswith(message)
+
+
+def test_invalid_yaml_names_the_line(profile_dir):
+    path = profile_dir / "profile.yaml"
+    path.write_text("language: en\nverdict: [unclosed\n", encoding="utf-8")
+    with pytest.raises(InputError, match="invalid YAML") as err:
+        load_profile(str(profile_dir), mission="m")
+    assert err.value.location.startswith(f"{path}:")
+
+
+def test_unknown_placeholder_is_located(profile_dir):
+    path = profile_dir / "user.txt"
+    path.write_text("Mission: {mission}\n\n{rulez}\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"unknown placeholder \{rulez\}") as err:
+        load_profile(str(profile_dir), mission="m")
+    assert err.value.location == f"{path}:3"
+
+
+def test_empty_profile_file(profile_dir):
+    (profile_dir / "system.txt").write_text("\n  \n", encoding="utf-8")
+    with pytest.raises(InputError, match="empty profile file"):
+        load_profile(str(profile_dir), mission="m")
+
+
+# ----------------------------------------------------------------------------- template rule
+
+@pytest.mark.parametrize("template,values,expected", [
+    ("A {mission}\n{rules}\n\nB", {"mission": "m", "rules": "R:\n1. x"}, "A m\nR:\n1. x\n\nB"),
+    ("A\n{rules}\n\nB", {"rules": ""}, "A\nB"),  # empty block: its line and one blank go
+    ("A\n\n{rules}\n\n{scaffold}\n\nB", {"rules": "", "scaffold": ""}, "A\n\nB"),
+    ("A\n{rules}\nB", {"rules": ""}, "A\nB"),
+    ("x {rules} y", {"rules": "R"}, "x R y"),  # inline use: plain substitution
+    ("{rules}\n\nB\n", {"rules": "R"}, "R\n\nB"),
+])
+def test_render_template(template, values, expected):
+    assert render_template(template, values) == expected
+
+
+# ----------------------------------------------------------------------------- obj estimate
+
+OBJ_TABLE = [
+    ("无关图片", 0),
+    ("  无关图片（远景） ", 0),
+    ("", 0),
+    (j({"统计": []}), 0),
+    (j({"统计": [{"类别": "BBU设备"}]}), 1),  # no attributes: max(1, 0)
+    (j({"统计": [{"类别": "BBU设备", "品牌": {"华为": 1}, "可见性": {"完整": 1}}]}), 1),
+    (j({"统计": [{"类别": "螺丝", "符合性": {"符合": 2, "不符合": 1}}]}), 3),
+    (j({"统计": [{"类别": "螺丝", "符合性": {"符合": 2, "坏": -1, "x": 0, "y": True, "z": "3"}}]}), 2),  # positive ints only
+    (j({"统计": [{"类别": "线缆", "颜色": ["红", "黑", None]}]}), 2),  # list: non-null items
+    (j({"统计": [{"类别": "线缆", "颜色": "红"}]}), 1),  # scalar: 1
+    (j({"统计": [{"类别": "线缆", "颜色": None}]}), 1),  # null: 0 -> max(1, 0)
+    (j({"统计": [{"类别": "标签", "文本": {"A": 1, "B": 1}, "可读性": {"可读": 2}}]}), 4),  # 文本 + 可读性
+    (j({"统计": [{"类别": "标签", "文本": {"A": 1}, "位置": {"上": 5}}]}), 5),  # max attr wins
+    (j({"统计": [{"类别": "标签"}]}), 1),
+    (j({"统计": [{"类别": "a", "n": {"x": 2}}, {"类别": "b", "n": {"x": 3}}, "free"]}), 6),  # non-object entry: 1
+    ("<DOMAIN=BBU>, <TASK=SUMMARY>\n" + j({"统计": [{"类别": "a", "n": {"x": 2}}]}), 2),  # last JSON line
+    ("前缀说明 " + j({"统计": [{"类别": "a", "n": {"x": 3}}]}) + " 后缀", 3),  # widest {...} span
+    ('统计=[{"类别": "a", "n": {"x": 4}}]', 4),  # repaired assignment text
+    ('统计：[{"类别": "a", "n": {"x": 2}}] 备注', 2),
+    (j({"备注": ["x"]}), 1),  # JSON without 统计: non-JSON fallback, one segment
+    ("机柜正面，螺丝齐全，标签清晰", 3),  # split on the Chinese comma
+    ("机柜正面，，", 1),
+    ("cabinet front, bolts", 1),  # ASCII commas do not split
+]
+
+
+@pytest.mark.parametrize("summary,expected", OBJ_TABLE)
+def test_obj_estimate(summary, expected):
+    assert estimate_objects(summary) == expected
+
+
+# ----------------------------------------------------------------------------- RRU blocks
+
+def S(*entries, distance=None, key="站点距离"):
+    items = list(entries)
+    if distance is not None:
+        items.append({"类别": "站点距离", key: {str(distance): 1}})
+    return j({"统计": items})
+
+
+STATION_TABLE = [
+    ("RRU安装检查", [S({"类别": "RRU设备"}, distance=35), S({"类别": "紧固件"}, distance=35), S({"类别": "RRU设备"}, distance=8)],
+     ["- 站点距离=8: RRU=有, 紧固件=无", "- 站点距离=35: RRU=有, 紧固件=有"]),  # numeric order
+    ("RRU安装检查", [S({"类别": "固定件"}, distance=3, key="距离"), S({"类别": "其他"}, distance=4)],
+     ["- 站点距离=3: RRU=无, 紧固件=有", "- 站点距离=4: RRU=无, 紧固件=无"]),  # kept even when empty
+    ("RRU安装检查", [S({"类别": "RRU设备"})], []),  # no distance: not paired
+    ("RRU安装检查", ["RRU设备完整，站点距离=12", "紧固件齐全，站点距离/12", "无关图片 站点距离=12"],
+     ["- 站点距离=12: RRU=有, 紧固件=有"]),  # non-JSON text; irrelevant photos skipped
+    ("RRU位置检查", [S({"类别": "RRU接地端"}, distance=5), S({"类别": "接地线"}, {"类别": "标签", "文本": {"GND-1": 1}}, distance=6),
+                   S({"类别": "接地线"}, {"类别": "标签", "文本": {"无法识别": 1}}, distance=7), S({"类别": "其他"}, distance=9)],
+     ["- 站点距离=5: RRU接地端=有, 接地线(可读标签)=无", "- 站点距离=6: RRU接地端=无, 接地线(可读标签)=有"]),
+    ("RRU线缆", [S({"类别": "尾纤"}, distance=2), S({"类别": "线缆", "套管保护": {"有保护": 1}}, distance=3),
+               S({"类别": "线缆", "套管保护": {"没有保护": 2}}, distance=4), S({"类别": "标签", "文本": {"ODF-3": 1}}, distance=4)],
+     ["- 站点距离=2: 尾纤=有, 套管=无, 标签文本=无", "- 站点距离=3: 尾纤=无, 套管=有, 标签文本=无",
+      "- 站点距离=4: 尾纤=无, 套管=无, 标签文本=有"]),
+    ("RRU线缆", [S({"类别": "线缆", "套管保护": {"有保护": 0}}, distance=1)], []),  # zero count: no sleeve
+    (BBU, [S({"类别": "RRU设备"}, distance=35)], []),  # only the three RRU missions
+]
+
+
+@pytest.mark.parametrize("mission,summaries,expected", STATION_TABLE)
+def test_station_summary(mission, summaries, expected):
+    assert station_summary_lines(mission, summaries) == expected
