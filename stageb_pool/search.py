@@ -32,7 +32,7 @@ import msgspec
 
 from . import audit, fileio, gate as gate_mod, proposer, state as state_mod
 from .errors import InputError
-from .guidance import Guidance, GuidanceError, apply_operation
+from .guidance import Guidance, GuidanceError, apply_operation, load_guidance
 from .hashing import content_hash
 from .pools import TrainPoolSampler, split_eval_pool
 from .prompts import build_messages
@@ -152,8 +152,11 @@ class RuleSearch:
         """A fresh state; on resume the committed one, with the run dir brought back to it."""
         committed = state_mod.load_state(self.run_dir) if self.ctx.resume else None
         if committed is None:
-            # Nothing committed (a new run, or a resume of a run killed in iteration 1):
-            # start from the seed guidance with empty artifacts.
+            # Nothing committed (a new run, or a resume of a run killed in iteration 1,
+            # whose guidance.json may already hold iteration 1's edit): start from the seed
+            # guidance with empty artifacts.
+            if self.ctx.resume:
+                self.repo.write(load_guidance(self.cfg.guidance.path, self.mission))
             fresh = self._fresh_state()
             state_mod.truncate_artifacts(self.run_dir, fresh.artifacts)
             return fresh

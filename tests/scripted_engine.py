@@ -73,6 +73,7 @@ class ScriptedEngine:
         self.raise_at = raise_at
         self.marker = marker
         self.calls: list[tuple[str, int, str]] = []
+        self.generations = 0
         self.chats: list[int] = []
 
     def info(self) -> dict:
@@ -81,6 +82,7 @@ class ScriptedEngine:
     def rollout(self, chunk, *, guidance, profile=None) -> ChunkResult:
         chunk = msgspec.convert(chunk, RolloutChunk)
         self.calls.append((chunk.seed_key, chunk.chunk_index, content_hash(guidance)))
+        self.generations += len(chunk.tickets) * len(chunk.grid) * chunk.samples_per_decode
         fail_features = {m.lower() for text in guidance.values() for m in _RULE.findall(text)}
         out = []
         for ticket in chunk.tickets:

@@ -1,0 +1,432 @@
+"""The rule search end to end, driven by the scripted engine (tests/scripted_engine.py).
+
+The scripted engine obeys the guidance rules, so a good rule really lowers the error and a
+harmful one really raises it; its proposer answers follow a script keyed by iteration.
+Default script (see scripted_engine.DEFAULT_SCRIPT), 60 train / 20 eval tickets, whole
+train set as the pool:
+  it1: rust (good, accepted), clean (harmful, rejected), dust (duplicate of G1), bad op;
+       ablation remove G1 (rejected: FP rate rises)
+  it2: malformed JSON; ablation remove rust (rejected)
+  it3: crack (good, accepted)
+  it4: clean again (remembered as rejected); ablation remove crack (rejected)
+  it5: nothing new -> second no-gain round -> early stop (patience 2)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import scripted_engine as se
+from stageb_pool import config as config_mod
+from stageb_pool import job, search
+from stageb_pool import state as state_mod
+from stageb_pool.diff import diff_runs, format_differences
+from stageb_pool.errors import InputError
+from stageb_pool.hashing import content_hash
+from stageb_pool.pools import split_eval_pool
+
+TESTS = Path(__file__).resolve().parent
+SEED = 11
+# Counted per process: a resumed run regenerates what the killed run's cache held.
+PROCESS_FACTS = {"generations_done", "generations_saved"}
+
+
+def run(tmp_path, name="run", *, gpus="cpu:1", overrides=(), engine=None, resume=False, **inputs):
+    """Write the inputs under tmp_path/in and run the search; returns (run_dir, engines)."""
+    cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"), run_name=name, **inputs)
+    cfg = config_mod.load_config(cfg_path, list(overrides))
+    engines: list = []
+    factory = se.scripted_factory(engines, **(engine or {}))
+    job.run_job(cfg, gpus, debug=(gpus == "cpu:1"), engine_factory=factory, resume=resume)
+    return tmp_path / "out" / se.MISSION / name, engines
+
+
+def rows(run_dir, name):
+    path = Path(run_dir) / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def doc(run_dir, name):
+    return json.loads((Path(run_dir) / name).read_text())
+
+
+def experiences(run_dir):
+    return doc(run_dir, "guidance.json")[se.MISSION]["experiences"]
+
+
+def assert_same_run(a, b, *, ignore=frozenset()):
+    diffs = [d for d in diff_runs(a, b, limit=None)
+             if not (d.file == "summary.json" and d.key.split(".")[0] in ignore)]
+    assert not diffs, format_differences(diffs, str(a), str(b))
+
+
+class Reference:
+    """The uninterrupted inline run of the default script. Runs compared with it use the same
+    input files (``root``) under other run names: run.json and state.json hold the input paths."""
+
+    def __init__(self, root):
+        self.root = root
+        self.run_dir, engines = run(root)
+        self.engine = engines[0]
+
+    def __iter__(self):
+        return iter((self.run_dir, self.engine))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return Reference(tmp_path_factory.mktemp("reference"))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def test_accepts_good_rules_rejects_harmful_and_early_stops(reference):
+    run_dir, _ = reference
+    bench = rows(run_dir, "benchmarks.jsonl")
+    assert [(b["iteration"], b["text"]) for b in bench] == [(1, se.rule("rust")), (3, se.rule("crack"))]
+    assert [b["guidance_step_after"] for b in bench] == [1, 2]
+    assert bench[0]["accepted_key"] == "G2" and bench[0]["relative_error_reduction"] >= 0.1
+    assert len(bench[0]["reflect_ticket_keys"]) == 4
+    exp = experiences(run_dir)
+    assert exp["G2"].startswith("If any photo shows rust") and exp["G3"].startswith("If any photo shows crack")
+    assert exp["G1"] == se.rule("dust")  # the seed rule could not be ablated (FP rate would rise)
+
+    summary = doc(run_dir, "summary.json")
+    assert summary["stop_reason"] == "early_stop" and summary["iterations"] == 5
+    assert [e["iteration"] for e in summary["edits"]] == [1, 3]
+    assert summary["final"]["train"]["acc"] > summary["baseline"]["train"]["acc"]
+    assert summary["final"]["eval"]["fp_rate"] < summary["baseline"]["eval"]["fp_rate"]
+    assert summary["final"]["train"]["n"] == summary["baseline"]["train"]["n"] == 60
+    st = doc(run_dir, "state.json")
+    assert st["iteration"] == 5 and st["no_gain"] == 2 and st["stop_reason"] == "early_stop"
+    assert st["guidance_step"] == 2 and st["guidance_hash"] == content_hash(exp)
+    assert sorted((run_dir / "snapshots").iterdir())[-1].name == "guidance-step0001.json"
+
+
+def test_candidate_rows_carry_gate_statistics_and_decisions(reference):
+    run_dir, _ = reference
+    cands = rows(run_dir, "rule_candidates.jsonl")
+    by = {(c["iteration"], c["candidate_id"]): c for c in cands}
+    assert [(c["iteration"], c["candidate_index"]) for c in cands] == [(1, 1), (1, 2), (1, 3), (2, 1), (3, 1), (4, 1)]
+    rust = by[(1, "upsert:if any photo shows rust the verdict is fail")]
+    clean = by[(1, "upsert:if any photo shows clean the verdict is fail")]
+    ablate = by[(1, "remove:if any photo shows dust the verdict is fail")]
+    assert (rust["decision"], rust["applied"], rust["reason"]) == ("promoted", True, None)
+    assert clean["decision"] == "rejected" and clean["reason"].startswith("RER")
+    assert clean["relative_error_reduction"] < 0 and clean["regression_count"] > 0
+    assert ablate["source"] == "ablation" and ablate["op"] == "remove"
+    assert ablate["decision"] == "rejected" and ablate["reason"].startswith("FP rate rise")
+    assert ablate["d_fp_rate"] > 0.05
+    for c in cands:
+        # the gate statistics upstream did not log, both guidance hashes, eval only on passes
+        for key in ("relative_error_reduction", "changed_fraction", "bootstrap_prob", "d_acc", "d_fp_rate",
+                    "base_fp_rate", "cand_fp_rate", "regression_count", "base_guidance_hash",
+                    "cand_guidance_hash", "reflection_id", "train_n", "eval_n"):
+            assert c[key] is not None, key
+        assert c["cand_guidance_hash"] != c["base_guidance_hash"]
+        assert (c["eval_cand_acc"] is not None) == (c["decision"] == "promoted")
+        assert 0 <= c["changed_fraction"] <= 1 and 0 <= c["bootstrap_prob"] <= 1
+    # RER recomputed from the logged accuracies (same common tickets)
+    for c in cands:
+        e_b, e_c = 1 - (c["cand_acc"] - c["d_acc"]), 1 - c["cand_acc"]
+        assert math.isclose(c["relative_error_reduction"], (e_b - e_c) / max(e_b, 1e-12), abs_tol=1e-9)
+    regs = rows(run_dir, "rule_search_candidate_regressions.jsonl")
+    assert {(r["iteration"], r["candidate_id"]) for r in regs} == {
+        (c["iteration"], c["candidate_id"]) for c in cands if c["regression_count"]}
+    for r in regs:
+        assert r["regression_count"] == by[(r["iteration"], r["candidate_id"])]["regression_count"]
+        assert len(r["regressions"]) == min(50, r["regression_count"])
+
+
+def test_rejected_candidates_are_remembered_for_the_rest_of_the_run(reference):
+    run_dir, _ = reference
+    cands = rows(run_dir, "rule_candidates.jsonl")
+    ids = [c["candidate_id"] for c in cands]
+    assert len(ids) == len(set(ids))  # nothing rejected is evaluated twice
+    failures = rows(run_dir, "reflection_cache/rule_search_proposer_failures.jsonl")
+    assert any(f["iteration"] == 4 and f["error"] == "previously rejected candidate" for f in failures)
+    assert "upsert:if any photo shows clean the verdict is fail" in doc(run_dir, "state.json")["rejected_ids"]
+
+
+def test_proposer_failures_are_logged_with_their_reason(reference):
+    run_dir, _ = reference
+    failures = rows(run_dir, "reflection_cache/rule_search_proposer_failures.jsonl")
+    got = [(f["iteration"], f["stage"], f["error"]) for f in failures]
+    assert (1, "validate", "duplicate of existing rule G1") in got
+    assert (1, "validate", "unknown op 'frobnicate'") in got
+    parse = [f for f in failures if f["stage"] == "parse"]
+    assert [f["iteration"] for f in parse] == [2]
+    assert parse[0]["raw_response_prefix"].startswith("Sure! Here are my rules")
+    assert len(parse[0]["raw_response_prefix"]) <= 400 and parse[0]["examples"] == 4
+    assert parse[0]["prompt_tokens"] > 0
+
+
+def test_hard_cases_are_written_for_every_train_baseline(reference):
+    run_dir, _ = reference
+    hard = rows(run_dir, "rule_search_hard_cases.jsonl")
+    assert sorted({h["iteration"] for h in hard}) == [1, 2, 3, 4, 5]
+    for it in range(1, 6):
+        mine = [h for h in hard if h["iteration"] == it]
+        assert [h["rank"] for h in mine] == list(range(1, len(mine) + 1))
+        assert all(h["sampler"] == "train" and h["majority_pred"] != h["gt_label"] for h in mine)
+        keys = [(h["hard_wrong"], h["difficulty"]) for h in mine]
+        assert keys == sorted(keys, reverse=True)
+
+
+def test_nothing_is_generated_twice_and_the_eval_baseline_once_per_guidance(reference):
+    run_dir, engine = reference
+    assert len(engine.calls) == len(set(engine.calls))  # the cache serves every repeat
+    g = doc(run_dir, "state.json")["guidance_hash"]
+    eval_chunks = math.ceil(20 / 8)
+    eval_key = f"{SEED}/eval"
+    # step-2 guidance is needed by the it3 candidate eval, the it4 and it5 eval baselines and
+    # the final eval: generated once
+    assert sum(1 for key, _, h in engine.calls if key == eval_key and h == g) == eval_chunks
+    # the train baseline of it2 is it1's accepted candidate rollout (same pool, same seeds)
+    step1 = rows(run_dir, "benchmarks.jsonl")[0]["guidance_hash"]
+    train_keys = {key for key, _, _ in engine.calls if "/train/" in key}
+    assert len(train_keys) == 1  # the whole train set every iteration: one pool identity
+    assert sum(1 for key, _, h in engine.calls if key in train_keys and h == step1) == math.ceil(60 / 8)
+    summary = doc(run_dir, "summary.json")
+    assert summary["generations_done"] == engine.generations  # every generation is counted once
+    assert summary["generations_saved"] > summary["generations_done"]
+
+
+def test_common_random_numbers_candidates_share_the_baseline_seed(reference):
+    _, engine = reference
+    train_calls = [(key, h) for key, _, h in engine.calls if "/train/" in key]
+    # baseline and every candidate guidance of the pool ran under one seed key
+    assert len({key for key, _ in train_calls}) == 1 and len({h for _, h in train_calls}) >= 5
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+def test_artifacts_identical_on_cpu1_inline_and_cpu3(reference):
+    run_dir, _ = reference
+    other, _ = run(reference.root, "cpu3", gpus="cpu:3")
+    assert_same_run(run_dir, other)
+    a, b = doc(run_dir, "state.json"), doc(other, "state.json")
+    assert a["artifacts"] == b["artifacts"]  # byte lengths too: timestamps are fixed-width
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def _wait_for(predicate, deadline_s=60.0):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_resume_after_an_exception_mid_iteration_matches_uninterrupted(reference):
+    ref_dir, _ = reference
+    with pytest.raises(Exception, match="scripted failure"):
+        run(reference.root, "exc", engine={"raise_at": 2})
+    run_dir = reference.root / "out" / se.MISSION / "exc"
+    assert doc(run_dir, "state.json")["iteration"] == 1
+    committed = doc(run_dir, "state.json")["artifacts"]["rule_search_hard_cases.jsonl"]
+    assert (run_dir / "rule_search_hard_cases.jsonl").stat().st_size > committed  # it2 rows, uncommitted
+    run(reference.root, "exc", resume=True)
+    assert_same_run(ref_dir, run_dir, ignore=PROCESS_FACTS)
+
+
+@pytest.mark.parametrize("fail_at_commit", [1, 3])
+def test_resume_after_ctrl_c_between_guidance_and_state_write(monkeypatch, reference, fail_at_commit):
+    """An interrupt after guidance.json got iteration N's edit but before state.json did:
+    the resumed run restores the committed guidance and redoes iteration N."""
+    ref_dir, _ = reference
+    real = state_mod.write_state
+    calls = []
+
+    def interrupted(run_dir, st):
+        calls.append(st.iteration)
+        if len(calls) == fail_at_commit:
+            raise KeyboardInterrupt
+        real(run_dir, st)
+
+    name = f"ctrl-c-{fail_at_commit}"
+    monkeypatch.setattr(state_mod, "write_state", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(reference.root, name)
+    monkeypatch.setattr(state_mod, "write_state", real)
+    run_dir = reference.root / "out" / se.MISSION / name
+    assert len(rows(run_dir, "benchmarks.jsonl")) == (1 if fail_at_commit == 1 else 2)  # ahead of the commit
+    run(reference.root, name, resume=True)
+    assert_same_run(ref_dir, run_dir, ignore=PROCESS_FACTS)
+
+
+def test_resume_after_sigkill_with_rolling_train_pools(tmp_path):
+    """Kill -9 the parent while iteration 2 runs (its proposer call hangs), resume, and get
+    exactly the uninterrupted run. Pools of 25 of 60 tickets roll, so the sampler state
+    is part of what must survive."""
+    ref_dir, _ = run(tmp_path, "ref", train_pool_size=25)
+    cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"), train_pool_size=25)
+    marker = tmp_path / "hanging"
+    code = (
+        "import sys; sys.path[:0] = [{tests!r}]\n"
+        "import scripted_engine as se\n"
+        "from stageb_pool import config, job\n"
+        "cfg = config.load_config({cfg!r})\n"
+        "job.run_job(cfg, 'cpu:1', debug=True, engine_factory=se.scripted_factory(hang_at=2, marker={marker!r}))\n"
+    ).format(tests=str(TESTS), cfg=cfg_path, marker=str(marker))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=str(TESTS.parent),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert _wait_for(lambda: marker.exists() or proc.poll() is not None), "iteration 2 never started"
+        assert proc.poll() is None, proc.stderr.read().decode()
+        run_dir = tmp_path / "out" / se.MISSION / "run"
+        assert doc(run_dir, "state.json")["iteration"] == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    assert (run_dir / "rule_search_hard_cases.jsonl").stat().st_size > \
+        doc(run_dir, "state.json")["artifacts"]["rule_search_hard_cases.jsonl"]
+    cfg = config_mod.load_config(cfg_path)
+    job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
+    assert_same_run(ref_dir, run_dir, ignore=PROCESS_FACTS)
+    pools = doc(run_dir, "state.json")["sampler"]
+    assert pools["size"] == 25
+
+
+def test_resume_of_a_finished_run_changes_nothing(tmp_path):
+    run_dir, _ = run(tmp_path)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*.jsonl")}
+    _, engines = run(tmp_path, resume=True)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*.jsonl")} == before
+    assert engines[0].chats == []  # no iteration was redone
+    assert doc(run_dir, "summary.json")["stop_reason"] == "early_stop"
+
+
+def test_resume_with_a_changed_config_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(Exception, match="scripted failure"):
+        run(tmp_path, engine={"raise_at": 2})
+    run_dir = tmp_path / "out" / se.MISSION / "run"
+    before = (run_dir / "state.json").read_bytes()
+    with pytest.raises(InputError, match=r"rule_search\.reflect_size"):
+        run(tmp_path, resume=True, overrides=["rule_search.reflect_size=5"])
+    with pytest.raises(InputError, match=r"rule_search\.gate\.bootstrap\.iterations"):
+        run(tmp_path, resume=True, overrides=["rule_search.gate.bootstrap.iterations=99"])
+    assert (run_dir / "state.json").read_bytes() == before
+
+
+def test_resume_with_changed_tickets_is_refused(tmp_path):
+    with pytest.raises(Exception, match="scripted failure"):
+        run(tmp_path, engine={"raise_at": 2})
+    tickets = tmp_path / "in" / "tickets.jsonl"
+    cfg = config_mod.load_config(se.write_inputs(tmp_path / "in", out=str(tmp_path / "out")))
+    tickets.write_text(tickets.read_text().replace("cabinet 3 front", "cabinet 3 top"))
+    with pytest.raises(InputError, match="tickets differ"):
+        job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
+
+
+def test_differing_keys_names_nested_paths():
+    old = {"a": 1, "b": {"c": [1, 2], "d": "x"}, "e": None}
+    new = {"a": 1, "b": {"c": [1, 3], "d": "x"}, "f": 2}
+    assert state_mod.differing_keys(old, new) == ["b.c", "e", "f"]
+    assert state_mod.differing_keys(old, old) == []
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def _veto_records():
+    """A 'moss' feature that marks fail tickets in the train split and pass tickets in the
+    eval split: a moss rule helps on train and hurts on eval."""
+    records = se.ticket_records()
+
+    class T:
+        def __init__(self, r):
+            self.key, self.label = f"{r['group_id']}::{r['label']}", r["label"]
+
+    _, held = split_eval_pool([T(r) for r in records], 20, SEED)
+    held_keys = {t.key for t in held}
+    for r in records:
+        key = f"{r['group_id']}::{r['label']}"
+        has_rust_or_crack = r["label"] == "fail"
+        if (key in held_keys and not has_rust_or_crack) or (key not in held_keys and has_rust_or_crack):
+            r["per_image"]["image_2"] += ", moss seen"
+    return records
+
+
+@pytest.mark.parametrize("max_drop, decision", [(None, "promoted"), (0.05, "rejected_eval_veto")])
+def test_eval_veto(tmp_path, monkeypatch, max_drop, decision):
+    records = _veto_records()
+    monkeypatch.setattr(se, "ticket_records", lambda n=80, seed=5: records)
+    script = {1: se.proposal(se.op(se.rule("moss")))}
+    overrides = [] if max_drop is None else [f"rule_search.gate.eval_max_acc_drop={max_drop}"]
+    run_dir, _ = run(tmp_path, overrides=overrides, engine={"script": script}, epochs=1)
+    (moss,) = [c for c in rows(run_dir, "rule_candidates.jsonl") if "moss" in c["candidate_id"]]
+    assert moss["decision"] == decision
+    assert moss["eval_acc_drop"] > 0.05 and moss["eval_cand_acc"] < moss["eval_base_acc"]
+    assert moss["applied"] == (decision == "promoted")
+    assert ("moss" in json.dumps(experiences(run_dir))) == (decision == "promoted")
+
+
+def test_empty_eval_pool_runs(tmp_path):
+    run_dir, engines = run(tmp_path, overrides=["rule_search.eval_pool_size=0"])
+    summary = doc(run_dir, "summary.json")
+    assert summary["baseline"]["eval"] is None and summary["final"]["eval"] is None
+    assert summary["baseline"]["train"]["n"] == 80
+    assert all(c["eval_cand_acc"] is None for c in rows(run_dir, "rule_candidates.jsonl"))
+    assert not any("/eval" in key for key, _, _ in engines[0].calls)
+
+
+def test_epochs_cap_the_iterations(tmp_path):
+    run_dir, _ = run(tmp_path, epochs=2)
+    summary = doc(run_dir, "summary.json")
+    assert summary["iterations"] == 2 and summary["stop_reason"] == "epochs"
+
+
+def test_distillation_runs_once_after_the_loop_with_the_final_guidance(tmp_path):
+    overrides = ["stage_b_distillation.enabled=true", "stage_b_distillation.distill_size=12",
+                 "stage_b_distillation.distill_temperature=0.1"]
+    run_dir, engines = run(tmp_path, overrides=overrides)
+    distill = rows(run_dir, "distill_chatml.jsonl")
+    assert 0 < len(distill) <= 12
+    final = experiences(run_dir)
+    for row in distill:
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["system", "user", "assistant"]
+        assert row["ticket_key"] == f"{row['group_id']}::{row['label']}"
+        assert row["messages"][2]["content"].startswith("Verdict: ")
+        assert final["G3"] in row["messages"][1]["content"]  # the final guidance is in the prompt
+    distill_calls = [c for c in engines[0].calls if c[0] == f"{SEED}/distill"]
+    assert len(distill_calls) == math.ceil(12 / 8)  # one rollout, once
+    assert doc(run_dir, "summary.json")["distillation"]["rows"] == len(distill)
+
+
+def test_distill_sampler_picks_or_derives_the_decode():
+    from stageb_pool.config import SamplerConfig
+    from stageb_pool.records import Decode
+
+    sampler = SamplerConfig(grid=[Decode(temperature=0.3, seed=43), Decode(temperature=0.7)], samples_per_decode=3)
+    assert search.distill_sampler(sampler, None).grid == [Decode(temperature=0.3, seed=43)]
+    assert search.distill_sampler(sampler, 0.7).grid == [Decode(temperature=0.7)]
+    derived = search.distill_sampler(sampler, 0.1)
+    assert derived.grid == [Decode(temperature=0.1, seed=43)] and derived.samples_per_decode == 1
+
+
+def test_state_truncation_refuses_a_shortened_artifact(tmp_path):
+    (tmp_path / "rule_candidates.jsonl").write_bytes(b"x" * 10)
+    with pytest.raises(InputError, match="committed 20"):
+        state_mod.truncate_artifacts(tmp_path, {"rule_candidates.jsonl": 20})
+    assert state_mod.truncate_artifacts(tmp_path, {"rule_candidates.jsonl": 4}) == {"rule_candidates.jsonl": 6}
+    assert (tmp_path / "rule_candidates.jsonl").read_bytes() == b"xxxx"
