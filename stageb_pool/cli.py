@@ -238,7 +238,10 @@ def _report_failure(err: Exception, level: str) -> int:
     from .pool import PoolError
 
     if isinstance(err, PoolError):
-        print(f"stageb-pool: run failed: {err}", file=sys.stderr)
+        # args[0] is the one-line "worker R (device) in method(): cause"; str(err) of a
+        # WorkerError appends the remote traceback, which only --log-level debug shows.
+        first = str(err.args[0] if err.args else err).strip().splitlines()
+        print(f"stageb-pool: run failed: {first[0] if first else type(err).__name__}", file=sys.stderr)
         remote = getattr(err, "remote_traceback", None)
         if level == "debug" and remote:
             print(remote.rstrip(), file=sys.stderr)

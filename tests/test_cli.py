@@ -1,0 +1,286 @@
+"""The stageb-pool command end to end in subprocesses (no model needed): exit codes,
+one-line errors without tracebacks, --gpus errors, check, diff, and that bad input never
+touches an existing run directory. The exit-code mapping of run failures is tested
+in-process with run_job replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stageb_pool import cli
+from stageb_pool.errors import InputError
+from stageb_pool.pool import WorkerError
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo"
+MISSION = "Rooftop antenna mount inspection"
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "stageb_pool.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd or REPO, timeout=120)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, code: int = 2, *words: str) -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A config in tmp_path using copies of the demo tickets and guidance; runs go to tmp_path/runs."""
+    (tmp_path / "tickets.jsonl").write_bytes((DEMO / "tickets.jsonl").read_bytes())
+    (tmp_path / "guidance.json").write_bytes((DEMO / "guidance.json").read_bytes())
+    text = (REPO / "configs" / "demo.yaml").read_text()
+    text = text.replace("demo/tickets.jsonl", "tickets.jsonl").replace("demo/guidance.json", "guidance.json")
+    text = text.replace("root: ../runs", "root: runs")
+    text = text.replace("prompts/proposer_generic.txt", str(REPO / "configs" / "prompts" / "proposer_generic.txt"))
+    (tmp_path / "c.yaml").write_text(text)
+    return tmp_path
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# --- arguments ----------------------------------------------------------------------------
+
+
+def test_version():
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("stageb-pool ")
+
+
+def test_no_arguments_is_exit_2():
+    proc = run_cli()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,words", [
+    (["run", "configs/demo.yaml"], ["--gpus"]),
+    (["--gpus", "cpu", "--resume", "--overwrite", "configs/demo.yaml"], ["--overwrite", "--resume"]),
+    (["--gpus", "cpu", "--log-level", "loud", "configs/demo.yaml"], ["--log-level"]),
+    (["chek", "configs/demo.yaml"], ["did you mean 'check'"]),
+    (["diff", "only_one"], ["RUN_B"]),
+    (["--gpus", "cpu", "configs/demo.yaml", "--bogus"], ["--bogus"]),
+])
+def test_argument_errors_are_one_line_exit_2(args, words):
+    assert_one_line_error(run_cli(*args), 2, *words)
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("3", ["GPU 3 does not exist", "no GPU is visible"]),
+    ("0-7", ["does not exist"]),
+    ("zero", ["cannot read GPU list"]),
+    ("cpu:0", ["cpu:N"]),
+    ("2-1", ["backwards"]),
+])
+def test_gpus_errors(spec, words, project):
+    line = assert_one_line_error(run_cli("--gpus", spec, str(project / "c.yaml")), 2, *words)
+    assert "--gpus" in line
+
+
+# --- config errors through the CLI ---------------------------------------------------------
+
+
+def test_bad_config_key_is_located(project):
+    cfg = project / "c.yaml"
+    cfg.write_text(cfg.read_text() + "sed: 3\n")
+    assert_one_line_error(run_cli("check", str(cfg)), 2, f"{cfg}: sed", "did you mean 'seed'")
+
+
+def test_bad_yaml_names_the_line(project):
+    cfg = project / "c.yaml"
+    cfg.write_text("seed: 1\nrunner: [\n")
+    assert_one_line_error(run_cli("--gpus", "cpu", str(cfg)), 2, f"{cfg}:", "invalid YAML")
+
+
+def test_bad_set_path(project):
+    assert_one_line_error(run_cli("check", str(project / "c.yaml"), "--set", "runner.chunk=3"), 2,
+                          "--set", "runner.chunk_size")
+
+
+def test_missing_config_file(tmp_path):
+    assert_one_line_error(run_cli("--gpus", "cpu", str(tmp_path / "none.yaml")), 2, "config file not found")
+
+
+# --- check ---------------------------------------------------------------------------------
+
+
+def test_check_demo_prints_the_plan():
+    proc = run_cli("check", "configs/demo.yaml")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    tickets = [json.loads(line) for line in (DEMO / "tickets.jsonl").read_text().splitlines()]
+    n_pass = sum(t["label"] == "pass" for t in tickets)
+    assert MISSION in out
+    assert f"{len(tickets)} (fail {len(tickets) - n_pass}, pass {n_pass})" in out
+    assert "eval pool      24 tickets" in out and "a train pool of 48 per iteration" in out
+    # 48 train baseline + 2 candidates x 48 + 24 eval, K = 1
+    assert "up to 168 generations" in out
+    assert "embedded" in out and "generic" in out
+
+
+def test_check_audit_mode_counts_every_ticket():
+    proc = run_cli("check", "configs/demo.yaml", "--audit", "--set", "runner.chunk_size=16")
+    assert proc.returncode == 0, proc.stderr
+    assert "mode      audit" in proc.stdout and "200 tickets in 13 chunks of 16: 200 generations" in proc.stdout
+
+
+def test_check_reports_a_malformed_ticket_line(project):
+    lines = (project / "tickets.jsonl").read_text().splitlines(keepends=True)
+    lines[4] = '{"group_id": "x", "mission": "Rooftop antenna mount inspection", "label": "maybe", "per_image": {"image_1": "a"}}\n'
+    (project / "tickets.jsonl").write_text("".join(lines))
+    assert_one_line_error(run_cli("check", str(project / "c.yaml")), 2, f"{project / 'tickets.jsonl'}:5")
+
+
+def test_check_reports_guidance_without_g0(project):
+    data = json.loads((project / "guidance.json").read_text())
+    del data[MISSION]["experiences"]["G0"]
+    (project / "guidance.json").write_text(json.dumps(data))
+    assert_one_line_error(run_cli("check", str(project / "c.yaml")), 2, "guidance.json", "G0")
+
+
+def test_check_reports_an_empty_ticket_file(project):
+    (project / "tickets.jsonl").write_text("")
+    assert_one_line_error(run_cli("check", str(project / "c.yaml")), 2, "tickets.jsonl", "no tickets")
+
+
+def test_check_reports_a_missing_model_path(project):
+    assert_one_line_error(run_cli("check", str(project / "c.yaml"), "--set", "model.path=./no_model"), 2, "no_model")
+
+
+# --- bad input never damages an existing run directory -------------------------------------
+
+
+def test_bad_input_leaves_an_existing_run_directory_untouched(project):
+    run_dir = project / "runs" / MISSION / "demo"
+    (run_dir / "snapshots").mkdir(parents=True)
+    (run_dir / "guidance.json").write_text('{"old": true}\n')
+    (run_dir / "summary.json").write_text('{"iterations": 3}\n')
+    (run_dir / "snapshots" / "guidance-step0001.json").write_text("{}\n")
+    before = snapshot(project / "runs")
+    cfg = str(project / "c.yaml")
+
+    bad_tickets = project / "bad.jsonl"
+    bad_tickets.write_text('{"group_id": "g1", "mission": "M", "label": "pass"}\n')
+    attempts = [
+        (["--gpus", "cpu", cfg, "--set", "runner.chunk_size=0"], "runner.chunk_size"),
+        (["--gpus", "cpu", cfg, "--overwrite", "--set", f"stage_a_paths={bad_tickets}"], "bad.jsonl:1"),
+        (["--gpus", "cpu", cfg, "--overwrite", "--set", "guidance.path=nope.json"], "guidance.path"),
+        (["--gpus", "7", cfg, "--overwrite"], "--gpus"),
+        (["--gpus", "cpu", cfg], "demo"),  # exists: neither --resume nor --overwrite
+    ]
+    for args, words in attempts:
+        assert_one_line_error(run_cli(*args), 2, words)
+        assert snapshot(project / "runs") == before, args
+
+
+# --- diff ----------------------------------------------------------------------------------
+
+
+def test_diff_identical_and_different(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, ts, acc in ((a, 1.0, 0.5), (b, 2.0, 0.5)):
+        root.mkdir()
+        (root / "summary.json").write_text(json.dumps({"acc": acc, "timing": {"total_s": ts}}))
+        (root / "rows.jsonl").write_text(json.dumps({"timestamp": ts, "k": 1}) + "\n")
+    proc = run_cli("diff", str(a), str(b))
+    assert proc.returncode == 0 and "identical" in proc.stdout
+
+    (b / "summary.json").write_text(json.dumps({"acc": 0.75, "timing": {"total_s": 3.0}}))
+    proc = run_cli("diff", str(a), str(b))
+    assert proc.returncode == 1
+    assert "summary.json acc" in proc.stdout and "A: 0.5" in proc.stdout and "B: 0.75" in proc.stdout
+
+
+def test_diff_of_a_missing_directory_is_exit_2(tmp_path):
+    assert_one_line_error(run_cli("diff", str(tmp_path), str(tmp_path / "nope")), 2, "no such directory")
+
+
+# --- run: exit codes (run_job replaced; the real runs are the end-to-end tests) ------------
+
+
+@pytest.fixture
+def fake_job(monkeypatch):
+    import stageb_pool.job as job
+
+    calls = []
+
+    def install(behaviour):
+        def fake_run_job(config, devices, **kwargs):
+            calls.append((config, devices, kwargs))
+            return behaviour()
+        monkeypatch.setattr(job, "run_job", fake_run_job)
+        return calls
+    return install
+
+
+def test_run_passes_flags_to_run_job(fake_job, project):
+    calls = fake_job(lambda: 0)
+    code = cli.main(["--gpus", "cpu:2", str(project / "c.yaml"), "--audit", "--resume", "--set", "runner.epochs=1"])
+    assert code == 0
+    [(config, devices, kwargs)] = calls
+    assert config.runner.epochs == 1 and [d.name for d in devices] == ["cpu:0", "cpu:1"]
+    assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False}
+
+
+def test_run_word_is_optional(fake_job, project):
+    calls = fake_job(lambda: 0)
+    assert cli.main(["run", "--gpus", "cpu", "--debug", str(project / "c.yaml")]) == 0
+    assert calls[-1][2]["debug"] is True
+
+
+def test_worker_error_is_exit_1_with_one_line(fake_job, project, capsys):
+    def fail():
+        raise WorkerError("ValueError: boom", rank=1, device="cuda:1", method="rollout", index=3,
+                          remote_traceback="Traceback (most recent call last):\n  ...\nValueError: boom")
+    fake_job(fail)
+    assert cli.main(["--gpus", "cpu", str(project / "c.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "run failed: worker 1 (cuda:1) in rollout() on item 3: ValueError: boom" in err
+    assert "Traceback" not in err
+
+    assert cli.main(["--gpus", "cpu", str(project / "c.yaml"), "--log-level", "debug"]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_interrupt_is_exit_130(fake_job, project, capsys):
+    def interrupt():
+        raise KeyboardInterrupt
+    fake_job(interrupt)
+    assert cli.main(["--gpus", "cpu", str(project / "c.yaml")]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_input_error_from_the_job_is_exit_2(fake_job, project, capsys):
+    def bad():
+        raise InputError("duplicate ticket key 'a::pass'", "t.jsonl:9")
+    fake_job(bad)
+    assert cli.main(["--gpus", "cpu", str(project / "c.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == "stageb-pool: error: t.jsonl:9: duplicate ticket key 'a::pass'"
+
+
+def test_job_exit_code_is_returned(fake_job, project):
+    fake_job(lambda: 1)
+    assert cli.main(["--gpus", "cpu", str(project / "c.yaml")]) == 1
+
+
+def test_parent_side_cli_does_not_import_torch():
+    code = "import sys; from stageb_pool import cli; cli.build_parser(); import stageb_pool.config, stageb_pool.diff; " \
+           "print('torch' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
