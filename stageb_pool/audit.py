@@ -9,13 +9,12 @@ order, so it is byte-identical for any worker count (``timestamp``/``elapsed_sec
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from . import verdicts
 from .fileio import write_json, write_jsonl
 from .rollout import RolloutResult, RolloutSpec
-from .rundir import artifact, rollouts_path
+from .rundir import artifact, rollouts_path, utc_timestamp
 
 BASELINE_METRICS = "baseline_metrics.json"
 BASELINE_TICKET_STATS = "baseline_ticket_stats.jsonl"
@@ -78,7 +77,7 @@ def write_audit_artifacts(run_dir, result: RolloutResult, tickets, *, mission: s
                           chunk_size: int, hard_case_limit: int, n_skipped_lines: int = 0, n_excluded: int = 0,
                           save_rollouts: bool = False) -> dict:
     """Write every audit artifact for ``result`` (the rollout of ``tickets``, in run order)."""
-    now = round(time.time(), 3)
+    now = utc_timestamp()
     ghash = result.guidance_hash
     by_key = {t.key: t for t in tickets}
     stats = result.stats  # ticket order, dropped excluded
@@ -165,11 +164,11 @@ def case_row(s: verdicts.TicketStats, ticket, mission: str, guidance_hash: str, 
 
 
 def hard_case_rows(stats: dict, *, iteration: int, sampler: str, limit: int, mission: str,
-                   guidance_hash: str, now: float | None = None, with_reasons: bool = True) -> list[dict]:
+                   guidance_hash: str, now: str | None = None, with_reasons: bool = True) -> list[dict]:
     """``rule_search_hard_cases.jsonl`` rows: tickets with a valid majority that differs from
     GT, by (hard_wrong, difficulty) descending (stable: ticket order breaks ties), cut to
     ``limit``, ranked from 1."""
-    now = round(time.time(), 3) if now is None else now
+    now = utc_timestamp() if now is None else now
     wrong = [s for s in stats.values() if s.majority is not None and s.majority != s.gt_label]
     wrong.sort(key=lambda s: (s.hard_wrong, s.difficulty), reverse=True)
     rows = []
@@ -200,7 +199,7 @@ def hard_case_rows(stats: dict, *, iteration: int, sampler: str, limit: int, mis
 
 
 def step_rows(result: RolloutResult, tickets, *, logging_steps: int, chunk_size: int, label: str,
-              now: float) -> list[dict]:
+              now: str) -> list[dict]:
     """``baseline_metrics_steps.jsonl``: metrics over the first k tickets of the run order,
     for k = logging_steps, 2*logging_steps, ..., n. Computed from the final results, so
     deterministic; ``elapsed_sec`` (volatile) is when the chunks holding those k tickets

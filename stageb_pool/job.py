@@ -189,7 +189,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
 
 
 def write_summary(ctx: RunContext, summary: dict) -> dict:
-    """Add the volatile ``timing`` and ``workers`` objects, write ``summary.json``, log it."""
+    """Add the volatile ``timing`` and ``workers`` objects and write ``summary.json``."""
     summary = dict(summary)
     timing = dict(summary.get("timing") or {})
     timing.setdefault("wall_s", round(time.monotonic() - ctx.started, 3))
@@ -198,11 +198,9 @@ def write_summary(ctx: RunContext, summary: dict) -> dict:
     summary.setdefault("generations_done", ctx.runner.generations_done)
     summary.setdefault("generations_saved", ctx.runner.generations_saved)
     summary["workers"] = worker_throughput(ctx.pool)
-    write_json(ctx.run_dir / rundir.SUMMARY_JSON, summary)
-    ctx.log.info("summary: %s", rundir.SUMMARY_JSON)
-    for key in ("mode", "iterations", "edits_accepted", "metrics", "generations_done", "generations_saved"):
-        if key in summary:
-            ctx.log.info("  %s: %s", key, summary[key])
+    path = ctx.run_dir / rundir.SUMMARY_JSON
+    write_json(path, summary)
+    ctx.log.info("summary written to %s", path)
     return summary
 
 

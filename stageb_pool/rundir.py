@@ -78,6 +78,12 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def utc_timestamp() -> str:
+    """Fixed-width UTC time with microseconds for artifact rows' ``timestamp`` (the same
+    format as the rule search's rows; a row's byte length never depends on the clock)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def _package_version(name: str) -> str | None:
     # importlib.metadata reads the installed version without importing the package
     # (the parent must not import torch).

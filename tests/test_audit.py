@@ -141,7 +141,10 @@ def test_save_rollouts_writes_every_candidate(tmp_path):
 def test_fake_audit_identical_on_one_and_three_workers(tmp_path):
     a = run_audit_job(tmp_path, "cpu:1", engine=fake_factory(flip=0.4), run_name="one")
     b = run_audit_job(tmp_path, "cpu:3", engine=fake_factory(flip=0.4), run_name="three")
+    c = run_audit_job(tmp_path, "cpu:2", engine=fake_factory(flip=0.4), run_name="debug", debug=True)
     assert same_artifacts(a, b) == []
+    assert same_artifacts(a, c) == []
+    assert read_json(c / "run.json")["invocation"]["workers"] == 1
     assert (a / "baseline_ticket_stats.jsonl").read_bytes() == (b / "baseline_ticket_stats.jsonl").read_bytes()
 
 
