@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -339,7 +340,7 @@ def _doc_rows() -> dict[str, str]:
     """``| `key` | type | default | meaning |`` rows of docs/usage.md: key -> default cell."""
     rows = {}
     for line in (REPO / "docs" / "usage.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         if len(cells) >= 4 and cells[0].startswith("`") and cells[0].endswith("`"):
             rows[cells[0].strip("`")] = cells[2]
     return rows
