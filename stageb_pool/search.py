@@ -25,19 +25,19 @@ import random
 import sys
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 import msgspec
 
-from . import audit, fileio, gate as gate_mod, proposer, state as state_mod
+from . import audit, fileio, gate as gate_mod, proposer, rundir, state as state_mod
 from .errors import InputError
 from .guidance import Guidance, GuidanceError, apply_operation, load_guidance
 from .hashing import content_hash
 from .pools import TrainPoolSampler, split_eval_pool
 from .prompts import build_messages
 from .records import Decode
-from .rollout import RolloutSpec
+from .rollout import RolloutResult, RolloutSpec
+from .rundir import utc_timestamp
 from .verdicts import compute_metrics
 
 CANDIDATES = "rule_candidates.jsonl"
@@ -47,12 +47,6 @@ REGRESSIONS = "rule_search_candidate_regressions.jsonl"
 PROPOSER_FAILURES = "reflection_cache/rule_search_proposer_failures.jsonl"
 DISTILL_DEFAULT = "distill_chatml.jsonl"
 RAW_CHARS = 400
-
-
-def utc_now() -> str:
-    """Fixed-width UTC time: a row's byte length never depends on the clock, so the artifact
-    lengths committed in state.json are identical between runs."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def brief(metrics) -> dict | None:
@@ -208,7 +202,19 @@ class RuleSearch:
 
     def _wait(self, pendings: list, phase: str = "rollout") -> list:
         with self._phase(phase):
-            return self.runner.wait(pendings)
+            results = self.runner.wait(pendings)
+        if self.cfg.output.save_rollouts:
+            self._save_rollouts(results)
+        return results
+
+    def _save_rollouts(self, results: list) -> None:
+        """``output.save_rollouts``: every rollout's candidate texts in rollouts/<name>.jsonl
+        (whole files, rewritten identically when a resumed run redoes an iteration)."""
+        with self._phase("io"):
+            for result in results:
+                if isinstance(result, RolloutResult):
+                    fileio.write_jsonl(rundir.rollouts_path(self.run_dir, result.spec_name),
+                                       audit.rollout_rows(result))
 
     def _spec(self, name: str, seed_key: str, tickets, guidance: dict, sampler) -> RolloutSpec:
         return RolloutSpec(name=name, seed_key=seed_key, tickets=list(tickets), guidance=dict(guidance),
@@ -237,7 +243,7 @@ class RuleSearch:
         rnd.base_metrics = compute_metrics(rnd.base.stats)
         self._append(HARD_CASES, audit.hard_case_rows(
             rnd.base.stats, iteration=it, sampler="train", limit=max(100, 4 * self.rs.reflect_size),
-            mission=self.mission, guidance_hash=rnd.g.hash, now=utc_now()))
+            mission=self.mission, guidance_hash=rnd.g.hash, now=utc_timestamp()))
         if not self.state.first_pool:
             self.state.first_pool = [t.key for t in pool]
         if rnd.base.stats:
@@ -278,7 +284,7 @@ class RuleSearch:
         return results[0] if chat is not None else None
 
     def _failure_row(self, rnd: _Round, error: str, *, chat=None, raw: str | None = None, **extra) -> dict:
-        row = {"timestamp": utc_now(), "iteration": rnd.it, "mission": self.mission,
+        row = {"timestamp": utc_timestamp(), "iteration": rnd.it, "mission": self.mission,
                "examples": chat.examples_used if chat is not None else len(rnd.examples),
                "prompt_tokens": chat.prompt_tokens if chat is not None else None, "error": error}
         row.update(extra)
@@ -318,7 +324,7 @@ class RuleSearch:
         missing = self.rs.num_candidate_rules - len(proposed)
         ablations = proposer.ablation_candidates(rnd.g, rejected_ids=taken, limit=missing) if missing > 0 else []
         evidence = [example_key(e) for e in rnd.examples]
-        now = utc_now()
+        now = utc_timestamp()
         out, rows = [], []
         for cand in [*proposed, *ablations]:
             rid = proposer.reflection_id(rnd.g.hash, rnd.it, cand.candidate_id)
@@ -399,7 +405,7 @@ class RuleSearch:
             gr = c.gate
             _, cand_m = common_metrics(rnd.base.stats, c.train.stats)
             ev_cand = common_metrics(rnd.eval_base.stats, c.eval.stats)[1] if c.eval is not None else None
-            row = {"timestamp": utc_now(), "iteration": rnd.it, "candidate_index": c.index, "mission": self.mission,
+            row = {"timestamp": utc_timestamp(), "iteration": rnd.it, "candidate_index": c.index, "mission": self.mission,
                    **self._identity(c),
                    "text": c.candidate.text, "rationale": c.candidate.rationale, "source": c.candidate.source,
                    "train_n": base_m.n, "base_acc": base_m.acc,
@@ -425,7 +431,7 @@ class RuleSearch:
             cand_rows.append(row)
             if gr.regression_count:
                 regression_rows.append({
-                    "timestamp": utc_now(), "iteration": rnd.it, "candidate_index": c.index,
+                    "timestamp": utc_timestamp(), "iteration": rnd.it, "candidate_index": c.index,
                     "mission": self.mission, **self._identity(c), "decision": c.decision,
                     "regression_count": gr.regression_count, "regressions": list(gr.regressions),
                     "base_guidance_hash": rnd.g.hash, "cand_guidance_hash": c.guidance.hash})
@@ -445,7 +451,7 @@ class RuleSearch:
         eval_m = compute_metrics(rnd.eval_base.stats) if rnd.eval_base is not None else None
         eval_after = common_metrics(rnd.eval_base.stats, c.eval.stats)[1] if c.eval is not None else None
         new_keys = [k for k in g_new.experiences if k not in rnd.g.experiences]
-        row = {"timestamp": utc_now(), "iteration": rnd.it, "mission": self.mission,
+        row = {"timestamp": utc_timestamp(), "iteration": rnd.it, "mission": self.mission,
                "accepted_key": new_keys[0] if c.candidate.op == "upsert" and new_keys else None,
                **self._identity(c), "text": c.candidate.text, "rationale": c.candidate.rationale,
                "train_n": base_m.n,

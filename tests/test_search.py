@@ -430,3 +430,13 @@ def test_state_truncation_refuses_a_shortened_artifact(tmp_path):
         state_mod.truncate_artifacts(tmp_path, {"rule_candidates.jsonl": 20})
     assert state_mod.truncate_artifacts(tmp_path, {"rule_candidates.jsonl": 4}) == {"rule_candidates.jsonl": 6}
     assert (tmp_path / "rule_candidates.jsonl").read_bytes() == b"xxxx"
+
+
+def test_save_rollouts_writes_every_rollout_once_named_by_spec(tmp_path):
+    run_dir, _ = run(tmp_path, overrides=["output.save_rollouts=true"], epochs=1)
+    names = sorted(p.name for p in (run_dir / "rollouts").iterdir())
+    assert names == ["eval-it1-base.jsonl", "eval-it1-cand1.jsonl", "final-eval.jsonl", "final-train.jsonl",
+                     "train-it1-base.jsonl", "train-it1-cand1.jsonl", "train-it1-cand2.jsonl",
+                     "train-it1-cand3.jsonl"]
+    base = rows(run_dir, "rollouts/train-it1-base.jsonl")
+    assert len(base) == 60 * 3 and all(r["text"].startswith("Verdict: ") for r in base)
