@@ -150,6 +150,14 @@ def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix or "<root>"]
 
 
+def preflight_resume(run_dir: Path, *, config, tickets) -> None:
+    """For ``run_job``: refuse a ``--resume`` with a changed config or tickets before the
+    pool starts or run.json is rewritten. The search checks again when it starts."""
+    committed = load_state(run_dir)
+    if committed is not None:
+        check_resumable(committed, config=config, tickets=tickets, run_dir=run_dir)
+
+
 def check_resumable(state: SearchState, *, config, tickets, run_dir: Path) -> None:
     """Refuse (InputError) a resume whose config or tickets differ from the committed run."""
     location = str(Path(run_dir) / STATE_FILE)

@@ -440,3 +440,16 @@ def test_save_rollouts_writes_every_rollout_once_named_by_spec(tmp_path):
                      "train-it1-cand3.jsonl"]
     base = rows(run_dir, "rollouts/train-it1-base.jsonl")
     assert len(base) == 60 * 3 and all(r["text"].startswith("Verdict: ") for r in base)
+
+
+def test_preflight_resume_checks_without_touching_anything(tmp_path):
+    with pytest.raises(Exception, match="scripted failure"):
+        run(tmp_path, engine={"raise_at": 2})
+    run_dir = tmp_path / "out" / se.MISSION / "run"
+    cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
+    tickets = job.load_inputs(config_mod.load_config(cfg_path)).tickets
+    state_mod.preflight_resume(run_dir, config=config_mod.load_config(cfg_path), tickets=tickets)
+    changed = config_mod.load_config(cfg_path, ["seed=12"])
+    with pytest.raises(InputError, match=r"differs from the interrupted run's at seed"):
+        state_mod.preflight_resume(run_dir, config=changed, tickets=tickets)
+    state_mod.preflight_resume(tmp_path / "nothing-here", config=changed, tickets=tickets)  # no state: no check
