@@ -450,6 +450,6 @@ def test_preflight_resume_checks_without_touching_anything(tmp_path):
     tickets = job.load_inputs(config_mod.load_config(cfg_path)).tickets
     state_mod.preflight_resume(run_dir, config=config_mod.load_config(cfg_path), tickets=tickets)
     changed = config_mod.load_config(cfg_path, ["seed=12"])
-    with pytest.raises(InputError, match=r"differs from the interrupted run's at seed"):
+    with pytest.raises(InputError, match=r"differs from the interrupted run's at rule_search.gate.bootstrap.seed, seed, "):
         state_mod.preflight_resume(run_dir, config=changed, tickets=tickets)
     state_mod.preflight_resume(tmp_path / "nothing-here", config=changed, tickets=tickets)  # no state: no check
