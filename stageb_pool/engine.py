@@ -86,7 +86,7 @@ class Engine:
         import transformers
 
         facts = {
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),  # a TorchVersion, not JSON-encodable as is
             "transformers": transformers.__version__,
             "device": torch.cuda.get_device_name(0) if self.device.kind == "cuda" else "cpu",
             "dtype": self.dtype,
@@ -96,7 +96,7 @@ class Engine:
             "stop": self.stop_strings,
         }
         if self.device.kind == "cuda":
-            facts["cuda"] = torch.version.cuda
+            facts["cuda"] = str(torch.version.cuda)
             facts["cudnn"] = torch.backends.cudnn.version()
         return facts
 

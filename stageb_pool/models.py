@@ -204,6 +204,7 @@ def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: 
     A checkpoint that fails to load becomes an ``InputError`` naming the path.
     """
     resolved = check_model_path(path)
+    _quiet_transformers()
     if resolved == "tiny":
         from . import tiny
 
@@ -223,6 +224,14 @@ def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: 
         raise InputError(f"cannot load the model: {type(err).__name__}: {_one_line(err)}", path) from err
 
 
+def _quiet_transformers() -> None:
+    """No progress bars: they clutter every worker's log, and tqdm starts a monitor thread,
+    which makes a process unfit to fork pool workers from later (inline pools, tests)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -234,10 +243,23 @@ def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_c
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    tokenizer = _tokenizer_class(folder, AutoTokenizer).from_pretrained(folder, trust_remote_code=trust_remote_code)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = _processor_chat_template(folder)
     return model.eval(), tokenizer
+
+
+def _tokenizer_class(folder: Path, auto):
+    """A checkpoint saved with a generic fast tokenizer (tokenizer.json as the whole truth,
+    e.g. our converted embedded model or the tiny model) is loaded as exactly that:
+    AutoTokenizer would pick the model type's own class (Qwen2Tokenizer for a qwen2 config),
+    which in transformers 5 rebuilds the pre-tokenizer and so changes the token ids."""
+    from transformers import TokenizersBackend
+
+    path = folder / "tokenizer_config.json"
+    declared = json.loads(path.read_bytes()).get("tokenizer_class") if path.is_file() else None
+    generic = declared in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    return TokenizersBackend if generic and (folder / "tokenizer.json").is_file() else auto
 
 
 def _processor_chat_template(folder: Path) -> str | None:

@@ -19,15 +19,34 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 NAME = "tiny-qwen2"
-VOCAB_SIZE = 320
+VOCAB_SIZE = 1024
 CORPUS = [
     "You judge inspection tickets. Answer with two lines.",
-    "Verdict: pass",
-    "Verdict: fail",
-    "Reason: the fire extinguisher is charged and sealed.",
+    "Verdict: pass", "Verdict: fail", "Reason: the fire extinguisher is charged and sealed.",
     "Reason: the emergency exit is blocked by pallets.",
     "Ticket: handrail loose, bolts missing, reported by staff.",
     "The quick brown fox jumps over the lazy dog. 0123456789",
+    # Prompt-like English and JSON, so the rendered Stage-B prompts of the tests take a few
+    # hundred tokens instead of over a thousand (attention cost grows with the square).
+    "You are a quality-control assistant for installation work. You receive text summaries of "
+    "the photos of one job (you never see the photos) and decide whether the job as a whole "
+    "passes or fails. Follow the rules in the user message. All rules must hold for a pass; "
+    "a rule that cannot be confirmed from the summaries counts as not met. Ignore content that "
+    "has nothing to do with the mission. If nothing supports a pass, answer fail.",
+    "Answer with exactly two lines and nothing else (no blank lines, no JSON, no Markdown): "
+    "Verdict: pass Reason: one line explaining the decision, at most 240 characters, without "
+    "rule numbers. Use \"Verdict: fail\" instead of \"Verdict: pass\" when the job fails.",
+    "Mission: Rooftop antenna mount inspection. Fixed rules: Rules: Image summaries: Statistics:",
+    "1. If no photo shows the antenna mount, the verdict is fail. 2. Confirm that the mount is "
+    "installed securely and completely, with all of its fittings in order.",
+    '{"stats": [{"category": "antenna mount", "visibility": {"complete": 1}, "brand": {"Acme": 1}}], '
+    '"notes": ["photo slightly blurry", "close-up", "partial view", "taken from below"]}',
+    '{"category": "mounting bolt", "condition": {"tight": 6, "loose": 1, "missing": 2}}, '
+    '{"category": "weatherproof seal", "condition": {"cracked": 1, "intact": 1, "peeling": 1}}, '
+    '{"category": "grounding cable", "visibility": {"visible": 1}, "routing": {"slack": 1, "neat": 1}}, '
+    '{"category": "label", "text": {"ANT-02": 1}}, {"category": "cable tie", "condition": {"fastened": 4}}',
+    "A proposed rule edit: add, edit, remove or merge one rule of the guidance, with a rationale "
+    "and the evidence (ticket keys) that supports it. Return a JSON object with candidates.",
 ]
 SPECIALS = ["<|pad|>", "<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

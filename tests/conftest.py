@@ -1,0 +1,24 @@
+"""Test-session settings shared by every test file."""
+
+import os
+
+import pytest
+
+# Never touch a hub, and keep fast tokenizers from starting a thread pool in this process
+# (it forks pool workers later; tokenizers would warn and disable itself in each child).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# torch computing with >1 OpenMP thread in this process makes every worker forked later
+# that uses >1 thread hang (GNU OpenMP; environment.md section 4). Torch work done in the
+# test process itself (inline pools, in-process engines) therefore runs single-threaded.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """A fresh model cache per test session (the embedded model converts into it once),
+    so tests never read or fill the user's ~/.cache."""
+    path = tmp_path_factory.mktemp("model-cache")
+    os.environ["STAGEB_POOL_CACHE"] = str(path)
+    return path

