@@ -50,11 +50,11 @@ class Engine:
             _pin_cuda_determinism()
         self.path = path
         self.dtype = dtype or models.default_dtype(self.device.kind)
-        attn = attn_implementation or models.default_attn_implementation(self.device.kind)
-        model, self.tokenizer, self.model_name = models.load(
-            path, dtype=self.dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
+        attn = attn_implementation or models.default_attn_implementation(self.device.kind, self.dtype)
+        self.model, self.tokenizer, self.model_name = models.load(
+            path, dtype=self.dtype, attn_implementation=attn, trust_remote_code=trust_remote_code,
+            device=self.device.torch_device,
         )
-        self.model = model.to(self.device.torch_device)
         self.attn_implementation = getattr(self.model.config, "_attn_implementation", attn)
         self._setup_tokens(stop)
         self._profiles: dict[int, tuple[object, object]] = {}

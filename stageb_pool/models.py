@@ -178,8 +178,10 @@ def default_dtype(device_kind: str) -> str:
     return "bfloat16" if device_kind == "cuda" else "float32"
 
 
-def default_attn_implementation(device_kind: str) -> str:
-    if device_kind == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+def default_attn_implementation(device_kind: str, dtype: str = "bfloat16") -> str:
+    """flash_attention_2 where it can run (installed, CUDA, a 16-bit dtype), else sdpa."""
+    half = str(dtype) in ("bfloat16", "float16")
+    if device_kind == "cuda" and half and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
 
@@ -198,8 +200,10 @@ def is_vision_language(config: dict) -> bool:
     return "vl" in str(config.get("model_type", "")).lower() or "vision_config" in config
 
 
-def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: bool = False):
-    """``(model, tokenizer, name)`` for a path accepted by ``check_model_path``, on CPU in ``dtype``.
+def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: bool = False,
+         device: str = "cpu"):
+    """``(model, tokenizer, name)`` for a path accepted by ``check_model_path``, in ``dtype``,
+    with its weights placed directly on ``device`` (a torch device string).
 
     A checkpoint that fails to load becomes an ``InputError`` naming the path.
     """
@@ -209,14 +213,14 @@ def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: 
         from . import tiny
 
         model, tokenizer = tiny.build(attn_implementation=attn_implementation)
-        return model.to(torch_dtype(dtype)), tokenizer, tiny.NAME
+        return model.to(device=device, dtype=torch_dtype(dtype)), tokenizer, tiny.NAME
     try:
         if resolved == "embedded":
-            model, tokenizer = _load_dir(ensure_embedded(), dtype, attn_implementation, trust_remote_code)
+            model, tokenizer = _load_dir(ensure_embedded(), dtype, attn_implementation, trust_remote_code, device)
             return model, tokenizer, EMBEDDED_NAME
         if resolved.lower().endswith(".gguf"):
-            return (*_load_gguf(Path(resolved), dtype, attn_implementation), Path(resolved).name)
-        model, tokenizer = _load_dir(Path(resolved), dtype, attn_implementation, trust_remote_code)
+            return (*_load_gguf(Path(resolved), dtype, attn_implementation, device), Path(resolved).name)
+        model, tokenizer = _load_dir(Path(resolved), dtype, attn_implementation, trust_remote_code, device)
         return model, tokenizer, Path(resolved).name
     except InputError:
         raise
@@ -232,7 +236,7 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
-def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_code: bool):
+def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_code: bool, device: str):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     config = json.loads((folder / "config.json").read_bytes())
@@ -242,6 +246,7 @@ def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_c
         dtype=torch_dtype(dtype),
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
+        device_map=device,
     )
     tokenizer = _tokenizer_class(folder, AutoTokenizer).from_pretrained(folder, trust_remote_code=trust_remote_code)
     if tokenizer.chat_template is None:
@@ -270,11 +275,12 @@ def _processor_chat_template(folder: Path) -> str | None:
     return None
 
 
-def _load_gguf(path: Path, dtype: str, attn_implementation: str):
+def _load_gguf(path: Path, dtype: str, attn_implementation: str, device: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch_dtype(dtype), attn_implementation=attn_implementation
+        path.parent, gguf_file=path.name, dtype=torch_dtype(dtype), attn_implementation=attn_implementation,
+        device_map=device,
     )
     return model.eval(), tokenizer

@@ -113,8 +113,12 @@ def test_default_dtype(kind, dtype):
     assert models.default_dtype(kind) == dtype
 
 
-def test_cpu_attention_defaults_to_sdpa():
-    assert models.default_attn_implementation("cpu") == "sdpa"
+def test_attention_defaults_to_sdpa_where_flash_attention_cannot_run(monkeypatch):
+    assert models.default_attn_implementation("cpu", "float32") == "sdpa"
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: object())  # flash_attn "installed"
+    assert models.default_attn_implementation("cpu", "bfloat16") == "sdpa"
+    assert models.default_attn_implementation("cuda", "float32") == "sdpa"
+    assert models.default_attn_implementation("cuda", "bfloat16") == "flash_attention_2"
 
 
 def test_concurrent_embedded_conversions_publish_one_whole_model(tmp_path, monkeypatch):
