@@ -1,0 +1,97 @@
+"""Test engines for the pool tests (imported by tests/test_pool*.py and the scripts here).
+
+Nothing here sleeps to synchronise: methods that must wait poll for a condition (a file)
+with a deadline, and methods that must "hang" block until they are killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import msgspec
+
+
+class Echoed(msgspec.Struct, frozen=True):
+    item: object
+    shared: dict
+    rank: int
+
+
+def wait_for_path(path: str, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def touch(path: str, text: str = "") -> None:
+    """Create ``path`` atomically so a reader never sees it half written."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+class Engine:
+    def __init__(self, device):
+        self.device = device
+
+    def info(self):
+        return {"rank": self.device.rank, "device": self.device.name}
+
+    def square(self, x, *, guidance=None):
+        return x * x
+
+    def jitter_square(self, x):
+        # uneven durations shuffle completion order across workers (workload, not sync)
+        time.sleep((x * 7 % 5) / 1000)
+        return x * x
+
+    def echo(self, item, **shared):
+        return {"item": item, "shared": shared, "rank": self.device.rank}
+
+    def pid(self, _=None):
+        return os.getpid()
+
+    def fail_on(self, x, *, bad=2):
+        if x == bad:
+            raise ValueError(f"item {x} is bad")
+        return x
+
+    def wait_for(self, path):
+        return wait_for_path(path)
+
+    def big(self, n):
+        return "x" * n
+
+    def block(self, marker):
+        """Announce that the task started, then block until killed."""
+        touch(f"{marker}.{os.getpid()}", str(os.getpid()))
+        threading.Event().wait()
+
+    def die_once(self, x, *, marker, how="kill"):
+        """Die (or hang) the first time item 3 is run; a retry computes normally."""
+        if x == 3 and not os.path.exists(marker):
+            touch(marker)
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "hang":
+                threading.Event().wait()
+        return x * x
+
+    def exit_with(self, code):
+        os._exit(code)
+
+    def print_lines(self, text):
+        print(text)
+        print("to stderr", file=__import__("sys").stderr)
+        return True
+
+
+class FailingEngine:
+    def __init__(self, device):
+        raise RuntimeError(f"no model for {device.name}")

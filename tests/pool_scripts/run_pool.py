@@ -1,0 +1,32 @@
+"""A parent process that runs a pool and blocks in gather; the tests signal or kill it.
+
+usage: run_pool.py STATE_DIR
+Writes STATE_DIR/pids.json (worker and zygote pids) once the pool is up, then maps a
+blocking task over the workers. Exits 130 on Ctrl-C, like the CLI.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from engines import Engine, touch  # noqa: E402
+
+from stageb_pool import Pool  # noqa: E402
+
+
+def main(state_dir: str) -> int:
+    try:
+        with Pool(Engine, "cpu:2") as pool:
+            pids = {"workers": pool.pids, "zygote": pool._zygote.pid}
+            touch(os.path.join(state_dir, "pids.json"), json.dumps(pids))
+            pool.map("block", [os.path.join(state_dir, "started")] * 2)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
