@@ -1,0 +1,107 @@
+"""Wire protocol: framing, size limits, the tagged union, fd passing."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import msgspec
+import pytest
+
+from stageb_pool import protocol
+from stageb_pool.protocol import (
+    Exited, Failure, FrameReader, FrameTooLarge, InitFailed, Kill, ProtocolError, Ready, Result,
+    Shutdown, Snapshot, Spawn, Spawned, Task,
+)
+
+MESSAGES = [
+    Ready(1, 123, {"torch": "2.13"}),
+    InitFailed(1, 123, "RuntimeError: x", "Traceback ..."),
+    Snapshot("abcd", {"G0": "rule"}, evict=["old"]),
+    Task(7, "rollout", {"tickets": [1, 2]}, {"guidance": "abcd"}),
+    Failure(7, "ValueError: bad", "Traceback ..."),
+    Shutdown(2.0),
+    Spawn(3),
+    Spawned(3, 456),
+    Kill(456, 9),
+    Exited(456, None, 9),
+    Exited(457, 0, None),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_with_its_type_tag(msg):
+    data = protocol.frame(msg)
+    (size,) = protocol.HEADER.unpack(data[:4])
+    assert size == len(data) - 4
+    assert msgspec.json.decode(data[4:])["type"] == type(msg).__name__
+    assert FrameReader().feed(data) == [msg]
+
+
+def test_result_value_stays_raw_until_the_parent_decodes_it():
+    (got,) = FrameReader().feed(protocol.frame(Result(1, {"a": [1, 2.5, None]})))
+    assert isinstance(got.value, msgspec.Raw)
+    assert msgspec.json.decode(got.value) == {"a": [1, 2.5, None]}
+
+
+def test_reader_reassembles_frames_fed_byte_by_byte():
+    data = b"".join(protocol.frame(m) for m in MESSAGES)
+    reader, got = FrameReader(), []
+    for i in range(len(data)):
+        got += reader.feed(data[i:i + 1])
+    assert got == MESSAGES and not reader.buffer
+
+
+def test_oversize_send_names_the_size_and_sends_nothing():
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(FrameTooLarge, match=r"Task frame of 1,0\d\d bytes exceeds the pool's frame limit of 1,000 bytes"):
+            protocol.send(a, Task(1, "m", "x" * 1000), max_frame=1000)
+        a.setblocking(False)
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            b.recv(1)
+
+
+def test_oversize_header_on_receive_is_a_protocol_error():
+    header = protocol.HEADER.pack(5000)
+    with pytest.raises(ProtocolError, match="5,000 bytes exceeds the limit of 1,000"):
+        FrameReader(max_frame=1000).feed(header)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(header + b"{}")
+        with pytest.raises(ProtocolError, match="exceeds the limit"):
+            protocol.recv(b, max_frame=1000)
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"type": "Nope"}', b'{"type": "Task", "id": "x"}', b"[]"])
+def test_garbage_is_a_protocol_error(body):
+    with pytest.raises(ProtocolError, match="cannot decode message"):
+        FrameReader().feed(protocol.HEADER.pack(len(body)) + body)
+
+
+def test_blocking_recv_reads_frames_and_reports_eof():
+    a, b = socket.socketpair()
+    with b:
+        protocol.send(a, Spawn(1))
+        a.sendall(protocol.frame(Spawn(2))[:5])  # a torn frame, then EOF
+        a.close()
+        assert protocol.recv(b) == Spawn(1)
+        assert protocol.recv(b) is None
+
+
+def test_packets_carry_file_descriptors():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    r, w = os.pipe()
+    with a, b:
+        protocol.send_packet(a, Spawned(0, 42), [w])
+        protocol.send_packet(a, Exited(42, 1, None))
+        msg, fds = protocol.recv_packet(b)
+        assert msg == Spawned(0, 42) and len(fds) == 1
+        os.write(fds[0], b"hi")
+        assert os.read(r, 2) == b"hi"
+        assert protocol.recv_packet(b) == (Exited(42, 1, None), [])
+        a.close()
+        assert protocol.recv_packet(b) == (None, [])
+    for fd in (r, w, *fds):
+        os.close(fd)
