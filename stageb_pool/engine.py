@@ -79,7 +79,7 @@ class Engine:
         self.pad_id = tok.pad_token_id
         # Start from transformers' defaults, not the checkpoint's generation_config (which
         # may carry top_k, min_p, ...): every sampling knob comes from the Decode.
-        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.stop_ids)
+        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.stop_ids or None)
 
     def info(self) -> dict:
         """Provenance that bit-identical results depend on (recorded in run.json)."""
@@ -190,7 +190,7 @@ class Engine:
             do_sample=sampling,
             max_new_tokens=decode.max_new_tokens,
             repetition_penalty=decode.repetition_penalty,
-            eos_token_id=self.stop_ids,
+            eos_token_id=self.stop_ids or None,  # stop=[]: always run to max_new_tokens
             pad_token_id=self.pad_id,
         )
         if sampling:

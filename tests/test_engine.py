@@ -195,6 +195,13 @@ def test_a_configured_stop_token_ends_the_sample_and_the_text(profile):
     assert s.completion_tokens == first + 1
 
 
+def test_no_stop_strings_means_every_sample_runs_to_max_new_tokens(profile):
+    never = Engine(CPU, path="tiny", stop=[])
+    result = rollout(never, chunk(0, TICKETS[:4], [GREEDY]), profile)
+    assert all(s.finish_reason == "length" and s.completion_tokens == GREEDY.max_new_tokens
+               for t in result.tickets for s in t.samples)
+
+
 def test_default_stops_are_eos_im_end_and_endoftext(engine):
     assert engine.stop_strings == ["<|im_end|>", "<|endoftext|>"]
     assert engine.stop_ids == engine.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
