@@ -219,13 +219,22 @@ def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: 
             model, tokenizer = _load_dir(ensure_embedded(), dtype, attn_implementation, trust_remote_code, device)
             return model, tokenizer, EMBEDDED_NAME
         if resolved.lower().endswith(".gguf"):
-            return (*_load_gguf(Path(resolved), dtype, attn_implementation, device), Path(resolved).name)
+            model, tokenizer = _load_gguf(Path(resolved), dtype, attn_implementation, device)
+            _require_chat_template(tokenizer, path)
+            return model, tokenizer, Path(resolved).name
         model, tokenizer = _load_dir(Path(resolved), dtype, attn_implementation, trust_remote_code, device)
+        _require_chat_template(tokenizer, path)
         return model, tokenizer, Path(resolved).name
     except InputError:
         raise
     except Exception as err:
         raise InputError(f"cannot load the model: {type(err).__name__}: {_one_line(err)}", path) from err
+
+
+def _require_chat_template(tokenizer, path: str) -> None:
+    # Prompts are always rendered with the chat template: fail at start-up, not on a chunk.
+    if not tokenizer.chat_template:
+        raise InputError("the tokenizer has no chat template (a base model, not an instruct/chat model?)", path)
 
 
 def _quiet_transformers() -> None:

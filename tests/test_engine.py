@@ -300,6 +300,15 @@ def test_a_corrupt_checkpoint_fails_construction_with_a_line_naming_the_path(eng
     assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_checkpoint_without_chat_template_is_refused_at_construction(engine, tmp_path):
+    engine.model.save_pretrained(tmp_path)
+    engine.tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    with pytest.raises(InputError, match="chat template") as info:
+        Engine(CPU, path=str(tmp_path))
+    assert str(tmp_path) in str(info.value)
+
+
 def test_unknown_dtype_is_an_input_error():
     with pytest.raises(InputError, match="dtype"):
         Engine(CPU, path="tiny", dtype="float13")
