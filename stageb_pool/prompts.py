@@ -23,13 +23,13 @@ import yaml
 
 from .errors import InputError
 from .hashing import content_hash
+from .tickets import strip_header_lines  # the same rule at ingest and at prompt time
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = REPO_ROOT / "configs" / "prompts"
 INLINE_FIELDS = ("mission", "focus")
 BLOCK_FIELDS = ("scaffold", "rules", "image_stats", "station_summary", "image_summaries")
 RULES_ORDERS = ("key", "g0_first")
-HEADER_LINE = re.compile(r"^<DOMAIN=.*>\s*,\s*<TASK=.*>$")
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _TRAILING_INT = re.compile(r"(\d+)$")
 
@@ -177,13 +177,6 @@ def load_profile(
 
 
 # --------------------------------------------------------------------------- summaries
-
-def strip_header_lines(text: str) -> str:
-    """Remove ``<DOMAIN=...>, <TASK=...>`` header lines (all missions, at prompt time)."""
-    lines = text.split("\n")
-    kept = [line for line in lines if not HEADER_LINE.match(line.strip())]
-    return "\n".join(kept).strip() if len(kept) != len(lines) else text
-
 
 def _image_index(key: str) -> int:
     m = _TRAILING_INT.search(key)
