@@ -323,7 +323,8 @@ class Pool:
             self._snapshots[key][1] += 1
         task = TaskHandle(self._next_id, method, data, keys, rank, result_type)
         self._next_id += 1
-        (self._queue if rank is None else self._pinned[rank]).append(task)
+        if not self.inline:  # inline tasks run in gather, in order; nothing to dispatch
+            (self._queue if rank is None else self._pinned[rank]).append(task)
         return task
 
     def _finish(self, task: TaskHandle, *, result=None, error=None) -> None:
@@ -362,7 +363,6 @@ class Pool:
     # -- inline mode ----------------------------------------------------------------------
     def _run_inline(self, task: TaskHandle) -> None:
         """Run one task in this process through the same codec as a worker would."""
-        self._remove_queued(task)
         started = time.perf_counter()
         try:
             shared = {name: self._inline_snapshot(key) for name, key in task.shared.items()}
@@ -388,10 +388,6 @@ class Pool:
                 self._inline_cache.popitem(last=False)
         self._inline_cache.move_to_end(key)
         return self._inline_cache[key]
-
-    def _remove_queued(self, task: TaskHandle) -> None:
-        queue = self._queue if task.rank is None else self._pinned[task.rank]
-        queue.remove(task)
 
     # -- the event loop -------------------------------------------------------------------
     def _step(self) -> None:

@@ -40,15 +40,18 @@ def check_fork_safe() -> None:
     if torch is not None and torch.cuda.is_initialized():
         problems.append("CUDA is initialised in this process (a forked child cannot use it)")
     if os.path.isdir("/proc/self/task"):
-        native = len(os.listdir("/proc/self/task"))
         # A clean interpreter has 1 thread; `import torch` starts exactly one more. Any other
         # thread is usually torch's OpenMP pool, started by a torch op: a forked child that
-        # runs its own first op would then deadlock.
+        # runs its own first op would then deadlock. A thread that was just joined can linger
+        # in /proc for a moment, so give the count a little time to settle.
         clean = 1 + (torch is not None)
+        deadline = time.monotonic() + 0.5
+        while (native := len(os.listdir("/proc/self/task"))) > clean and time.monotonic() < deadline:
+            time.sleep(0.01)
         if native > clean and threading.active_count() == 1:
             problems.append(
                 f"{native} native threads exist where a clean process has {clean} "
-                "(a torch op in this process started its OpenMP thread pool?)"
+                "(started by a library: a torch op starts torch's OpenMP thread pool)"
             )
     if problems:
         raise PoolError(
