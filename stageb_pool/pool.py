@@ -193,8 +193,12 @@ class Pool:
         self._workers: list[_Worker | None] = [None] * self.size
         self._spawning: dict[int, float] = {}  # rank -> deadline for the zygote's Spawned
         if inline:
-            self._engine = engine_factory(self.devices[0])
-            self.worker_info[0] = dict(self._engine.info()) if hasattr(self._engine, "info") else {}
+            try:
+                self._engine = engine_factory(self.devices[0])
+                self.worker_info[0] = dict(self._engine.info()) if hasattr(self._engine, "info") else {}
+            except Exception as exc:
+                raise WorkerError(f"{type(exc).__name__}: {exc}", rank=0, device=self.devices[0].name,
+                                  method="engine_factory", remote_traceback=traceback.format_exc()) from exc
             self._inline_cache: OrderedDict[str, object] = OrderedDict()
             return
         self._zygote = Zygote(self.devices, engine_factory, max_frame_bytes)

@@ -144,6 +144,8 @@ def test_engine_init_failure_raises_from_the_constructor():
     with pytest.raises(WorkerError, match="RuntimeError: no model for cpu:") as info:
         Pool(FailingEngine, "cpu:2")
     assert "in __init__" in info.value.remote_traceback
+    with pytest.raises(WorkerError, match="RuntimeError: no model for cpu:0"):
+        Pool(FailingEngine, "cpu:2", inline=True)
 
 
 def test_kill_9_mid_task_raises_worker_died_within_a_second(tmp_path):
