@@ -195,6 +195,19 @@ def test_a_configured_stop_token_ends_the_sample_and_the_text(profile):
     assert s.completion_tokens == first + 1
 
 
+def test_a_multi_token_stop_string_ends_the_sample_and_cuts_the_text(engine, profile):
+    ids = rollout(engine, chunk(0, TICKETS[1:2], [GREEDY]), profile).tickets[0].samples[0].token_ids
+    tok = engine.tokenizer
+    # Two consecutive generated tokens whose text is clean and is not itself one token.
+    candidates = [(a, tok.decode(ids[a:a + 2])) for a in range(2, 8)]
+    a, stop = next((a, s) for a, s in candidates if "\ufffd" not in s and s.strip() and s not in tok.get_vocab())
+    stopping = Engine(CPU, path="tiny", stop=[stop])
+    s = rollout(stopping, chunk(0, TICKETS[1:2], [GREEDY]), profile).tickets[0].samples[0]
+    assert s.finish_reason == "stop"
+    assert s.token_ids == ids[: a + 2] and s.completion_tokens == a + 2
+    assert s.text == tok.decode(ids[:a], skip_special_tokens=True).strip()
+
+
 def test_no_stop_strings_means_every_sample_runs_to_max_new_tokens(profile):
     never = Engine(CPU, path="tiny", stop=[])
     result = rollout(never, chunk(0, TICKETS[:4], [GREEDY]), profile)
