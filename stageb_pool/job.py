@@ -101,6 +101,16 @@ def _check_readable(path: str, key: str) -> None:
         raise InputError(f"cannot read {path}: {err.strerror or err}", f"config: {key}") from err
 
 
+def _check_resume(config, tickets, run_dir) -> None:
+    """Refuse a resume with a changed config or changed tickets before anything is written
+    or forked (the search checks again; this keeps run.json and guidance.json intact)."""
+    from . import state as state_mod
+
+    committed = state_mod.load_state(run_dir)
+    if committed is not None:
+        state_mod.check_resumable(committed, config=config, tickets=tickets, run_dir=run_dir)
+
+
 def engine_factory_for(model_config, model_path: str):
     """The factory each worker calls after fork. It imports the engine (torch,
     transformers) inside the worker: the parent never imports torch."""
@@ -144,10 +154,20 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     inputs = load_inputs(config)
     run_dir = rundir.run_dir_path(config, inputs.mission)
     rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
+    if resume and config.mode == "search":
+        _check_resume(config, inputs.tickets, run_dir)
 
     repo = guidance_mod.GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
     if not (resume and repo.exists()):
         repo.write(inputs.seed_guidance)
+
+    run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
+    prov = dict(model_path=config.model.path, chunk_size=config.runner.chunk_size,
+                profile_hash=content_hash(inputs.profile), tickets_hash=tickets_hash(inputs.tickets))
+    # A first run.json before the workers start marks the directory as a stageb-pool run
+    # even if the start fails (so --overwrite may replace it); rewritten with rank 0's info.
+    rundir.write_run_json(run_dir, workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov),
+                          **run_json)
 
     factory = engine_factory or engine_factory_for(config.model, inputs.model_path)
     pool = Pool(
@@ -159,14 +179,8 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
                                progress=progress, save_rollouts=config.output.save_rollouts)
         info = pool.worker_info[0] if pool.worker_info else {}
-        rundir.write_run_json(
-            run_dir, config=config, devices=devices, workers=pool.size, debug=debug,
-            started_at=started_at, argv=argv,
-            provenance=rundir.provenance(
-                worker_info=info, model_path=config.model.path, chunk_size=config.runner.chunk_size,
-                profile_hash=runner.profile_hash, tickets_hash=tickets_hash(inputs.tickets),
-            ),
-        )
+        rundir.write_run_json(run_dir, workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov),
+                              **run_json)
         ctx = RunContext(
             config=config, mission=inputs.mission, tickets=inputs.tickets, profile=inputs.profile,
             guidance_repo=repo, run_dir=Path(run_dir), runner=runner, pool=pool, log=log,

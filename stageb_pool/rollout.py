@@ -172,6 +172,13 @@ class RolloutRunner:
 
         try:
             results = self.pool.gather(tasks, on_result=on_result) if tasks else []
+        except BaseException:
+            # The pool cancelled this gather's tasks: forget them, so that a later submit of
+            # the same chunks generates them again instead of waiting on dead tasks.
+            for key in keys:
+                if key is not None:
+                    self._inflight.pop(key, None)
+            raise
         finally:
             if self.progress is not None:
                 self.progress.finish()

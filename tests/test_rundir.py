@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fake_engines import MISSION, fake_factory, write_run_inputs
-from stageb_pool import __version__
+from stageb_pool import PoolError, __version__
 from stageb_pool.config import load_config
 from stageb_pool.errors import InputError
 from stageb_pool.fileio import read_json
@@ -168,3 +168,25 @@ def test_run_json_content(tmp_path):
     inv = doc["invocation"]
     assert (inv["gpus"], inv["workers"], inv["debug"], inv["argv"]) == ("cpu:2", 2, False, ["stageb-pool", "--audit"])
     assert inv["started_at"].endswith("Z")
+
+
+def test_resume_with_changed_config_refused_before_anything_is_written(tmp_path):
+    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    over = ["mode=search", "rule_search.eval_pool_size=4", "rule_search.train_pool_size=4", "runner.epochs=1"]
+    assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True) == 0
+    run = tmp_path / "out" / MISSION / "run1"
+    assert (run / "state.json").is_file()
+    before = tree_digest(tmp_path / "out")
+    with pytest.raises(InputError, match="rule_search.reflect_size"):
+        run_job(load_config(cfg, over + ["rule_search.reflect_size=7"]), "cpu:1", resume=True,
+                engine_factory=never_called, debug=True)
+    assert tree_digest(tmp_path / "out") == before
+
+
+def test_failed_start_leaves_a_run_that_overwrite_may_replace(tmp_path):
+    cfg = write_run_inputs(tmp_path, n_tickets=6)
+    with pytest.raises(PoolError, match="no engine may be built"):
+        audit(cfg, engine_factory=never_called, debug=True)
+    run = tmp_path / "out" / MISSION / "run1"
+    assert read_json(run / "run.json")["provenance"]["engine"] == {}
+    assert audit(cfg, engine_factory=fake_factory(), overwrite=True) == 0
