@@ -163,31 +163,27 @@ class RolloutRunner:
         started = time.monotonic()
         if self.progress is not None:
             self.progress.start(_label(pendings), sum(counts))
-        done_at = [0.0] * len(tasks)
 
-        def on_result(index, _result):
-            done_at[index] = time.monotonic() - started
+        def on_result(index, result):
+            # Cached as it arrives: chunks finished before a failure are not generated again.
+            key = keys[index]
+            if key is not None:
+                self._cache[key] = result
+                self._done_s[key] = time.monotonic() - started
             if counts[index] and self.progress is not None:
                 self.progress.advance(counts[index])
 
         try:
             results = self.pool.gather(tasks, on_result=on_result) if tasks else []
-        except BaseException:
-            # The pool cancelled this gather's tasks: forget them, so that a later submit of
-            # the same chunks generates them again instead of waiting on dead tasks.
+        finally:
+            # Done or cancelled (the pool cancels a failed gather's tasks): no longer in
+            # flight, so a later submit of an unfinished chunk generates it again.
             for key in keys:
                 if key is not None:
                     self._inflight.pop(key, None)
-            raise
-        finally:
             if self.progress is not None:
                 self.progress.finish()
             self.rollout_seconds += time.monotonic() - started
-        for key, result, at in zip(keys, results, done_at):
-            if key is not None:
-                self._cache[key] = result
-                self._done_s[key] = at
-                del self._inflight[key]
         out = []
         for pending in pendings:
             pending.done = True
@@ -208,7 +204,9 @@ class RolloutRunner:
         done_s = []
         position = 0
         for part in pending.parts:
-            result = self._cache[part.key]
+            result = self._cache.get(part.key)
+            if result is None:
+                raise RuntimeError(f"rollout {spec.name!r}: a chunk was cancelled by a failed gather; submit it again")
             tickets = spec.tickets[position : position + part.n_tickets]
             position += part.n_tickets
             _check_chunk(result, tickets, part.key)

@@ -219,3 +219,17 @@ def test_progress_share_per_worker():
     counts[1] += 1
     progress.advance(4)
     assert progress.line().endswith("workers 0:75% 1:25%")
+
+
+def test_engine_error_propagates_and_runner_stays_usable(tickets, profile):
+    from stageb_pool import WorkerError
+
+    with Pool(fake_factory(fail_on=tickets[4].key), "cpu:1", inline=True) as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=3)
+        with pytest.raises(WorkerError, match="told to fail"):
+            runner.run(spec(tickets))
+        ok = runner.run(spec(tickets[:3], name="first chunk only"))  # chunk 0 has no bad ticket
+        assert list(ok.stats) == [t.key for t in tickets[:3]]
+        assert ok.generations == 0  # chunk 0 finished before the failure and stayed cached
+        with pytest.raises(WorkerError):  # the failed chunk is tried again, not awaited forever
+            runner.run(spec(tickets))
