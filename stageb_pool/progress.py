@@ -37,11 +37,13 @@ class Progress:
         self._bar = None
         self._label = ""
         self._total = self._done = self._chunks = 0
+        self._logged = -1
         self._t0 = self._last = 0.0
         self._base = {}
 
     def start(self, label: str, total: int) -> None:
         self._label, self._total, self._done, self._chunks = label, total, 0, 0
+        self._logged = -1
         self._t0 = self._last = time.monotonic()
         self._base = self._per_rank()
         if total and self.tty:
@@ -61,13 +63,14 @@ class Progress:
                     self._bar.set_postfix_str(share, refresh=False)
         elif now - self._last >= self.interval_s or self._chunks % self.every_chunks == 0:
             self._last = now
+            self._logged = self._done
             self.log.info(self.line())
 
     def finish(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._total:
+        if self._total and self._logged != self._done:  # the last periodic line may be the final one
             self.log.info(self.line())
         self._total = 0
 

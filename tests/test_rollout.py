@@ -189,8 +189,8 @@ def test_progress_log_lines_without_terminal(tickets, profile, caplog):
         with Pool(fake_factory(), "cpu:1", inline=True) as pool:
             RolloutRunner(pool, profile, chunk_size=3, progress=progress).run(spec(tickets))
     lines = [r.getMessage() for r in caplog.records]
-    # 4 chunks: a line after chunks 2 and 4, and the final line
-    assert len(lines) == 3
+    # 4 chunks: a line after chunks 2 and 4; the one after chunk 4 is the final line (not repeated)
+    assert len(lines) == 2
     assert lines[-1].startswith("audit: 10/10 tickets (100%)")
     assert "tickets/s" in lines[0] and lines[0].startswith("audit: 6/10")
 
@@ -233,3 +233,15 @@ def test_engine_error_propagates_and_runner_stays_usable(tickets, profile):
         assert ok.generations == 0  # chunk 0 finished before the failure and stayed cached
         with pytest.raises(WorkerError):  # the failed chunk is tried again, not awaited forever
             runner.run(spec(tickets))
+
+
+def test_progress_final_line_when_last_chunk_was_not_logged(caplog):
+    log = logging.getLogger("test.final")
+    progress = Progress(stream=io.StringIO(), tty=False, log=log, interval_s=1e9, every_chunks=100)
+    with caplog.at_level(logging.INFO, logger="test.final"):
+        progress.start("eval", 5)
+        progress.advance(3)
+        progress.advance(2)
+        progress.finish()
+        progress.finish()  # idempotent: nothing more
+    assert [r.getMessage()[:16] for r in caplog.records] == ["eval: 5/5 ticket"]
