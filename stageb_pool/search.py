@@ -553,6 +553,7 @@ class RuleSearch:
             "mission": self.mission,
             "iterations": st.iteration,
             "stop_reason": st.stop_reason,
+            "edits_accepted": len(st.edits),
             "edits": list(st.edits),
             "guidance_step": g.step,
             "guidance_hash": g.hash,
