@@ -127,9 +127,9 @@ def test_check_demo_prints_the_plan():
     n_pass = sum(t["label"] == "pass" for t in tickets)
     assert MISSION in out
     assert f"{len(tickets)} (fail {len(tickets) - n_pass}, pass {n_pass})" in out
-    assert "eval pool      24 tickets" in out and "a train pool of 48 per iteration" in out
-    # 48 train baseline + 2 candidates x 48 + 24 eval, K = 1
-    assert "up to 168 generations" in out
+    assert "eval pool      24 tickets" in out and "a train pool of 40 per iteration" in out
+    # 40 train baseline + 2 candidates x 40 + 24 eval, K = 1
+    assert "up to 144 generations" in out
     assert "embedded" in out and "generic" in out
 
 

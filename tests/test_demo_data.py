@@ -39,7 +39,7 @@ def test_tickets_have_the_stage_a_shape_and_both_labels():
             body = text.splitlines()[-1]
             if body != "irrelevant photo":
                 summary = json.loads(body)
-                assert set(summary) == {"stats", "notes"} and all("category" in s for s in summary["stats"])
+                assert set(summary) in ({"stats"}, {"stats", "notes"}) and all("category" in s for s in summary["stats"])
 
 
 def test_labels_mostly_follow_the_hidden_rules():
@@ -60,11 +60,12 @@ def test_labels_mostly_follow_the_hidden_rules():
     assert gen.NOISE == 0.05
 
 
-def test_seed_guidance_has_g0_and_one_scaffold_rule_only():
+def test_seed_guidance_has_g0_a_scaffold_rule_and_an_unhelpful_rule_only():
     data = json.loads((DEMO / "guidance.json").read_text())
     [(mission, section)] = data.items()
     assert mission == "Rooftop antenna mount inspection"
-    assert set(section["experiences"]) == {"G0", "S1"}
+    assert set(section["experiences"]) == {"G0", "S1", "G1"}
+    assert "blurry" in section["experiences"]["G1"]  # a distractor: something to ablate
     text = " ".join(section["experiences"].values()).lower()
     for hidden in ("bolt", "grounding", "seal"):
         assert hidden not in text

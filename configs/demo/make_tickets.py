@@ -4,13 +4,18 @@
     python configs/demo/make_tickets.py            # rewrites tickets.jsonl and guidance.json here
     python configs/demo/make_tickets.py --out DIR  # writes them into DIR instead
 
-Mission: "Rooftop antenna mount inspection". Each ticket is a photo group of 2-5 images;
+Mission: "Rooftop antenna mount inspection". Each ticket is a photo group of 1-3 images;
 each image has a Stage-A style one-line JSON summary with English keys
 (``{"stats": [{"category": ..., <attribute>: {<value>: <count>}}], "notes": [...]}``,
-the upstream Chinese keys are 统计/备注) or the literal text ``irrelevant photo``.
+the upstream Chinese keys are 统计/备注; ``notes`` only when there are any) or the literal
+text ``irrelevant photo``. Summaries are compact so that a demo prompt stays near 250
+tokens: on a CPU, reading the prompt is most of the cost of a verdict.
 
 Hidden labelling rules (a reviewer's "fail" follows from any of them; they are NOT in the
-seed guidance, which only has the checklist G0 and the scaffold rule S1):
+seed guidance, which has the checklist G0, the scaffold rule S1 and one deliberately
+unhelpful learnable rule G1 about blurry photos, a distractor the labels ignore, so that
+the rule search always has an ablation candidate to test even when a weak model's
+proposals are all rejected):
   1. fail if any photo shows a mounting bolt that is loose or missing;
   2. fail if no photo shows the grounding cable;
   3. fail if any photo shows a damaged (cracked or peeling) weatherproof seal.
@@ -38,6 +43,7 @@ GUIDANCE = {
         "experiences": {
             "G0": "Confirm that the antenna mount is installed securely and completely, with all of its fittings in order.",
             "S1": "If no photo shows the antenna mount, the verdict is fail.",
+            "G1": "If any photo is slightly blurry, the verdict is fail.",
         },
     }
 }
@@ -46,7 +52,8 @@ HEADER = "<DOMAIN=ROOF>, <TASK=SUMMARY>"
 
 
 def _summary(stats: list[dict], notes: list[str], rng: random.Random) -> str:
-    text = json.dumps({"stats": stats, "notes": notes}, ensure_ascii=False)
+    summary = {"stats": stats, "notes": notes} if notes else {"stats": stats}
+    text = json.dumps(summary, ensure_ascii=False, separators=(",", ":"))
     return f"{HEADER}\n{text}" if rng.random() < 0.1 else text
 
 
@@ -57,7 +64,7 @@ def _ticket_state(rng: random.Random) -> dict:
         "bad_bolt": rng.random() < 0.2,
         "ground_visible": rng.random() > 0.15,
         "bad_seal": rng.random() < 0.15,
-        "n_images": rng.randint(2, 5),
+        "n_images": rng.randint(1, 3),
     }
 
 
@@ -66,13 +73,13 @@ def _images(state: dict, rng: random.Random) -> list[str]:
     n = state["n_images"]
     slots: list[list[dict]] = [[] for _ in range(n)]
     notes: list[list[str]] = [[] for _ in range(n)]
-    irrelevant = {n - 1} if n >= 4 and rng.random() < 0.3 else set()
+    irrelevant = {n - 1} if n >= 3 and rng.random() < 0.2 else set()
     usable = [i for i in range(n) if i not in irrelevant]
 
     if state["mount_visible"]:
         for i in rng.sample(usable, k=rng.randint(1, len(usable))):
             view = rng.choice(["complete", "complete", "partial"])
-            slots[i].append({"category": "antenna mount", "visibility": {view: 1}, "brand": {rng.choice(["Acme", "Norsat", "TowerPro"]): 1}})
+            slots[i].append({"category": "antenna mount", "visibility": {view: 1}})
     bolt_photos = rng.sample(usable, k=rng.randint(1, min(2, len(usable))))
     bad_photo = rng.choice(bolt_photos)
     for i in bolt_photos:
@@ -90,11 +97,11 @@ def _images(state: dict, rng: random.Random) -> list[str]:
         slots[seal_photo].append({"category": "weatherproof seal", "condition": {seal: 1}})
     # Distractors that do not matter for the label.
     for i in usable:
-        if rng.random() < 0.35:
-            slots[i].append({"category": "cable tie", "condition": {rng.choice(["fastened", "loose"]): rng.randint(1, 4)}})
-        if rng.random() < 0.25:
-            slots[i].append({"category": "label", "text": {f"ANT-{rng.randint(1, 12):02d}": 1}})
         if rng.random() < 0.2:
+            slots[i].append({"category": "cable tie", "condition": {rng.choice(["fastened", "loose"]): rng.randint(1, 4)}})
+        if rng.random() < 0.1:
+            slots[i].append({"category": "label", "text": {f"ANT-{rng.randint(1, 12):02d}": 1}})
+        if rng.random() < 0.1:
             notes[i].append(rng.choice(["close-up", "photo slightly blurry", "taken from below", "partial view"]))
     out = []
     for i in range(n):
