@@ -179,6 +179,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
                                progress=progress, save_rollouts=config.output.save_rollouts)
         info = pool.worker_info[0] if pool.worker_info else {}
+        warn_if_workers_differ(pool.worker_info, log)
         rundir.write_run_json(run_dir, workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov),
                               **run_json)
         ctx = RunContext(
@@ -202,6 +203,17 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     return 0
 
 
+def warn_if_workers_differ(worker_info: list[dict], log: logging.Logger) -> None:
+    """Byte-identical results need every worker on the same software, device model and
+    dtype (docs/architecture.md); run.json records rank 0's facts, so say loudly if the
+    others differ (e.g. a node that mixes GPU models)."""
+    facts = [msgspec.to_builtins(info, enc_hook=str) for info in worker_info]
+    odd = [rank for rank, f in enumerate(facts) if f != facts[0]]
+    if odd:
+        log.warning("workers %s report a different engine than worker 0 (%s vs %s): results may "
+                    "depend on which worker ran which chunk", odd, facts[odd[0]], facts[0])
+
+
 def write_summary(ctx: RunContext, summary: dict) -> dict:
     """Add the volatile ``timing`` and ``workers`` objects and write ``summary.json``."""
     summary = dict(summary)
@@ -211,15 +223,15 @@ def write_summary(ctx: RunContext, summary: dict) -> dict:
     summary["timing"] = timing
     summary.setdefault("generations_done", ctx.runner.generations_done)
     summary.setdefault("generations_saved", ctx.runner.generations_saved)
-    summary["workers"] = worker_throughput(ctx.pool)
+    summary["workers"] = worker_throughput(ctx.pool, ctx.runner.tickets_by_rank)
     path = ctx.run_dir / rundir.SUMMARY_JSON
     write_json(path, summary)
     ctx.log.info("summary written to %s", path)
     return summary
 
 
-def worker_throughput(pool) -> dict:
-    """Per worker: items done and busy seconds (from pool.stats), tickets/s where known."""
+def worker_throughput(pool, tickets_by_rank: dict[int, int] | None = None) -> dict:
+    """Per worker: items done, busy seconds (from pool.stats), rollout tickets and tickets/s."""
     stats = pool.stats
     get = (lambda n: stats.get(n)) if isinstance(stats, dict) else (lambda n: getattr(stats, n, None))
     items = get("items") or {}
@@ -230,5 +242,7 @@ def worker_throughput(pool) -> dict:
     for rank, device in enumerate(pool.devices):
         n = items.get(rank, items.get(str(rank), 0))
         s = busy.get(rank, busy.get(str(rank), 0.0))
-        out[device.name] = {"items": n, "busy_s": round(float(s), 3)}
+        tickets = (tickets_by_rank or {}).get(rank, 0)
+        out[device.name] = {"items": n, "busy_s": round(float(s), 3), "rollout_tickets": tickets,
+                            "tickets_per_s": round(tickets / s, 3) if s > 0 else None}
     return out

@@ -126,7 +126,7 @@ class TaskHandle:
     """A submitted task. Pass it to ``gather``; its result comes back there."""
 
     __slots__ = ("id", "method", "item", "shared", "rank", "result_type", "index",
-                 "done", "result", "error", "cancelled", "owner")
+                 "done", "result", "error", "cancelled", "owner", "ran_on")
 
     def __init__(self, id, method, item, shared, rank, result_type):
         self.id, self.method, self.item, self.shared = id, method, item, shared
@@ -137,6 +137,7 @@ class TaskHandle:
         self.error: BaseException | None = None
         self.cancelled = False
         self.owner = None  # the gather waiting for it
+        self.ran_on: int | None = None  # rank of the worker that computed the result
 
     def __repr__(self) -> str:
         state = "done" if self.done else "pending"
@@ -382,6 +383,7 @@ class Pool:
             return
         self.stats.items[0] += 1
         self.stats.busy_s[0] += time.perf_counter() - started
+        task.ran_on = 0
         result, error = self._decode_result(task, raw)
         self._finish(task, result=result, error=error)
 
@@ -431,7 +433,7 @@ class Pool:
         return min(candidates, key=lambda q: q[0].id).popleft()
 
     def _send_task(self, w: _Worker, task: TaskHandle) -> None:
-        w.state, w.task = "busy", task
+        w.state, w.task, task.ran_on = "busy", task, w.rank
         w.started = time.monotonic()
         w.deadline = _deadline(self.task_timeout)
         for key in task.shared.values():
@@ -440,7 +442,9 @@ class Pool:
                 continue
             evict = []
             while len(w.cache) >= SNAPSHOT_CACHE_SIZE:
-                old = next(k for k in w.cache if k not in task.shared.values())
+                old = next((k for k in w.cache if k not in task.shared.values()), None)
+                if old is None:  # this task needs every cached value: let the cache grow
+                    break
                 del w.cache[old]
                 evict.append(old)
             self._send(w, Snapshot(key, msgspec.Raw(self._snapshots[key][0]), evict))

@@ -96,6 +96,7 @@ class RolloutRunner:
         self.save_rollouts = save_rollouts
         self.generations_done = 0
         self.generations_saved = 0
+        self.tickets_by_rank: dict[int, int] = {}  # tickets generated, by the worker that ran them
         self.rollout_seconds = 0.0  # wall time spent inside wait(): the rollout phase
         self._cache: dict[str, ChunkResult] = {}
         self._inflight: dict[str, object] = {}  # cache key -> pool task, submitted, not yet gathered
@@ -170,6 +171,8 @@ class RolloutRunner:
             if key is not None:
                 self._cache[key] = result
                 self._done_s[key] = time.monotonic() - started
+                rank = tasks[index].ran_on
+                self.tickets_by_rank[rank] = self.tickets_by_rank.get(rank, 0) + counts[index]
             if counts[index] and self.progress is not None:
                 self.progress.advance(counts[index])
 

@@ -207,6 +207,13 @@ def test_restart_and_retry_give_identical_results(tmp_path, how):
         assert pool.map("square", [5]) == [25]  # and it works
 
 
+def test_a_task_may_share_more_values_than_the_snapshot_cache_holds():
+    shared = {f"v{i}": i for i in range(12)}
+    with Pool(Engine, "cpu:1") as pool:
+        assert pool.map("sum_shared", [0, 100], **shared) == [66, 166]
+        assert pool.call(0, "sum_shared", 1, a=1) == 2  # older snapshots can be evicted again
+
+
 def test_restart_budget_is_pool_wide():
     with Pool(Engine, "cpu:2", max_restarts=1) as pool:
         with pytest.raises(WorkerDied, match="exited with code 1"):

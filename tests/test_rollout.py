@@ -149,6 +149,16 @@ def test_snapshots_sent_once_per_worker(tickets, profile):
     assert 3 <= sends <= 6
 
 
+def test_tickets_are_credited_to_the_worker_that_ran_them(tickets, profile):
+    with Pool(fake_factory(), "cpu:2") as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=2)
+        runner.run(spec(tickets))
+        runner.run(spec(tickets))  # cached: nobody ran it again
+        assert sum(runner.tickets_by_rank.values()) == len(tickets)
+        assert set(runner.tickets_by_rank) <= {0, 1}
+        assert [runner.tickets_by_rank.get(r, 0) for r in (0, 1)] == [2 * n for n in pool.stats.items]
+
+
 def test_one_gather_for_rollouts_and_chat(tickets, profile):
     request = ChatRequest(system="s", user_head="h", examples=["a", "b"], user_tail="t",
                           decode=Decode(temperature=0.4), seed_key="17/proposer/it1")

@@ -3,6 +3,7 @@ disk write or fork."""
 
 from __future__ import annotations
 
+import logging
 import hashlib
 import json
 from pathlib import Path
@@ -190,3 +191,16 @@ def test_failed_start_leaves_a_run_that_overwrite_may_replace(tmp_path):
     run = tmp_path / "out" / MISSION / "run1"
     assert read_json(run / "run.json")["provenance"]["engine"] == {}
     assert audit(cfg, engine_factory=fake_factory(), overwrite=True) == 0
+
+
+def test_workers_with_different_engines_are_reported(caplog):
+    from stageb_pool.job import warn_if_workers_differ
+
+    log = logging.getLogger("stageb_pool.test")
+    same = [{"device": "NVIDIA H200", "dtype": "bfloat16"}] * 3
+    with caplog.at_level(logging.WARNING, logger="stageb_pool.test"):
+        warn_if_workers_differ(same, log)
+        assert not caplog.records
+        warn_if_workers_differ(same[:2] + [{"device": "NVIDIA H100", "dtype": "bfloat16"}], log)
+    [record] = caplog.records
+    assert "workers [2]" in record.getMessage() and "H100" in record.getMessage()

@@ -83,6 +83,9 @@ class Engine:
                 threading.Event().wait()
         return x * x
 
+    def sum_shared(self, x, **shared):
+        return x + sum(shared.values())
+
     def exit_with(self, code):
         os._exit(code)
 
