@@ -239,12 +239,7 @@ def _struct_of(tp) -> type | None:
     tp = _strip(tp)
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
         return tp
-    if get_origin(tp) is Union or type(tp).__name__ == "UnionType":
-        for arg in get_args(tp):
-            s = _struct_of(arg)
-            if s is not None:
-                return s
-    return None
+    return _first_in_union(tp, _struct_of)
 
 
 def _list_item(tp):
@@ -252,11 +247,13 @@ def _list_item(tp):
     tp = _strip(tp)
     if get_origin(tp) is list:
         return get_args(tp)[0]
+    return _first_in_union(tp, _list_item)
+
+
+def _first_in_union(tp, find):
+    """``find(arg)`` for the first member of a union type that gives a result, else None."""
     if get_origin(tp) is Union or type(tp).__name__ == "UnionType":
-        for arg in get_args(tp):
-            item = _list_item(arg)
-            if item is not None:
-                return item
+        return next((r for r in map(find, get_args(tp)) if r is not None), None)
     return None
 
 
