@@ -285,10 +285,15 @@ class Pool:
             return
         for w in self._workers:
             if w is not None and w.sock is not None:
-                try:
-                    w.sock.sendall(protocol.frame(Shutdown()))
-                except OSError:
-                    pass
+                if w.state == "busy":
+                    # Mid-task it cannot read Shutdown, and nobody will collect its result:
+                    # stop it now rather than after the grace period (Ctrl-C stays prompt).
+                    self._zygote.kill(w.pid, signal.SIGTERM)
+                else:
+                    try:
+                        w.sock.sendall(protocol.frame(Shutdown()))
+                    except OSError:
+                        pass
                 self._drop_socket(w)
         self._zygote.shutdown(CLOSE_GRACE)  # returns once all workers and the zygote are reaped
         self._sel.close()
