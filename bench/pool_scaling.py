@@ -23,6 +23,7 @@ are separate processes started from here) and multiprocessing.
 from __future__ import annotations
 
 import argparse
+import heapq
 import math
 import multiprocessing
 import os
@@ -38,6 +39,15 @@ from stageb_pool import Pool  # noqa: E402
 
 MEAN_S = 0.050
 SIGMA = 1.0  # log-normal shape: a few items take 10-20x the median
+
+
+def list_scheduling_makespan(items: list[float], workers: int) -> float:
+    """Makespan of zero-overhead dynamic dispatch in submission order (a free worker takes
+    the next item): the best any online dispatcher can do without knowing durations."""
+    free = [0.0] * workers
+    for duration in items:
+        heapq.heappush(free, heapq.heappop(free) + duration)
+    return max(free)
 
 
 def durations(n: int, seed: int) -> list[float]:
@@ -165,6 +175,12 @@ def main() -> None:
             r = run()
             rows.append((name, w, ideal, r))
             print(f"  {name:30s} W={w}: {r['wall']:.2f} s, efficiency {ideal / r['wall']:.3f}", flush=True)
+    print()
+    print("Zero-overhead dynamic dispatch (the bound for the pool's efficiency on these items):")
+    for w in sorted({w for _, w, _, _ in rows}):
+        bound = total / w / list_scheduling_makespan(items, w)
+        measured = next(total / w / r["wall"] for name, ww, _, r in rows if ww == w and name == "pool (dynamic)")
+        print(f"  W={w}: bound {bound:.3f}; pool {measured:.3f} = {measured / bound:.3f} of the bound")
     print()
     print("| design | workers | ideal s | measured s | efficiency | parent CPU µs/item (sleep items) "
           "| parent CPU µs/item (0 ms items) | small round trip µs |")
