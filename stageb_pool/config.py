@@ -267,7 +267,8 @@ def _fields(struct: type) -> dict[str, msgspec.structs.FieldInfo]:
     return {f.encode_name: f for f in msgspec.structs.fields(struct)}
 
 
-def _join(prefix: str, key: str) -> str:
+def join_key(prefix: str, key: str) -> str:
+    """``prefix.key``, or ``key`` at the top level (dotted key paths in messages and diffs)."""
     return f"{prefix}.{key}" if prefix else key
 
 
@@ -277,12 +278,12 @@ def _legacy_name(path: str) -> str:
 
 def _unknown_key(path: str, key: str, valid: list[str]) -> str:
     """The message for a key the schema does not have: legacy replacement or closest name."""
-    full = _join(path, key)
+    full = join_key(path, key)
     legacy = LEGACY_KEYS.get(_legacy_name(full))
     if legacy:
         return f"legacy key {full!r}: {legacy}"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean {_join(path, close[0])!r}?" if close else f"; valid keys here: {', '.join(valid)}"
+    hint = f"; did you mean {join_key(path, close[0])!r}?" if close else f"; valid keys here: {', '.join(valid)}"
     return f"unknown key {full!r}{hint}"
 
 
@@ -296,19 +297,19 @@ def _check_keys(raw: Any, struct: type, path: str, where: str) -> None:
         if not isinstance(key, str):
             raise InputError(f"key {key!r} is not a string", f"{where}: {path or '(top level)'}")
         if key not in fields:
-            raise InputError(_unknown_key(path, key, list(fields)), f"{where}: {_join(path, key)}")
+            raise InputError(_unknown_key(path, key, list(fields)), f"{where}: {join_key(path, key)}")
         field = fields[key]
         sub = _struct_of(field.type)
         if sub is not None and raw[key] is None and not _optional(field.type):
             raw[key] = {}
         if sub is not None:
-            _check_keys(raw[key], sub, _join(path, key), where)
+            _check_keys(raw[key], sub, join_key(path, key), where)
         item = _list_item(field.type)
         if item is not None and isinstance(raw[key], list):
             item_struct = _struct_of(item)
             if item_struct is not None:
                 for i, value in enumerate(raw[key]):
-                    _check_keys(value, item_struct, f"{_join(path, key)}[{i}]", where)
+                    _check_keys(value, item_struct, f"{join_key(path, key)}[{i}]", where)
 
 
 def _optional(tp) -> bool:
@@ -353,7 +354,7 @@ def apply_override(raw: dict, assignment: str) -> str:
         if part not in fields:
             raise InputError(_unknown_key(path, part, list(fields)), "--set")
         field = fields[part]
-        path = _join(path, part)
+        path = join_key(path, part)
         if last:
             node[part] = value
             return path
@@ -399,7 +400,7 @@ def _translate(err: msgspec.ValidationError, raw: Any, where: str) -> InputError
     key = at.lstrip(".")
     missing = re.match(r"Object missing required field `(.+)`", msg)
     if missing:
-        full = _join(key, missing.group(1))
+        full = join_key(key, missing.group(1))
         return InputError(f"missing required key {full!r}", f"{where}: {full}")
     value = _lookup(raw, at)
     text = msg.replace("`", "")
@@ -454,7 +455,7 @@ def _check_finite(value: Any, path: str, where: str) -> None:
         raise InputError(f"must be a finite number, got {value!r}", f"{where}: {path}")
     if isinstance(value, dict):
         for k, v in value.items():
-            _check_finite(v, _join(path, str(k)), where)
+            _check_finite(v, join_key(path, str(k)), where)
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _check_finite(v, f"{path}[{i}]", where)
@@ -583,7 +584,7 @@ def config_keys(struct: type = Config, prefix: str = "") -> list[tuple[str, Any]
     grid entries as ``...grid[].field``. Used by the docs test."""
     out: list[tuple[str, Any]] = []
     for f in msgspec.structs.fields(struct):
-        key = _join(prefix, f.encode_name)
+        key = join_key(prefix, f.encode_name)
         sub = _struct_of(f.type)
         item = _list_item(f.type)
         if sub is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from .config import join_key
 from .errors import InputError
 
 # Any JSON key with one of these names, at any depth of any JSON/JSONL artifact.
@@ -54,10 +55,6 @@ def _files(root: Path) -> list[str]:
     return out
 
 
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
 def compare_values(a, b, *, skip: tuple[str, ...] = (), path: str = ""):
     """Yield ``(key_path, a, b)`` for every difference between two JSON values, ignoring
     ``VOLATILE_KEYS`` at any depth and the dotted paths in ``skip``."""
@@ -67,7 +64,7 @@ def compare_values(a, b, *, skip: tuple[str, ...] = (), path: str = ""):
         for key in list(a) + [k for k in b if k not in a]:
             if key in VOLATILE_KEYS:
                 continue
-            sub = _join(path, str(key))
+            sub = join_key(path, str(key))
             if key not in a or key not in b:
                 if sub not in skip:
                     yield sub, a.get(key, ABSENT), b.get(key, ABSENT)
