@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from . import guidance as guidance_mod
-from . import models, prompts, rundir, tickets as tickets_mod
+from . import models, prompts, rundir, state as state_mod, tickets as tickets_mod
 from .devices import Device, parse_gpus
 from .errors import InputError
 from .fileio import write_json
@@ -101,16 +101,6 @@ def _check_readable(path: str, key: str) -> None:
         raise InputError(f"cannot read {path}: {err.strerror or err}", f"config: {key}") from err
 
 
-def _check_resume(config, tickets, run_dir) -> None:
-    """Refuse a resume with a changed config or changed tickets before anything is written
-    or forked (the search checks again; this keeps run.json and guidance.json intact)."""
-    from . import state as state_mod
-
-    committed = state_mod.load_state(run_dir)
-    if committed is not None:
-        state_mod.check_resumable(committed, config=config, tickets=tickets, run_dir=run_dir)
-
-
 def engine_factory_for(model_config, model_path: str):
     """The factory each worker calls after fork. It imports the engine (torch,
     transformers) inside the worker: the parent never imports torch."""
@@ -155,7 +145,8 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     run_dir = rundir.run_dir_path(config, inputs.mission)
     rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
     if resume and config.mode == "search":
-        _check_resume(config, inputs.tickets, run_dir)
+        # before run.json or guidance.json is rewritten or a worker forked
+        state_mod.preflight_resume(run_dir, config=config, tickets=inputs.tickets)
 
     repo = guidance_mod.GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
     if not (resume and repo.exists()):
