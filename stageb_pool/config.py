@@ -348,7 +348,7 @@ def apply_override(raw: dict, assignment: str) -> str:
                 node[index] = value
                 return path
             node = node[index]
-            struct = _struct_of(_item_type_at(path))
+            struct = _struct_of(_list_item(_type_at(path)))
             continue
         fields = _fields(struct) if struct is not None else {}
         if part not in fields:
@@ -368,14 +368,14 @@ def apply_override(raw: dict, assignment: str) -> str:
             raise InputError(f"{dotted}: {path} is not a section", "--set")
 
 
-def _item_type_at(path: str):
-    """Type of the items of the list field at ``path`` (e.g. a sampler's grid: Decode)."""
+def _type_at(path: str):
+    """The declared type of the field at a key path (list indices ignored)."""
     struct: type = Config
     tp = None
     for part in re.sub(r"\[\d+\]", "", path).split("."):
         tp = _fields(struct)[part].type
         struct = _struct_of(tp) or struct
-    return _list_item(tp)
+    return tp
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -424,12 +424,7 @@ def _looks_numeric(text: str) -> bool:
 
 
 def _choices(key: str) -> str:
-    struct: type = Config
-    tp = None
-    for part in re.sub(r"\[\d+\]", "", key).split("."):
-        tp = _fields(struct)[part].type
-        struct = _struct_of(tp) or struct
-    return ", ".join(repr(a) for a in get_args(_strip(tp)))
+    return ", ".join(repr(a) for a in get_args(_strip(_type_at(key))))
 
 
 def _check_decodes(cfg: Config, where: str) -> None:
