@@ -63,7 +63,6 @@ class _WorkerFault(PoolError):
         if index is not None:
             where += f" on item {index}"
         super().__init__(f"{where}: {summary}")
-        self.summary = summary
         self.rank, self.device, self.index, self.method = rank, device, index, method
 
 

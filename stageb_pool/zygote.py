@@ -96,9 +96,6 @@ class Zygote:
         self.sock = ours
         self.status: int | None = None
 
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
     def spawn(self, rank: int) -> None:
         protocol.send_packet(self.sock, Spawn(rank))
 
