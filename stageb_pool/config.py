@@ -192,12 +192,13 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
     seen: dict = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
-        if isinstance(key, (str, int, float, bool)) and key in seen:
+        if not isinstance(key, (str, int, float, bool)):
+            continue  # only scalar keys are tracked; construct_mapping rejects unhashable ones
+        if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark
             )
-        if isinstance(key, (str, int, float, bool)):
-            seen[key] = key_node.start_mark.line
+        seen[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=deep)
 
 
@@ -252,7 +253,7 @@ def _list_item(tp):
 
 def _first_in_union(tp, find):
     """``find(arg)`` for the first member of a union type that gives a result, else None."""
-    if get_origin(tp) is Union or type(tp).__name__ == "UnionType":
+    if _is_union(tp):
         return next((r for r in map(find, get_args(tp)) if r is not None), None)
     return None
 
@@ -312,9 +313,14 @@ def _check_keys(raw: Any, struct: type, path: str, where: str) -> None:
                     _check_keys(value, item_struct, f"{join_key(path, key)}[{i}]", where)
 
 
+def _is_union(tp) -> bool:
+    """``Union[X, Y]`` or ``X | Y`` (the two spell different runtime types)."""
+    return get_origin(tp) is Union or type(tp).__name__ == "UnionType"
+
+
 def _optional(tp) -> bool:
     tp = _strip(tp)
-    return (get_origin(tp) is Union or type(tp).__name__ == "UnionType") and type(None) in get_args(tp)
+    return _is_union(tp) and type(None) in get_args(tp)
 
 
 # ----------------------------------------------------------------------------- --set overrides
