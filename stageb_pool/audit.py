@@ -39,8 +39,8 @@ def run_audit(ctx) -> dict:
     )
     ctx.log.info("audit: %d tickets, guidance step %d (%s)", len(spec.tickets), guidance.step, guidance.hash)
     result = ctx.runner.run(spec)
-    skipped = len(ctx.ingest.skipped) if getattr(ctx, "ingest", None) is not None else 0
-    excluded = ctx.ingest.excluded if getattr(ctx, "ingest", None) is not None else 0
+    skipped = len(ctx.ingest.skipped) if ctx.ingest is not None else 0
+    excluded = ctx.ingest.excluded if ctx.ingest is not None else 0
     written = write_audit_artifacts(
         ctx.run_dir, result, spec.tickets,
         mission=ctx.mission,

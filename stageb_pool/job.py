@@ -34,8 +34,7 @@ class RunContext:
     """Everything the audit and the rule search need; the parent owns all of it.
 
     Beyond the contract: ``ingest`` (the IngestReport: skipped lines, exclusions),
-    ``devices``, ``debug``, ``seed_guidance`` (the validated seed file) and ``started``
-    (monotonic start time)."""
+    ``devices``, ``debug`` and ``started`` (monotonic start time)."""
 
     config: object
     mission: str
@@ -47,7 +46,6 @@ class RunContext:
     pool: object
     log: logging.Logger
     resume: bool = False
-    interrupted: bool = False
     ingest: object = None
     devices: list = field(default_factory=list)
     debug: bool = False
