@@ -66,6 +66,16 @@ def limit_threads(device) -> None:
         torch.set_num_threads(device.threads)
 
 
+def flush_stdio() -> None:
+    """Flush Python's stdio buffers before a fork (a child would inherit them and print
+    them once more) and before ``os._exit`` (which skips the flush)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
 def _line_buffered_stdio() -> None:
     # fds 1 and 2 are pipes to the zygote, which prefixes each line with our rank; line
     # buffering makes prints appear promptly and never lost at os._exit.
@@ -91,11 +101,7 @@ def worker_main(sock, device, engine_factory, max_frame: int) -> None:
     except BaseException:  # noqa: BLE001 - whatever happens, leave through os._exit
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
+        flush_stdio()
         os._exit(code)
 
 

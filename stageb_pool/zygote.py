@@ -27,7 +27,7 @@ import traceback
 
 from . import protocol
 from .protocol import Exited, Kill, PoolError, Shutdown, Spawn, Spawned
-from .worker import after_fork_in_child, close_fds_except, die_with_parent, worker_main
+from .worker import after_fork_in_child, close_fds_except, die_with_parent, flush_stdio, worker_main
 
 
 def check_fork_safe() -> None:
@@ -61,15 +61,6 @@ def check_fork_safe() -> None:
         )
 
 
-def _flush_stdio() -> None:
-    # Unflushed buffers would be inherited and printed once more by the child.
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-
-
 class Zygote:
     """The parent's handle on the fork server."""
 
@@ -77,7 +68,7 @@ class Zygote:
         check_fork_safe()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent_pid = os.getpid()
-        _flush_stdio()
+        flush_stdio()
         pid = os.fork()
         if pid == 0:  # the zygote; never returns
             code = 1
@@ -233,7 +224,7 @@ class ForkServer:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         zygote_pid = os.getpid()
-        _flush_stdio()
+        flush_stdio()
         pid = os.fork()
         if pid == 0:  # the worker; never returns
             try:
