@@ -31,12 +31,8 @@ from typing import Iterable, Mapping, Sequence
 
 import msgspec
 
-from .guidance import Operation
+from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
 from .records import ChatRequest, Decode
-
-OPS = ("upsert", "update", "merge", "remove")
-_SCAFFOLD = re.compile(r"^S\d+$")
-_LEARNABLE = re.compile(r"^G\d+$")
 
 # --------------------------------------------------------------------------- text normalisation
 
@@ -442,11 +438,11 @@ def _resolve(op: str, target: str, targets: list[str], lookup: dict[str, str]):
         key = lookup.get(target)
         if key is None:
             return f"target signature not found: {target!r}"
-        if _SCAFFOLD.match(key):
+        if SCAFFOLD_KEY.match(key):
             return f"target {key} is a read-only scaffold rule"
         if op == "remove" and key == "G0":
             return "G0 cannot be removed"
-        if not (_LEARNABLE.match(key)):
+        if not LEARNABLE_KEY.match(key):
             return f"target {key} is not a learnable rule"
         return key, []
     keys: list[str] = []
@@ -454,7 +450,7 @@ def _resolve(op: str, target: str, targets: list[str], lookup: dict[str, str]):
         key = lookup.get(sig)
         if key is None:
             return f"merge target signature not found: {sig!r}"
-        if _SCAFFOLD.match(key) or key == "G0" or not _LEARNABLE.match(key):
+        if key == "G0" or not LEARNABLE_KEY.match(key):
             return f"merge target {key} cannot be merged"
         if key not in keys:
             keys.append(key)
@@ -490,7 +486,7 @@ def _check_entry(entry, ctx: dict, seen: _Seen, evidence: Sequence[str]) -> Cand
     if not isinstance(entry, dict):
         return "entry is not an object"
     op = _clean(entry.get("op")).lower() if entry.get("op") is not None else "upsert"
-    if op not in OPS:
+    if op not in OPERATIONS:
         return f"unknown op {op!r}"
     targets = _entry_targets(op, entry)
     if isinstance(targets, str):
@@ -581,7 +577,7 @@ def ablation_candidates(guidance, *, rejected_ids: Iterable[str] = (), limit: in
     rejected = {str(i).strip() for i in rejected_ids}
     scored = []
     for key, text in exp.items():
-        if key == "G0" or not _LEARNABLE.match(key):
+        if key == "G0" or not LEARNABLE_KEY.match(key):
             continue
         sig = normalize_signature(text)
         cid = candidate_id("remove", "", sig)
