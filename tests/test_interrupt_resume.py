@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from processes import descendants, gone
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"
 SETTINGS = [  # small but long enough (about a second per iteration) to be interrupted in the middle
@@ -32,34 +34,6 @@ def command(root: Path, name: str, *extra: str) -> list[str]:
 
 def env() -> dict:
     return dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-
-
-def descendants(pid: int) -> list[int]:
-    """Pids of every living process below ``pid`` (from /proc)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
-                parents[int(entry.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        children = [c for c, pp in parents.items() if pp == p]
-        found += children
-        frontier += children
-    return found
-
-
-def gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def wait_for_committed_iteration(state: Path, proc: subprocess.Popen, deadline_s: float) -> int:

@@ -20,20 +20,12 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pool_scripts"))
 
 from engines import Echoed, Engine, FailingEngine, wait_for_path  # noqa: E402
+from processes import gone  # noqa: E402
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout  # noqa: E402
 from stageb_pool.protocol import FrameTooLarge, ProtocolError  # noqa: E402
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "pool_scripts")
-
-
-def gone(pid: int) -> bool:
-    """The process no longer exists (or is a zombie waiting for init)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def wait_until(condition, timeout: float) -> bool:
