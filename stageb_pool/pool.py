@@ -40,6 +40,7 @@ from .protocol import (
     Spawned,
     Task,
 )
+from .worker import exception_summary, start_engine
 from .zygote import Zygote
 
 __all__ = ["Pool", "TaskHandle", "PoolStats", "PoolError", "WorkerError", "WorkerDied", "WorkerTimeout",
@@ -194,10 +195,9 @@ class Pool:
         self._spawning: dict[int, float] = {}  # rank -> deadline for the zygote's Spawned
         if inline:
             try:
-                self._engine = engine_factory(self.devices[0])
-                self.worker_info[0] = dict(self._engine.info()) if hasattr(self._engine, "info") else {}
+                self._engine, self.worker_info[0] = start_engine(engine_factory, self.devices[0])
             except Exception as exc:
-                raise WorkerError(f"{type(exc).__name__}: {exc}", rank=0, device=self.devices[0].name,
+                raise WorkerError(exception_summary(exc), rank=0, device=self.devices[0].name,
                                   method="engine_factory", remote_traceback=traceback.format_exc()) from exc
             self._inline_cache: OrderedDict[str, object] = OrderedDict()
             return
@@ -380,7 +380,7 @@ class Pool:
             if len(raw) > self.max_frame:
                 raise FrameTooLarge(len(raw), self.max_frame, "Result frame")
         except Exception as exc:
-            error = WorkerError(f"{type(exc).__name__}: {exc}", rank=0, device=self.devices[0].name,
+            error = WorkerError(exception_summary(exc), rank=0, device=self.devices[0].name,
                                 index=task.index, method=task.method, remote_traceback=traceback.format_exc())
             error.__cause__ = exc  # keeps the real frames for pdb.post_mortem
             self._finish(task, error=error)

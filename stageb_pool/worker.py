@@ -90,12 +90,11 @@ def worker_main(sock, device, engine_factory, max_frame: int) -> None:
         _line_buffered_stdio()
         limit_threads(device)
         try:
-            engine = engine_factory(device)
-            info = engine.info() if hasattr(engine, "info") else {}
+            engine, info = start_engine(engine_factory, device)
         except Exception as exc:
-            protocol.send(sock, InitFailed(protocol.PROTOCOL_VERSION, os.getpid(), _describe(exc), traceback.format_exc()))
+            protocol.send(sock, InitFailed(protocol.PROTOCOL_VERSION, os.getpid(), exception_summary(exc), traceback.format_exc()))
             return
-        protocol.send(sock, Ready(protocol.PROTOCOL_VERSION, os.getpid(), dict(info)), max_frame)
+        protocol.send(sock, Ready(protocol.PROTOCOL_VERSION, os.getpid(), info), max_frame)
         serve(sock, engine, max_frame)
         code = 0
     except BaseException:  # noqa: BLE001 - whatever happens, leave through os._exit
@@ -129,8 +128,16 @@ def run_task(engine, cache: dict, task: Task, max_frame: int) -> bytes:
         value = getattr(engine, task.method)(task.item, **shared)
         return protocol.frame(Result(task.id, value), max_frame)
     except Exception as exc:
-        return protocol.frame(Failure(task.id, _describe(exc), traceback.format_exc()), max_frame)
+        return protocol.frame(Failure(task.id, exception_summary(exc), traceback.format_exc()), max_frame)
 
 
-def _describe(exc: BaseException) -> str:
+def start_engine(engine_factory, device) -> tuple:
+    """``(engine, info)``: the engine for ``device`` and its ``info()`` ({} without one).
+    Shared with the pool's inline mode, so both start an engine the same way."""
+    engine = engine_factory(device)
+    return engine, dict(engine.info()) if hasattr(engine, "info") else {}
+
+
+def exception_summary(exc: BaseException) -> str:
+    """The one-line summary of an engine exception, in every WorkerError."""
     return f"{type(exc).__name__}: {exc}"
