@@ -27,6 +27,8 @@ from typing import Mapping, Sequence
 
 import msgspec
 
+from .verdicts import compute_metrics
+
 EPS = 1e-12
 REGRESSION_LIST_CAP = 50
 LIFECYCLE_OPS = frozenset({"update", "merge", "remove"})
@@ -54,15 +56,6 @@ class GateResult(msgspec.Struct):
     d_fp_rate: float
     regression_count: int
     regressions: list[dict] = []
-
-
-def _correct(stats) -> int:
-    return 1 if stats.majority is not None and stats.majority == stats.gt_label else 0
-
-
-def _false_release(stats) -> int:
-    # An invalid (None) majority on a fail ticket counts as a release, as in compute_metrics.
-    return 1 if stats.gt_label == "fail" and stats.majority != "fail" else 0
 
 
 def relative_error_reduction(base_acc: float, cand_acc: float) -> float:
@@ -118,7 +111,7 @@ def _regression_row(key: str, b, c) -> dict:
 def find_regressions(base: Mapping, cand: Mapping, keys: Sequence[str]) -> list[dict]:
     """Base-correct -> candidate-wrong rows (upstream 5 ``regressions`` entries), sorted by
     ``(cand_agreement, base_agreement)`` descending, then ticket key. Not capped."""
-    rows = [_regression_row(k, base[k], cand[k]) for k in keys if _correct(base[k]) and not _correct(cand[k])]
+    rows = [_regression_row(k, base[k], cand[k]) for k in keys if base[k].correct and not cand[k].correct]
     rows.sort(key=lambda r: r["ticket_key"])
     rows.sort(key=lambda r: (r["cand_agreement"], r["base_agreement"]), reverse=True)
     return rows
@@ -163,11 +156,11 @@ def evaluate_gate(
             changed_fraction=0.0, bootstrap_prob=0.0, base_acc=0.0, cand_acc=0.0, base_fp_rate=0.0,
             cand_fp_rate=0.0, d_acc=0.0, d_fp_rate=0.0, regression_count=0,
         )
-    base_correct = [_correct(base[k]) for k in keys]
-    cand_correct = [_correct(cand[k]) for k in keys]
-    base_acc, cand_acc = sum(base_correct) / n, sum(cand_correct) / n
-    base_fp = sum(_false_release(base[k]) for k in keys) / n
-    cand_fp = sum(_false_release(cand[k]) for k in keys) / n
+    base_m = compute_metrics([base[k] for k in keys])
+    cand_m = compute_metrics([cand[k] for k in keys])
+    base_acc, cand_acc, base_fp, cand_fp = base_m.acc, cand_m.acc, base_m.fp_rate, cand_m.fp_rate
+    base_correct = [int(base[k].correct) for k in keys]
+    cand_correct = [int(cand[k].correct) for k in keys]
     rer = relative_error_reduction(base_acc, cand_acc)
     chi = sum(base[k].majority != cand[k].majority for k in keys) / n
     tau = gate.min_relative_error_reduction
