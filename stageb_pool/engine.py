@@ -90,7 +90,7 @@ class Engine:
             "transformers": transformers.__version__,
             "device": torch.cuda.get_device_name(0) if self.device.kind == "cuda" else "cpu",
             "dtype": self.dtype,
-            "model_path": self.path if self.path in ("embedded", "tiny") else models.check_model_path(self.path),
+            "model_path": models.check_model_path(self.path),  # "embedded", "tiny" or an absolute path
             "model": self.model_name,
             "attn_implementation": self.attn_implementation,
             "stop": self.stop_strings,
