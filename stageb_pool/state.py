@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from . import fileio
+from .config import config_hash
 from .errors import InputError
 from .hashing import content_hash
 from .pools import TrainPoolSampler
@@ -118,16 +119,9 @@ def config_document(config) -> dict[str, Any]:
 
 
 def config_identity(config) -> str:
-    """The config hash used to refuse a resume with a different config."""
-    try:
-        from . import config as config_module
-
-        fn = getattr(config_module, "config_hash", None)
-    except ImportError:  # pragma: no cover - config.py is always there in a full tree
-        fn = None
-    if fn is not None:
-        return fn(config)
-    return content_hash(config_document(config))
+    """The config hash used to refuse a resume with a different config (the hash of
+    :func:`config_document`)."""
+    return config_hash(config)
 
 
 def tickets_identity(tickets) -> str:
