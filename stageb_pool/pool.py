@@ -561,15 +561,12 @@ class Pool:
         for w in self._workers:
             if w is None or w.deadline is None or now < w.deadline:
                 continue
-            if w.state in ("starting", "busy"):  # too slow: kill it, then wait for its reaping
-                w.timed_out = self.start_timeout if w.state == "starting" else self.task_timeout
-                w.state = "killed"
+            # Too slow, or alive after closing its socket: kill it, then wait for its reaping.
+            if w.state in ("starting", "busy", "lost"):
+                if w.state != "lost":
+                    w.timed_out = self.start_timeout if w.state == "starting" else self.task_timeout
+                w.state, w.deadline = "killed", now + KILL_REPORT_TIMEOUT
                 self._zygote.kill(w.pid)
-                w.deadline = now + KILL_REPORT_TIMEOUT
-            elif w.state == "lost":  # socket closed but still alive after the grace: kill it
-                w.state = "killed"
-                self._zygote.kill(w.pid)
-                w.deadline = now + KILL_REPORT_TIMEOUT
             else:
                 raise PoolError(f"worker {w.rank} (pid {w.pid}) was killed but never reaped")
 
