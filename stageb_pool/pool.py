@@ -150,7 +150,7 @@ class _Worker:
     def __init__(self, rank: int, device: Device, pid: int, sock, max_frame: int, deadline):
         self.rank, self.device, self.pid, self.sock = rank, device, pid, sock
         self.reader = protocol.FrameReader(max_frame)
-        self.state = "starting"  # starting -> idle <-> busy; lost (socket gone) ; dead
+        self.state = "starting"  # starting -> idle <-> busy; lost (socket gone), killed -> dead (reaped)
         self.task: TaskHandle | None = None
         self.started = 0.0
         self.deadline = deadline  # start, task, exit-report or kill deadline

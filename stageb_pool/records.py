@@ -1,7 +1,8 @@
 """Typed records that travel between the parent and the generation engine in the workers.
 
 They are the single source of truth for the engine's requests and results: the parent
-encodes them into pool frames, the worker decodes them back into these Structs.
+encodes them into pool frames, the engine converts the decoded values back into these
+Structs (``msgspec.convert``) and the parent decodes results with them (``result_type``).
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ class ChatRequest(msgspec.Struct, frozen=True):
 
 
 class ChatResult(msgspec.Struct, frozen=True):
-    """``text`` is None when the prompt does not fit even with zero examples dropped to one
-    (``examples_used == 0`` and examples were given) or without examples."""
+    """``text`` is None (and ``examples_used`` 0) when the prompt does not fit
+    ``max_prompt_tokens`` even with every example dropped."""
 
     text: str | None
     examples_used: int
