@@ -22,6 +22,7 @@ The gate reads any config object with the attributes of ``config.GateConfig``.
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Mapping, Sequence
 
@@ -80,17 +81,22 @@ def bootstrap_probability(
         raise ValueError("paired correctness lists differ in length")
     if n == 0:
         return 0.0
-    rng = random.Random(int(seed))
     hits = 0
-    for _ in range(iterations):
-        sum_b = sum_c = 0
-        for _ in range(n):
-            i = rng.randrange(n)
-            sum_b += base_correct[i]
-            sum_c += cand_correct[i]
+    for indices in _resamples(int(seed), n, iterations):
+        sum_b = sum(map(base_correct.__getitem__, indices))
+        sum_c = sum(map(cand_correct.__getitem__, indices))
         if relative_error_reduction(sum_b / n, sum_c / n) >= threshold:
             hits += 1
     return hits / iterations
+
+
+@functools.lru_cache(maxsize=4)
+def _resamples(seed: int, n: int, iterations: int) -> tuple[tuple[int, ...], ...]:
+    """The ``iterations`` index resamples of ``random.Random(seed)``, drawn once and shared:
+    every candidate of an iteration is gated on the same resamples, and the draws cost
+    more than the sums."""
+    rng = random.Random(seed)
+    return tuple(tuple(rng.randrange(n) for _ in range(n)) for _ in range(iterations))
 
 
 def _regression_row(key: str, b, c) -> dict:
