@@ -38,7 +38,7 @@ class Engine:
 
     ``path``: ``"embedded"``, ``"tiny"``, a checkpoint directory or a ``.gguf`` file.
     ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU; ``attn_implementation`` to
-    flash_attention_2 when installed on CUDA, else sdpa. ``stop``: stop strings (default:
+    flash_attention_2 when installed, on CUDA with a 16-bit dtype, else sdpa. ``stop``: stop strings (default:
     the tokenizer's eos plus ``<|im_end|>`` / ``<|endoftext|>`` when they exist).
     """
 
