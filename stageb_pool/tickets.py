@@ -139,6 +139,13 @@ def bbu_clean_summary(text: str) -> str:
     return _canonical_summary(obj).replace(STATION_DISTANCE, "")
 
 
+def _bbu_cleaned(mission: str, per_image: dict[str, str]) -> dict[str, str]:
+    """``bbu_clean_summary`` on every summary, except for RRU missions (left as they are)."""
+    if mission.startswith("RRU"):
+        return per_image
+    return {k: bbu_clean_summary(v) for k, v in per_image.items()}
+
+
 def normalize_per_image(per_image: dict) -> dict[str, str]:
     """Keys -> ``image_{n}`` by trailing integer (no digits: 1-based position), sorted by n;
     JSON-string values unwrapped; header lines dropped."""
@@ -201,8 +208,8 @@ def parse_ticket_line(line: str, *, bbu_cleanup: bool = False) -> Ticket:
     if not per_image:
         raise _BadLine("field 'per_image' is empty")
     summaries = normalize_per_image(per_image)
-    if bbu_cleanup and not mission.startswith("RRU"):
-        summaries = {k: bbu_clean_summary(v) for k, v in summaries.items()}
+    if bbu_cleanup:
+        summaries = _bbu_cleaned(mission, summaries)
     source = _text_field(record, "label_source", required=False)
     return Ticket(
         key=f"{group_id}::{label}",
@@ -313,7 +320,4 @@ def load_exclusions(keys: Iterable[str] | None, path: str | Path | None) -> froz
 def bbu_clean_tickets(tickets: list[Ticket]) -> list[Ticket]:
     """``bbu_cleanup`` applied after loading (for callers that learn the profile, and so
     whether it asks for the clean-up, only once the mission is known)."""
-    return [
-        t if t.mission.startswith("RRU") else msgspec.structs.replace(t, per_image={k: bbu_clean_summary(v) for k, v in t.per_image.items()})
-        for t in tickets
-    ]
+    return [msgspec.structs.replace(t, per_image=_bbu_cleaned(t.mission, t.per_image)) for t in tickets]
