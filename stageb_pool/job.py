@@ -221,16 +221,10 @@ def write_summary(ctx: RunContext, summary: dict) -> dict:
 
 def worker_throughput(pool, tickets_by_rank: dict[int, int] | None = None) -> dict:
     """Per worker: items done, busy seconds (from pool.stats), rollout tickets and tickets/s."""
-    stats = pool.stats
-    get = (lambda n: stats.get(n)) if isinstance(stats, dict) else (lambda n: getattr(stats, n, None))
-    items = get("items") or {}
-    busy = get("busy_s") or {}
-    items = dict(enumerate(items)) if isinstance(items, list) else dict(items)
-    busy = dict(enumerate(busy)) if isinstance(busy, list) else dict(busy)
+    items, busy = pool.stats.items, pool.stats.busy_s  # per rank
     out = {}
     for rank, device in enumerate(pool.devices):
-        n = items.get(rank, items.get(str(rank), 0))
-        s = busy.get(rank, busy.get(str(rank), 0.0))
+        n, s = items[rank], busy[rank]
         tickets = (tickets_by_rank or {}).get(rank, 0)
         out[device.name] = {"items": n, "busy_s": round(float(s), 3), "rollout_tickets": tickets,
                             "tickets_per_s": round(tickets / s, 3) if s > 0 else None}

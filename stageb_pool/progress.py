@@ -108,18 +108,8 @@ class Progress:
 
 
 def pool_items_per_rank(pool):
-    """A ``stats_fn`` for ``Progress``: the pool's items-per-rank counters, whatever the
-    shape of ``pool.stats`` (a Struct or a dict)."""
-
-    def read():
-        stats = pool.stats
-        for name in ("items", "items_per_rank"):
-            value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
-            if value is not None:
-                return value
-        return {}
-
-    return read
+    """A ``stats_fn`` for ``Progress``: the pool's items-per-rank counters."""
+    return lambda: pool.stats.items
 
 
 def _isatty(stream) -> bool:
