@@ -149,11 +149,9 @@ def decode(body: bytes) -> Message:
         raise ProtocolError(f"cannot decode message ({exc}): {bytes(body[:120])!r}") from None
 
 
-def send(sock: socket.socket, msg: Message, max_frame: int = MAX_FRAME_BYTES) -> int:
-    """Send one message (blocking); returns the frame size."""
-    data = frame(msg, max_frame)
-    sock.sendall(data)
-    return len(data)
+def send(sock: socket.socket, msg: Message, max_frame: int = MAX_FRAME_BYTES) -> None:
+    """Send one message (blocking, for the worker side)."""
+    sock.sendall(frame(msg, max_frame))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
