@@ -50,15 +50,12 @@ def split_eval_pool(tickets: Sequence[T], eval_pool_size: int, seed: int) -> tup
     lists come out bucket by bucket in shuffled order, as upstream.
     """
     tickets = list(tickets)
-    if eval_pool_size <= 0 or not tickets:
+    if not 0 < eval_pool_size < len(tickets):
         return tickets, []
-    if eval_pool_size >= len(tickets):
-        return tickets, []
-    size = min(max(1, int(eval_pool_size)), len(tickets))
     buckets: dict[str, list[T]] = {}
     for ticket in tickets:
         buckets.setdefault(str(ticket.label), []).append(ticket)
-    quotas = eval_quotas({label: len(b) for label, b in buckets.items()}, size)
+    quotas = eval_quotas({label: len(b) for label, b in buckets.items()}, int(eval_pool_size))
     rng = random.Random(int(seed))
     train: list[T] = []
     held: list[T] = []
@@ -66,7 +63,7 @@ def split_eval_pool(tickets: Sequence[T], eval_pool_size: int, seed: int) -> tup
         bucket = sorted(buckets[label], key=lambda t: t.key)
         order = list(range(len(bucket)))
         rng.shuffle(order)
-        cut = min(quotas[label], len(bucket))
+        cut = quotas[label]  # never above len(bucket): with E < N each floor is below n_l, plus at most 1
         held.extend(bucket[i] for i in order[:cut])
         train.extend(bucket[i] for i in order[cut:])
     return train, held
