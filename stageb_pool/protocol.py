@@ -154,6 +154,12 @@ def send(sock: socket.socket, msg: Message, max_frame: int = MAX_FRAME_BYTES) ->
     sock.sendall(frame(msg, max_frame))
 
 
+def _check_incoming(size: int, max_frame: int) -> None:
+    # Refuse an oversize length before reading the body: never a silent desynchronisation.
+    if size > max_frame:
+        raise ProtocolError(f"incoming frame of {size:,} bytes exceeds the limit of {max_frame:,} bytes")
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     chunks, got = [], 0
     while got < n:
@@ -171,8 +177,7 @@ def recv(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> Message | Non
     if header is None:
         return None
     (size,) = HEADER.unpack(header)
-    if size > max_frame:
-        raise ProtocolError(f"incoming frame of {size:,} bytes exceeds the limit of {max_frame:,} bytes")
+    _check_incoming(size, max_frame)
     body = _recv_exact(sock, size)
     if body is None:
         return None
@@ -194,8 +199,7 @@ class FrameReader:
         messages = []
         while len(self.buffer) >= HEADER.size:
             (size,) = HEADER.unpack_from(self.buffer)
-            if size > self.max_frame:
-                raise ProtocolError(f"incoming frame of {size:,} bytes exceeds the limit of {self.max_frame:,} bytes")
+            _check_incoming(size, self.max_frame)
             end = HEADER.size + size
             if len(self.buffer) < end:
                 break
