@@ -179,10 +179,9 @@ def compute_metrics(stats: Iterable[TicketStats] | dict[str, TicketStats]) -> Me
     fn = sum(1 for s in rows if s.gt_label == "pass" and s.majority != "pass")
     tn = sum(1 for s in rows if s.gt_label == "fail" and s.majority == "fail")
     fp = sum(1 for s in rows if s.gt_label == "fail" and s.majority != "fail")
-    correct = sum(1 for s in rows if s.majority is not None and s.majority == s.gt_label)
     return Metrics(
         n=n,
-        acc=_share(correct, n),
+        acc=_share(tp + tn, n),  # labels are pass or fail, so the correct tickets are tp + tn
         tp=tp,
         fp=fp,
         fn=fn,
