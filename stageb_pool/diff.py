@@ -9,6 +9,7 @@ every other file byte for byte.
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -137,22 +138,19 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, limit: int 
     for root in (root_a, root_b):
         if not root.is_dir():
             raise InputError("not a run directory" if root.exists() else "no such directory", str(root))
-    files_a, files_b = _files(root_a), _files(root_b)
-    set_a, set_b = set(files_a), set(files_b)
-    out: list[Difference] = []
+    return list(itertools.islice(_differences(root_a, root_b), limit))
+
+
+def _differences(root_a: Path, root_b: Path):
+    """Every difference, file by file in sorted order (lazily: diff_runs stops at its limit)."""
+    set_a, set_b = set(_files(root_a)), set(_files(root_b))
     for name in sorted(set_a | set_b):
         if name not in set_b:
-            out.append(Difference(name, "", "(file)", "present", ABSENT))
+            yield Difference(name, "", "(file)", "present", ABSENT)
         elif name not in set_a:
-            out.append(Difference(name, "", "(file)", ABSENT, "present"))
+            yield Difference(name, "", "(file)", ABSENT, "present")
         else:
-            for d in _compare_file(name, (root_a / name).read_bytes(), (root_b / name).read_bytes()):
-                out.append(d)
-                if limit is not None and len(out) >= limit:
-                    break
-        if limit is not None and len(out) >= limit:
-            return out[:limit]
-    return out
+            yield from _compare_file(name, (root_a / name).read_bytes(), (root_b / name).read_bytes())
 
 
 def _show(value, width: int = 120) -> str:
