@@ -182,8 +182,9 @@ class RuleSearch:
                 st.stop_reason = "epochs"
                 break
             self._iteration(st.iteration + 1)
-        distill = self._distill()
-        summary = self._summary(distill, time.monotonic() - started)
+        g = self.repo.load()  # the final guidance
+        distill = self._distill(g)
+        summary = self._summary(g, distill, time.monotonic() - started)
         print_summary(summary)
         return summary
 
@@ -491,10 +492,9 @@ class RuleSearch:
 
     # -- after the loop ---------------------------------------------------------------------
 
-    def _final_metrics(self) -> dict:
+    def _final_metrics(self, g: Guidance) -> dict:
         """Final guidance on the first train pool (same seed key: the comparison with the
         baseline is paired) and on the eval pool; both usually come from the cache."""
-        g = self.repo.load()
         out = {"train": None, "eval": None}
         pendings = []
         if self.state.first_pool:
@@ -510,13 +510,12 @@ class RuleSearch:
                 out[name] = brief(compute_metrics(result.stats))
         return out
 
-    def _distill(self) -> dict | None:
+    def _distill(self, g: Guidance) -> dict | None:
         """Distillation export, ONCE after the loop with the final guidance (upstream ran it
         after every non-stopping iteration)."""
         dc = self.cfg.stage_b_distillation
         if not dc.enabled or not dc.distill_size:
             return None
-        g = self.repo.load()
         tickets = list(self.ctx.tickets)
         rng = random.Random(self.seed if dc.distill_seed is None else int(dc.distill_seed))
         if dc.distill_size >= len(tickets):
@@ -544,10 +543,9 @@ class RuleSearch:
         return {"path": path.name if path.parent == self.run_dir else str(path), "tickets": len(tickets),
                 "rows": len(rows), "guidance_hash": g.hash}
 
-    def _summary(self, distill: dict | None, wall_s: float) -> dict:
+    def _summary(self, g: Guidance, distill: dict | None, wall_s: float) -> dict:
         st = self.state
-        final = self._final_metrics()
-        g = self.repo.load()
+        final = self._final_metrics(g)
         return {
             "mode": "search",
             "mission": self.mission,
@@ -586,13 +584,8 @@ def _read_text(path, what: str) -> str:
 
 
 def example_key(example) -> str:
-    """Ticket key of a proposer example (whatever pairing select_examples returns)."""
-    if isinstance(example, tuple):
-        example = example[0]
-    key = getattr(example, "key", None)
-    if key is None:
-        key = getattr(getattr(example, "stats", None), "key", None) or getattr(getattr(example, "ticket", None), "key")
-    return key
+    """Ticket key of a proposer example (a ``(TicketStats, Ticket)`` pair of select_examples)."""
+    return example[0].key
 
 
 def common_metrics(base_stats: dict, cand_stats: dict):
