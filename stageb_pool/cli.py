@@ -2,8 +2,8 @@
 
     stageb-pool [run] --gpus SPEC CONFIG [--audit] [--resume | --overwrite] [--debug]
                       [--log-level LEVEL] [--set key.path=value ...]
-    stageb-pool check CONFIG [--set key.path=value ...]
-    stageb-pool diff RUN_A RUN_B
+    stageb-pool check CONFIG [--audit] [--set key.path=value ...]
+    stageb-pool diff RUN_A RUN_B [--max N]
     stageb-pool --version
 
 Exit codes: 0 done, 1 run failed (a worker error; for diff: the runs differ), 2 bad input
@@ -211,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     level = "info"
     try:
-        args = build_parser().parse_args(_with_default_command(argv))
+        parser = build_parser()
+        args = parser.parse_args(_with_default_command(argv))
         if args.command is None:
-            build_parser().print_usage(sys.stderr)
+            parser.print_usage(sys.stderr)
             print("stageb-pool: error: a command or a config is needed (see stageb-pool --help)", file=sys.stderr)
             return EXIT_INPUT
         level = getattr(args, "log_level", "info")
