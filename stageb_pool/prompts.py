@@ -23,7 +23,7 @@ import yaml
 
 from .errors import InputError
 from .hashing import content_hash
-from .tickets import strip_header_lines  # the same rule at ingest and at prompt time
+from .tickets import IRRELEVANT, strip_header_lines  # the same rules at ingest and at prompt time
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = REPO_ROOT / "configs" / "prompts"
@@ -239,7 +239,7 @@ def _entry_objects(entry) -> int:
 def estimate_objects(summary: str) -> int:
     """Upstream's ``obj`` estimate for one photo summary (see docs/formats.md)."""
     text = summary.strip()
-    if text.startswith("无关图片"):
+    if text.startswith(IRRELEVANT):
         return 0
     obj = extract_summary_json(text)
     if obj is not None:
@@ -321,7 +321,7 @@ def station_summary_lines(mission: str, summaries: list[str]) -> list[str]:
         return []
     merged: dict[int, dict[str, bool]] = {}
     for text in summaries:
-        if text.strip().startswith("无关图片"):
+        if text.strip().startswith(IRRELEVANT):
             continue  # irrelevant photos never take part in pairing
         obj = extract_summary_json(text)
         facts = _features(mission, obj, text)
