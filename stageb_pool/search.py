@@ -102,6 +102,7 @@ class _Round:
         self.base = None
         self.base_metrics = None
         self.eval_base = None
+        self.eval_base_metrics = None
         self.examples = []
         self.candidates: list[_Cand] = []
         self.applied: _Cand | None = None
@@ -282,6 +283,7 @@ class RuleSearch:
         results = self._wait(pendings, "proposer") if pendings else []
         if ev is not None:
             rnd.eval_base = results[-1]
+            rnd.eval_base_metrics = compute_metrics(rnd.eval_base.stats)
         return results[0] if chat is not None else None
 
     def _failure_row(self, rnd: _Round, error: str, *, chat=None, raw: str | None = None, **extra) -> dict:
@@ -401,7 +403,7 @@ class RuleSearch:
         statistics, the reason and both guidance hashes) and its regressions row."""
         cand_rows, regression_rows = [], []
         base_m = rnd.base_metrics
-        eval_m = compute_metrics(rnd.eval_base.stats) if rnd.eval_base is not None else None
+        eval_m = rnd.eval_base_metrics
         for c in rnd.candidates:
             gr = c.gate
             _, cand_m = common_metrics(rnd.base.stats, c.train.stats)
@@ -449,7 +451,7 @@ class RuleSearch:
             self.repo.snapshot_and_write(g_new)
         base_m = rnd.base_metrics
         _, after = common_metrics(rnd.base.stats, c.train.stats)
-        eval_m = compute_metrics(rnd.eval_base.stats) if rnd.eval_base is not None else None
+        eval_m = rnd.eval_base_metrics
         eval_after = common_metrics(rnd.eval_base.stats, c.eval.stats)[1] if c.eval is not None else None
         new_keys = [k for k in g_new.experiences if k not in rnd.g.experiences]
         row = {"timestamp": utc_timestamp(), "iteration": rnd.it, "mission": self.mission,
@@ -478,7 +480,7 @@ class RuleSearch:
         st = self.state
         if rnd.it == 1 or not st.baseline:
             st.baseline = {"train": brief(rnd.base_metrics),
-                           "eval": brief(compute_metrics(rnd.eval_base.stats)) if rnd.eval_base else None}
+                           "eval": brief(rnd.eval_base_metrics)}
         st.no_gain = 0 if rnd.applied is not None else st.no_gain + 1
         g = rnd.applied.guidance if rnd.applied is not None else rnd.g
         st.iteration = rnd.it
