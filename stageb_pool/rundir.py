@@ -23,8 +23,6 @@ from .fileio import write_json
 
 RUN_JSON = "run.json"
 SUMMARY_JSON = "summary.json"
-GUIDANCE_JSON = "guidance.json"
-STATE_JSON = "state.json"
 ROLLOUTS_DIR = "rollouts"
 
 # engine.info() keys that describe one worker rather than the run (would differ between
