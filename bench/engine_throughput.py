@@ -37,14 +37,14 @@ def workload(args):
     import msgspec
 
     from stageb_pool import prompts
-    from stageb_pool.records import Decode, RolloutChunk, TicketText
+    from stageb_pool.guidance import load_guidance
+    from stageb_pool.records import Decode, RolloutChunk
+    from stageb_pool.tickets import load_tickets
 
-    rows = [json.loads(line) for line in (ROOT / "configs/demo/tickets.jsonl").read_text().splitlines() if line.strip()]
-    rows = rows[: args.tickets]
-    mission = rows[0]["mission"]
-    guidance = json.loads((ROOT / "configs/demo/guidance.json").read_text())[mission]["experiences"]
+    tickets = [t.text() for t in load_tickets(ROOT / "configs/demo/tickets.jsonl").tickets[: args.tickets]]
+    mission = tickets[0].mission
+    guidance = load_guidance(ROOT / "configs/demo/guidance.json", mission).experiences
     profile = msgspec.to_builtins(prompts.load_profile("generic", mission=mission))
-    tickets = [TicketText(r["group_id"], mission, r["per_image"]) for r in rows]
     decode = Decode(temperature=0.7, top_p=0.9, max_new_tokens=args.max_new_tokens, repetition_penalty=1.05, seed=43)
     chunks = [
         RolloutChunk("bench", i // args.chunk, tickets[i:i + args.chunk], [decode], 1, None, True)
