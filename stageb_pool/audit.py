@@ -14,7 +14,7 @@ from pathlib import Path
 from . import verdicts
 from .fileio import write_json, write_jsonl
 from .rollout import RolloutResult, RolloutSpec
-from .rundir import artifact, rollouts_path, utc_timestamp
+from .rundir import HARD_CASES, artifact, rollouts_path, utc_timestamp
 
 BASELINE_METRICS = "baseline_metrics.json"
 BASELINE_TICKET_STATS = "baseline_ticket_stats.jsonl"
@@ -22,7 +22,6 @@ BASELINE_WRONG = "baseline_wrong_cases.jsonl"
 BASELINE_NP = "baseline_np_cases.jsonl"
 BASELINE_NG = "baseline_ng_cases.jsonl"
 BASELINE_STEPS = "baseline_metrics_steps.jsonl"
-HARD_CASES = "rule_search_hard_cases.jsonl"
 
 
 def run_audit(ctx) -> dict:

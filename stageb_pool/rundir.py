@@ -24,6 +24,12 @@ from .fileio import write_json
 RUN_JSON = "run.json"
 SUMMARY_JSON = "summary.json"
 ROLLOUTS_DIR = "rollouts"
+# The rule search's append-only artifacts (the audit writes HARD_CASES too).
+CANDIDATES = "rule_candidates.jsonl"
+BENCHMARKS = "benchmarks.jsonl"
+HARD_CASES = "rule_search_hard_cases.jsonl"
+REGRESSIONS = "rule_search_candidate_regressions.jsonl"
+PROPOSER_FAILURES = "reflection_cache/rule_search_proposer_failures.jsonl"
 
 # engine.info() keys that describe one worker rather than the run (would differ between
 # worker counts or reruns); they never reach run.json's provenance.

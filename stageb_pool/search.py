@@ -37,14 +37,9 @@ from .pools import TrainPoolSampler, split_eval_pool
 from .prompts import build_messages
 from .records import Decode
 from .rollout import RolloutResult, RolloutSpec
-from .rundir import utc_timestamp
+from .rundir import BENCHMARKS, CANDIDATES, HARD_CASES, PROPOSER_FAILURES, REGRESSIONS, utc_timestamp
 from .verdicts import compute_metrics
 
-CANDIDATES = "rule_candidates.jsonl"
-BENCHMARKS = "benchmarks.jsonl"
-HARD_CASES = "rule_search_hard_cases.jsonl"
-REGRESSIONS = "rule_search_candidate_regressions.jsonl"
-PROPOSER_FAILURES = "reflection_cache/rule_search_proposer_failures.jsonl"
 DISTILL_DEFAULT = "distill_chatml.jsonl"
 RAW_CHARS = 400
 

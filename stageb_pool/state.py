@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from . import fileio
+from . import fileio, rundir
 from .config import config_hash
 from .errors import InputError
 from .hashing import content_hash
@@ -27,11 +27,7 @@ STATE_VERSION = 1
 # Every append-only artifact of the search, relative to the run directory. Their byte
 # lengths go into state.json; a resume truncates them back to those lengths.
 APPEND_ARTIFACTS = (
-    "rule_candidates.jsonl",
-    "benchmarks.jsonl",
-    "rule_search_hard_cases.jsonl",
-    "rule_search_candidate_regressions.jsonl",
-    "reflection_cache/rule_search_proposer_failures.jsonl",
+    rundir.CANDIDATES, rundir.BENCHMARKS, rundir.HARD_CASES, rundir.REGRESSIONS, rundir.PROPOSER_FAILURES,
 )
 
 
