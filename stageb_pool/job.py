@@ -67,19 +67,14 @@ def load_inputs(config) -> _Inputs:
         config.ticket_filter.exclude_ticket_keys, config.ticket_filter.exclude_ticket_keys_path
     )
 
-    def read(bbu_cleanup: bool):
-        return tickets_mod.load_tickets(
-            config.stage_a_paths, on_bad_line=config.ingest.on_bad_line,
-            exclude_keys=exclude, bbu_cleanup=bbu_cleanup,
-        )
-
+    ingest = tickets_mod.load_tickets(config.stage_a_paths, on_bad_line=config.ingest.on_bad_line,
+                                      exclude_keys=exclude)
     # The mission (from the tickets) picks the profile's domain, and the profile may ask
-    # for upstream's BBU summary clean-up (bbu_rru): then the files are read again with it.
-    ingest = read(False)
+    # for upstream's BBU summary clean-up (bbu_rru), applied to the tickets already loaded.
     mission = ingest.tickets[0].mission
     profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain)
     if profile.options.bbu_cleanup:
-        ingest = read(True)
+        ingest = msgspec.structs.replace(ingest, tickets=tickets_mod.bbu_clean_tickets(ingest.tickets))
     model_path = models.check_model_path(config.model.path)
     seed_guidance = guidance_mod.load_guidance(config.guidance.path, mission)
     if config.mode == "search":
