@@ -1,6 +1,7 @@
 """Test-session settings shared by every test file."""
 
 import os
+import signal
 
 import pytest
 
@@ -13,6 +14,11 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # test process itself (inline pools, in-process engines) therefore runs single-threaded.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
+# Tests send SIGINT to subprocesses and expect Ctrl-C behaviour. A shell starts background
+# jobs (e.g. `.ci/run &`) with SIGINT ignored, and an ignored signal stays ignored across
+# exec, so those subprocesses would never see the interrupt. Python's own handler is reset
+# to the default at exec, so installing it here gives every subprocess a normal Ctrl-C.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
