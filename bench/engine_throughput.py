@@ -36,10 +36,10 @@ LAYOUTS = {"a": "in-process Engine", "b": "pool cpu:1", "c": "pool cpu:2"}
 def workload(args):
     import msgspec
 
-    from stageb_pool import prompts
-    from stageb_pool.guidance import load_guidance
-    from stageb_pool.records import Decode, RolloutChunk
-    from stageb_pool.tickets import load_tickets
+    from stageb_pool.stageb import prompts
+    from stageb_pool.stageb.guidance import load_guidance
+    from stageb_pool.engine.records import Decode, RolloutChunk
+    from stageb_pool.stageb.tickets import load_tickets
 
     tickets = [t.text() for t in load_tickets(ROOT / "configs/demo/tickets.jsonl").tickets[: args.tickets]]
     mission = tickets[0].mission
@@ -56,7 +56,7 @@ def workload(args):
 
 def engine_factory(model: str):
     def build(device):
-        from stageb_pool.engine import Engine
+        from stageb_pool.engine.transformers_engine import Engine
 
         return Engine(device, path=model)
 
@@ -86,8 +86,8 @@ def timed(fn):
 def measure_pair(args) -> list[dict]:
     """(a) and (b), alternating, in this fresh process."""
     from stageb_pool import Pool
-    from stageb_pool.devices import parse_gpus
-    from stageb_pool.records import ChunkResult
+    from stageb_pool.pool.devices import parse_gpus
+    from stageb_pool.engine.records import ChunkResult
 
     chunks, warmup, shared = workload(args)
     rows = []
@@ -106,7 +106,7 @@ def measure_pair(args) -> list[dict]:
 
 def measure_two_workers(args) -> list[dict]:
     from stageb_pool import Pool
-    from stageb_pool.records import ChunkResult
+    from stageb_pool.engine.records import ChunkResult
 
     chunks, warmup, shared = workload(args)
     rows = []
@@ -141,7 +141,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure_pair(args) if args.child == "ab" else measure_two_workers(args)))
         return
-    from stageb_pool import models
+    from stageb_pool.engine import models
 
     if args.model == "embedded":
         models.ensure_embedded()  # convert once, outside the timings

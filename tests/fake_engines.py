@@ -17,8 +17,8 @@ import re
 
 import msgspec
 
-from stageb_pool.hashing import stable_seed
-from stageb_pool.records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, TicketRollout
+from stageb_pool.stageb.hashing import stable_seed
+from stageb_pool.engine.records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, TicketRollout
 
 _RULE = re.compile(r"fail (?:if|when) (\w+)", re.IGNORECASE)
 

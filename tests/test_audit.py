@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from fake_engines import MISSION, fake_factory, write_run_inputs
-from stageb_pool.config import load_config
-from stageb_pool.diff import diff_runs
-from stageb_pool.fileio import read_json, read_jsonl
-from stageb_pool.job import run_job
+from stageb_pool.app.config import load_config
+from stageb_pool.app.diff import diff_runs
+from stageb_pool.search.fileio import read_json, read_jsonl
+from stageb_pool.app.job import run_job
 
 ARTIFACTS = [
     "baseline_metrics.json",
@@ -36,7 +36,7 @@ def run_audit_job(tmp_path, gpus="cpu:1", *, engine=None, extra="", n=24, model=
 
 
 def same_artifacts(a: Path, b: Path) -> list[str]:
-    """Differences beyond the documented volatile fields (stageb_pool.diff)."""
+    """Differences beyond the documented volatile fields (stageb_pool.app.diff)."""
     return [f"{d.file} {d.where} {d.key}: {d.a!r} != {d.b!r}" for d in diff_runs(a, b)]
 
 

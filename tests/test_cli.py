@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stageb_pool import cli
-from stageb_pool.errors import InputError
+from stageb_pool.app import cli
+from stageb_pool.stageb.errors import InputError
 from stageb_pool.pool import WorkerError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ MISSION = "Rooftop antenna mount inspection"
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "stageb_pool.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "stageb_pool.app.cli", *args], capture_output=True, text=True,
                           env=env, cwd=cwd or REPO, timeout=120)
 
 
@@ -46,7 +46,6 @@ def project(tmp_path) -> Path:
     text = (REPO / "configs" / "demo.yaml").read_text()
     text = text.replace("demo/tickets.jsonl", "tickets.jsonl").replace("demo/guidance.json", "guidance.json")
     text = text.replace("root: ../runs", "root: runs")
-    text = text.replace("prompts/proposer_generic.txt", str(REPO / "configs" / "prompts" / "proposer_generic.txt"))
     (tmp_path / "c.yaml").write_text(text)
     return tmp_path
 
@@ -215,7 +214,7 @@ def test_diff_of_a_missing_directory_is_exit_2(tmp_path):
 
 @pytest.fixture
 def fake_job(monkeypatch):
-    import stageb_pool.job as job
+    import stageb_pool.app.job as job
 
     calls = []
 
@@ -279,7 +278,7 @@ def test_job_exit_code_is_returned(fake_job, project):
 
 
 def test_parent_side_cli_does_not_import_torch():
-    code = "import sys; from stageb_pool import cli; cli.build_parser(); import stageb_pool.config, stageb_pool.diff; " \
+    code = "import sys; from stageb_pool.app import cli; cli.build_parser(); import stageb_pool.app.config, stageb_pool.app.diff; " \
            "print('torch' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

@@ -11,9 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from stageb_pool import config as cfgmod
-from stageb_pool.config import Config, config_hash, config_keys, load_config
-from stageb_pool.errors import InputError
+from stageb_pool.app import config as cfgmod
+from stageb_pool.app.config import Config, config_hash, config_keys, load_config
+from stageb_pool.stageb.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -323,7 +323,7 @@ def test_demo_config_loads_with_its_files():
     assert cfg.model.path == "embedded" and cfg.prompt.profile == "generic"
     assert cfg.output.root == str(REPO / "runs")
     assert cfg.stage_a_paths == [str(REPO / "configs" / "demo" / "tickets.jsonl")]
-    assert cfg.rule_search.proposer_prompt_path == str(REPO / "configs" / "prompts" / "proposer_generic.txt")
+    assert cfg.rule_search.proposer_prompt_path is None  # the profile's proposer.txt
 
 
 def test_bbu_line_config_is_valid():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stageb_pool.diff import ABSENT, VOLATILE_KEYS, VOLATILE_PATHS, compare_values, diff_runs, format_differences
-from stageb_pool.errors import InputError
+from stageb_pool.app.diff import ABSENT, VOLATILE_KEYS, VOLATILE_PATHS, compare_values, diff_runs, format_differences
+from stageb_pool.stageb.errors import InputError
 
 
 def make_run(root: Path, **changes) -> Path:

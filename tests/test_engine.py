@@ -7,11 +7,11 @@ import msgspec
 import pytest
 import torch
 
-from stageb_pool import prompts
-from stageb_pool.devices import Device
-from stageb_pool.engine import Engine
-from stageb_pool.errors import InputError
-from stageb_pool.records import ChatRequest, ChunkResult, Decode, RolloutChunk, TicketText
+from stageb_pool.stageb import prompts
+from stageb_pool.pool.devices import Device
+from stageb_pool.engine.transformers_engine import Engine
+from stageb_pool.stageb.errors import InputError
+from stageb_pool.engine.records import ChatRequest, ChunkResult, Decode, RolloutChunk, TicketText
 
 MISSION = "Rooftop antenna mount inspection"
 GUIDANCE = {

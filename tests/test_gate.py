@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stageb_pool.gate import (
+from stageb_pool.stageb.gate import (
     GateResult,
     bootstrap_probability,
     eval_veto,
@@ -16,7 +16,7 @@ from stageb_pool.gate import (
     select_best,
 )
 
-from stageb_pool.verdicts import TicketStats, compute_metrics
+from stageb_pool.stageb.verdicts import TicketStats, compute_metrics
 
 
 def st(key, gt, majority, agreement=1.0):

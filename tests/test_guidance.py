@@ -7,17 +7,17 @@ import os
 
 import pytest
 
-from stageb_pool.errors import InputError
-from stageb_pool.guidance import (
+from stageb_pool.stageb.errors import InputError
+from stageb_pool.stageb.guidance import (
     ExperienceMeta,
     Guidance,
     GuidanceError,
-    GuidanceRepository,
     Operation,
     apply_operation,
     load_guidance,
 )
-from stageb_pool.hashing import content_hash
+from stageb_pool.search.guidance_store import GuidanceRepository
+from stageb_pool.stageb.hashing import content_hash
 
 M = "BBU安装方式检查（正装）"
 T0 = "2025-03-20T08:00:00+00:00"

@@ -29,7 +29,7 @@ SETTINGS = [  # small but long enough (about a second per iteration) to be inter
 
 def command(root: Path, name: str, *extra: str) -> list[str]:
     sets = [arg for s in SETTINGS + [f"output.root={root}", f"output.run_name={name}"] for arg in ("--set", s)]
-    return [sys.executable, "-m", "stageb_pool.cli", "--gpus", "cpu:2", str(REPO / "configs" / "demo.yaml"), *sets, *extra]
+    return [sys.executable, "-m", "stageb_pool.app.cli", "--gpus", "cpu:2", str(REPO / "configs" / "demo.yaml"), *sets, *extra]
 
 
 def env() -> dict:
@@ -71,7 +71,7 @@ def test_ctrl_c_then_resume_reaches_the_uninterrupted_result(tmp_path):
     straight = subprocess.run(command(tmp_path, "straight"), env=env(), capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-2000:]
 
-    diff = subprocess.run([sys.executable, "-m", "stageb_pool.cli", "diff", str(mission_dir / "interrupted"),
+    diff = subprocess.run([sys.executable, "-m", "stageb_pool.app.cli", "diff", str(mission_dir / "interrupted"),
                            str(mission_dir / "straight")], env=env(), capture_output=True, text=True, timeout=60)
     # Only the run name (part of config.output, volatile) and the generation counters of
     # the resumed process may differ; everything the search decided must be identical.

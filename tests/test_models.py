@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stageb_pool import models
-from stageb_pool.errors import InputError
+from stageb_pool.engine import models
+from stageb_pool.stageb.errors import InputError
 
 
 def one_line_error(path) -> str:
@@ -69,7 +69,7 @@ def test_checkpoint_dir_resolves_to_absolute_path(tmp_path, monkeypatch):
 
 def test_check_model_path_does_not_import_torch():
     code = (
-        "import sys; from stageb_pool import models; "
+        "import sys; from stageb_pool.engine import models; "
         "models.check_model_path('tiny'); models.check_model_path('embedded'); "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )

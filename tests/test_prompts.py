@@ -11,17 +11,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from stageb_pool.errors import InputError
-from stageb_pool.prompts import (
+from stageb_pool.stageb.errors import InputError
+from stageb_pool.stageb.prompts import (
     PROFILES_DIR,
     PromptProfile,
     build_messages,
     estimate_objects,
     load_profile,
+    load_proposer_prompt,
     render_template,
     station_summary_lines,
 )
-from stageb_pool.records import TicketText
+from stageb_pool.engine.records import TicketText
 
 DATA = Path(__file__).parent / "data" / "data_prompts"
 UPDATE = os.environ.get("STAGEB_UPDATE_SNAPSHOTS") == "1"
@@ -156,6 +157,30 @@ def profile_dir(tmp_path):
     d = tmp_path / "p"
     shutil.copytree(PROFILES_DIR / "generic", d)
     return d
+
+
+def test_the_proposer_prompt_defaults_to_the_profiles_proposer_txt(tmp_path):
+    for name in ("generic", "bbu_rru"):
+        assert load_proposer_prompt(name, None) == (PROFILES_DIR / name / "proposer.txt").read_text(encoding="utf-8")
+    own = tmp_path / "mine.txt"
+    own.write_text("You propose rules.\n", encoding="utf-8")
+    assert load_proposer_prompt("generic", str(own)) == "You propose rules.\n"
+    shutil.copytree(PROFILES_DIR / "generic", tmp_path / "custom")
+    (tmp_path / "custom" / "proposer.txt").write_text("Custom proposer.", encoding="utf-8")
+    assert load_proposer_prompt(str(tmp_path / "custom"), None) == "Custom proposer."
+
+
+@pytest.mark.parametrize("content, message", [(None, "cannot read the proposer prompt"), (" \n", "empty"),
+                                              (b"\xff\xfe", "not valid UTF-8")])
+def test_a_bad_proposer_prompt_is_a_located_error(tmp_path, content, message):
+    path = tmp_path / "proposer.txt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content, encoding="utf-8")
+    with pytest.raises(InputError, match=message) as err:
+        load_proposer_prompt("generic", str(path))
+    assert err.value.location == str(path)
 
 
 def test_unknown_profile_name_lists_known():

@@ -7,12 +7,12 @@ import re
 
 import pytest
 
-from stageb_pool.guidance import ExperienceMeta, Guidance, Operation
-from stageb_pool.prompts import VerdictVocab
-from stageb_pool.proposer import (
+from stageb_pool.stageb.guidance import ExperienceMeta, Guidance, Operation
+from stageb_pool.stageb.prompts import VerdictVocab
+from stageb_pool.stageb.proposer import (
     Candidate,
     ablation_candidates,
-    build_proposer_request,
+    build_proposer_prompt,
     extract_json,
     normalize_signature,
     normalize_spaces,
@@ -21,9 +21,8 @@ from stageb_pool.proposer import (
     reflection_id,
     select_examples,
 )
-from stageb_pool.records import Decode
-from stageb_pool.tickets import Ticket
-from stageb_pool.verdicts import TicketStats
+from stageb_pool.stageb.tickets import Ticket
+from stageb_pool.stageb.verdicts import TicketStats
 
 ZH = VerdictVocab(pass_words=["通过", "pass"], fail_words=["不通过", "fail"], pass_text="通过", fail_text="不通过")
 EN = VerdictVocab(pass_words=["pass"], fail_words=["fail"], pass_text="pass", fail_text="fail")
@@ -112,12 +111,8 @@ def test_select_examples_order_and_filter():
 
 # --------------------------------------------------------------------------- request
 
-DECODE = Decode(temperature=0.4, top_p=0.9, max_new_tokens=64)
-
-
 def request(examples, g=None, **kw):
-    return build_proposer_request("SYSTEM", "BBU安装方式检查（正装）", g or guidance(), examples, DECODE, "1/proposer/it1",
-                                  4096, **kw)
+    return build_proposer_prompt("SYSTEM", "BBU安装方式检查（正装）", g or guidance(), examples, **kw)
 
 
 def test_request_layout_matches_upstream_user_message():
@@ -125,8 +120,7 @@ def test_request_layout_matches_upstream_user_message():
     ex = [(stats("k1::fail", "fail", "pass", 1.0), ticket("k1::fail", "fail", per_image)),
           (ticket("k2::pass", "pass"), stats("k2::pass", "pass", "fail", 2 / 3))]  # either order
     req = request(ex)
-    assert req.system == "SYSTEM" and req.seed_key == "1/proposer/it1" and req.max_prompt_tokens == 4096
-    assert req.decode == DECODE
+    assert req.system == "SYSTEM"
     head = req.user_head.split("\n")
     assert head[:2] == ["任务: BBU安装方式检查（正装）", "G0: 需同时确认BBU设备与BBU安装螺丝，且螺丝符合要求"]
     assert head[2:5] == ["", "SCAFFOLD (S*):", f"[S1]. {S1}"]

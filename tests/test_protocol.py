@@ -8,8 +8,8 @@ import socket
 import msgspec
 import pytest
 
-from stageb_pool import protocol
-from stageb_pool.protocol import (
+from stageb_pool.pool import protocol
+from stageb_pool.pool.protocol import (
     Exited, Failure, FrameReader, FrameTooLarge, InitFailed, Kill, ProtocolError, Ready, Result,
     Shutdown, Snapshot, Spawn, Spawned, Task,
 )

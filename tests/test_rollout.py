@@ -12,12 +12,12 @@ import tqdm
 
 from fake_engines import MISSION, FakeEngine, demo_ticket_records, fake_factory
 from stageb_pool import Pool
-from stageb_pool.config import SamplerConfig
-from stageb_pool.prompts import load_profile
-from stageb_pool.records import ChatRequest, ChatResult, Decode
-from stageb_pool.rollout import RolloutRunner, RolloutSpec
-from stageb_pool.tickets import parse_ticket_line
-from stageb_pool.progress import Progress
+from stageb_pool.app.config import SamplerConfig
+from stageb_pool.stageb.prompts import load_profile
+from stageb_pool.engine.records import ChatRequest, ChatResult, Decode
+from stageb_pool.search.rollout import RolloutRunner, RolloutSpec
+from stageb_pool.stageb.tickets import parse_ticket_line
+from stageb_pool.app.progress import Progress
 
 import json
 

@@ -12,12 +12,12 @@ import pytest
 
 from fake_engines import MISSION, fake_factory, write_run_inputs
 from stageb_pool import PoolError, __version__
-from stageb_pool.config import load_config
-from stageb_pool.errors import InputError
-from stageb_pool.fileio import read_json
-from stageb_pool.job import run_job
-from stageb_pool.rundir import gpus_spec, prepare_run_dir, rollouts_path
-from stageb_pool.devices import parse_gpus
+from stageb_pool.app.config import load_config
+from stageb_pool.stageb.errors import InputError
+from stageb_pool.search.fileio import read_json
+from stageb_pool.app.job import run_job
+from stageb_pool.search.rundir import gpus_spec, prepare_run_dir, rollouts_path
+from stageb_pool.pool.devices import parse_gpus
 
 
 def tree_digest(root: Path) -> dict:
@@ -194,7 +194,7 @@ def test_failed_start_leaves_a_run_that_overwrite_may_replace(tmp_path):
 
 
 def test_workers_with_different_engines_are_reported(caplog):
-    from stageb_pool.job import warn_if_workers_differ
+    from stageb_pool.app.job import warn_if_workers_differ
 
     log = logging.getLogger("stageb_pool.test")
     same = [{"device": "NVIDIA H200", "dtype": "bfloat16"}] * 3

@@ -26,13 +26,14 @@ from pathlib import Path
 import pytest
 
 import scripted_engine as se
-from stageb_pool import config as config_mod
-from stageb_pool import job, search
-from stageb_pool import state as state_mod
-from stageb_pool.diff import diff_runs, format_differences
-from stageb_pool.errors import InputError
-from stageb_pool.hashing import content_hash
-from stageb_pool.pools import split_eval_pool
+from stageb_pool.app import config as config_mod
+from stageb_pool.app import job
+from stageb_pool.search import rule_search as search
+from stageb_pool.search import state as state_mod
+from stageb_pool.app.diff import diff_runs, format_differences
+from stageb_pool.stageb.errors import InputError
+from stageb_pool.stageb.hashing import content_hash
+from stageb_pool.stageb.ticket_pools import split_eval_pool
 
 TESTS = Path(__file__).resolve().parent
 SEED = 11
@@ -279,7 +280,7 @@ def test_resume_after_sigkill_with_rolling_train_pools(tmp_path):
     code = (
         "import sys; sys.path[:0] = [{tests!r}]\n"
         "import scripted_engine as se\n"
-        "from stageb_pool import config, job\n"
+        "from stageb_pool.app import config, job\n"
         "cfg = config.load_config({cfg!r})\n"
         "job.run_job(cfg, 'cpu:1', debug=True, engine_factory=se.scripted_factory(hang_at=2, marker={marker!r}))\n"
     ).format(tests=str(TESTS), cfg=cfg_path, marker=str(marker))
@@ -414,8 +415,8 @@ def test_distillation_runs_once_after_the_loop_with_the_final_guidance(tmp_path)
 
 
 def test_distill_sampler_picks_or_derives_the_decode():
-    from stageb_pool.config import SamplerConfig
-    from stageb_pool.records import Decode
+    from stageb_pool.app.config import SamplerConfig
+    from stageb_pool.engine.records import Decode
 
     sampler = SamplerConfig(grid=[Decode(temperature=0.3, seed=43), Decode(temperature=0.7)], samples_per_decode=3)
     assert search.distill_sampler(sampler, None).grid == [Decode(temperature=0.3, seed=43)]

@@ -5,10 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from stageb_pool import fileio
-from stageb_pool.devices import Device, parse_gpus
-from stageb_pool.errors import InputError
-from stageb_pool.hashing import content_hash, stable_seed
+from stageb_pool.search import fileio
+from stageb_pool.app.job import resolve_devices
+from stageb_pool.pool.devices import Device, DeviceSpecError, parse_gpus
+from stageb_pool.stageb.errors import InputError
+from stageb_pool.stageb.hashing import content_hash, stable_seed
 
 
 @pytest.mark.parametrize(
@@ -55,15 +56,20 @@ def test_cpu_workers_share_the_cores_once():
         ("2-5", "GPU 4, 5 does not exist: GPUs 0-3 exist"),
     ],
 )
-def test_bad_gpu_specs_are_located_input_errors(spec, message):
-    with pytest.raises(InputError) as err:
+def test_bad_gpu_specs_raise_a_value_error_in_the_pool(spec, message):
+    with pytest.raises(DeviceSpecError, match=message):
         parse_gpus(spec, gpu_count=4)
-    assert message in str(err.value)
-    assert str(err.value).startswith("--gpus: ")
+    assert issubclass(DeviceSpecError, ValueError) and not issubclass(DeviceSpecError, InputError)
+
+
+def test_the_cli_reports_a_bad_gpu_spec_as_an_input_error_located_at_the_option(monkeypatch):
+    with pytest.raises(InputError) as err:
+        resolve_devices("3-1")
+    assert str(err.value) == "--gpus: GPU range '3-1' runs backwards"
 
 
 def test_no_gpu_machine_says_so():
-    with pytest.raises(InputError, match="no GPU is visible"):
+    with pytest.raises(DeviceSpecError, match="no GPU is visible"):
         parse_gpus("0", gpu_count=0)
 
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from stageb_pool.errors import InputError
-from stageb_pool.records import TicketText
-from stageb_pool.tickets import (
+from stageb_pool.stageb.errors import InputError
+from stageb_pool.engine.records import TicketText
+from stageb_pool.stageb.tickets import (
     bbu_clean_summary,
     bbu_clean_tickets,
     load_exclusions,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from stageb_pool.prompts import VerdictVocab, load_profile
-from stageb_pool.verdicts import (
+from stageb_pool.stageb.prompts import VerdictVocab, load_profile
+from stageb_pool.stageb.verdicts import (
     Parsed,
     compute_metrics,
     majority_reason,

@@ -3,7 +3,8 @@
 File format: ``{<mission>: {"step", "updated_at", "experiences", "metadata"}}``.
 ``G0`` is the mission checklist (mandatory, updatable, never removable), ``S*`` are
 read-only structural invariants, ``G1+`` are the learnable rules. Edits are pure
-(``apply_operation`` returns a new Guidance); only ``GuidanceRepository`` touches disk.
+(``apply_operation`` returns a new Guidance); the run directory's copy is
+``search.guidance_store.GuidanceRepository``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ from pathlib import Path
 import msgspec
 
 from .errors import InputError
-from .fileio import atomic_write_bytes, write_json
 from .hashing import content_hash
 
 LEARNABLE_KEY = re.compile(r"^G\d+$")
 SCAFFOLD_KEY = re.compile(r"^S\d+$")
 PLACEHOLDER_G0 = "Initial guidance placeholder"
 OPERATIONS = ("upsert", "update", "merge", "remove")
-_SNAPSHOT = re.compile(r"^guidance-step(\d+)\.json$")
 _SECTION_KEYS = ("step", "updated_at", "experiences", "metadata", "focus")
 
 
@@ -273,51 +272,3 @@ def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str)
 def section_of(g: Guidance) -> dict:
     """The JSON section of a guidance state (what ``guidance.json`` holds per mission)."""
     return msgspec.to_builtins(g)
-
-
-class GuidanceRepository:
-    """The per-run guidance file ``run_dir/guidance.json`` (one mission) and its snapshots
-    ``run_dir/snapshots/guidance-step{NNNN}.json``, named by guidance step so that two runs
-    of the same config produce the same names."""
-
-    def __init__(self, run_dir: str | Path, mission: str, retention: int = 5):
-        self.run_dir = Path(run_dir)
-        self.mission = mission
-        self.retention = retention
-        self.path = self.run_dir / "guidance.json"
-        self.snapshot_dir = self.run_dir / "snapshots"
-
-    def exists(self) -> bool:
-        return self.path.is_file()
-
-    def load(self) -> Guidance:
-        return load_guidance(self.path, self.mission)
-
-    def write(self, g: Guidance) -> None:
-        """Atomic: the file holds the old or the new guidance, never a mix."""
-        write_json(self.path, {self.mission: section_of(g)})
-
-    def snapshots(self) -> list[Path]:
-        """Snapshot files, oldest step first."""
-        if not self.snapshot_dir.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.snapshot_dir.iterdir() if (m := _SNAPSHOT.match(p.name))]
-        return [p for _, p in sorted(found)]
-
-    def snapshot_and_write(self, new: Guidance) -> Path | None:
-        """Copy the current file to its step's snapshot, prune to ``retention``, then write
-        ``new`` atomically. Returns the snapshot path (None when there was no file)."""
-        snapshot = None
-        if self.exists():
-            old = self.load()
-            snapshot = self.snapshot_dir / f"guidance-step{old.step:04d}.json"
-            atomic_write_bytes(snapshot, self.path.read_bytes())  # verbatim copy
-            self._prune()
-        self.write(new)
-        return snapshot
-
-    def _prune(self) -> None:
-        keep = max(self.retention, 0)
-        files = self.snapshots()
-        for path in files[: len(files) - keep] if keep else files:
-            path.unlink()

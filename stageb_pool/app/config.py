@@ -20,9 +20,9 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from .errors import InputError
-from .hashing import content_hash
-from .records import Decode
+from ..engine.records import SamplerConfig
+from ..stageb.errors import InputError
+from ..stageb.hashing import content_hash
 
 # Constrained scalar types: msgspec checks these while converting and reports the key path.
 PosInt = Annotated[int, Meta(ge=1)]
@@ -83,12 +83,6 @@ class RunnerConfig(_Section, kw_only=True):
     logging_steps: PosInt = 256  # audit mode: a baseline_metrics_steps.jsonl row every this many tickets
 
 
-class SamplerConfig(_Section, kw_only=True):
-    grid: Annotated[list[Decode], Meta(min_length=1)]  # decodes; each ticket gets len(grid) * samples_per_decode samples
-    samples_per_decode: PosInt = 1  # samples drawn per grid entry
-    max_prompt_tokens: PosInt | None = None  # tickets whose prompt is longer are dropped (never truncated); None: no limit
-
-
 class BootstrapConfig(_Section, kw_only=True):
     iterations: PosInt = 200  # paired ticket-level bootstrap resamples
     min_prob: Probability = 0.8  # required P(RER* >= min_relative_error_reduction)
@@ -108,7 +102,7 @@ class EarlyStopConfig(_Section, kw_only=True):
 
 
 class RuleSearchConfig(_Section, kw_only=True):
-    proposer_prompt_path: NonEmptyStr  # proposer system prompt file
+    proposer_prompt_path: NonEmptyStr | None = None  # proposer system prompt file; None: the prompt profile's proposer.txt
     proposer_temperature: NonNegFloat = 0.4
     proposer_top_p: TopP = 0.9
     proposer_repetition_penalty: PosFloat = 1.05
@@ -478,7 +472,8 @@ def _resolve_paths(cfg: Config, base: str) -> None:
     cfg.stage_a_paths = [_resolve(base, p) for p in cfg.stage_a_paths]
     cfg.guidance.path = _resolve(base, cfg.guidance.path)
     cfg.output.root = _resolve(base, cfg.output.root)
-    cfg.rule_search.proposer_prompt_path = _resolve(base, cfg.rule_search.proposer_prompt_path)
+    if cfg.rule_search.proposer_prompt_path is not None:
+        cfg.rule_search.proposer_prompt_path = _resolve(base, cfg.rule_search.proposer_prompt_path)
     tf = cfg.ticket_filter
     if tf.exclude_ticket_keys_path is not None:
         tf.exclude_ticket_keys_path = _resolve(base, tf.exclude_ticket_keys_path)
@@ -499,7 +494,8 @@ def _check_files(cfg: Config, where: str) -> None:
     """Input files must exist before a run starts (nothing is created for a missing input)."""
     wanted = [(f"stage_a_paths[{i}]", p) for i, p in enumerate(cfg.stage_a_paths)]
     wanted.append(("guidance.path", cfg.guidance.path))
-    wanted.append(("rule_search.proposer_prompt_path", cfg.rule_search.proposer_prompt_path))
+    if cfg.rule_search.proposer_prompt_path is not None:
+        wanted.append(("rule_search.proposer_prompt_path", cfg.rule_search.proposer_prompt_path))
     if cfg.ticket_filter.exclude_ticket_keys_path is not None:
         wanted.append(("ticket_filter.exclude_ticket_keys_path", cfg.ticket_filter.exclude_ticket_keys_path))
     for key, path in wanted:

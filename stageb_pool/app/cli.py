@@ -18,8 +18,8 @@ import logging
 import os
 import sys
 
-from . import __version__
-from .errors import InputError
+from .. import __version__
+from ..stageb.errors import InputError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 COMMANDS = ("run", "check", "diff")
@@ -99,11 +99,10 @@ def setup_logging(level: str) -> None:
 
 def cmd_run(args) -> int:
     from .config import load_config
-    from .devices import parse_gpus
+    from .job import resolve_devices, run_job
 
-    devices = parse_gpus(args.gpus)
+    devices = resolve_devices(args.gpus)
     config = load_config(args.config, args.overrides)
-    from .job import run_job  # imported late: a bad config never pays for the pool's imports
 
     return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug)
 
@@ -118,10 +117,10 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     describe what the run would do. Raises InputError like the run itself would."""
     import msgspec
 
+    from ..search.rundir import run_dir_path
+    from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
     from .config import config_hash, load_config
     from .job import load_inputs
-    from .pools import resolve_train_pool_size, split_eval_pool
-    from .rundir import run_dir_path
 
     cfg = load_config(config_path, overrides)
     if audit:
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report_failure(err: Exception, level: str) -> int:
-    from .pool import PoolError
+    from ..pool import PoolError
 
     if isinstance(err, PoolError):
         # args[0] is the one-line "worker R (device) in method(): cause"; str(err) of a

@@ -11,6 +11,7 @@ that raises, dies or stalls becomes an exception (or a retry) within a bounded t
 
 from __future__ import annotations
 
+import hashlib
 import os
 import selectors
 import signal
@@ -23,7 +24,6 @@ import msgspec
 
 from . import protocol
 from .devices import Device, parse_gpus
-from .hashing import content_hash
 from .protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -312,9 +312,9 @@ class Pool:
         """Snapshot keys of shared values; each distinct value is encoded once."""
         keys = {}
         for name, value in shared.items():
-            key = content_hash(value)
+            data = protocol.encode(value)
+            key = hashlib.sha256(data).hexdigest()[:16]  # equal encodings are one snapshot
             if key not in self._snapshots:
-                data = protocol.encode(value)
                 if len(data) > self.max_frame:
                     raise FrameTooLarge(len(data), self.max_frame, f"shared value {name!r}")
                 self._snapshots[key] = [data, 0]

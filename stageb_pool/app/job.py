@@ -16,15 +16,19 @@ from pathlib import Path
 
 import msgspec
 
-from . import guidance as guidance_mod
-from . import models, prompts, rundir, state as state_mod, tickets as tickets_mod
-from .devices import Device, parse_gpus
-from .errors import InputError
-from .fileio import write_json
-from .hashing import content_hash
-from .pool import Pool
+from ..engine import models
+from ..pool import Device, DeviceSpecError, Pool, parse_gpus
+from ..search import rundir
+from ..search import state as state_mod
+from ..search.fileio import write_json
+from ..search.guidance_store import GuidanceRepository
+from ..search.rollout import RolloutRunner
+from ..stageb import guidance as guidance_mod
+from ..stageb import prompts
+from ..stageb import tickets as tickets_mod
+from ..stageb.errors import InputError
+from ..stageb.hashing import content_hash
 from .progress import Progress, pool_items_per_rank
-from .rollout import RolloutRunner
 
 log = logging.getLogger("stageb_pool")
 
@@ -50,6 +54,7 @@ class RunContext:
     devices: list = field(default_factory=list)
     debug: bool = False
     started: float = 0.0
+    proposer_system: str | None = None
 
 
 class _Inputs(msgspec.Struct):
@@ -59,6 +64,7 @@ class _Inputs(msgspec.Struct):
     profile: object
     model_path: str
     seed_guidance: object
+    proposer_system: str | None  # the proposer's system prompt (search mode only)
 
 
 def load_inputs(config) -> _Inputs:
@@ -77,21 +83,20 @@ def load_inputs(config) -> _Inputs:
         ingest = msgspec.structs.replace(ingest, tickets=tickets_mod.bbu_clean_tickets(ingest.tickets))
     model_path = models.check_model_path(config.model.path)
     seed_guidance = guidance_mod.load_guidance(config.guidance.path, mission)
+    proposer_system = None
     if config.mode == "search":
-        _check_readable(config.rule_search.proposer_prompt_path, "rule_search.proposer_prompt_path")
+        proposer_system = prompts.load_proposer_prompt(config.prompt.profile, config.rule_search.proposer_prompt_path)
     run_order = list(ingest.tickets)
     random.Random(config.seed).shuffle(run_order)  # upstream run order (3.1 step 7)
-    return _Inputs(mission, ingest, run_order, profile, model_path, seed_guidance)
+    return _Inputs(mission, ingest, run_order, profile, model_path, seed_guidance, proposer_system)
 
 
-def _check_readable(path: str, key: str) -> None:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"file not found: {path}", f"config: {key}")
+def resolve_devices(spec) -> list[Device]:
+    """The devices of a ``--gpus`` spec; a bad spec is an InputError located at ``--gpus``."""
     try:
-        p.read_bytes()
-    except OSError as err:
-        raise InputError(f"cannot read {path}: {err.strerror or err}", f"config: {key}") from err
+        return parse_gpus(spec)
+    except DeviceSpecError as err:
+        raise InputError(str(err), "--gpus") from None
 
 
 def engine_factory_for(model_config, model_path: str):
@@ -99,7 +104,7 @@ def engine_factory_for(model_config, model_path: str):
     transformers) inside the worker: the parent never imports torch."""
 
     def build(device: Device):
-        from stageb_pool.engine import Engine
+        from ..engine.transformers_engine import Engine
 
         return Engine(
             device,
@@ -130,7 +135,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     if audit and config.mode != "audit":
         config = msgspec.structs.replace(config, mode="audit")
     if not isinstance(devices, list):
-        devices = parse_gpus(devices)
+        devices = resolve_devices(devices)
     if debug:
         devices = devices[:1]
 
@@ -141,7 +146,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         # before run.json or guidance.json is rewritten or a worker forked
         state_mod.preflight_resume(run_dir, config=config, tickets=inputs.tickets)
 
-    repo = guidance_mod.GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
+    repo = GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
     if not (resume and repo.exists()):
         repo.write(inputs.seed_guidance)
 
@@ -170,15 +175,16 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
             config=config, mission=inputs.mission, tickets=inputs.tickets, profile=inputs.profile,
             guidance_repo=repo, run_dir=Path(run_dir), runner=runner, pool=pool, log=log,
             resume=resume, ingest=inputs.ingest, devices=devices, debug=debug, started=started,
+            proposer_system=inputs.proposer_system,
         )
         log.info("%s run of %d tickets (mission %s) on %d worker(s) -> %s",
                  config.mode, len(inputs.tickets), inputs.mission, pool.size, run_dir)
         if config.mode == "audit":
-            from .audit import run_audit
+            from ..search.audit import run_audit
 
             summary = run_audit(ctx)
         else:
-            from .search import run_search
+            from ..search.rule_search import run_search
 
             summary = run_search(ctx)
         write_summary(ctx, summary)

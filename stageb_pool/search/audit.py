@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import verdicts
+from ..stageb import verdicts
 from .fileio import write_json, write_jsonl
 from .rollout import RolloutResult, RolloutSpec
 from .rundir import HARD_CASES, artifact, rollouts_path, utc_timestamp

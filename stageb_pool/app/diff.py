@@ -15,8 +15,8 @@ from pathlib import Path
 
 import msgspec
 
+from ..stageb.errors import InputError
 from .config import join_key
-from .errors import InputError
 
 # Any JSON key with one of these names, at any depth of any JSON/JSONL artifact.
 VOLATILE_KEYS = frozenset({"timestamp", "updated_at", "started_at", "finished_at", "elapsed_s", "elapsed_sec"})

@@ -15,11 +15,10 @@ from typing import Any
 
 import msgspec
 
+from ..stageb.errors import InputError
+from ..stageb.hashing import content_hash
+from ..stageb.ticket_pools import TrainPoolSampler
 from . import fileio, rundir
-from .config import config_hash
-from .errors import InputError
-from .hashing import content_hash
-from .pools import TrainPoolSampler
 
 STATE_FILE = "state.json"
 STATE_VERSION = 1
@@ -117,7 +116,7 @@ def config_document(config) -> dict[str, Any]:
 def config_identity(config) -> str:
     """The config hash used to refuse a resume with a different config (the hash of
     :func:`config_document`)."""
-    return config_hash(config)
+    return content_hash(config_document(config))  # == app.config.config_hash(config)
 
 
 def tickets_identity(tickets) -> str:

@@ -1,8 +1,9 @@
 """The rule proposer's pure parts (upstream 3.4 step 5-7 and 3.5).
 
 * :func:`select_examples` picks the most confidently wrong tickets of a baseline rollout;
-* :func:`build_proposer_request` turns them into a :class:`records.ChatRequest` whose
-  examples the worker drops from the end until the prompt fits its token budget;
+* :func:`build_proposer_prompt` turns them into a :class:`ProposerPrompt` (system text,
+  user head, examples, user tail), sent as a chat request whose examples the worker drops
+  from the end until the prompt fits its token budget;
 * :func:`extract_json` finds the first parseable JSON in the answer;
 * :func:`parse_candidates` applies every validation filter and names the reason of each
   rejection; :func:`ablation_candidates` fills up with ``remove`` candidates.
@@ -32,7 +33,6 @@ from typing import Iterable, Mapping, Sequence
 import msgspec
 
 from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
-from .records import ChatRequest, Decode
 
 # --------------------------------------------------------------------------- text normalisation
 
@@ -161,22 +161,27 @@ def render_head(mission: str, guidance, lang: str = "zh") -> str:
     return "\n".join(lines)
 
 
-def build_proposer_request(
-    system_prompt: str, mission: str, guidance, examples: Sequence, decode: Decode, seed_key: str,
-    max_prompt_tokens: int | None, *, lang: str = "zh",
-) -> ChatRequest:
-    """The proposer chat (upstream 3.5 user message), examples as separate strings.
+class ProposerPrompt(msgspec.Struct, frozen=True):
+    """The proposer's messages: ``system``, and a user message that is ``user_head``, the
+    ``examples`` and ``user_tail`` joined with blank lines (upstream 3.5)."""
+
+    system: str
+    user_head: str
+    examples: list[str]
+    user_tail: str
+
+
+def build_proposer_prompt(system_prompt: str, mission: str, guidance, examples: Sequence, *,
+                          lang: str = "zh") -> ProposerPrompt:
+    """The proposer prompt (upstream 3.5 user message), examples as separate strings.
 
     ``examples`` are ``(TicketStats, Ticket)`` pairs from :func:`select_examples` (either
-    order). Joined with blank lines, head + examples + tail is upstream's user message;
-    the worker drops examples from the end while the prompt exceeds ``max_prompt_tokens``.
+    order). Joined with blank lines, head + examples + tail is upstream's user message.
     ``lang="en"`` translates the labels of the user message for English profiles.
     """
     blocks = [render_example(i, *_pair(ex), lang=lang) for i, ex in enumerate(examples, start=1)]
-    return ChatRequest(
-        system=system_prompt, user_head=render_head(mission, guidance, lang), examples=blocks,
-        user_tail=_TEXTS[lang]["close"], decode=decode, seed_key=seed_key, max_prompt_tokens=max_prompt_tokens,
-    )
+    return ProposerPrompt(system=system_prompt, user_head=render_head(mission, guidance, lang), examples=blocks,
+                          user_tail=_TEXTS[lang]["close"])
 
 
 # --------------------------------------------------------------------------- JSON extraction

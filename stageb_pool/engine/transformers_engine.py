@@ -18,15 +18,21 @@ import re
 import time
 
 import msgspec
+import torch
 
+from ..pool.devices import Device
+from ..stageb import prompts
+from ..stageb.hashing import stable_seed
 from . import models
-
-import torch  # noqa: E402  (after models: HF_HUB_OFFLINE is set before transformers loads)
-
-from . import prompts  # noqa: E402
-from .devices import Device  # noqa: E402
-from .hashing import stable_seed  # noqa: E402
-from .records import ChatRequest, ChatResult, ChunkResult, Decode, RolloutChunk, Sample, TicketRollout  # noqa: E402
+from .records import (
+    ChatRequest,
+    ChatResult,
+    ChunkResult,
+    Decode,
+    RolloutChunk,
+    Sample,
+    TicketRollout,
+)
 
 # Upstream strips a leading role marker that a weak model sometimes echoes.
 _ASSISTANT_PREFIX = re.compile(r"^\s*(?:<\|im_start\|>)?\s*(?:assistant\s*\n|Assistant:\s*)")

@@ -27,7 +27,13 @@ import traceback
 
 from . import protocol
 from .protocol import Exited, Kill, PoolError, Shutdown, Spawn, Spawned
-from .worker import after_fork_in_child, close_fds_except, die_with_parent, flush_stdio, worker_main
+from .worker import (
+    after_fork_in_child,
+    close_fds_except,
+    die_with_parent,
+    flush_stdio,
+    worker_main,
+)
 
 
 def check_fork_safe() -> None:

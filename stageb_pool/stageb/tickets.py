@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
 
 from .errors import InputError
-from .records import TicketText
 
 LABELS = ("pass", "fail")
 IRRELEVANT = "无关图片"
@@ -25,6 +24,14 @@ STATION_DISTANCE = "站点距离"
 HEADER_LINE = re.compile(r"^<DOMAIN=.*>\s*,\s*<TASK=.*>$")
 _TRAILING_INT = re.compile(r"(\d+)$")
 _TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
+
+
+class TicketText(msgspec.Struct, frozen=True):
+    """What a worker needs of a ticket to render its prompt. The label never leaves the parent."""
+
+    key: str
+    mission: str
+    per_image: dict[str, str]
 
 
 class Ticket(msgspec.Struct, frozen=True):

@@ -23,10 +23,13 @@ import yaml
 
 from .errors import InputError
 from .hashing import content_hash
-from .tickets import IRRELEVANT, strip_header_lines  # the same rules at ingest and at prompt time
+from .tickets import (  # the same rules at ingest and at prompt time
+    IRRELEVANT,
+    strip_header_lines,
+)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PROFILES_DIR = REPO_ROOT / "configs" / "prompts"
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"  # the built-in profiles (package data)
+PROPOSER_FILE = "proposer.txt"  # a profile's default proposer system prompt
 INLINE_FIELDS = ("mission", "focus")
 BLOCK_FIELDS = ("scaffold", "rules", "image_stats", "station_summary", "image_summaries")
 RULES_ORDERS = ("key", "g0_first")
@@ -153,7 +156,8 @@ def load_profile(
     name_or_path: str, *, mission: str, base_dir: str | Path | None = None, domain: str | None = None
 ) -> PromptProfile:
     """Resolve a profile for ``mission``. A bare name is looked up under ``base_dir``
-    (default ``<repo>/configs/prompts``); anything with a path separator is a directory.
+    (default: the built-in profiles, ``stageb_pool/profiles``); anything with a path
+    separator is a directory.
     ``domain`` overrides the domain derived from the mission prefix."""
     directory = _profile_dir(str(name_or_path), base_dir)
     spec = _read_profile_yaml(directory / "profile.yaml")
@@ -174,6 +178,20 @@ def load_profile(
         labels=spec.labels,
         options=spec.options,
     )
+
+
+def load_proposer_prompt(profile: str, path: str | None, *, base_dir: str | Path | None = None) -> str:
+    """The proposer's system prompt: the file at ``path``, or the profile's ``proposer.txt``."""
+    file = Path(path) if path is not None else _profile_dir(str(profile), base_dir) / PROPOSER_FILE
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as err:
+        raise InputError(f"cannot read the proposer prompt: {err.strerror or err}", str(file)) from err
+    except UnicodeDecodeError:
+        raise InputError("the proposer prompt is not valid UTF-8", str(file)) from None
+    if not text.strip():
+        raise InputError("the proposer prompt is empty", str(file))
+    return text
 
 
 # --------------------------------------------------------------------------- summaries

@@ -13,7 +13,9 @@ import subprocess
 
 import msgspec
 
-from .errors import InputError
+
+class DeviceSpecError(ValueError):
+    """A ``--gpus`` spec that cannot be read or names devices that do not exist."""
 
 
 class Device(msgspec.Struct, frozen=True):
@@ -72,13 +74,13 @@ def _gpu_indices(spec: str) -> list[int]:
     for part in spec.split(","):
         m = _RANGE.match(part.strip())
         if not m:
-            raise InputError(f"cannot read GPU list {spec!r}: use e.g. 0-7, 0,2,5-6, 0, cpu or cpu:4", "--gpus")
+            raise DeviceSpecError(f"cannot read GPU list {spec!r}: use e.g. 0-7, 0,2,5-6, 0, cpu or cpu:4")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
-            raise InputError(f"GPU range {part.strip()!r} runs backwards", "--gpus")
+            raise DeviceSpecError(f"GPU range {part.strip()!r} runs backwards")
         indices.extend(range(lo, hi + 1))
     if len(set(indices)) != len(indices):
-        raise InputError(f"GPU list {spec!r} names a GPU twice", "--gpus")
+        raise DeviceSpecError(f"GPU list {spec!r} names a GPU twice")
     return indices
 
 
@@ -98,7 +100,7 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> 
     if spec == "cpu" or spec.startswith("cpu:"):
         n_text = spec[4:] if spec.startswith("cpu:") else "1"
         if not n_text.isdigit() or int(n_text) < 1:
-            raise InputError(f"{spec!r}: cpu:N needs a worker count N >= 1", "--gpus")
+            raise DeviceSpecError(f"{spec!r}: cpu:N needs a worker count N >= 1")
         n = int(n_text)
         threads = max(1, cpus // n)
         return [Device("cpu", i, i, threads) for i in range(n)]
@@ -107,6 +109,6 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> 
     missing = [i for i in indices if i >= have]
     if missing:
         which = f"GPUs 0-{have - 1} exist" if have > 1 else ("GPU 0 exists" if have == 1 else "no GPU is visible (use --gpus cpu:N)")
-        raise InputError(f"GPU {', '.join(map(str, missing))} does not exist: {which}", "--gpus")
+        raise DeviceSpecError(f"GPU {', '.join(map(str, missing))} does not exist: {which}")
     threads = max(1, min(8, cpus // len(indices)))
     return [Device("cuda", gpu, rank, threads) for rank, gpu in enumerate(indices)]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 
-from stageb_pool.pools import TrainPoolSampler, eval_quotas, resolve_train_pool_size, split_eval_pool
+from stageb_pool.stageb.ticket_pools import TrainPoolSampler, eval_quotas, resolve_train_pool_size, split_eval_pool
 
 
 @dataclass(frozen=True)

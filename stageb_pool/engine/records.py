@@ -7,7 +7,12 @@ Structs (``msgspec.convert``) and the parent decodes results with them (``result
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
+
+from ..stageb.tickets import TicketText  # what a worker needs of a ticket (no label)
 
 
 class Decode(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -24,12 +29,12 @@ class Decode(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
 
 
-class TicketText(msgspec.Struct, frozen=True):
-    """What a worker needs of a ticket to render its prompt. The label never leaves the parent."""
+class SamplerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A rollout's sampling settings (the config's ``train_sampler`` / ``eval_sampler``)."""
 
-    key: str
-    mission: str
-    per_image: dict[str, str]
+    grid: Annotated[list[Decode], Meta(min_length=1)]  # decodes; each ticket gets len(grid) * samples_per_decode samples
+    samples_per_decode: Annotated[int, Meta(ge=1)] = 1  # samples drawn per grid entry
+    max_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None  # tickets whose prompt is longer are dropped (never truncated); None: no limit
 
 
 class RolloutChunk(msgspec.Struct, frozen=True):

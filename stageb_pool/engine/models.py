@@ -23,9 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import InputError
-
-os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers is ever imported: never touch a hub
+from ..stageb.errors import InputError
 
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -246,7 +244,11 @@ def _quiet_transformers() -> None:
 
 
 def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_code: bool, device: str):
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+    )
 
     config = json.loads((folder / "config.json").read_bytes())
     cls = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM

@@ -19,12 +19,18 @@ import time
 
 import msgspec
 
-from . import verdicts
-from .config import SamplerConfig
-from .hashing import content_hash
-from .records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, TicketRollout
-from .tickets import Ticket
-from .verdicts import TicketStats
+from ..engine.records import (
+    ChatRequest,
+    ChatResult,
+    ChunkResult,
+    RolloutChunk,
+    SamplerConfig,
+    TicketRollout,
+)
+from ..stageb import verdicts
+from ..stageb.hashing import content_hash
+from ..stageb.tickets import Ticket
+from ..stageb.verdicts import TicketStats
 
 
 class RolloutSpec(msgspec.Struct, frozen=True):

@@ -29,16 +29,25 @@ from pathlib import Path
 
 import msgspec
 
-from . import audit, fileio, gate as gate_mod, proposer, rundir, state as state_mod
-from .errors import InputError
-from .guidance import Guidance, GuidanceError, apply_operation, load_guidance
-from .hashing import content_hash
-from .pools import TrainPoolSampler, split_eval_pool
-from .prompts import build_messages
-from .records import Decode
+from ..engine.records import ChatRequest, Decode
+from ..stageb import gate as gate_mod
+from ..stageb import proposer
+from ..stageb.guidance import Guidance, GuidanceError, apply_operation, load_guidance
+from ..stageb.hashing import content_hash
+from ..stageb.prompts import build_messages
+from ..stageb.ticket_pools import TrainPoolSampler, split_eval_pool
+from ..stageb.verdicts import compute_metrics
+from . import audit, fileio, rundir
+from . import state as state_mod
 from .rollout import RolloutResult, RolloutSpec
-from .rundir import BENCHMARKS, CANDIDATES, HARD_CASES, PROPOSER_FAILURES, REGRESSIONS, utc_timestamp
-from .verdicts import compute_metrics
+from .rundir import (
+    BENCHMARKS,
+    CANDIDATES,
+    HARD_CASES,
+    PROPOSER_FAILURES,
+    REGRESSIONS,
+    utc_timestamp,
+)
 
 DISTILL_DEFAULT = "distill_chatml.jsonl"
 RAW_CHARS = 400
@@ -120,7 +129,7 @@ class RuleSearch:
         bootstrap_seed = self.rs.gate.bootstrap.seed
         self.bootstrap_seed = self.seed if bootstrap_seed is None else int(bootstrap_seed)
         self.train, self.eval = split_eval_pool(list(ctx.tickets), self.rs.eval_pool_size, self.seed)
-        self.proposer_system = _read_text(self.rs.proposer_prompt_path, "proposer prompt")
+        self.proposer_system = ctx.proposer_system
         self.state: state_mod.SearchState | None = None
         self.iterations_this_run = 0
 
@@ -264,10 +273,10 @@ class RuleSearch:
         decode = Decode(temperature=rs.proposer_temperature, top_p=rs.proposer_top_p,
                         max_new_tokens=rs.proposer_max_new_tokens,
                         repetition_penalty=rs.proposer_repetition_penalty, seed=self.seed)
-        return proposer.build_proposer_request(
-            self.proposer_system, self.mission, rnd.g, rnd.examples, decode,
-            f"{self.seed}/proposer/it{rnd.it}", rs.proposer_max_prompt_tokens,
-            lang=proposer.proposer_language(self.runner.profile.verdict))
+        prompt = proposer.build_proposer_prompt(self.proposer_system, self.mission, rnd.g, rnd.examples,
+                                                lang=proposer.proposer_language(self.runner.profile.verdict))
+        return ChatRequest(**msgspec.structs.asdict(prompt), decode=decode, seed_key=f"{self.seed}/proposer/it{rnd.it}",
+                           max_prompt_tokens=rs.proposer_max_prompt_tokens)
 
     def _propose_and_eval_baseline(self, rnd: _Round):
         """One gather: the proposer call and the eval baseline share the workers. The chat is
@@ -569,16 +578,6 @@ class RuleSearch:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-def _read_text(path, what: str) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise InputError(f"cannot read the {what}: {err.strerror or err}", str(path)) from err
-    if not text.strip():
-        raise InputError(f"the {what} is empty", str(path))
-    return text
-
 
 def example_key(example) -> str:
     """Ticket key of a proposer example (a ``(TicketStats, Ticket)`` pair of select_examples)."""

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import msgspec
 
-from . import __version__
-from .errors import InputError
+from .. import __version__
+from ..stageb.errors import InputError
 from .fileio import write_json
 
 RUN_JSON = "run.json"

@@ -1,0 +1,62 @@
+"""The run directory's guidance: ``guidance.json`` (one mission) and its step snapshots.
+
+The rule search's only writer of guidance files; every write is atomic.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..stageb.guidance import Guidance, load_guidance, section_of
+from .fileio import atomic_write_bytes, write_json
+
+_SNAPSHOT = re.compile(r"^guidance-step(\d+)\.json$")
+
+
+class GuidanceRepository:
+    """The per-run guidance file ``run_dir/guidance.json`` (one mission) and its snapshots
+    ``run_dir/snapshots/guidance-step{NNNN}.json``, named by guidance step so that two runs
+    of the same config produce the same names."""
+
+    def __init__(self, run_dir: str | Path, mission: str, retention: int = 5):
+        self.run_dir = Path(run_dir)
+        self.mission = mission
+        self.retention = retention
+        self.path = self.run_dir / "guidance.json"
+        self.snapshot_dir = self.run_dir / "snapshots"
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def load(self) -> Guidance:
+        return load_guidance(self.path, self.mission)
+
+    def write(self, g: Guidance) -> None:
+        """Atomic: the file holds the old or the new guidance, never a mix."""
+        write_json(self.path, {self.mission: section_of(g)})
+
+    def snapshots(self) -> list[Path]:
+        """Snapshot files, oldest step first."""
+        if not self.snapshot_dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.snapshot_dir.iterdir() if (m := _SNAPSHOT.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def snapshot_and_write(self, new: Guidance) -> Path | None:
+        """Copy the current file to its step's snapshot, prune to ``retention``, then write
+        ``new`` atomically. Returns the snapshot path (None when there was no file)."""
+        snapshot = None
+        if self.exists():
+            old = self.load()
+            snapshot = self.snapshot_dir / f"guidance-step{old.step:04d}.json"
+            atomic_write_bytes(snapshot, self.path.read_bytes())  # verbatim copy
+            self._prune()
+        self.write(new)
+        return snapshot
+
+    def _prune(self) -> None:
+        keep = max(self.retention, 0)
+        files = self.snapshots()
+        for path in files[: len(files) - keep] if keep else files:
+            path.unlink()
