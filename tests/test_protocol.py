@@ -17,8 +17,8 @@ from stageb_pool.pool.protocol import (
 MESSAGES = [
     Ready(1, 123, {"torch": "2.13"}),
     InitFailed(1, 123, "RuntimeError: x", "Traceback ..."),
-    Snapshot("abcd", {"G0": "rule"}, evict=["old"]),
-    Task(7, "rollout", {"tickets": [1, 2]}, {"guidance": "abcd"}),
+    Snapshot("abcd", msgspec.Raw(b'{"G0":"rule"}'), evict=["old"]),
+    Task(7, "rollout", msgspec.Raw(b'{"tickets":[1,2]}'), {"guidance": "abcd"}),
     Failure(7, "ValueError: bad", "Traceback ..."),
     Shutdown(2.0),
     Spawn(3),
@@ -36,6 +36,12 @@ def test_every_message_round_trips_with_its_type_tag(msg):
     assert size == len(data) - 4
     assert msgspec.json.decode(data[4:])["type"] == type(msg).__name__
     assert FrameReader().feed(data) == [msg]
+
+
+def test_task_items_and_snapshots_stay_raw_until_the_worker_decodes_them():
+    task, snap = FrameReader().feed(protocol.frame(MESSAGES[3]) + protocol.frame(MESSAGES[2]))
+    assert isinstance(task.item, msgspec.Raw) and bytes(task.item) == b'{"tickets":[1,2]}'
+    assert isinstance(snap.value, msgspec.Raw) and bytes(snap.value) == b'{"G0":"rule"}'
 
 
 def test_result_value_stays_raw_until_the_parent_decodes_it():
@@ -56,7 +62,7 @@ def test_oversize_send_names_the_size_and_sends_nothing():
     a, b = socket.socketpair()
     with a, b:
         with pytest.raises(FrameTooLarge, match=r"Task frame of 1,0\d\d bytes exceeds the pool's frame limit of 1,000 bytes"):
-            protocol.send(a, Task(1, "m", "x" * 1000), max_frame=1000)
+            protocol.send(a, Task(1, "m", msgspec.Raw(b'"' + b"x" * 1000 + b'"')), max_frame=1000)
         a.setblocking(False)
         b.setblocking(False)
         with pytest.raises(BlockingIOError):

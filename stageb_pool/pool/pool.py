@@ -23,6 +23,7 @@ from collections import OrderedDict, deque
 import msgspec
 
 from . import protocol
+from .calls import Calls
 from .devices import Device, parse_gpus
 from .protocol import (
     MAX_FRAME_BYTES,
@@ -199,7 +200,8 @@ class Pool:
             except Exception as exc:
                 raise WorkerError(exception_summary(exc), rank=0, device=self.devices[0].name,
                                   method="engine_factory", remote_traceback=traceback.format_exc()) from exc
-            self._inline_cache: OrderedDict[str, object] = OrderedDict()
+            self._inline_cache: OrderedDict[str, None] = OrderedDict()
+            self._inline_calls = Calls(self._engine)
             return
         self._zygote = Zygote(self.devices, engine_factory, max_frame_bytes)
         self._sel = selectors.DefaultSelector()
@@ -374,8 +376,9 @@ class Pool:
         """Run one task in this process through the same codec as a worker would."""
         started = time.perf_counter()
         try:
-            shared = {name: self._inline_snapshot(key) for name, key in task.shared.items()}
-            value = getattr(self._engine, task.method)(msgspec.json.decode(task.item), **shared)
+            for key in task.shared.values():
+                self._inline_snapshot(key)
+            value = self._inline_calls.call(task.method, task.item, task.shared)
             raw = protocol.encode(value)
             if len(raw) > self.max_frame:
                 raise FrameTooLarge(len(raw), self.max_frame, "Result frame")
@@ -391,13 +394,14 @@ class Pool:
         result, error = self._decode_result(task, raw)
         self._finish(task, result=result, error=error)
 
-    def _inline_snapshot(self, key: str):
-        if key not in self._inline_cache:
-            self._inline_cache[key] = msgspec.json.decode(self._snapshots[key][0])
-            if len(self._inline_cache) > SNAPSHOT_CACHE_SIZE:
-                self._inline_cache.popitem(last=False)
-        self._inline_cache.move_to_end(key)
-        return self._inline_cache[key]
+    def _inline_snapshot(self, key: str) -> None:
+        """Keep the last SNAPSHOT_CACHE_SIZE shared values, as a worker's cache would."""
+        if key in self._inline_cache:
+            self._inline_cache.move_to_end(key)
+            return
+        self._inline_cache[key] = None
+        evict = [self._inline_cache.popitem(last=False)[0]] if len(self._inline_cache) > SNAPSHOT_CACHE_SIZE else []
+        self._inline_calls.add_snapshot(key, self._snapshots[key][0], evict)
 
     # -- the event loop -------------------------------------------------------------------
     def _step(self) -> None:

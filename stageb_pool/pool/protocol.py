@@ -71,7 +71,7 @@ class Snapshot(Message):
     so the worker's cache always mirrors what the parent believes it holds."""
 
     key: str
-    value: Any
+    value: msgspec.Raw  # decoded by the worker into the type the engine method declares
     evict: list[str] = []
 
 
@@ -80,7 +80,7 @@ class Task(Message):
 
     id: int
     method: str
-    item: Any
+    item: msgspec.Raw  # decoded by the worker into the type the engine method declares
     shared: dict[str, str] = {}
 
 

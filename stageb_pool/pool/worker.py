@@ -14,6 +14,7 @@ import sys
 import traceback
 
 from . import protocol
+from .calls import Calls
 from .protocol import Failure, InitFailed, Ready, Result, Shutdown, Snapshot, Task
 
 PR_SET_PDEATHSIG = 1
@@ -106,26 +107,23 @@ def worker_main(sock, device, engine_factory, max_frame: int) -> None:
 
 def serve(sock, engine, max_frame: int) -> None:
     """Answer tasks until Shutdown or EOF (EOF means the parent is gone)."""
-    cache: dict[str, object] = {}  # snapshot key -> value; the parent decides what stays
+    calls = Calls(engine)
     while True:
         msg = protocol.recv(sock, max_frame)
         if msg is None or isinstance(msg, Shutdown):
             return
         if isinstance(msg, Snapshot):
-            for key in msg.evict:
-                cache.pop(key, None)
-            cache[msg.key] = msg.value
+            calls.add_snapshot(msg.key, msg.value, msg.evict)
         elif isinstance(msg, Task):
-            sock.sendall(run_task(engine, cache, msg, max_frame))
+            sock.sendall(run_task(calls, msg, max_frame))
         else:
             raise protocol.ProtocolError(f"worker got unexpected {type(msg).__name__}")
 
 
-def run_task(engine, cache: dict, task: Task, max_frame: int) -> bytes:
+def run_task(calls: Calls, task: Task, max_frame: int) -> bytes:
     """The reply frame for one task: a Result, or a Failure carrying the traceback."""
     try:
-        shared = {name: cache[key] for name, key in task.shared.items()}
-        value = getattr(engine, task.method)(task.item, **shared)
+        value = calls.call(task.method, task.item, task.shared)
         return protocol.frame(Result(task.id, value), max_frame)
     except Exception as exc:
         return protocol.frame(Failure(task.id, exception_summary(exc), traceback.format_exc()), max_frame)
