@@ -28,6 +28,7 @@ from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash
+from .config import with_mode
 from .progress import Progress, pool_items_per_rank
 
 log = logging.getLogger("stageb_pool")
@@ -132,8 +133,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv)."""
     started = time.monotonic()
     started_at = rundir.utc_now()
-    if audit and config.mode != "audit":
-        config = msgspec.structs.replace(config, mode="audit")
+    config = with_mode(config, audit)
     if not isinstance(devices, list):
         devices = resolve_devices(devices)
     if debug:

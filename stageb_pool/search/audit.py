@@ -48,7 +48,7 @@ def run_audit(ctx) -> dict:
         hard_case_limit=max(200, 8 * config.rule_search.reflect_size),
         n_skipped_lines=skipped,
         n_excluded=excluded,
-        save_rollouts=config.output.save_rollouts,
+        save_rollouts=ctx.runner.save_rollouts,
     )
     metrics = written["metrics"]
     ctx.log.info(
