@@ -33,7 +33,7 @@ from ..engine.records import ChatRequest, Decode
 from ..stageb import gate as gate_mod
 from ..stageb import proposer
 from ..stageb.guidance import Guidance, GuidanceError, apply_operation, load_guidance
-from ..stageb.hashing import content_hash
+from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.prompts import build_messages
 from ..stageb.ticket_pools import TrainPoolSampler, split_eval_pool
 from ..stageb.verdicts import compute_metrics
@@ -141,7 +141,7 @@ class RuleSearch:
         return state_mod.SearchState(
             iteration=0, guidance_hash=g.hash, guidance_step=g.step, guidance=msgspec.to_builtins(g),
             no_gain=0, rejected_ids=[], sampler=sampler, config_hash=state_mod.config_identity(self.cfg),
-            tickets_hash=state_mod.tickets_identity(self.ctx.tickets),
+            tickets_hash=tickets_hash(self.ctx.tickets),  # run order: what a resume must reproduce
             artifacts={name: 0 for name in state_mod.APPEND_ARTIFACTS},
             config=state_mod.config_document(self.cfg),
         )
