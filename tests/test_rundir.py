@@ -3,22 +3,22 @@ disk write or fork."""
 
 from __future__ import annotations
 
-import logging
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
-
 from fake_engines import MISSION, fake_factory, write_run_inputs
+
 from stageb_pool import PoolError, __version__
 from stageb_pool.app.config import load_config
-from stageb_pool.stageb.errors import InputError
-from stageb_pool.search.fileio import read_json
-from stageb_pool.stageb.hashing import tickets_hash
 from stageb_pool.app.job import load_inputs, run_job
-from stageb_pool.search.rundir import gpus_spec, prepare_run_dir, rollouts_path
 from stageb_pool.pool.devices import parse_gpus
+from stageb_pool.search.fileio import read_json
+from stageb_pool.search.rundir import gpus_spec, prepare_run_dir, rollouts_path
+from stageb_pool.stageb.errors import InputError
+from stageb_pool.stageb.hashing import tickets_hash
 
 
 def tree_digest(root: Path) -> dict:

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 import scripted_engine as se
+
 from stageb_pool.app import config as config_mod
 from stageb_pool.app import job
-from stageb_pool.search import rule_search as search
-from stageb_pool.search import state as state_mod
 from stageb_pool.app.diff import diff_runs, format_differences
+from stageb_pool.search import state as state_mod
+from stageb_pool.search.distill import distill_sampler
 from stageb_pool.stageb.errors import InputError
 from stageb_pool.stageb.hashing import content_hash
 from stageb_pool.stageb.ticket_pools import split_eval_pool
@@ -419,9 +419,9 @@ def test_distill_sampler_picks_or_derives_the_decode():
     from stageb_pool.engine.records import Decode
 
     sampler = SamplerConfig(grid=[Decode(temperature=0.3, seed=43), Decode(temperature=0.7)], samples_per_decode=3)
-    assert search.distill_sampler(sampler, None).grid == [Decode(temperature=0.3, seed=43)]
-    assert search.distill_sampler(sampler, 0.7).grid == [Decode(temperature=0.7)]
-    derived = search.distill_sampler(sampler, 0.1)
+    assert distill_sampler(sampler, None).grid == [Decode(temperature=0.3, seed=43)]
+    assert distill_sampler(sampler, 0.7).grid == [Decode(temperature=0.7)]
+    derived = distill_sampler(sampler, 0.1)
     assert derived.grid == [Decode(temperature=0.1, seed=43)] and derived.samples_per_decode == 1
 
 
@@ -449,8 +449,8 @@ def test_preflight_resume_checks_without_touching_anything(tmp_path):
     run_dir = tmp_path / "out" / se.MISSION / "run"
     cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     tickets = job.load_inputs(config_mod.load_config(cfg_path)).tickets
-    state_mod.preflight_resume(run_dir, config=config_mod.load_config(cfg_path), tickets=tickets)
-    changed = config_mod.load_config(cfg_path, ["seed=12"])
+    state_mod.preflight_resume(run_dir, job.run_identity(config_mod.load_config(cfg_path), tickets))
+    changed = job.run_identity(config_mod.load_config(cfg_path, ["seed=12"]), tickets)
     with pytest.raises(InputError, match=r"differs from the interrupted run's at rule_search.gate.bootstrap.seed, seed, "):
-        state_mod.preflight_resume(run_dir, config=changed, tickets=tickets)
-    state_mod.preflight_resume(tmp_path / "nothing-here", config=changed, tickets=tickets)  # no state: no check
+        state_mod.preflight_resume(run_dir, changed)
+    state_mod.preflight_resume(tmp_path / "nothing-here", changed)  # no state: no check

@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 
 from ..stageb.errors import InputError
-from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import TrainPoolSampler
 from . import fileio, rundir
+from .settings import RunIdentity
 
 STATE_FILE = "state.json"
 STATE_VERSION = 1
@@ -105,20 +105,6 @@ def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]
     return removed
 
 
-def config_document(config) -> dict[str, Any]:
-    """The resolved config as plain data without ``output`` (where a run is written does
-    not change what it computes, so it is not part of the identity)."""
-    doc = msgspec.to_builtins(config)
-    doc.pop("output", None)
-    return doc
-
-
-def config_identity(config) -> str:
-    """The config hash used to refuse a resume with a different config (the hash of
-    :func:`config_document`)."""
-    return content_hash(config_document(config))  # == app.config.config_hash(config)
-
-
 def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted key paths where two plain-data documents differ (lists compared whole)."""
     if isinstance(old, dict) and isinstance(new, dict):
@@ -134,26 +120,25 @@ def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix or "<root>"]
 
 
-def preflight_resume(run_dir: Path, *, config, tickets) -> None:
+def preflight_resume(run_dir: Path, identity: RunIdentity) -> None:
     """For ``run_job``: refuse a ``--resume`` with a changed config or tickets before the
     pool starts or run.json is rewritten. The search checks again when it starts."""
     committed = load_state(run_dir)
     if committed is not None:
-        check_resumable(committed, config=config, tickets=tickets, run_dir=run_dir)
+        check_resumable(committed, identity, run_dir=run_dir)
 
 
-def check_resumable(state: SearchState, *, config, tickets, run_dir: Path) -> None:
+def check_resumable(state: SearchState, identity: RunIdentity, *, run_dir: Path) -> None:
     """Refuse (InputError) a resume whose config or tickets differ from the committed run."""
     location = str(Path(run_dir) / STATE_FILE)
     if state.version != STATE_VERSION:
         raise InputError(f"cannot resume: state version {state.version}, expected {STATE_VERSION}", location)
-    current = config_document(config)
-    if config_identity(config) != state.config_hash:
-        keys = differing_keys(state.config, current) or ["<unknown>"]
+    if identity.config_hash != state.config_hash:
+        keys = differing_keys(state.config, identity.config) or ["<unknown>"]
         raise InputError(
             "cannot resume: the config differs from the interrupted run's at " + ", ".join(keys), location
         )
-    if tickets_hash(tickets) != state.tickets_hash:
+    if identity.tickets_hash != state.tickets_hash:
         raise InputError(
             "cannot resume: the tickets differ from the interrupted run's (stage_a_paths content or "
             "ticket_filter changed)",

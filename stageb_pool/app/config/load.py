@@ -64,12 +64,18 @@ def to_dict(cfg: Config) -> dict:
     return msgspec.to_builtins(cfg)
 
 
-def config_hash(cfg: Config) -> str:
-    """Content hash of the resolved config without ``output`` (where a run is written does not
-    change what it computes): ``--resume`` refuses a run directory whose hash differs."""
+def config_document(cfg: Config) -> dict:
+    """The resolved config without ``output`` (where a run is written does not change what
+    it computes), as plain data: what ``state.json`` keeps to name the keys that changed."""
     data = to_dict(cfg)
     data.pop("output", None)
-    return content_hash(data)
+    return data
+
+
+def config_hash(cfg: Config) -> str:
+    """Content hash of :func:`config_document`: ``--resume`` refuses a run directory whose
+    hash differs."""
+    return content_hash(config_document(cfg))
 
 
 def _resolve_seeds(cfg: Config) -> Config:
