@@ -228,11 +228,21 @@ def test_majority_reason_none_when_all_invalid():
 
 def test_reason_counts_top_and_order():
     s = ticket_stats("k", "pass", R(
-        ("pass", "c"), ("pass", "a"), ("fail", "b"), ("fail", "a"), ("pass", "d"), ("pass", "e"),
-        ("pass", "f"), ("pass", "b"), (None, None), ("pass", "g"),
+        ("pass", "c"), ("pass", "a"), ("fail", "b"), ("pass", "a"), ("pass", "d"), ("pass", "e"),
+        ("pass", "f"), ("pass", "e"), (None, None), ("pass", "g"),
     ))
     assert reason_counts(s) == [
-        {"reason": "a", "count": 2}, {"reason": "b", "count": 2},
-        {"reason": "c", "count": 1}, {"reason": "d", "count": 1}, {"reason": "e", "count": 1},
+        {"reason": "a", "count": 2}, {"reason": "e", "count": 2},
+        {"reason": "c", "count": 1}, {"reason": "d", "count": 1}, {"reason": "f", "count": 1},
     ]
     assert reason_counts(s, top=1) == [{"reason": "a", "count": 2}]
+
+
+@pytest.mark.parametrize("pairs, expected", [
+    # upstream counts only the reasons of the samples that voted with the majority
+    ([("pass", "A"), ("fail", "B"), ("fail", "C")], [{"reason": "B", "count": 1}, {"reason": "C", "count": 1}]),
+    ([("fail", "B"), ("fail", "B"), ("pass", "A"), (None, None)], [{"reason": "B", "count": 2}]),
+    ([(None, None), (None, None)], []),
+])
+def test_reason_counts_are_the_majority_voters_reasons(pairs, expected):
+    assert reason_counts(ticket_stats("k", "pass", R(*pairs))) == expected

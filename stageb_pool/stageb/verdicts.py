@@ -201,15 +201,19 @@ def _most_common(values: list[str]) -> list[tuple[str, int]]:
     return sorted(Counter(values).items(), key=lambda kv: -kv[1])
 
 
+def _majority_voters_reasons(stats: TicketStats) -> list[str]:
+    """The reasons of the samples that voted with the majority (upstream's hard-case rows)."""
+    if stats.majority is None:
+        return []
+    return [r for v, r in zip(stats.verdicts, stats.reasons) if v == stats.majority and r]
+
+
 def majority_reason(stats: TicketStats) -> str | None:
     """The most frequent reason among the samples that voted with the majority."""
-    if stats.majority is None:
-        return None
-    reasons = [r for v, r in zip(stats.verdicts, stats.reasons) if v == stats.majority and r is not None]
+    reasons = _majority_voters_reasons(stats)
     return _most_common(reasons)[0][0] if reasons else None
 
 
 def reason_counts(stats: TicketStats, top: int = 5) -> list[dict]:
-    """``[{"reason", "count"}]`` of the valid samples' reasons, most frequent first."""
-    reasons = [r for r in stats.reasons if r is not None]
-    return [{"reason": r, "count": c} for r, c in _most_common(reasons)[:top]]
+    """``[{"reason", "count"}]`` of the majority voters' reasons, most frequent first."""
+    return [{"reason": r, "count": c} for r, c in _most_common(_majority_voters_reasons(stats))[:top]]
