@@ -14,7 +14,6 @@ the software, hardware, dtype and chunk size stay the same (docs/architecture.md
 from __future__ import annotations
 
 import os
-import re
 import time
 
 import msgspec
@@ -34,8 +33,6 @@ from .records import (
     TicketRollout,
 )
 
-# Upstream strips a leading role marker that a weak model sometimes echoes.
-_ASSISTANT_PREFIX = re.compile(r"^\s*(?:<\|im_start\|>)?\s*(?:assistant\s*\n|Assistant:\s*)")
 _DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 
 
@@ -232,7 +229,7 @@ class Engine:
 
     def _clean(self, text: str) -> str:
         cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=len(text))
-        return _ASSISTANT_PREFIX.sub("", text[:cut], count=1).strip()
+        return text[:cut].strip()  # a role echo is the verdict parser's business
 
 
 def _pin_cuda_determinism() -> None:

@@ -38,13 +38,16 @@ _TRAILING_INT = re.compile(r"(\d+)$")
 
 
 class VerdictVocab(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Words accepted after ``Verdict:`` (compared after removing spaces, lower-casing and
-    stripping a trailing 。/.), and the two words the prompt asks for."""
+    """Words accepted after ``Verdict:`` (compared in upstream's form: spaces normalised,
+    ASCII spaces removed, lower-cased; see ``verdicts.normalize_verdict_word``), and the two
+    words the prompt asks for. ``loose`` also ignores any whitespace and trailing 。/. (off:
+    upstream's grammar, so invalid rates compare with upstream's)."""
 
     pass_words: list[str]
     fail_words: list[str]
     pass_text: str
     fail_text: str
+    loose: bool = False
 
 
 class ProfileLabels(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -33,28 +33,9 @@ from typing import Iterable, Mapping, Sequence
 import msgspec
 
 from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
+from .text import CJK_CHAR, normalize_spaces
 
 # --------------------------------------------------------------------------- text normalisation
-
-_CJK = "\u4e00-\u9fff"
-_CJK_PUNCT = "，。；：！？、"
-
-
-def normalize_spaces(text: str) -> str:
-    """Upstream's space normalisation: runs of spaces collapsed, spaces between CJK
-    characters (and between CJK and CJK punctuation) dropped, a Latin word or a split
-    upper-case/digit token wedged between CJK characters glued on, stripped."""
-    if not text:
-        return text
-    text = re.sub(r" +", " ", text)
-    text = re.sub(rf"([{_CJK}])\s+([{_CJK}])", r"\1\2", text)
-    text = re.sub(rf"([{_CJK}])\s+([{_CJK_PUNCT}])", r"\1\2", text)
-    text = re.sub(rf"([{_CJK_PUNCT}])\s+([{_CJK}])", r"\1\2", text)
-    text = re.sub(rf"([{_CJK}])\s+([a-zA-Z]+)\s+([{_CJK}])", r"\1\2\3", text)  # 挡 wind 板 -> 挡wind板
-    text = re.sub(rf"([{_CJK}])([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3\4", text)  # 设备BB U设备
-    text = re.sub(rf"^([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3", text)  # BB U设备
-    return re.sub(r" +", " ", text.strip())
-
 
 _SIGNATURE_PUNCT = re.compile(r"[，,。.!！？;；:：\-—_()（）\[\]{}<>《》“”\"'·~]")
 
@@ -114,7 +95,7 @@ _TEXTS = {
 def proposer_language(vocab) -> str:
     """``"zh"`` when the profile's verdict words are Chinese, else ``"en"``."""
     words = f"{getattr(vocab, 'pass_text', '')}{getattr(vocab, 'fail_text', '')}"
-    return "zh" if re.search(f"[{_CJK}]", words) else "en"
+    return "zh" if CJK_CHAR.search(words) else "en"
 
 
 def _image_order(key: str) -> tuple:
@@ -315,7 +296,7 @@ def _first_hit(text: str, words: Iterable[str]) -> str | None:
 def _has_word(form: str, word: str) -> bool:
     """Substring for CJK words; for Latin words the match must start a word (pass, passes)."""
     word = word.lower()
-    if re.search(f"[{_CJK}]", word):
+    if CJK_CHAR.search(word):
         return word in form
     return re.search(rf"(?<![a-z]){re.escape(word)}", form) is not None
 

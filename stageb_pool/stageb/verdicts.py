@@ -14,16 +14,15 @@ from collections.abc import Iterable
 import msgspec
 
 from .prompts import VerdictVocab
+from .text import normalize_spaces
 
-# A chat template sometimes echoes the role before the answer. Only a *leading* marker is
-# removed; upstream cut at the last bare word "assistant" anywhere, which truncated any
-# Reason that used the word (upstream 9.3 item 10).
-_ASSISTANT_MARKER = re.compile(
-    r"^\s*(?:<\|im_start\|>\s*assistant\b[ \t]*[:：]?|assistant[ \t]*(?:[:：]|\r?\n|$))",
-    re.IGNORECASE,
-)
+# A chat template sometimes echoes the role before the answer: upstream's markers
+# (``assistant``, ``Assistant``, optionally with ``:``, or ``<|im_start|>assistant``), case
+# as upstream. Only *leading* markers are removed; upstream also cut at the last
+# ``assistant`` anywhere, which made any Reason using the word invalid (upstream 9.3 item 10).
+_ASSISTANT_MARKER = re.compile(r"^\s*(?:<\|?im_start\|?>)?(?:assistant|Assistant)(?:[ \t]*:)?")
 _COLON = re.compile(r"[:：]")
-_SPACES = re.compile(r"\s+")
+_WHITESPACE = re.compile(r"\s+")
 
 
 class Parsed(msgspec.Struct, frozen=True):
@@ -39,13 +38,20 @@ def _invalid(error: str) -> Parsed:
     return Parsed(None, None, error)
 
 
-def normalize_verdict_word(value: str) -> str:
-    """Spaces removed, lower-cased, trailing 。 / . stripped: ``" 通过。"`` -> ``"通过"``."""
-    return _SPACES.sub("", value).lower().rstrip("。.")
+def normalize_verdict_word(value: str, *, loose: bool = False) -> str:
+    """Upstream's form of a verdict word: stripped, spaces normalised (whitespace between
+    CJK characters dropped), ASCII spaces removed, lower-cased: ``" 不 通过 "`` ->
+    ``"不通过"``; ``"pa\\tss"`` and ``"pass."`` stay distinct from ``"pass"``.
+    ``loose`` (the profile's ``verdict.loose``) also removes every whitespace and trailing
+    。/. runs: ``"pa\\tss"``, ``"pass."``, ``"通过。。"`` all become ``"pass"`` / ``"通过"``."""
+    if loose:
+        return _WHITESPACE.sub("", value).lower().rstrip("。.")
+    return normalize_spaces(value.strip()).strip().replace(" ", "").lower()
 
 
 def strip_assistant_marker(text: str) -> str:
-    """Remove leading ``assistant`` / ``Assistant:`` / ``<|im_start|>assistant`` markers."""
+    """Remove leading ``assistant`` / ``Assistant:`` / ``<|im_start|>assistant`` markers.
+    The only place a role echo is removed: the engine returns the decoded text as is."""
     while True:
         m = _ASSISTANT_MARKER.match(text)
         if not m:
@@ -79,10 +85,11 @@ def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
         return _invalid("no ':' after 'Verdict'")
     if reason is None:
         return _invalid("no ':' after 'Reason'")
-    word = normalize_verdict_word(value)
-    if word in {normalize_verdict_word(w) for w in vocab.pass_words}:
+    loose = vocab.loose
+    word = normalize_verdict_word(value, loose=loose)
+    if word in {normalize_verdict_word(w, loose=loose) for w in vocab.pass_words}:
         verdict = "pass"
-    elif word in {normalize_verdict_word(w) for w in vocab.fail_words}:
+    elif word in {normalize_verdict_word(w, loose=loose) for w in vocab.fail_words}:
         verdict = "fail"
     else:
         return _invalid(f"unknown verdict {value!r}")
