@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from stageb_pool.stageb.guidance import ExperienceMeta, Guidance, Operation
+from stageb_pool.stageb.guidance import ExperienceMeta, Guidance, Operation, apply_operation
 from stageb_pool.stageb.prompts import VerdictVocab
 from stageb_pool.stageb.proposer import (
     Candidate,
@@ -220,6 +220,22 @@ def test_accepts_a_good_upsert_with_id_and_operation():
 def test_op_defaults_to_upsert_and_is_case_insensitive():
     assert one({"text": GOOD})[0][0].op == "upsert"
     assert one({"op": " UPSERT ", "text": GOOD})[0][0].op == "upsert"
+
+
+def test_an_empty_op_is_rejected_as_upstream_does():
+    # upstream: op = str(op).strip().lower() unless the key is absent or null, so "" is no
+    # operation at all (only a missing or null op means upsert)
+    accepted, rejected = parse([{"op": "", "text": GOOD}, {"op": None, "text": "若标签缺失则判定不通过"}])
+    assert [c.op for c in accepted] == ["upsert"]
+    assert rejected == [{"index": 0, "op": "", "text": GOOD, "reason": "unknown op ''"}]
+
+
+def test_a_second_identical_upsert_is_a_rejected_duplicate_candidate():
+    g = guidance()
+    first = apply_operation(g, one({"text": "若螺丝松动则判定不通过。"})[0][0].operation, now="2025-01-01T00:00:00",
+                            reflection_id="r")
+    accepted, rejected = parse([{"text": "若螺丝松动则判定不通过。"}], g=first)
+    assert accepted == [] and [r["reason"] for r in rejected] == [f"duplicate of existing rule G{len(g.experiences) - 1}"]
 
 
 def test_legacy_rules_form_is_upserts():

@@ -4,6 +4,7 @@ skip mode, file-level errors and exclusions."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -103,22 +104,30 @@ BAD_LINES = [
     ({k: v for k, v in rec().items() if k != "label"}, "missing field 'label'"),
     ({k: v for k, v in rec().items() if k != "per_image"}, "missing field 'per_image'"),
     (rec(mission=""), "field 'mission' is empty"),
-    (rec(group="  "), "field 'group_id' is empty"),
     (rec(label=""), "field 'label' is empty"),
     (rec(mission=7), "field 'mission' must be a string, got integer"),
-    (rec(group=15502), "field 'group_id' must be a string, got integer"),
     (rec(label=True), "field 'label' must be a string, got boolean"),
+    (rec(mission="BBU\u0000x"), "field 'mission' contains a NUL character"),
+    # what upstream would have turned into "None", "True" or "1.5" stays refused
+    (rec(group=None), "field 'group_id' must be a string or an integer, got null"),
+    (rec(group=True), "field 'group_id' must be a string or an integer, got boolean"),
+    (rec(group=1.5), "field 'group_id' must be a string or an integer, got number"),
+    # hostile input: located, never a crash or a silently kept value
+    ('{"mission": "M", "mission": "N", "group_id": "A", "label": "pass", "per_image": {"image_1": "s"}}',
+     "key 'mission' is given twice in one object"),
+    ('{"mission": "M", "group_id": "A", "label": "pass", "per_image": {"image_1": "s", "image_1": "t"}}',
+     "key 'image_1' is given twice in one object at per_image"),
+    (rec(per_image={"image_" + "7" * 4301: "s"}), "per_image key 'image_7777"),
+    ('{"mission": "M", "group_id": "A", "label": "pass", "per_image": {"image_1": "\\ud800"}}',
+     "lone surrogate escape (\\ud800-\\udfff) in a string at per_image.image_1"),
+    ('{"mission": "M", "group_id": "A", "label": "pass", "n": ' + "1" * 4301 + ', "per_image": {"image_1": "s"}}',
+     "invalid JSON: Exceeds the limit (4300 digits)"),
     (rec(label="maybe"), "label must be 'pass' or 'fail', got 'maybe'"),
     (rec(label="通过"), "label must be 'pass' or 'fail', got '通过'"),
     (rec(per_image=["a"]), "field 'per_image' must be an object, got array"),
     (rec(per_image="a"), "field 'per_image' must be an object, got string"),
     (rec(per_image={}), "field 'per_image' is empty"),
-    (rec(per_image={"image_1": 3}), "per_image['image_1'] must be a string, got integer"),
-    (rec(per_image={"image_1": {"统计": []}}), "per_image['image_1'] must be a string, got object"),
-    (rec(per_image={"image_1": None}), "per_image['image_1'] must be a string, got null"),
     (rec(per_image={"image_1": "a", "图片_1": "b"}), "per_image keys 'image_1' and '图片_1' both map to image_1"),
-    (rec(label_source=5), "field 'label_source' must be a string, got integer"),
-    (rec(label_timestamp=20250315), "field 'label_timestamp' must be a string, got integer"),
 ]
 
 
@@ -140,6 +149,55 @@ def test_skip_mode_records_and_continues(tmp_path, bad, message):
     assert len(report.skipped) == 1
     assert report.skipped[0]["location"] == f"{path}:2"
     assert report.skipped[0]["error"].startswith(message)
+
+
+def test_records_upstream_reads_are_read_with_counted_conversions(tmp_path):
+    path = write(tmp_path, [
+        rec(15502, "pass"),                                   # integer id -> its decimal text
+        rec("", "fail", label_timestamp=12345),               # empty id; non-string timestamp ignored
+        rec(" B ", per_image={"image_1": {"统计": [{"类别": "BBU设备"}]}, "image_2": None, "image_3": 7},
+            label_source=5),
+    ])
+    report = load_tickets(path)
+    assert [t.key for t in report.tickets] == ["15502::pass", "::fail", " B ::pass"]  # ids verbatim, as upstream
+    assert report.tickets[0].group_id == "15502"
+    assert report.tickets[1].label_timestamp is None
+    # an object summary is compact JSON text (not a Python repr); null and numbers their JSON text
+    assert report.tickets[2].per_image == {"image_1": '{"统计":[{"类别":"BBU设备"}]}', "image_2": "null",
+                                           "image_3": "7"}
+    assert report.tickets[2].label_source == "human"
+    assert report.converted == {"group_id": 1, "per_image": 3}  # values converted
+    assert report.ignored == {"label_source": 1, "label_timestamp": 1}
+
+
+@pytest.mark.parametrize("on_bad_line", ["error", "skip"])
+def test_json_nested_too_deep_is_an_error_in_both_modes(tmp_path, on_bad_line):
+    deep = '{"mission": "M", "group_id": "A", "label": "pass", "per_image": {"image_1": "s"}, "x": ' \
+        + "[" * 1000 + "]" * 1000 + "}"
+    path = write(tmp_path, [rec("A"), deep])
+    with pytest.raises(InputError) as err:
+        load_tickets(path, on_bad_line=on_bad_line)
+    assert err.value.location == f"{path}:2"
+    assert err.value.message.startswith("JSON nested deeper than 100 levels")
+
+
+def test_only_regular_files_are_read(tmp_path):
+    fifo = tmp_path / "tickets.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="ticket file is not a regular file"):
+        load_tickets(fifo)
+    with pytest.raises(InputError, match="exclusion list is not a regular file"):
+        load_exclusions([], fifo)
+    with pytest.raises(InputError, match="ticket file is not a regular file"):
+        load_tickets(tmp_path)
+
+
+def test_exclusion_list_must_be_utf8(tmp_path):
+    path = tmp_path / "exclude.txt"
+    path.write_bytes(b"\xef\xbb\xbfA::pass\nB\xff::fail\n")
+    with pytest.raises(InputError) as err:
+        load_exclusions([], path)
+    assert err.value.location == f"{path}:2:2" and "not valid UTF-8" in err.value.message
 
 
 def test_invalid_utf8_is_located(tmp_path):

@@ -547,7 +547,8 @@ def parse_candidates(
             accepted.append(result)
             continue
         fields = entry if isinstance(entry, dict) else {}
-        rejections.append({"index": index, "op": _clean(fields.get("op")) or None,
+        op = fields.get("op")
+        rejections.append({"index": index, "op": _clean(op) if op is not None else None,
                            "text": _clean(fields.get("text")) or None, "reason": result})
     return accepted, rejections
 
