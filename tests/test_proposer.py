@@ -130,7 +130,7 @@ def test_request_layout_matches_upstream_user_message():
     assert req.examples[0].split("\n") == [
         "样本1: ticket_key=k1::fail; gt_label=fail; baseline_majority=pass; agreement=1.000; difficulty=0.000",
         "stage_a_summaries:",
-        "  - image_1: summary 1", "  - image_2: summary 2", "  - image_10: summary 10",
+        "  - image_1: summary 1", "  - image_10: summary 10", "  - image_2: summary 2",  # upstream's string order
     ]
     assert req.examples[1].startswith("样本2: ticket_key=k2::pass; gt_label=pass; baseline_majority=fail; "
                                       "agreement=0.667; difficulty=0.333")
@@ -286,6 +286,12 @@ def test_structural_rejections(entry, reason):
         "若BBU设备/显示完整/螺丝，则判定通过",
         "若类别=螺丝/不符合，则判定不通过",
         "If cabinet/door/complete, judge pass",
+        # issue 14 §3 item 3: a Stage-A summary anywhere in the rule, as upstream rejects it
+        '<DOMAIN=BBU>, <TASK=SUMMARY>\n{"统计":[]}',
+        '若出现 {"统计": []} 则判定不通过',
+        '统计=[{"类别": "BBU设备"}] 则判定不通过',
+        '若BBU设备缺失则判定不通过。\n{"dataset": "BBU", "统计": [{"类别": "BBU设备"}]}',
+        '若BBU设备缺失则判定不通过。\n{"统计": [{"类别": "BBU设备"}]}',
     ],
 )
 def test_stage_a_leak(text):

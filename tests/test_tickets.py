@@ -69,8 +69,8 @@ def test_invalid_timestamp_becomes_none_like_upstream(tmp_path):
     ({"image_1": '"quoted \\"text\\""'}, {"image_1": 'quoted "text"'}),  # JSON string unwrapped
     ({"image_1": '{"统计": []}'}, {"image_1": '{"统计": []}'}),  # JSON objects kept as text
     ({"image_1": '"unterminated'}, {"image_1": '"unterminated'}),
-    ({"image_1": "<DOMAIN=BBU>, <TASK=SUMMARY>\n{\"统计\": []}"}, {"image_1": '{"统计": []}'}),
-    ({"image_1": "<DOMAIN=RRU> ,<TASK=SUMMARY>\r\nfree text"}, {"image_1": "free text"}),
+    # kept as given, header lines included (the BBU clean-up and the prompt remove them, as upstream)
+    ({"image_1": "<DOMAIN=RRU>, <TASK=SUMMARY>\r\nfree text "}, {"image_1": "<DOMAIN=RRU>, <TASK=SUMMARY>\r\nfree text "}),
 ])
 def test_per_image_normalisation(per_image, expected):
     out = normalize_per_image(per_image)
@@ -308,7 +308,8 @@ STATION_JSON = json.dumps({"备注": ["近景"], "统计": [
     ("无关图片（室外远景）", "无关图片"),
     (STATION_JSON, '{"统计": [{"类别": "BBU设备", "可见性": {"完整": 1}}], "备注": ["近景"], "分组统计": {"BBU": 1}}'),
     ('{"统计":[{"类别":"标签","文本":{"站点距离35米":1}}]}', '{"统计": [{"类别": "标签", "文本": {"35米": 1}}]}'),
-    ('{"other": 1}', '{"other": 1}'),  # no 统计 list: untouched
+    ('{"other": 1}', '{"other": 1}'),  # nothing to remove
+    ("<DOMAIN=BBU>, <TASK=SUMMARY>\n\n  螺丝齐全  \n", "螺丝齐全"),  # header and blank lines go, stripped
     ("BBU设备, 螺丝齐全", "BBU设备, 螺丝齐全"),
     ('统计=[{"类别": "BBU设备"}, {"类别": "站点距离", "站点距离": {"35": 1}}]', '统计=[{"类别": "BBU设备"}]'),
 ])
@@ -330,9 +331,33 @@ def test_bbu_cleanup_only_for_non_rru_missions(tmp_path):
 
 
 @pytest.mark.parametrize("raw,expected", [
-    ('统计=[{"类别": "A"}, {"类别": "站点距离", "站点距离": {"35": 1}}, {"类别": "B"}]', '统计=[{"类别": "A"}, {"类别": "B"}]'),
+    ('统计=[{"类别": "A"}, {"类别": "站点距离", "站点距离": {"35": 1}}, {"类别": "B"}]', '统计=[{"类别": "A"},{"类别": "B"}]'),
     ('统计=[{"类别": "站点距离", "站点距离": {"35": 1}}, {"类别": "B"}] 备注', '统计=[{"类别": "B"}] 备注'),
     ("站点距离=35, 设备完整", "=35, 设备完整"),  # no braces: the word itself is removed
 ])
 def test_bbu_clean_unparsable_text(raw, expected):
+    assert bbu_clean_summary(raw) == expected
+
+
+@pytest.mark.parametrize("raw,expected", [
+    # issue 14 §3 item 5: a truncated summary keeps its BBU entry, minus the distance
+    ('{"统计": [{"类别": "BBU设备", "备注": "站点距离=5"}, {"类别": "站点距离", "站点距离": {"35": 1}}',
+     '{"统计": [{"类别": "BBU设备", "备注": "=5"}'),
+    # parseable JSON without a 统计 list: the distance still goes, the text keeps its form
+    ('{"备注": ["站点距离=12"], "分组统计": {"站点距离": {"12": 1}, "BBU": 1}}', '{"备注": ["=12"], "分组统计": {"BBU": 1}}'),
+    ('{"描述": "站点距离=12"}', '{"描述": "=12"}'),
+    # text around one JSON object: the object is parsed and re-serialised, the rest dropped
+    ('note: {"统计": [{"类别": "站点距离", "站点距离": {"3": 1}}, {"类别": "BBU设备"}]}', '{"统计": [{"类别": "BBU设备"}]}'),
+    # upstream's other executed examples (docs/notes ingest.md section 3)
+    ('{"统计": "x", "站点距离": 3}', '{"统计": "x"'),
+    ('{"统计": [{"类别": "BBU设备", "备注": "站点距离=3"}], "备注": ["站点距离/5"]',
+     '{"统计": [{"类别": "BBU设备", "备注": "=3"}], "备注": ["/5"]'),
+    ('{"统计": [{"类别":"站点距离","站点距离":{"3":1}}, {"类别": "BBU设备"}]', '{"统计": [{"类别":}, {"类别": "BBU设备"}]'),
+    ('  {"统计": [{"类别": "BBU设备"}], "分组统计": {"站点距离": {"3": 1}}}  ', '{"统计": [{"类别": "BBU设备"}], "分组统计": {}}'),
+    ('[1, "站点距离"]', '[1, ""]'),
+    ("", ""),
+    ("   \n ", ""),
+    ("{" * 500 + "站点距离", "{" * 500),  # hostile nesting: treated as text, no RecursionError
+])
+def test_bbu_clean_matches_upstream(raw, expected):
     assert bbu_clean_summary(raw) == expected

@@ -114,8 +114,9 @@ def _object(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def _too_deep(text: str, limit: int) -> int | None:
-    """Position of the first bracket nested deeper than ``limit`` (strings skipped)."""
+def nesting_exceeds(text: str, limit: int) -> int | None:
+    """Position of the first JSON bracket nested deeper than ``limit`` (brackets inside
+    strings skipped), None when the text stays within it. Cheap for ordinary text."""
     if text.count("{") + text.count("[") <= limit:
         return None
     skeleton = _JSON_STRING.sub('""', text)  # brackets inside summaries are text, not depth
@@ -166,7 +167,7 @@ def _content_problems(value, *, duplicates: bool, surrogates: bool) -> None:
 
 def loads(text: str) -> object:
     """``json.loads`` with the checks of this module; raises JsonProblem."""
-    deep = _too_deep(text, MAX_DEPTH)
+    deep = nesting_exceeds(text, MAX_DEPTH)
     if deep is not None:
         line, col = line_col(text, deep)
         raise JsonProblem(f"JSON nested deeper than {MAX_DEPTH} levels", line=line, col=col)

@@ -14,8 +14,6 @@ Differences from upstream, on purpose:
   dependency; upstream also ran without it when it was not installed).
 * The Stage-A leak filter catches ``image1``-style text (upstream's ``image\\d`` pattern
   was a raw string matching a literal backslash) and ``复核`` in object chains.
-* Image summaries in the prompt are ordered by image number (upstream: ``image_10``
-  before ``image_2``).
 * Target resolution (update/remove/merge) happens here with a logged reason instead of
   a silent skip during evaluation; every rejection is returned as a row.
 * English word lists sit next to the Chinese ones so the generic profile is filtered too;
@@ -33,6 +31,7 @@ from typing import Iterable, Mapping, Sequence
 import msgspec
 
 from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
+from .summaries import extract_summary_json
 from .text import CJK_CHAR, normalize_spaces
 
 # --------------------------------------------------------------------------- text normalisation
@@ -74,8 +73,6 @@ def select_examples(stats: Mapping | Iterable, tickets_by_key: Mapping, reflect_
 
 # --------------------------------------------------------------------------- request
 
-_IMAGE_NUMBER = re.compile(r"(\d+)$")
-
 _TEXTS = {
     "zh": {
         "mission": "任务",
@@ -98,11 +95,6 @@ def proposer_language(vocab) -> str:
     return "zh" if CJK_CHAR.search(words) else "en"
 
 
-def _image_order(key: str) -> tuple:
-    m = _IMAGE_NUMBER.search(key)
-    return (0, int(m.group(1)), key) if m else (1, 0, key)
-
-
 def _experiences(guidance) -> dict[str, str]:
     return dict(getattr(guidance, "experiences", guidance))
 
@@ -121,7 +113,7 @@ def render_example(number: int, stats, ticket, lang: str = "zh") -> str:
         f"baseline_majority={stats.majority}; agreement={stats.agreement:.3f}; difficulty={stats.difficulty:.3f}",
         "stage_a_summaries:",
     ]
-    for key in sorted(ticket.per_image, key=_image_order):
+    for key in sorted(ticket.per_image):  # upstream's string order: image_10 before image_2
         lines.append(f"  - {key}: {ticket.per_image[key]}")
     return "\n".join(lines)
 
@@ -269,16 +261,23 @@ _BRAND = ("brand", "品牌")
 _EXTRA_FAIL = ("判不通过", "不能通过", "cannot pass", "not pass", "does not pass")
 
 
+def _is_json_object(text: str) -> bool:
+    if not text.startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def is_stage_a_leak(text: str) -> bool:
-    """Pasted Stage-A summary text: a JSON object, ``标签/``, an image reference
-    (``image_3``, ``image3``, ``Image 3``), or ``/``-joined object chains."""
+    """Pasted Stage-A summary text: a summary object anywhere in the text (a header line
+    before it, inside a sentence, on the last line, or a ``统计=[...]`` assignment: what the
+    prompt's summary parser would read as one), any JSON object, ``标签/``, an image
+    reference (``image_3``, ``image3``, ``Image 3``), or ``/``-joined object chains."""
     stripped = (text or "").strip()
-    if stripped.startswith("{"):
-        try:
-            if isinstance(json.loads(stripped), dict):
-                return True
-        except ValueError:
-            pass
+    if extract_summary_json(stripped) is not None or _is_json_object(stripped):
+        return True
     lowered = stripped.lower()
     if "标签/" in lowered or "image_" in lowered or _IMAGE_REF.search(lowered):
         return True

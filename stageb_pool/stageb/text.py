@@ -33,6 +33,20 @@ def normalize_spaces(text: str) -> str:
     return re.sub(r" +", " ", text.strip())
 
 
+_WHITESPACE = re.compile(r"\s+")
+
+
+def verdict_word_form(value: str, *, loose: bool = False) -> str:
+    """Upstream's form of a verdict word: stripped, spaces normalised (whitespace between
+    CJK characters dropped), ASCII spaces removed, lower-cased: ``" 不 通过 "`` ->
+    ``"不通过"``, while ``"pa\\tss"`` and ``"pass."`` stay distinct from ``"pass"``.
+    ``loose`` (a profile's ``verdict.loose``) also removes every whitespace and trailing
+    。/. runs, so those become ``"pass"`` too."""
+    if loose:
+        return _WHITESPACE.sub("", value).lower().rstrip("。.")
+    return normalize_spaces(value.strip()).strip().replace(" ", "").lower()
+
+
 class IndexTooLong(ValueError):
     """A key's trailing number has more than ``MAX_INDEX_DIGITS`` digits."""
 

@@ -12,7 +12,6 @@ lines are skipped and listed in ``IngestReport.skipped``.
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime
@@ -22,12 +21,10 @@ import msgspec
 
 from . import inputs
 from .errors import InputError
+from .summaries import bbu_clean_summary, is_rru_mission
 from .text import IndexTooLong, short, trailing_index
 
 LABELS = ("pass", "fail")
-IRRELEVANT = "无关图片"
-STATION_DISTANCE = "站点距离"
-HEADER_LINE = re.compile(r"^<DOMAIN=.*>\s*,\s*<TASK=.*>$")
 _TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
 
@@ -79,15 +76,9 @@ def _type_name(value) -> str:
 
 # --------------------------------------------------------------------------- summaries
 
-def strip_header_lines(text: str) -> str:
-    """Drop ``<DOMAIN=...>, <TASK=...>`` header lines from a summary."""
-    lines = text.splitlines()
-    kept = [line for line in lines if not HEADER_LINE.match(line.strip())]
-    return "\n".join(kept).strip() if len(kept) != len(lines) else text
-
-
 def _unwrap(value: str) -> str:
-    # Some Stage-A writers JSON-encode the summary twice: '"{\"统计\": ...}"'.
+    # Some Stage-A writers JSON-encode the summary twice: '"{\"统计\": ...}"' (upstream
+    # kept the quotes and backslashes, so nothing downstream could read it).
     if value.strip().startswith('"'):
         try:
             inner = json.loads(value)
@@ -98,70 +89,9 @@ def _unwrap(value: str) -> str:
     return value
 
 
-def _canonical_summary(obj: dict) -> str:
-    first = [k for k in ("统计", "备注", "分组统计") if k in obj]
-    ordered = {k: obj[k] for k in first + [k for k in obj if k not in first]}
-    return json.dumps(ordered, ensure_ascii=False, separators=(", ", ": "))
-
-
-def _enclosing_braces(text: str, pos: int) -> tuple[int, int] | None:
-    """The ``{...}`` span that encloses ``pos`` (brace counting, strings not parsed)."""
-    depth, start = 0, -1
-    for i in range(pos - 1, -1, -1):
-        if text[i] == "}":
-            depth += 1
-        elif text[i] == "{":
-            if depth == 0:
-                start = i
-                break
-            depth -= 1
-    if start < 0:
-        return None
-    depth = 0
-    for j in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return start, j + 1
-    return None
-
-
-def _remove_station_fragments(text: str) -> str:
-    """Best effort for unparsable text: drop every ``{...}`` object that mentions the
-    station distance, with one adjacent comma separator."""
-    while (hit := text.find(STATION_DISTANCE)) >= 0:
-        span = _enclosing_braces(text, hit)
-        if span is None:
-            return text.replace(STATION_DISTANCE, "")
-        before, after = text[: span[0]].rstrip(), text[span[1]:].lstrip()
-        if after.startswith(","):
-            after = after[1:].lstrip()
-        elif before.endswith(","):
-            before = before[:-1].rstrip()
-        gap = " " if before and after and before[-1] not in "[{" and after[0] not in "]}" else ""
-        text = before + gap + after
-    return text
-
-
-def bbu_clean_summary(text: str) -> str:
-    """Upstream's BBU clean-up: irrelevant photos become exactly 无关图片; station-distance
-    evidence (an RRU concept) is removed and the JSON re-serialised canonically."""
-    if text.strip().startswith(IRRELEVANT):
-        return IRRELEVANT
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return _remove_station_fragments(text)
-    if not isinstance(obj, dict) or not isinstance(obj.get("统计"), list):
-        return text
-    obj["统计"] = [e for e in obj["统计"] if not (isinstance(e, dict) and e.get("类别") == STATION_DISTANCE)]
-    if isinstance(obj.get("分组统计"), dict):
-        obj["分组统计"].pop(STATION_DISTANCE, None)
-    return _canonical_summary(obj).replace(STATION_DISTANCE, "")
-
-
 def _bbu_cleaned(mission: str, per_image: dict[str, str]) -> dict[str, str]:
     """``bbu_clean_summary`` on every summary, except for RRU missions (left as they are)."""
-    if mission.startswith("RRU"):
+    if is_rru_mission(mission):
         return per_image
     return {k: bbu_clean_summary(v) for k, v in per_image.items()}
 
@@ -174,8 +104,8 @@ def _summary_text(value) -> str:
 
 def normalize_per_image(per_image: dict) -> dict[str, str]:
     """Keys -> ``image_{n}`` by trailing integer (no digits: 1-based position), sorted by n;
-    a non-string value becomes its compact JSON text; JSON-string values unwrapped; header
-    lines dropped."""
+    a non-string value becomes its compact JSON text; JSON-string values unwrapped; the text
+    otherwise as given (the BBU clean-up and the prompt read headers away)."""
     by_index: dict[int, tuple[str, str]] = {}
     for position, (key, value) in enumerate(per_image.items(), start=1):
         try:
@@ -185,7 +115,7 @@ def normalize_per_image(per_image: dict) -> dict[str, str]:
         n = position if n is None else n
         if n in by_index:
             raise _BadLine(f"per_image keys {by_index[n][0]!r} and {key!r} both map to image_{n}")
-        by_index[n] = (key, strip_header_lines(_unwrap(_summary_text(value))))
+        by_index[n] = (key, _unwrap(_summary_text(value)))
     return {f"image_{n}": by_index[n][1] for n in sorted(by_index)}
 
 

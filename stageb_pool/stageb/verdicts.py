@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import msgspec
 
 from .prompts import VerdictVocab
-from .text import normalize_spaces
+from .text import verdict_word_form
 
 # A chat template sometimes echoes the role before the answer: upstream's markers
 # (``assistant``, ``Assistant``, optionally with ``:``, or ``<|im_start|>assistant``), case
@@ -22,7 +22,6 @@ from .text import normalize_spaces
 # ``assistant`` anywhere, which made any Reason using the word invalid (upstream 9.3 item 10).
 _ASSISTANT_MARKER = re.compile(r"^\s*(?:<\|?im_start\|?>)?(?:assistant|Assistant)(?:[ \t]*:)?")
 _COLON = re.compile(r"[:：]")
-_WHITESPACE = re.compile(r"\s+")
 
 
 class Parsed(msgspec.Struct, frozen=True):
@@ -36,17 +35,6 @@ class Parsed(msgspec.Struct, frozen=True):
 
 def _invalid(error: str) -> Parsed:
     return Parsed(None, None, error)
-
-
-def normalize_verdict_word(value: str, *, loose: bool = False) -> str:
-    """Upstream's form of a verdict word: stripped, spaces normalised (whitespace between
-    CJK characters dropped), ASCII spaces removed, lower-cased: ``" 不 通过 "`` ->
-    ``"不通过"``; ``"pa\\tss"`` and ``"pass."`` stay distinct from ``"pass"``.
-    ``loose`` (the profile's ``verdict.loose``) also removes every whitespace and trailing
-    。/. runs: ``"pa\\tss"``, ``"pass."``, ``"通过。。"`` all become ``"pass"`` / ``"通过"``."""
-    if loose:
-        return _WHITESPACE.sub("", value).lower().rstrip("。.")
-    return normalize_spaces(value.strip()).strip().replace(" ", "").lower()
 
 
 def strip_assistant_marker(text: str) -> str:
@@ -86,10 +74,10 @@ def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
     if reason is None:
         return _invalid("no ':' after 'Reason'")
     loose = vocab.loose
-    word = normalize_verdict_word(value, loose=loose)
-    if word in {normalize_verdict_word(w, loose=loose) for w in vocab.pass_words}:
+    word = verdict_word_form(value, loose=loose)
+    if word in {verdict_word_form(w, loose=loose) for w in vocab.pass_words}:
         verdict = "pass"
-    elif word in {normalize_verdict_word(w, loose=loose) for w in vocab.fail_words}:
+    elif word in {verdict_word_form(w, loose=loose) for w in vocab.fail_words}:
         verdict = "fail"
     else:
         return _invalid(f"unknown verdict {value!r}")
