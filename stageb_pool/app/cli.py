@@ -133,6 +133,8 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
                     f"{ingest.excluded} excluded"),
     ]
     lines += [("  skipped", f"{s['location']}: {s['error']}") for s in ingest.skipped[:5]]
+    lines += [(f"  {what}", ", ".join(f"{k} {n}" for k, n in counts.items()))
+              for what, counts in (("converted", ingest.converted), ("ignored", ingest.ignored)) if counts]
     lines += [
         ("model", inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}"),
         ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),

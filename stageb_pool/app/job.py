@@ -83,9 +83,9 @@ def engine_factory_for(model_config, model_path: str):
     transformers) inside the worker: the parent never imports torch."""
 
     def build(device: Device):
-        from ..engine.transformers_engine import Engine
+        from ..engine.build import build_engine
 
-        return Engine(
+        return build_engine(
             device,
             path=model_path,
             dtype=model_config.dtype,
