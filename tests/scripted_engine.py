@@ -10,8 +10,11 @@ never from the guidance, so a baseline and its candidates see the same flips). A
 
 ``chat`` answers the proposer with a script keyed by iteration (read from the request's
 seed key ``.../proposer/it<N>``), so the answer does not depend on which worker took the
-call. ``hang_at`` / ``raise_at`` make the proposer call of one iteration block (after
-touching ``marker``) or raise: the kill/resume tests use them to stop a run mid-iteration.
+call. ``hang_at`` / ``crash_at`` make the proposer call of one iteration block (after
+touching ``marker``) or end the run (``ScriptedCrash``, a BaseException that the inline pool
+does not turn into a worker error): the kill/resume tests use them to stop a run
+mid-iteration. ``raise_at`` makes the call raise an ordinary exception (a proposer failure,
+which the search survives).
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ DEFAULT_SCRIPT = {
 EMPTY = '{"operations": []}'
 
 
+class ScriptedCrash(BaseException):
+    """Ends the run from inside the engine (like a kill, but catchable by the test)."""
+
+
 class ScriptedEngine:
     """Engine double with the real engine's ``rollout`` / ``chat`` signatures.
 
@@ -65,12 +72,13 @@ class ScriptedEngine:
     (visible to tests with an inline pool, where the engine lives in the parent)."""
 
     def __init__(self, device=None, *, script=None, noise: float = 0.05, hang_at: int | None = None,
-                 raise_at: int | None = None, marker: str | None = None):
+                 raise_at: int | None = None, crash_at: int | None = None, marker: str | None = None):
         self.device = device
         self.script = DEFAULT_SCRIPT if script is None else script
         self.noise = noise
         self.hang_at = hang_at
         self.raise_at = raise_at
+        self.crash_at = crash_at
         self.marker = marker
         self.calls: list[tuple[str, int, str]] = []
         self.generations = 0
@@ -109,6 +117,8 @@ class ScriptedEngine:
         self.chats.append(it)
         if it == self.raise_at:
             raise RuntimeError(f"scripted failure in the proposer call of iteration {it}")
+        if it == self.crash_at:
+            raise ScriptedCrash(f"scripted crash in the proposer call of iteration {it}")
         if it == self.hang_at:
             if self.marker:
                 Path(self.marker).write_text(str(it))

@@ -172,6 +172,24 @@ def test_proposer_failures_are_logged_with_their_reason(reference):
     assert parse[0]["prompt_tokens"] > 0
 
 
+@pytest.mark.parametrize("gpus", ["cpu:1", "cpu:2"])
+def test_a_raising_proposer_call_leaves_the_iteration_its_ablation_candidates(tmp_path, gpus):
+    """Upstream catches a failed proposer call: no proposer candidates, the ablation fill,
+    the gate and the no-gain count go on. The eval baseline shares the call's gather and
+    must still be complete."""
+    run_dir, _ = run(tmp_path, gpus=gpus, engine={"raise_at": 1})
+    failures = rows(run_dir, "reflection_cache/rule_search_proposer_failures.jsonl")
+    (generate,) = [f for f in failures if f["stage"] == "generate"]
+    assert generate["iteration"] == 1 and generate["examples"] == 4 and generate["prompt_tokens"] is None
+    assert "in chat()" in generate["error"] and "scripted failure" in generate["error"]
+    first = [c for c in rows(run_dir, "rule_candidates.jsonl") if c["iteration"] == 1]
+    assert [(c["source"], c["op"]) for c in first] == [("ablation", "remove")]
+    assert first[0]["eval_n"] == 20 and first[0]["eval_base_acc"] is not None
+    summary = doc(run_dir, "summary.json")
+    assert summary["baseline"]["eval"]["n"] == 20
+    assert summary["iterations"] == 2 and summary["stop_reason"] == "early_stop"  # two no-gain rounds
+
+
 def test_hard_cases_are_written_for_every_train_baseline(reference):
     run_dir, _ = reference
     hard = rows(run_dir, "rule_search_hard_cases.jsonl")
@@ -235,8 +253,8 @@ def _wait_for(predicate, deadline_s=60.0):
 
 def test_resume_after_an_exception_mid_iteration_matches_uninterrupted(reference):
     ref_dir, _ = reference
-    with pytest.raises(Exception, match="scripted failure"):
-        run(reference.root, "exc", engine={"raise_at": 2})
+    with pytest.raises(se.ScriptedCrash):
+        run(reference.root, "exc", engine={"crash_at": 2})
     run_dir = reference.root / "out" / se.MISSION / "exc"
     assert doc(run_dir, "state.json")["iteration"] == 1
     committed = doc(run_dir, "state.json")["artifacts"]["rule_search_hard_cases.jsonl"]
@@ -317,8 +335,8 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path):
 
 
 def test_resume_with_a_changed_config_is_refused_naming_the_key(tmp_path):
-    with pytest.raises(Exception, match="scripted failure"):
-        run(tmp_path, engine={"raise_at": 2})
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path, engine={"crash_at": 2})
     run_dir = tmp_path / "out" / se.MISSION / "run"
     before = (run_dir / "state.json").read_bytes()
     with pytest.raises(InputError, match=r"rule_search\.reflect_size"):
@@ -329,8 +347,8 @@ def test_resume_with_a_changed_config_is_refused_naming_the_key(tmp_path):
 
 
 def test_resume_with_changed_tickets_is_refused(tmp_path):
-    with pytest.raises(Exception, match="scripted failure"):
-        run(tmp_path, engine={"raise_at": 2})
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path, engine={"crash_at": 2})
     tickets = tmp_path / "in" / "tickets.jsonl"
     cfg = config_mod.load_config(se.write_inputs(tmp_path / "in", out=str(tmp_path / "out")))
     tickets.write_text(tickets.read_text().replace("cabinet 3 front", "cabinet 3 top"))
@@ -444,8 +462,8 @@ def test_save_rollouts_writes_every_rollout_once_named_by_spec(tmp_path):
 
 
 def test_preflight_resume_checks_without_touching_anything(tmp_path):
-    with pytest.raises(Exception, match="scripted failure"):
-        run(tmp_path, engine={"raise_at": 2})
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path, engine={"crash_at": 2})
     run_dir = tmp_path / "out" / se.MISSION / "run"
     cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     tickets = job.load_inputs(config_mod.load_config(cfg_path)).tickets

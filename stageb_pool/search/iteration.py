@@ -30,7 +30,7 @@ from ..stageb.hashing import content_hash
 from ..stageb.tickets import Ticket
 from ..stageb.verdicts import Metrics, compute_metrics
 from . import rows
-from .rollout import RolloutResult, RolloutSpec
+from .rollout import ChatFailure, RolloutResult, RolloutSpec
 from .rundir import HARD_CASES, PROPOSER_FAILURES, utc_timestamp
 
 
@@ -115,6 +115,8 @@ def run_iteration(inp: IterationInput, settings, recorder, log) -> IterationOutc
     examples = proposer.select_examples(base.stats, {t.key: t for t in inp.pool}, rs.reflect_size)
     example_keys = [stats.key for stats, _ in examples]
     chat, eval_base = _propose_and_eval_baseline(inp, settings, recorder, examples)
+    if isinstance(chat, ChatFailure):
+        log.warning("iteration %d: the proposer call failed (%s); no proposer candidates", it, chat.error)
     failures = Failures(it, settings.mission, len(examples))
     proposed = _parse_proposals(inp, settings, runner, chat, example_keys, failures)
     previews = _previews(inp, settings, proposed, example_keys, failures)
@@ -172,8 +174,13 @@ def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, examples
 
 def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str],
                      failures: Failures) -> list[proposer.Candidate]:
-    """The proposer's valid candidates; every failure and rejection becomes a failure row."""
+    """The proposer's valid candidates; every failure and rejection becomes a failure row.
+    A proposer call that raised leaves the iteration with no proposer candidates (the
+    ablation fill still runs), as upstream."""
     if chat is None:
+        return []
+    if isinstance(chat, ChatFailure):
+        failures.add(chat.error, stage="generate")
         return []
     if chat.text is None:
         failures.add("prompt_overlength", stage="prompt", chat=chat)

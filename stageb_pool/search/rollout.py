@@ -27,6 +27,7 @@ from ..engine.records import (
     SamplerConfig,
     TicketRollout,
 )
+from ..pool import WorkerError
 from ..stageb import verdicts
 from ..stageb.hashing import content_hash
 from ..stageb.tickets import Ticket
@@ -62,6 +63,13 @@ class RolloutResult(msgspec.Struct):
     generations: int
     cached_generations: int
     chunk_done_s: list[float] = []
+
+
+class ChatFailure(msgspec.Struct, frozen=True):
+    """What ``wait`` returns for a chat call whose engine method raised: the worker's
+    one-line error. The proposer's failure, not the run's (upstream: zero candidates)."""
+
+    error: str
 
 
 class _Part(msgspec.Struct):
@@ -148,7 +156,25 @@ class RolloutRunner:
 
     def wait(self, pendings: list[Pending]) -> list:
         """Gather everything the pendings still need in one ``pool.gather``; return, per
-        pending, a RolloutResult (rollout) or a ChatResult (chat), in the given order."""
+        pending, a RolloutResult (rollout) or a ChatResult (chat), in the given order.
+
+        A chat call whose engine method raises (``WorkerError``) gives a ``ChatFailure``
+        instead: the gather cancelled the other tasks, so the rollouts are submitted again
+        (chunks that finished before the error come from the cache). A worker's death or
+        timeout, and an error in a rollout, still end the wait."""
+        try:
+            return self._wait(pendings)
+        except WorkerError as err:
+            chats = [p for p in pendings if p.chat_task is not None]
+            if err.method != "chat" or len(chats) != 1:
+                raise
+            failure = ChatFailure(str(err.args[0] if err.args else err))
+        for pending in pendings:
+            pending.done = True
+        retried = iter(self._wait([self.submit(p.spec) for p in pendings if p.chat_task is None]))
+        return [failure if p.chat_task is not None else next(retried) for p in pendings]
+
+    def _wait(self, pendings: list[Pending]) -> list:
         keys, tasks, counts = [], [], []
         seen: set[str] = set()
         chat_slots = {}
@@ -266,4 +292,4 @@ def _label(pendings: list[Pending]) -> str:
     return f"{names[0]} +{len(names) - 1} more"
 
 
-__all__ = ["RolloutSpec", "RolloutResult", "RolloutRunner", "Pending"]
+__all__ = ["ChatFailure", "RolloutSpec", "RolloutResult", "RolloutRunner", "Pending"]

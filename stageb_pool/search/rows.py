@@ -172,7 +172,7 @@ class BenchmarkRow(msgspec.Struct):
 
 class ProposerFailureRow(msgspec.Struct):
     """``reflection_cache/rule_search_proposer_failures.jsonl``: an overlength prompt
-    (``stage: "prompt"``), an unparseable answer (``"parse"``, with the raw answer's ends), a
+    (``stage: "prompt"``), a proposer call that raised (``"generate"``), an unparseable answer (``"parse"``, with the raw answer's ends), a
     rejected entry (``"validate"``: ``index``, ``op``, ``text``) or an edit that cannot apply
     (``"preview"``: ``candidate_id``)."""
 
