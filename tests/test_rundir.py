@@ -9,14 +9,21 @@ import logging
 from pathlib import Path
 
 import pytest
-from fake_engines import MISSION, fake_factory, write_run_inputs
+from fake_engines import MISSION, demo_ticket_records, fake_factory, write_run_inputs
 
 from stageb_pool import PoolError, __version__
+from stageb_pool.app.cli import describe
 from stageb_pool.app.config import load_config
 from stageb_pool.app.job import load_inputs, run_job
 from stageb_pool.pool.devices import parse_gpus
 from stageb_pool.search.fileio import read_json
-from stageb_pool.search.rundir import gpus_spec, prepare_run_dir, rollouts_path
+from stageb_pool.search.rundir import (
+    NAME_MAX_BYTES,
+    gpus_spec,
+    prepare_run_dir,
+    rollouts_path,
+    safe_name,
+)
 from stageb_pool.stageb.errors import InputError
 from stageb_pool.stageb.hashing import tickets_hash
 
@@ -227,3 +234,63 @@ def test_run_json_hashes_the_ticket_set_and_state_json_the_run_order(tmp_path):
         hashes.append((prov, state))
     (prov_a, state_a), (prov_b, state_b) = hashes
     assert prov_a == prov_b and state_a != state_b
+
+
+# ------------------------------------------------------------------------------ run directory names
+
+
+@pytest.mark.parametrize("mission, name", [
+    ("BBU安装方式检查（正装）", "BBU安装方式检查（正装）"),
+    ("Rooftop antenna mount inspection", "Rooftop antenna mount inspection"),
+    ("../../escaped_mission", "..%2F..%2Fescaped_mission"),
+    ("..", "%2E%2E"),
+    (".", "%2E"),
+    ("/etc/passwd", "%2Fetc%2Fpasswd"),
+    ("a\\b", "a%5Cb"),
+    ("50% off", "50%25 off"),
+    ("tab\there\nnew", "tab%09here%0Anew"),
+    ("bell\x07\x00", "bell%07%00"),
+    ("zero\u200bwidth", "zero%E2%80%8Bwidth"),
+    ("\ud800", "%ED%A0%80"),
+    ("", "%"),
+])
+def test_safe_name_escapes_what_could_leave_or_break_the_directory(mission, name):
+    assert safe_name(mission) == name
+
+
+def test_safe_name_bounds_long_missions_and_keeps_them_apart():
+    a, b = "x" * 4096, "x" * 4095 + "y"
+    for long in (a, b, "检" * 3000, "/" * 1000):
+        name = safe_name(long)
+        assert len(name.encode()) <= NAME_MAX_BYTES and "/" not in name
+        assert name.rsplit("~", 1)[1] == hashlib.sha256(long.encode()).hexdigest()[:12]
+    assert safe_name(a) != safe_name(b)
+    assert safe_name("检" * 3000).startswith("检" * 62)  # cut at a character boundary
+
+
+@pytest.mark.parametrize("mission", ["../../escaped_mission", "..", "/tmp/abs_mission", "m" * 4096])
+def test_ticket_data_cannot_move_the_run_outside_output_root(tmp_path, mission):
+    records = [dict(r, mission=mission) for r in demo_ticket_records(6)]
+    cfg_path = write_run_inputs(tmp_path / "in", n_tickets=6, records=records)
+    guidance = tmp_path / "in" / "guidance.json"
+    guidance.write_text(json.dumps({mission: json.loads(guidance.read_text())[MISSION]}))
+    before = {p for p in tmp_path.rglob("*")} | set(Path("/tmp").iterdir())
+    assert audit(cfg_path, engine_factory=fake_factory(), debug=True) == 0
+    root = tmp_path / "in" / "out"
+    [run] = [p.parent for p in root.rglob("run.json")]
+    assert run.parent.parent == root and run.parent.name == safe_name(mission)
+    created = {p for p in tmp_path.rglob("*")} - before
+    assert all(root in p.parents or p == root for p in created), sorted(created)
+    assert set(Path("/tmp").iterdir()) - before == set()
+    assert str(run) in describe(cfg_path, audit=True)
+
+
+def test_a_run_directory_behind_a_symlink_out_of_output_root_is_refused(tmp_path):
+    cfg_path = write_run_inputs(tmp_path / "in", n_tickets=6)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "in" / "out").mkdir()
+    (tmp_path / "in" / "out" / MISSION).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(InputError, match="outside output.root"):
+        audit(cfg_path, engine_factory=never_called, debug=True)
+    assert list(elsewhere.iterdir()) == []

@@ -115,7 +115,7 @@ def cmd_check(args) -> int:
 def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     """Validate the config and every input a run reads (without loading a model) and
     describe what the run would do. Raises InputError like the run itself would."""
-    from ..search.rundir import run_dir_path
+    from ..search.rundir import check_inside, run_dir_path
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
     from .config import config_hash, load_config, with_mode
     from .job import load_inputs
@@ -125,6 +125,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
     run_dir = run_dir_path(cfg, inputs.mission)
+    check_inside(run_dir, cfg.output.root)
     lines = [
         ("config", f"{os.path.abspath(config_path)} (hash {config_hash(cfg)})"),
         ("mode", cfg.mode),

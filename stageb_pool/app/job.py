@@ -114,6 +114,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
 
     inputs = load_inputs(config)
     run_dir = rundir.run_dir_path(config, inputs.mission)
+    rundir.check_inside(run_dir, config.output.root)
     rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
     identity = run_identity(config, inputs.tickets) if config.mode == "search" else None
     if resume and identity is not None:

@@ -9,7 +9,9 @@ on disk is touched.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
+import os
 import platform
 import shutil
 import sys
@@ -37,9 +39,64 @@ _WORKER_ONLY_INFO = {"rank", "pid", "index", "threads", "hostname", "load_s", "l
                      "elapsed_s", "started_at", "visible_devices", "device_index"}
 
 
+NAME_MAX_BYTES = 200  # a directory name's bytes; Linux allows 255, the margin is for our own suffixes
+ESCAPE = "%"
+
+
+def safe_name(text: str) -> str:
+    """``text`` as one directory name that stays where it is put (docs/usage.md).
+
+    The mission comes from ticket data, so it may hold anything: ``/``, ``\\``, ``%``,
+    control characters and every other non-printable character are escaped as ``%XX`` per
+    UTF-8 byte; ``.`` and ``..`` become ``%2E`` and ``%2E%2E``; a name over
+    ``NAME_MAX_BYTES`` bytes is cut at a character boundary and ends in ``~`` plus 12 hex
+    digits of the sha256 of ``text``, so two long missions never share a directory.
+    Printable text (Chinese included) is kept as it is; an empty text is ``%``."""
+    if not text:
+        return ESCAPE
+    pieces = [ch if ch.isprintable() and ch not in "/\\" + ESCAPE else _escaped(ch) for ch in text]
+    name = "".join(pieces)
+    if name in (".", ".."):
+        return _escaped(".") * len(name)
+    if len(name.encode("utf-8")) <= NAME_MAX_BYTES:
+        return name
+    suffix = "~" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    kept, size = [], len(suffix)
+    for piece in pieces:
+        size += len(piece.encode("utf-8"))
+        if size > NAME_MAX_BYTES:
+            break
+        kept.append(piece)
+    return "".join(kept) + suffix
+
+
+def _escaped(ch: str) -> str:
+    return "".join(f"{ESCAPE}{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why ``output.run_name`` (chosen by the user, so refused rather than escaped) is not a
+    plain directory name, or None."""
+    if name in (".", "..") or "/" in name or "\\" in name:
+        return "must be a plain directory name (no '/', '\\', '.' or '..')"
+    if not name.isprintable():
+        return "must be printable text (no control characters)"
+    if len(name.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
+        return f"must be at most {NAME_MAX_BYTES} bytes"
+    return None
+
+
 def run_dir_path(config, mission: str) -> Path:
-    """``{output.root}/{mission}/{output.run_name}``"""
-    return Path(config.output.root) / mission / config.output.run_name
+    """``{output.root}/{safe_name(mission)}/{output.run_name}``"""
+    return Path(config.output.root) / safe_name(mission) / config.output.run_name
+
+
+def check_inside(path: Path, root: str | Path) -> None:
+    """Refuse a run directory that resolves (through symbolic links) outside ``output.root``."""
+    resolved, top = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    if resolved != top and top not in resolved.parents:
+        raise InputError(f"the run directory resolves to {resolved}, outside output.root {top} "
+                         "(a symbolic link?)", str(path))
 
 
 def prepare_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool = False) -> Path:
