@@ -245,7 +245,8 @@ def test_run_passes_flags_to_run_job(fake_job, project):
     assert code == 0
     [(config, devices, kwargs)] = calls
     assert config.runner.epochs == 1 and [d.name for d in devices] == ["cpu:0", "cpu:1"]
-    assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False}
+    assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False,
+                      "config_path": str(project / "c.yaml")}
 
 
 def test_run_word_is_optional(fake_job, project):

@@ -294,3 +294,70 @@ def test_a_run_directory_behind_a_symlink_out_of_output_root_is_refused(tmp_path
     with pytest.raises(InputError, match="outside output.root"):
         audit(cfg_path, engine_factory=never_called, debug=True)
     assert list(elsewhere.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ outputs never overwrite inputs
+
+SEARCH = ["mode=search", "rule_search.eval_pool_size=4", "rule_search.train_pool_size=4", "runner.epochs=1",
+          "stage_b_distillation.enabled=true", "stage_b_distillation.distill_size=5"]
+
+
+def _link(root: Path, kind: str) -> str:
+    if kind == "hardlink":
+        (root / "tickets-link.jsonl").hardlink_to(root / "tickets.jsonl")
+        return "tickets-link.jsonl"
+    (root / "tickets-sym.jsonl").symlink_to(root / "tickets.jsonl")
+    return "tickets-sym.jsonl"
+
+
+@pytest.mark.parametrize("target, message", [
+    ("tickets.jsonl", "the export would overwrite it"),
+    ("guidance.json", "the export would overwrite it"),
+    ("proposer.txt", "the export would overwrite it"),
+    ("config.yaml", "the export would overwrite it"),
+    ("hardlink", "the export would overwrite it"),
+    ("symlink", "the export would overwrite it"),
+    ("out/Demo mission/run1/state.json", "a file the run itself writes"),
+    (".", "is a directory"),
+])
+def test_the_distillation_file_may_not_be_an_input_or_a_run_file(tmp_path, target, message):
+    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    if target in ("hardlink", "symlink"):
+        target = _link(tmp_path, target)
+    before = tree_digest(tmp_path)
+    with pytest.raises(InputError, match=message) as err:
+        run_job(load_config(cfg, SEARCH + [f"stage_b_distillation.log_chatml_path={target}"]), "cpu:1",
+                engine_factory=never_called, debug=True, config_path=cfg)
+    assert err.value.location == "stage_b_distillation.log_chatml_path"
+    assert tree_digest(tmp_path) == before  # nothing created, nothing changed
+
+
+def test_the_distillation_file_may_be_written_outside_the_run_directory(tmp_path):
+    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    over = SEARCH + [f"stage_b_distillation.log_chatml_path={tmp_path / 'exports' / 'chatml.jsonl'}"]
+    assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True, config_path=cfg) == 0
+    assert (tmp_path / "exports" / "chatml.jsonl").read_text().count("\n") > 0
+
+
+@pytest.mark.parametrize("flag", ["overwrite", "resume"])
+def test_an_input_inside_the_run_directory_is_refused(tmp_path, flag):
+    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    assert audit(cfg, engine_factory=fake_factory()) == 0
+    run = tmp_path / "out" / MISSION / "run1"
+    (run / "seed.json").write_text((tmp_path / "guidance.json").read_text())
+    before = tree_digest(tmp_path)
+    with pytest.raises(InputError, match="lies inside the run directory"):
+        run_job(load_config(cfg, ["guidance.path=out/Demo mission/run1/seed.json"]), "cpu:1", audit=True,
+                engine_factory=never_called, debug=True, **{flag: True})
+    assert tree_digest(tmp_path) == before
+
+
+def test_resume_cuts_artifacts_back_through_a_new_file_never_in_place(tmp_path):
+    from stageb_pool.search.state import truncate_artifacts
+
+    path = tmp_path / "rule_candidates.jsonl"
+    path.write_bytes(b"row 1\nrow 2\ntorn")
+    (tmp_path / "elsewhere.jsonl").hardlink_to(path)  # e.g. a backup made with cp -l
+    assert truncate_artifacts(tmp_path, {"rule_candidates.jsonl": 6}) == {"rule_candidates.jsonl": 10}
+    assert path.read_bytes() == b"row 1\n"
+    assert (tmp_path / "elsewhere.jsonl").read_bytes() == b"row 1\nrow 2\ntorn"

@@ -104,7 +104,8 @@ def cmd_run(args) -> int:
     devices = resolve_devices(args.gpus)
     config = load_config(args.config, args.overrides)
 
-    return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug)
+    return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug,
+                   config_path=args.config)
 
 
 def cmd_check(args) -> int:
@@ -119,6 +120,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
     from .config import config_hash, load_config, with_mode
     from .job import load_inputs
+    from .outputs import check_outputs
 
     cfg = with_mode(load_config(config_path, overrides), audit)
     inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
@@ -126,6 +128,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
     run_dir = run_dir_path(cfg, inputs.mission)
     check_inside(run_dir, cfg.output.root)
+    check_outputs(cfg, run_dir, config_path=config_path)
     lines = [
         ("config", f"{os.path.abspath(config_path)} (hash {config_hash(cfg)})"),
         ("mode", cfg.mode),

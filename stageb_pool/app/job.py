@@ -31,6 +31,7 @@ from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
 from .config import config_document, config_hash, with_mode
+from .outputs import check_outputs
 from .progress import Progress, pool_items_per_rank
 
 log = logging.getLogger("stageb_pool")
@@ -98,12 +99,14 @@ def engine_factory_for(model_config, model_path: str):
 
 
 def run_job(config, devices, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
-            debug: bool = False, engine_factory=None, argv: list[str] | None = None) -> int:
+            debug: bool = False, engine_factory=None, argv: list[str] | None = None,
+            config_path: str | None = None) -> int:
     """Run one audit or rule search; return 0 on success. Exceptions propagate (the CLI
     maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
 
     ``devices`` is a list of Device or a ``--gpus`` spec. ``engine_factory`` (a test seam)
-    replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv)."""
+    replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv);
+    ``config_path`` (the config file) is one of the inputs no output may overwrite."""
     started = time.monotonic()
     started_at = rundir.utc_now()
     config = with_mode(config, audit)
@@ -115,6 +118,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     inputs = load_inputs(config)
     run_dir = rundir.run_dir_path(config, inputs.mission)
     rundir.check_inside(run_dir, config.output.root)
+    check_outputs(config, run_dir, config_path=config_path)
     rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
     identity = run_identity(config, inputs.tickets) if config.mode == "search" else None
     if resume and identity is not None:

@@ -26,6 +26,7 @@ BASELINE_WRONG = "baseline_wrong_cases.jsonl"
 BASELINE_NP = "baseline_np_cases.jsonl"
 BASELINE_NG = "baseline_ng_cases.jsonl"
 BASELINE_STEPS = "baseline_metrics_steps.jsonl"
+AUDIT_FILES = (BASELINE_METRICS, BASELINE_TICKET_STATS, BASELINE_WRONG, BASELINE_NP, BASELINE_NG, BASELINE_STEPS)
 
 
 class AuditSettings(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..stageb.guidance import Guidance, load_guidance, section_of
 from .fileio import atomic_write_bytes, write_json
 
+GUIDANCE_FILE = "guidance.json"
 _SNAPSHOT = re.compile(r"^guidance-step(\d+)\.json$")
 
 
@@ -23,7 +24,7 @@ class GuidanceRepository:
         self.run_dir = Path(run_dir)
         self.mission = mission
         self.retention = retention
-        self.path = self.run_dir / "guidance.json"
+        self.path = self.run_dir / GUIDANCE_FILE
         self.snapshot_dir = self.run_dir / "snapshots"
 
     def exists(self) -> bool:

@@ -9,7 +9,6 @@ back to the byte length recorded there (so no partial iteration survives), and
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +96,11 @@ def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]
                 f"cannot resume: {name} has {have} bytes but state.json committed {want}", str(path)
             )
         if have > want:
-            with open(path, "r+b") as f:
-                f.truncate(want)
-                f.flush()
-                os.fsync(f.fileno())
+            # Rewritten through a temporary file and a rename, never truncated in place: a
+            # crash here leaves the old or the cut file, and nothing a hard link shares changes.
+            with open(path, "rb") as f:
+                kept = f.read(want)
+            fileio.atomic_write_bytes(path, kept)
             removed[name] = have - want
     return removed
 
