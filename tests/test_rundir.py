@@ -361,3 +361,37 @@ def test_resume_cuts_artifacts_back_through_a_new_file_never_in_place(tmp_path):
     assert truncate_artifacts(tmp_path, {"rule_candidates.jsonl": 6}) == {"rule_candidates.jsonl": 10}
     assert path.read_bytes() == b"row 1\n"
     assert (tmp_path / "elsewhere.jsonl").read_bytes() == b"row 1\nrow 2\ntorn"
+
+
+# ------------------------------------------------------------------------------ a failed start never blocks a rerun
+
+
+def test_a_value_that_cannot_be_written_is_refused_before_the_run_directory_exists(tmp_path):
+    """A lone surrogate (valid in Python, not in UTF-8) in a config value: before, the run
+    created its directory and guidance.json, then died on run.json, and neither a rerun nor
+    --overwrite nor --resume could get past the half-made directory."""
+    cfg = write_run_inputs(tmp_path, n_tickets=6)
+    bad = load_config(cfg, ['model.stop=["\\ud800"]'])
+    for flags in ({}, {"overwrite": True}, {"resume": True}):
+        with pytest.raises(InputError):
+            run_job(bad, "cpu:1", audit=True, engine_factory=never_called, debug=True, **flags)
+        assert not (tmp_path / "out").exists()
+    assert audit(cfg, engine_factory=fake_factory()) == 0  # the fixed config runs
+
+
+def test_a_run_whose_workers_fail_to_start_can_be_overwritten_and_resumed(tmp_path):
+    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    over = ["mode=search", "rule_search.eval_pool_size=4", "rule_search.train_pool_size=4", "runner.epochs=1"]
+
+    def broken(device):
+        raise RuntimeError("no such GPU")
+
+    with pytest.raises(PoolError, match="no such GPU"):
+        run_job(load_config(cfg, over), "cpu:1", engine_factory=broken, debug=True)
+    run = tmp_path / "out" / MISSION / "run1"
+    assert sorted(p.name for p in run.iterdir()) == ["guidance.json", "run.json"]
+    with pytest.raises(InputError, match="already exists"):
+        run_job(load_config(cfg, over), "cpu:1", engine_factory=never_called, debug=True)
+    assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True, resume=True) == 0
+    assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True, overwrite=True) == 0
+    assert (run / "summary.json").is_file()

@@ -20,8 +20,8 @@ from ..pool import Device, DeviceSpecError, Pool, parse_gpus
 from ..search import rundir
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
-from ..search.fileio import write_json
-from ..search.guidance_store import GuidanceRepository
+from ..search.fileio import atomic_write_bytes, write_json
+from ..search.guidance_store import GUIDANCE_FILE, GuidanceRepository
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
 from ..search.settings import RunIdentity, SearchSettings
@@ -119,24 +119,26 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     run_dir = rundir.run_dir_path(config, inputs.mission)
     rundir.check_inside(run_dir, config.output.root)
     check_outputs(config, run_dir, config_path=config_path)
-    rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
     identity = run_identity(config, inputs.tickets) if config.mode == "search" else None
-    if resume and identity is not None:
-        # before run.json or guidance.json is rewritten or a worker forked
-        state_mod.preflight_resume(run_dir, identity)
-
     repo = GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
-    if not (resume and repo.exists()):
-        repo.write(inputs.seed_guidance)
-
     run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
     prov = dict(model_path=config.model.path, chunk_size=config.runner.chunk_size,
                 profile_hash=content_hash(inputs.profile),
                 tickets_hash=tickets_hash(sorted(inputs.tickets, key=lambda t: t.key)))  # the judged set
-    # A first run.json before the workers start marks the directory as a stageb-pool run
-    # even if the start fails (so --overwrite may replace it); rewritten with rank 0's info.
-    rundir.write_run_json(run_dir, workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov),
-                          **run_json)
+    # Every document of the start is encoded before the run directory exists: a value that
+    # cannot be written is a located error that leaves nothing behind.
+    first_run_json = rundir.encoded(rundir.run_json_document(
+        workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov), **run_json), rundir.RUN_JSON)
+    seed_guidance = rundir.encoded(repo.document(inputs.seed_guidance), GUIDANCE_FILE)
+    if resume and identity is not None:
+        state_mod.preflight_resume(run_dir, identity)  # reads state.json, writes nothing
+
+    rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
+    # run.json first: it marks the directory as a stageb-pool run even if the start fails
+    # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
+    atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)
+    if not (resume and repo.exists()):
+        atomic_write_bytes(repo.path, seed_guidance)
 
     factory = engine_factory or engine_factory_for(config.model, inputs.model_path)
     pool = Pool(
@@ -149,8 +151,8 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
                                progress=progress, save_rollouts=config.output.save_rollouts)
         info = pool.worker_info[0] if pool.worker_info else {}
         warn_if_workers_differ(pool.worker_info, log)
-        rundir.write_run_json(run_dir, workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov),
-                              **run_json)
+        write_json(run_dir / rundir.RUN_JSON, rundir.run_json_document(
+            workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov), **run_json))
         log.info("%s run of %d tickets (mission %s) on %d worker(s) -> %s",
                  config.mode, len(inputs.tickets), inputs.mission, pool.size, run_dir)
         if config.mode == "audit":

@@ -50,9 +50,14 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def json_document(value) -> bytes:
+    """The bytes ``write_json`` writes: pretty-printed (indent 2), a trailing newline."""
+    return to_json(value, indent=2) + b"\n"
+
+
 def write_json(path: str | os.PathLike, value) -> None:
     """Pretty-printed (indent 2) JSON document with a trailing newline, written atomically."""
-    atomic_write_bytes(path, to_json(value, indent=2) + b"\n")
+    atomic_write_bytes(path, json_document(value))
 
 
 def write_jsonl(path: str | os.PathLike, rows) -> None:

@@ -33,9 +33,13 @@ class GuidanceRepository:
     def load(self) -> Guidance:
         return load_guidance(self.path, self.mission)
 
+    def document(self, g: Guidance) -> dict:
+        """The content of ``guidance.json`` for ``g``."""
+        return {self.mission: section_of(g)}
+
     def write(self, g: Guidance) -> None:
         """Atomic: the file holds the old or the new guidance, never a mix."""
-        write_json(self.path, {self.mission: section_of(g)})
+        write_json(self.path, self.document(g))
 
     def snapshots(self) -> list[Path]:
         """Snapshot files, oldest step first."""

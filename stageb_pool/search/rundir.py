@@ -21,7 +21,7 @@ import msgspec
 
 from .. import __version__
 from ..stageb.errors import InputError
-from .fileio import write_json
+from .fileio import json_document
 
 RUN_JSON = "run.json"
 SUMMARY_JSON = "summary.json"
@@ -181,11 +181,14 @@ def gpus_spec(devices) -> str:
     return ",".join(str(d.index) for d in devices)
 
 
-def write_run_json(run_dir: str | Path, *, config, provenance: dict, devices, workers: int,
-                   debug: bool, started_at: str, argv: list[str] | None = None) -> dict:
-    """Write ``run.json`` atomically and return its content. ``invocation`` is volatile
-    (differs between worker counts and reruns); ``config`` is the resolved config."""
-    doc = {
+def run_json_document(*, config, provenance: dict, devices, workers: int, debug: bool, started_at: str,
+                      argv: list[str] | None = None) -> dict:
+    """``run.json``'s content. ``invocation`` is volatile (differs between worker counts and
+    reruns); ``config`` is the resolved config; undecodable bytes of ``argv`` (Python keeps
+    them as lone surrogates) are shown as U+FFFD."""
+    argv = [arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            for arg in (sys.argv if argv is None else argv)]
+    return {
         "tool": {"name": "stageb_pool", "version": __version__},
         "config": msgspec.to_builtins(config),
         "provenance": provenance,
@@ -194,12 +197,20 @@ def write_run_json(run_dir: str | Path, *, config, provenance: dict, devices, wo
             "workers": workers,
             "threads": devices[0].threads if devices else None,
             "debug": debug,
-            "argv": list(sys.argv if argv is None else argv),
+            "argv": argv,
             "started_at": started_at,
         },
     }
-    write_json(Path(run_dir) / RUN_JSON, doc)
-    return doc
+
+
+def encoded(doc, name: str) -> bytes:
+    """The bytes of a JSON document the run is about to write, or an InputError naming it when
+    a value cannot be written (text with a lone surrogate is not UTF-8): encoded before the
+    run directory is created, so bad input never leaves a half-made directory behind."""
+    try:
+        return json_document(doc)
+    except (UnicodeEncodeError, msgspec.EncodeError) as err:
+        raise InputError(f"{name} cannot be written: a value is not valid text ({err})", name) from None
 
 
 def artifact(run_dir: str | Path, name: str) -> Path:
