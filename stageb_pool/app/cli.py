@@ -19,6 +19,7 @@ import os
 import sys
 
 from .. import __version__
+from ..search.fileio import OutputError
 from ..stageb.errors import InputError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -116,7 +117,7 @@ def cmd_check(args) -> int:
 def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     """Validate the config and every input a run reads (without loading a model) and
     describe what the run would do. Raises InputError like the run itself would."""
-    from ..search.rundir import check_inside, run_dir_path
+    from ..search.rundir import check_inside, run_dir_exists, run_dir_path
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
     from .config import config_hash, load_config, with_mode
     from .job import load_inputs
@@ -143,7 +144,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
         ("model", inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}"),
         ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),
         ("guidance", f"{cfg.guidance.path}: step {g.step}, rules {', '.join(g.experiences)}"),
-        ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir.exists() else "")),
+        ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir_exists(run_dir) else "")),
     ]
     k_train = len(rs.train_sampler.grid) * rs.train_sampler.samples_per_decode
     k_eval = len(rs.eval_sampler.grid) * rs.eval_sampler.samples_per_decode
@@ -230,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stageb-pool: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OutputError as err:  # disk full, a file size limit: the run directory stays resumable
+        print(f"stageb-pool: run failed: {err} (the run can be continued with --resume once fixed)",
+              file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:  # e.g. `stageb-pool diff a b | head`
         return EXIT_FAILED
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1

@@ -134,6 +134,9 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         state_mod.preflight_resume(run_dir, identity)  # reads state.json, writes nothing
 
     rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
+    if resume:
+        for stale in rundir.remove_temporaries(run_dir):
+            log.info("resume: removed %s (a write the interrupted run did not finish)", stale)
     # run.json first: it marks the directory as a stageb-pool run even if the start fails
     # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
     atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)

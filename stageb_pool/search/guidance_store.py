@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from ..stageb.guidance import Guidance, load_guidance, section_of
-from .fileio import atomic_write_bytes, write_json
+from .fileio import atomic_write_bytes, remove, write_json
 
 GUIDANCE_FILE = "guidance.json"
 _SNAPSHOT = re.compile(r"^guidance-step(\d+)\.json$")
@@ -64,4 +64,4 @@ class GuidanceRepository:
         keep = max(self.retention, 0)
         files = self.snapshots()
         for path in files[: len(files) - keep] if keep else files:
-            path.unlink()
+            remove(path)

@@ -21,7 +21,7 @@ import msgspec
 
 from .. import __version__
 from ..stageb.errors import InputError
-from .fileio import json_document
+from .fileio import TMP_SUFFIX, json_document, remove
 
 RUN_JSON = "run.json"
 SUMMARY_JSON = "summary.json"
@@ -104,10 +104,46 @@ def prepare_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool =
 
     Raises InputError, before touching anything, when the directory exists and neither
     ``overwrite`` nor ``resume`` is set, when both are set, when there is nothing to resume,
-    or when ``overwrite`` would delete a directory that is not a stageb-pool run."""
+    or when ``overwrite`` would delete a directory that is not a stageb-pool run; and, located
+    at the path, when the file system refuses (permissions, a name over the OS limit, a file
+    where a folder should be)."""
     path = Path(path)
     if overwrite and resume:
         raise InputError("--overwrite and --resume exclude each other: choose one", str(path))
+    try:
+        return _prepare(path, overwrite=overwrite, resume=resume)
+    except OSError as err:
+        raise InputError(f"cannot prepare the run directory (output.root): {err.strerror or err}", str(path)) from None
+
+
+def remove_temporaries(run_dir: Path) -> list[Path]:
+    """Delete the temporary files (``.<name>.<random>.tmp``) an atomic write leaves when the
+    process is killed in the middle of it; a resumed run is then file for file the same as an
+    uninterrupted one."""
+    stale = sorted(p for p in Path(run_dir).rglob(f".*{TMP_SUFFIX}") if p.is_file())
+    for p in stale:
+        remove(p)
+    return stale
+
+
+def run_dir_exists(path: Path) -> bool:
+    """For ``check``: whether the run directory exists, after making sure it could be made
+    (InputError, located at the path, when the file system would refuse it)."""
+    where = "cannot prepare the run directory (output.root)"
+    try:
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+    except OSError as err:
+        raise InputError(f"{where}: {err.strerror or err}", str(path)) from None
+    if not existing.is_dir():
+        raise InputError(f"{where}: {existing} is not a folder", str(path))
+    if existing != path and not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{where}: {existing} is not writable", str(path))
+    return existing == path
+
+
+def _prepare(path: Path, *, overwrite: bool, resume: bool) -> Path:
     if path.exists() and not path.is_dir():
         raise InputError("the run directory path exists and is not a directory", str(path))
     exists = path.is_dir()
@@ -127,10 +163,7 @@ def prepare_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool =
                 str(path),
             )
         shutil.rmtree(path)
-    try:
-        path.mkdir(parents=True)
-    except OSError as err:
-        raise InputError(f"cannot create the run directory: {err.strerror or err}", str(path)) from err
+    path.mkdir(parents=True)
     return path
 
 

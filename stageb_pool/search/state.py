@@ -59,10 +59,12 @@ class SearchState(msgspec.Struct, forbid_unknown_fields=True):
 def load_state(run_dir: Path) -> SearchState | None:
     """The committed state of ``run_dir``, or None when no iteration has completed."""
     path = Path(run_dir) / STATE_FILE
-    if not path.exists():
-        return None
     try:
         return fileio.read_json(path, type=SearchState)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise InputError(f"cannot resume: cannot read the search state ({err.strerror or err})", str(path)) from None
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise InputError(f"cannot resume: unreadable search state ({err})", str(path)) from err
 
@@ -98,9 +100,7 @@ def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]
         if have > want:
             # Rewritten through a temporary file and a rename, never truncated in place: a
             # crash here leaves the old or the cut file, and nothing a hard link shares changes.
-            with open(path, "rb") as f:
-                kept = f.read(want)
-            fileio.atomic_write_bytes(path, kept)
+            fileio.atomic_write_bytes(path, fileio.read_prefix(path, want))
             removed[name] = have - want
     return removed
 
