@@ -77,12 +77,9 @@ def test_ctrl_c_then_resume_reaches_the_uninterrupted_result(tmp_path):
 
     diff = subprocess.run([sys.executable, "-m", "stageb_pool.app.cli", "diff", str(mission_dir / "interrupted"),
                            str(mission_dir / "straight")], env=env(), capture_output=True, text=True, timeout=60)
-    # Only the run name (part of config.output, volatile) and the generation counters of
-    # the resumed process may differ; everything the search decided must be identical.
-    assert diff.returncode in (0, 1) and (diff.returncode == 0 or "runs differ" in diff.stdout), diff.stderr
-    lines = [l for l in diff.stdout.splitlines() if l.startswith("  ") and not l.startswith("  A =") and not l.startswith("  B =")]
-    keys = {l.strip().rstrip(":") for l in lines if not l.strip().startswith(("A:", "B:"))}
-    assert keys <= {"summary.json generations_done", "summary.json generations_saved"}, diff.stdout
+    # Only the run name (part of config.output, volatile) differs: everything the search
+    # decided and counted must be identical (the generation counts continue from state.json).
+    assert diff.returncode == 0, diff.stdout + diff.stderr
 
 
 # ----------------------------------------------------------------------------- write failures
@@ -131,8 +128,7 @@ def test_a_failed_write_names_the_file_exits_1_and_the_run_resumes_to_the_same_r
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     diff = subprocess.run([sys.executable, "-m", "stageb_pool.app.cli", "diff", str(run), str(run.parent / "straight")],
                           env=env(), capture_output=True, text=True, timeout=60)
-    keys = {line.strip().rstrip(":") for line in diff.stdout.splitlines()[3:] if not line.strip().startswith(("A:", "B:"))}
-    assert keys <= {"summary.json generations_done", "summary.json generations_saved"}, diff.stdout
+    assert diff.returncode == 0, diff.stdout + diff.stderr
 
 
 @pytest.mark.parametrize("root", ["long", "under_a_file"])

@@ -255,3 +255,19 @@ def test_progress_final_line_when_last_chunk_was_not_logged(caplog):
         progress.finish()
         progress.finish()  # idempotent: nothing more
     assert [r.getMessage()[:16] for r in caplog.records] == ["eval: 5/5 ticket"]
+
+
+def test_the_runs_counts_continue_across_processes_while_the_process_counts_start_over(tickets, profile):
+    """A resumed run continues the run's counts from state.json: a chunk the interrupted
+    process already used counts as saved, though this process generates it again."""
+    with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+        first = RolloutRunner(pool, profile, chunk_size=4)
+        first.run(spec(tickets))
+        first.run(spec(tickets))
+        resumed = RolloutRunner(pool, profile, chunk_size=4)
+        resumed.continue_counts(first.chunks_used, first.run_done, first.run_saved)
+        resumed.run(spec(tickets))
+    n = len(tickets) * K
+    assert (first.run_done, first.run_saved) == (first.generations_done, first.generations_saved) == (n, n)
+    assert (resumed.generations_done, resumed.generations_saved) == (n, 0)  # generated again here
+    assert (resumed.run_done, resumed.run_saved) == (n, 2 * n)  # as one uninterrupted process would count

@@ -37,8 +37,6 @@ from stageb_pool.stageb.ticket_pools import split_eval_pool
 
 TESTS = Path(__file__).resolve().parent
 SEED = 11
-# Counted per process: a resumed run regenerates what the killed run's cache held.
-PROCESS_FACTS = {"generations_done", "generations_saved"}
 
 
 def run(tmp_path, name="run", *, gpus="cpu:1", overrides=(), engine=None, resume=False, **inputs):
@@ -64,9 +62,8 @@ def experiences(run_dir):
     return doc(run_dir, "guidance.json")[se.MISSION]["experiences"]
 
 
-def assert_same_run(a, b, *, ignore=frozenset()):
-    diffs = [d for d in diff_runs(a, b, limit=None)
-             if not (d.file == "summary.json" and d.key.split(".")[0] in ignore)]
+def assert_same_run(a, b):
+    diffs = diff_runs(a, b, limit=None)
     assert not diffs, format_differences(diffs, str(a), str(b))
 
 
@@ -260,7 +257,7 @@ def test_resume_after_an_exception_mid_iteration_matches_uninterrupted(reference
     committed = doc(run_dir, "state.json")["artifacts"]["rule_search_hard_cases.jsonl"]
     assert (run_dir / "rule_search_hard_cases.jsonl").stat().st_size > committed  # it2 rows, uncommitted
     run(reference.root, "exc", resume=True)
-    assert_same_run(ref_dir, run_dir, ignore=PROCESS_FACTS)
+    assert_same_run(ref_dir, run_dir)
 
 
 @pytest.mark.parametrize("fail_at_commit", [1, 3])
@@ -285,7 +282,7 @@ def test_resume_after_ctrl_c_between_guidance_and_state_write(monkeypatch, refer
     run_dir = reference.root / "out" / se.MISSION / name
     assert len(rows(run_dir, "benchmarks.jsonl")) == (1 if fail_at_commit == 1 else 2)  # ahead of the commit
     run(reference.root, name, resume=True)
-    assert_same_run(ref_dir, run_dir, ignore=PROCESS_FACTS)
+    assert_same_run(ref_dir, run_dir)
 
 
 def test_resume_after_sigkill_with_rolling_train_pools(tmp_path):
@@ -320,7 +317,7 @@ def test_resume_after_sigkill_with_rolling_train_pools(tmp_path):
         doc(run_dir, "state.json")["artifacts"]["rule_search_hard_cases.jsonl"]
     cfg = config_mod.load_config(cfg_path)
     job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
-    assert_same_run(ref_dir, run_dir, ignore=PROCESS_FACTS)
+    assert_same_run(ref_dir, run_dir)
     pools = doc(run_dir, "state.json")["sampler"]
     assert pools["size"] == 25
 

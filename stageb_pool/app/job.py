@@ -210,8 +210,6 @@ def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> di
     timing.setdefault("wall_s", round(time.monotonic() - started, 3))
     timing.setdefault("rollout_s", round(runner.rollout_seconds, 3))
     summary["timing"] = timing
-    summary.setdefault("generations_done", runner.generations_done)
-    summary.setdefault("generations_saved", runner.generations_saved)
     summary["workers"] = worker_throughput(pool, runner.tickets_by_rank)
     path = Path(run_dir) / rundir.SUMMARY_JSON
     write_json(path, summary)

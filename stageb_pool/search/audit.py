@@ -74,8 +74,8 @@ def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_d
         "n_skipped_lines": settings.n_skipped_lines,
         "n_excluded": settings.n_excluded,
         "metrics": {k: metrics[k] for k in ("acc", "tp", "fp", "fn", "tn", "fn_rate", "fp_rate")},
-        "generations_done": runner.generations_done,
-        "generations_saved": runner.generations_saved,
+        "generations_done": runner.run_done,
+        "generations_saved": runner.run_saved,
         "artifacts": written["files"],
     }
 

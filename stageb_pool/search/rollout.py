@@ -108,8 +108,16 @@ class RolloutRunner:
         self.chunk_size = chunk_size
         self.progress = progress
         self.save_rollouts = save_rollouts
+        # This process's counts: generated here, or served by this process's cache.
         self.generations_done = 0
         self.generations_saved = 0
+        # The run's counts, which a resumed run continues from state.json: a chunk counts as
+        # done the first time the run uses it and as saved every later time, whichever
+        # process generated it, so an interrupted and resumed run reports the same numbers
+        # as an uninterrupted one (docs/rule_search.md).
+        self.run_done = 0
+        self.run_saved = 0
+        self.chunks_used: set[str] = set()
         self.tickets_by_rank: dict[int, int] = {}  # tickets generated, by the worker that ran them
         self.rollout_seconds = 0.0  # wall time spent inside wait(): the rollout phase
         self._cache: dict[str, ChunkResult] = {}
@@ -228,6 +236,11 @@ class RolloutRunner:
                 out.append(self._assemble(pending))
         return out
 
+    def continue_counts(self, chunks_used, done: int, saved: int) -> None:
+        """Carry on the run's counts of an interrupted run (from its state.json)."""
+        self.chunks_used = set(chunks_used)
+        self.run_done, self.run_saved = int(done), int(saved)
+
     def run(self, spec: RolloutSpec) -> RolloutResult:
         """Submit and wait for one rollout."""
         return self.wait([self.submit(spec)])[0]
@@ -260,6 +273,11 @@ class RolloutRunner:
             else:
                 cached += n
                 done_s.append(0.0)
+            if part.key in self.chunks_used:
+                self.run_saved += n
+            else:
+                self.run_done += n
+                self.chunks_used.add(part.key)
         self.generations_done += generations
         self.generations_saved += cached
         return RolloutResult(

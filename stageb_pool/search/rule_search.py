@@ -77,6 +77,8 @@ class RuleSearch:
             state_mod.truncate_artifacts(self.run_dir, fresh.artifacts)
             return fresh
         state_mod.check_resumable(committed, self.identity, run_dir=self.run_dir)
+        self.recorder.runner.continue_counts(committed.chunks_used, committed.generations_done,
+                                             committed.generations_saved)
         for name, n in state_mod.truncate_artifacts(self.run_dir, committed.artifacts).items():
             self.log.info("resume: dropped %d bytes of uncommitted rows from %s", n, name)
         self._restore_guidance(committed)
@@ -148,6 +150,9 @@ class RuleSearch:
         st.guidance_hash, st.guidance_step, st.guidance = g.hash, g.step, msgspec.to_builtins(g)
         if st.no_gain >= self.settings.rule_search.early_stop.patience:
             st.stop_reason = "early_stop"
+        runner = self.recorder.runner
+        st.generations_done, st.generations_saved = runner.run_done, runner.run_saved
+        st.chunks_used = sorted(runner.chunks_used)
         with self.recorder.phase("io"):
             st.artifacts = state_mod.artifact_lengths(self.run_dir)
             state_mod.write_state(self.run_dir, st)
@@ -166,9 +171,11 @@ class RuleSearch:
         by_key = {t.key: t for t in self.train}
         final = final_metrics(self.recorder, settings, g, first_pool=[by_key[k] for k in st.first_pool],
                               eval_pool=self.eval, iterations=st.iteration)
+        runner = self.recorder.runner
         timing = {**{f"{k}_s": round(v, 3) for k, v in self.recorder.seconds.items()},
                   "search_s": round(wall_s, 3), "iterations_this_process": self.iterations_this_run,
-                  "resumed": bool(self.resume)}
+                  "generations_done_this_process": runner.generations_done,
+                  "generations_saved_this_process": runner.generations_saved, "resumed": bool(self.resume)}
         summary = search_summary(st, settings, g, final=final, distillation=distillation, n_train=len(self.train),
                                  n_eval=len(self.eval), runner=self.recorder.runner, timing=timing)
         print_summary(summary)

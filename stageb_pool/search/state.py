@@ -53,6 +53,11 @@ class SearchState(msgspec.Struct, forbid_unknown_fields=True):
     first_pool: list[str] = []
     baseline: dict[str, Any] = {}
     edits: list[dict[str, Any]] = []
+    # The run's generation counts at the commit and the chunks (cache keys) they cover, so a
+    # resumed run reports what an uninterrupted one would.
+    generations_done: int = 0
+    generations_saved: int = 0
+    chunks_used: list[str] = []
     version: int = STATE_VERSION
 
 

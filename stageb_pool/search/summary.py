@@ -53,9 +53,9 @@ def search_summary(state, settings, guidance, *, final: dict, distillation: dict
         "final": final,
         "rejected_candidates": len(state.rejected_ids),
         "distillation": distillation,
-        # Counted in this process: a resumed run regenerates what its predecessor's cache held.
-        "generations_done": runner.generations_done,
-        "generations_saved": runner.generations_saved,
+        # The run's counts (continued from state.json on resume); this process's are in timing.
+        "generations_done": runner.run_done,
+        "generations_saved": runner.run_saved,
         "timing": timing,  # volatile (wall clock)
     }
 
