@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from stageb_pool.app import config as cfgmod
-from stageb_pool.app.config import Config, config_hash, config_keys, load_config
+from stageb_pool.app.config import Config, config_document, config_keys, load_config
 from stageb_pool.stageb.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,12 +135,12 @@ def test_empty_section_means_defaults(cfgdir):
     assert load(cfgdir, BASE + "ticket_filter:\n").ticket_filter.exclude_ticket_keys == []
 
 
-def test_config_hash_ignores_output_only(cfgdir):
+def test_config_document_leaves_out_output_only(cfgdir):
     a = load(cfgdir)
     b = load(cfgdir, overrides=["output.run_name=other", "output.root=elsewhere"])
     c = load(cfgdir, overrides=["runner.chunk_size=4"])
-    assert config_hash(a) == config_hash(b)
-    assert config_hash(a) != config_hash(c)
+    assert config_document(a) == config_document(b) and "output" not in config_document(a)
+    assert config_document(a) != config_document(c)
 
 
 def test_check_files_false_skips_existence_checks(cfgdir):

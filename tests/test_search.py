@@ -29,6 +29,7 @@ import scripted_engine as se
 from stageb_pool.app import config as config_mod
 from stageb_pool.app import job
 from stageb_pool.app.diff import diff_runs, format_differences
+from stageb_pool.app.identity import run_identity
 from stageb_pool.search import state as state_mod
 from stageb_pool.search.distill import distill_sampler
 from stageb_pool.stageb.errors import InputError
@@ -353,6 +354,40 @@ def test_resume_with_changed_tickets_is_refused(tmp_path):
         job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
 
 
+def test_a_finished_run_is_extended_by_raising_the_epochs(tmp_path):
+    ref_dir, _ = run(tmp_path, "four", epochs=4)
+    run_dir, _ = run(tmp_path, "two", epochs=2)
+    assert doc(run_dir, "summary.json")["stop_reason"] == "epochs"
+    extended, engines = run(tmp_path, "two", epochs=4, resume=True)
+    assert doc(extended, "summary.json")["iterations"] == 4
+    assert engines[0].chats == [3, 4]  # only the new iterations were run
+    assert_same_run(ref_dir, extended)
+
+
+def test_resume_accepts_other_pool_settings_and_a_moved_data_folder(tmp_path):
+    ref_dir, _ = run(tmp_path / "a", "ref")
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path / "a", engine={"crash_at": 2})
+    (tmp_path / "a" / "in").rename(tmp_path / "moved")  # the data folder moves; same content
+    cfg_path = se.write_inputs(tmp_path / "moved", out=str(tmp_path / "a" / "out"))
+    cfg = config_mod.load_config(cfg_path, ["pool.task_timeout=99", "pool.max_restarts=2"])
+    job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
+    diffs = diff_runs(ref_dir, tmp_path / "a" / "out" / se.MISSION / "run", limit=None)
+    # run.json records the pool settings the resumed process ran with; nothing else differs
+    assert [(d.file, d.key) for d in diffs] == [("run.json", "config.pool.task_timeout"),
+                                                ("run.json", "config.pool.max_restarts")]
+
+
+def test_resume_with_a_changed_seed_guidance_is_refused(tmp_path):
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path, engine={"crash_at": 2})
+    guidance = tmp_path / "in" / "guidance.json"
+    guidance.write_text(guidance.read_text().replace("Check the cabinet", "Inspect the cabinet"))
+    with pytest.raises(InputError, match=r"differs from the interrupted run's at guidance\.path \(input files are"):
+        job.run_job(config_mod.load_config(tmp_path / "in" / "config.yaml"), "cpu:1", debug=True,
+                    engine_factory=se.scripted_factory(), resume=True)
+
+
 def test_differing_keys_names_nested_paths():
     old = {"a": 1, "b": {"c": [1, 2], "d": "x"}, "e": None}
     new = {"a": 1, "b": {"c": [1, 3], "d": "x"}, "f": 2}
@@ -463,9 +498,9 @@ def test_preflight_resume_checks_without_touching_anything(tmp_path):
         run(tmp_path, engine={"crash_at": 2})
     run_dir = tmp_path / "out" / se.MISSION / "run"
     cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
-    tickets = job.load_inputs(config_mod.load_config(cfg_path)).tickets
-    state_mod.preflight_resume(run_dir, job.run_identity(config_mod.load_config(cfg_path), tickets))
-    changed = job.run_identity(config_mod.load_config(cfg_path, ["seed=12"]), tickets)
+    inputs = job.load_inputs(config_mod.load_config(cfg_path))
+    state_mod.preflight_resume(run_dir, run_identity(config_mod.load_config(cfg_path), inputs))
+    changed = run_identity(config_mod.load_config(cfg_path, ["seed=12"]), inputs)
     with pytest.raises(InputError, match=r"differs from the interrupted run's at rule_search.gate.bootstrap.seed, seed, "):
         state_mod.preflight_resume(run_dir, changed)
     state_mod.preflight_resume(tmp_path / "nothing-here", changed)  # no state: no check

@@ -119,7 +119,8 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     describe what the run would do. Raises InputError like the run itself would."""
     from ..search.rundir import check_inside, run_dir_exists, run_dir_path
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
-    from .config import config_hash, load_config, with_mode
+    from .config import load_config, with_mode
+    from .identity import run_identity
     from .job import load_inputs
     from .outputs import check_outputs
 
@@ -131,7 +132,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     check_inside(run_dir, cfg.output.root)
     check_outputs(cfg, run_dir, config_path=config_path)
     lines = [
-        ("config", f"{os.path.abspath(config_path)} (hash {config_hash(cfg)})"),
+        ("config", f"{os.path.abspath(config_path)} (hash {run_identity(cfg, inputs).config_hash})"),
         ("mode", cfg.mode),
         ("mission", inputs.mission),
         ("tickets", f"{len(tickets)} ({_by_label(tickets)}); {len(ingest.skipped)} bad lines skipped; "

@@ -24,13 +24,14 @@ from ..search.fileio import atomic_write_bytes, write_json
 from ..search.guidance_store import GUIDANCE_FILE, GuidanceRepository
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
-from ..search.settings import RunIdentity, SearchSettings
+from ..search.settings import SearchSettings
 from ..stageb import guidance as guidance_mod
 from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
-from .config import config_document, config_hash, with_mode
+from .config import with_mode
+from .identity import run_identity
 from .outputs import check_outputs
 from .progress import Progress, pool_items_per_rank
 
@@ -119,7 +120,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     run_dir = rundir.run_dir_path(config, inputs.mission)
     rundir.check_inside(run_dir, config.output.root)
     check_outputs(config, run_dir, config_path=config_path)
-    identity = run_identity(config, inputs.tickets) if config.mode == "search" else None
+    identity = run_identity(config, inputs) if config.mode == "search" else None
     repo = GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
     run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
     prov = dict(model_path=config.model.path, chunk_size=config.runner.chunk_size,
@@ -184,12 +185,6 @@ def audit_settings(config, inputs: _Inputs) -> AuditSettings:
                          logging_steps=config.runner.logging_steps,
                          hard_case_limit=max(200, 8 * config.rule_search.reflect_size),
                          n_skipped_lines=len(inputs.ingest.skipped), n_excluded=inputs.ingest.excluded)
-
-
-def run_identity(config, tickets) -> RunIdentity:
-    """What a resumed search must match: the config without ``output``, the tickets in run order."""
-    return RunIdentity(config_hash=config_hash(config), config=config_document(config),
-                       tickets_hash=tickets_hash(tickets))
 
 
 def warn_if_workers_differ(worker_info: list[dict], log: logging.Logger) -> None:

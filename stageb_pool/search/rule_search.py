@@ -82,6 +82,11 @@ class RuleSearch:
         for name, n in state_mod.truncate_artifacts(self.run_dir, committed.artifacts).items():
             self.log.info("resume: dropped %d bytes of uncommitted rows from %s", n, name)
         self._restore_guidance(committed)
+        if committed.stop_reason == "epochs" and committed.iteration < self.settings.epochs:
+            # runner.epochs is not part of the identity: raising it extends a finished run.
+            self.log.info("resume: extending the run from %d to %d iterations", committed.iteration,
+                          self.settings.epochs)
+            committed.stop_reason = None
         self.log.info("resume: continuing after iteration %d (guidance step %d, %s)",
                       committed.iteration, committed.guidance_step, committed.guidance_hash)
         return committed

@@ -20,7 +20,7 @@ from . import fileio, rundir
 from .settings import RunIdentity
 
 STATE_FILE = "state.json"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the identity compares inputs by content; the run's generation counts
 
 # Every append-only artifact of the search, relative to the run directory. Their byte
 # lengths go into state.json; a resume truncates them back to those lengths.
@@ -137,11 +137,14 @@ def check_resumable(state: SearchState, identity: RunIdentity, *, run_dir: Path)
     """Refuse (InputError) a resume whose config or tickets differ from the committed run."""
     location = str(Path(run_dir) / STATE_FILE)
     if state.version != STATE_VERSION:
-        raise InputError(f"cannot resume: state version {state.version}, expected {STATE_VERSION}", location)
+        raise InputError(f"cannot resume: state.json has version {state.version} (written by another stageb-pool "
+                         f"version), this one reads version {STATE_VERSION}: start the run again with --overwrite",
+                         location)
     if identity.config_hash != state.config_hash:
         keys = differing_keys(state.config, identity.config) or ["<unknown>"]
         raise InputError(
-            "cannot resume: the config differs from the interrupted run's at " + ", ".join(keys), location
+            "cannot resume: the config differs from the interrupted run's at " + ", ".join(keys)
+            + " (input files are compared by content)", location
         )
     if identity.tickets_hash != state.tickets_hash:
         raise InputError(

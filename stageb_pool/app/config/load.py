@@ -13,7 +13,6 @@ import os
 import msgspec
 
 from ...stageb.errors import InputError
-from ...stageb.hashing import content_hash
 from .checks import validate
 from .schema import Config
 from .source import apply_override, read_yaml
@@ -66,16 +65,10 @@ def to_dict(cfg: Config) -> dict:
 
 def config_document(cfg: Config) -> dict:
     """The resolved config without ``output`` (where a run is written does not change what
-    it computes), as plain data: what ``state.json`` keeps to name the keys that changed."""
+    it computes), as plain data (``app/identity.py`` builds a resume's identity from it)."""
     data = to_dict(cfg)
     data.pop("output", None)
     return data
-
-
-def config_hash(cfg: Config) -> str:
-    """Content hash of :func:`config_document`: ``--resume`` refuses a run directory whose
-    hash differs."""
-    return content_hash(config_document(cfg))
 
 
 def _resolve_seeds(cfg: Config) -> Config:
