@@ -6,7 +6,9 @@ a ticket's ground truth is fail iff it shows rust or crack. The engine judges a 
 and the ticket shows that feature, else *pass*; then each sample flips with probability
 ``noise``, drawn from the chunk's work-derived seed and the ticket key (never from a rank,
 never from the guidance, so a baseline and its candidates see the same flips). A good rule
-(rust) really lowers the error, a harmful one (clean) really raises it.
+(rust) really lowers the error, a harmful one (clean) really raises it. With a sampler's
+``max_prompt_tokens`` a ticket whose text plus guidance (a token per 4 characters) is longer
+is dropped, so a longer guidance drops more tickets.
 
 ``chat`` answers the proposer with a script keyed by iteration (read from the request's
 seed key ``.../proposer/it<N>``), so the answer does not depend on which worker took the
@@ -92,9 +94,15 @@ class ScriptedEngine:
         self.calls.append((chunk.seed_key, chunk.chunk_index, content_hash(guidance)))
         self.generations += len(chunk.tickets) * len(chunk.grid) * chunk.samples_per_decode
         fail_features = {m.lower() for text in guidance.values() for m in _RULE.findall(text)}
+        guidance_tokens = sum(len(text) for text in guidance.values()) // 4
         out = []
         for ticket in chunk.tickets:
             text = " ".join(ticket.per_image.values()).lower()
+            if chunk.max_prompt_tokens is not None:  # the prompt is the ticket plus the guidance
+                tokens = 20 + len(text) // 4 + guidance_tokens
+                if tokens > chunk.max_prompt_tokens:
+                    out.append(TicketRollout(key=ticket.key, prompt_tokens=tokens, dropped=True))
+                    continue
             hit = sorted(f for f in fail_features if re.search(rf"\b{re.escape(f)}\b", text))
             samples = []
             for d, decode in enumerate(chunk.grid):

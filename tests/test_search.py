@@ -431,6 +431,21 @@ def test_eval_veto(tmp_path, monkeypatch, max_drop, decision):
     assert ("moss" in json.dumps(experiences(run_dir))) == (decision == "promoted")
 
 
+def test_eval_columns_compare_baseline_and_candidate_on_the_same_tickets(tmp_path):
+    """The rust rule lengthens the prompt past the eval sampler's max_prompt_tokens for the 6
+    longest eval tickets: baseline and candidate are compared on the 14 both judged."""
+    run_dir, _ = run(tmp_path, overrides=["rule_search.eval_sampler.max_prompt_tokens=62"], epochs=1)
+    cands = {c["candidate_id"].split()[4]: c for c in rows(run_dir, "rule_candidates.jsonl")
+             if c["op"] == "upsert"}
+    rust, clean = cands["rust"], cands["clean"]
+    assert rust["decision"] == "promoted" and rust["eval_n"] == 14
+    assert rust["eval_acc_drop"] == pytest.approx(rust["eval_base_acc"] - rust["eval_cand_acc"], abs=1e-12)
+    assert clean["eval_cand_acc"] is None and clean["eval_n"] == 20  # no eval rollout: the whole baseline
+    (bench,) = rows(run_dir, "benchmarks.jsonl")
+    assert (bench["eval_n"], bench["eval_base_acc"], bench["eval_after_acc"]) == (
+        14, rust["eval_base_acc"], rust["eval_cand_acc"])
+
+
 def test_empty_eval_pool_runs(tmp_path):
     run_dir, engines = run(tmp_path, overrides=["rule_search.eval_pool_size=0"])
     summary = doc(run_dir, "summary.json")

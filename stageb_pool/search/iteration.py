@@ -53,7 +53,10 @@ class Evaluated(msgspec.Struct, frozen=True, kw_only=True):
     gate: GateResult
     train_metrics: Metrics  # the candidate on the train tickets common with the baseline
     eval: RolloutResult | None = None  # gate passes only
-    eval_metrics: Metrics | None = None  # the candidate on the eval tickets common with the eval baseline
+    # The eval baseline and the candidate on the eval tickets both judged (an overlength drop
+    # can differ between them): the eval columns and the eval veto compare these two.
+    eval_base_metrics: Metrics | None = None
+    eval_metrics: Metrics | None = None
     eval_acc_drop: float | None = None
     decision: str = "rejected"  # promoted | rejected | rejected_eval_veto
     reason: str | None = None
@@ -260,7 +263,7 @@ def _eval_veto(c: Evaluated, eval_base: RolloutResult, result: RolloutResult, ma
     the veto when the drop exceeds ``gate.eval_max_acc_drop``."""
     base_m, cand_m = common_metrics(eval_base.stats, result.stats)
     vetoed, drop = gate_mod.eval_veto(base_m.acc if base_m.n else None, cand_m.acc if cand_m.n else None, max_drop)
-    changes = {"eval": result, "eval_metrics": cand_m, "eval_acc_drop": drop}
+    changes = {"eval": result, "eval_base_metrics": base_m, "eval_metrics": cand_m, "eval_acc_drop": drop}
     if vetoed:
         changes.update(decision="rejected_eval_veto", reason=f"eval accuracy drop {drop:.3f} > {max_drop:.3f}")
     return msgspec.structs.replace(c, **changes)

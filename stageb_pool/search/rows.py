@@ -64,7 +64,10 @@ class RolloutRow(msgspec.Struct):
 
 class CandidateRow(msgspec.Struct):
     """``rule_candidates.jsonl``: one evaluated candidate. ``base_*`` are on the whole train
-    pool, ``cand_*`` on the tickets common to baseline and candidate."""
+    pool, ``cand_*`` on the tickets common to baseline and candidate (as upstream). The eval
+    columns compare like with like: with an eval rollout, ``eval_n``, ``eval_base_*`` and
+    ``eval_cand_*`` are all on the eval tickets both judged; without one, ``eval_base_*`` is
+    the whole eval baseline."""
 
     timestamp: str
     iteration: int
@@ -244,10 +247,11 @@ def _identity(candidate) -> dict[str, Any]:
 
 def candidate_rows(outcome, mission: str) -> list[CandidateRow]:
     """One row per evaluated candidate of an IterationOutcome, in candidate order."""
-    base, ev = outcome.base_metrics, outcome.eval_base_metrics
+    base = outcome.base_metrics
     rows = []
     for c in outcome.candidates:
         gr, cm, ec = c.gate, c.train_metrics, c.eval_metrics
+        ev = c.eval_base_metrics or outcome.eval_base_metrics
         rows.append(CandidateRow(
             timestamp=utc_timestamp(), iteration=outcome.iteration, candidate_index=c.index, mission=mission,
             **_identity(c.candidate), text=c.candidate.text, rationale=c.candidate.rationale,
@@ -287,7 +291,7 @@ def regression_rows(outcome, mission: str) -> list[RegressionRow]:
 def benchmark_row(outcome, mission: str) -> BenchmarkRow:
     """The row of the applied edit of an IterationOutcome (which must have one)."""
     c, g = outcome.applied, outcome.guidance
-    base, after, ev = outcome.base_metrics, c.train_metrics, outcome.eval_base_metrics
+    base, after, ev = outcome.base_metrics, c.train_metrics, c.eval_base_metrics or outcome.eval_base_metrics
     new_keys = [k for k in c.guidance.experiences if k not in g.experiences]
     return BenchmarkRow(
         timestamp=utc_timestamp(), iteration=outcome.iteration, mission=mission,
