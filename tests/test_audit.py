@@ -161,3 +161,28 @@ def test_tiny_model_audit_identical_on_one_and_three_workers(tmp_path):
     assert run_json["provenance"]["model_path"] == "tiny"
     assert run_json["invocation"]["workers"] == 1 and read_json(b / "run.json")["invocation"]["workers"] == 3
     assert run_json["provenance"] == read_json(b / "run.json")["provenance"]
+
+
+def test_the_audit_exports_the_distillation_with_its_guidance(tmp_path, caplog):
+    """Upstream's production runs (audit plus distillation) exported it after the baseline; a
+    distill_size alone turns the export on, as upstream's default."""
+    caplog.set_level("INFO", logger="stageb_pool")
+    run = fake_audit(tmp_path, n=12, overrides=["stage_b_distillation.distill_size=8"])
+    rows = read_jsonl(run / "distill_chatml.jsonl")
+    assert 0 < len(rows) <= 8 and len({r["ticket_key"] for r in rows}) == len(rows)
+    guidance = read_json(run / "guidance.json")[MISSION]["experiences"]
+    for row in rows:
+        assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant"]
+        assert guidance["G0"] in row["messages"][1]["content"]
+        assert row["messages"][2]["content"].startswith("Verdict: ")
+    summary = read_json(run / "summary.json")
+    assert summary["distillation"] == {"path": "distill_chatml.jsonl", "tickets": 8, "rows": len(rows),
+                                       "guidance_hash": summary["guidance_hash"]}
+    assert f"distillation: {len(rows)} of 8 tickets exported to {run / 'distill_chatml.jsonl'}" in caplog.text
+
+
+def test_without_a_distill_size_the_log_says_the_export_is_off(tmp_path, caplog):
+    caplog.set_level("INFO", logger="stageb_pool")
+    run = fake_audit(tmp_path, n=6)
+    assert not (run / "distill_chatml.jsonl").exists() and read_json(run / "summary.json")["distillation"] is None
+    assert "distillation: off" in caplog.text

@@ -461,9 +461,9 @@ def test_epochs_cap_the_iterations(tmp_path):
     assert summary["iterations"] == 2 and summary["stop_reason"] == "epochs"
 
 
-def test_distillation_runs_once_after_the_loop_with_the_final_guidance(tmp_path):
-    overrides = ["stage_b_distillation.enabled=true", "stage_b_distillation.distill_size=12",
-                 "stage_b_distillation.distill_temperature=0.1"]
+@pytest.mark.parametrize("enabled", [["stage_b_distillation.enabled=true"], []])  # on by default, as upstream
+def test_distillation_runs_once_after_the_loop_with_the_final_guidance(tmp_path, enabled):
+    overrides = [*enabled, "stage_b_distillation.distill_size=12", "stage_b_distillation.distill_temperature=0.1"]
     run_dir, engines = run(tmp_path, overrides=overrides)
     distill = rows(run_dir, "distill_chatml.jsonl")
     assert 0 < len(distill) <= 12

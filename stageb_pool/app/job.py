@@ -184,7 +184,8 @@ def audit_settings(config, inputs: _Inputs) -> AuditSettings:
     return AuditSettings(seed=config.seed, mission=inputs.mission, sampler=config.rule_search.train_sampler,
                          logging_steps=config.runner.logging_steps,
                          hard_case_limit=max(200, 8 * config.rule_search.reflect_size),
-                         n_skipped_lines=len(inputs.ingest.skipped), n_excluded=inputs.ingest.excluded)
+                         n_skipped_lines=len(inputs.ingest.skipped), n_excluded=inputs.ingest.excluded,
+                         distill=config.stage_b_distillation)
 
 
 def warn_if_workers_differ(worker_info: list[dict], log: logging.Logger) -> None:

@@ -1,7 +1,8 @@
 """The baseline audit (upstream "jump reflection"): every ticket once under the current
 guidance with the train sampler, no learning. Writes the ``baseline_*`` artifacts, the
-hard cases (``sampler="baseline"``, iteration 1) and, with ``output.save_rollouts``, every
-candidate text. Only the parent writes; every row carries the guidance hash.
+hard cases (``sampler="baseline"``, iteration 1), with ``output.save_rollouts`` every
+candidate text, and, when configured, the distillation export with the same guidance (as
+upstream's jump mode). Only the parent writes; every row carries the guidance hash.
 
 Every artifact is computed from the final results in ticket order, never from arrival
 order, so it is byte-identical for any worker count (``timestamp``/``elapsed_sec`` aside).
@@ -15,7 +16,9 @@ from typing import Any
 import msgspec
 
 from ..stageb import verdicts
+from .distill import export_distillation
 from .fileio import write_json, write_jsonl
+from .recorder import Recorder
 from .rollout import RolloutResult, RolloutSpec
 from .rows import hard_case_rows, rollout_rows
 from .rundir import HARD_CASES, artifact, rollouts_path, utc_timestamp
@@ -39,6 +42,7 @@ class AuditSettings(msgspec.Struct, frozen=True, kw_only=True):
     hard_case_limit: int  # max(200, 8 * reflect_size), as upstream
     n_skipped_lines: int = 0  # counted by the ingest, reported as they are
     n_excluded: int = 0
+    distill: Any = None  # the config's stage_b_distillation section (None: no export)
 
 
 def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_dir, log) -> dict:
@@ -63,6 +67,11 @@ def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_d
         "audit: acc %.4f on %d tickets (%d dropped), fn %d, fp %d",
         metrics["acc"], metrics["n_used"], metrics["n_dropped_overlength"], metrics["fn"], metrics["fp"],
     )
+    distillation = None
+    if settings.distill is not None:
+        distillation = export_distillation(Recorder(run_dir, runner), tickets=spec.tickets, guidance=guidance,
+                                           settings=settings.distill, train_sampler=settings.sampler,
+                                           seed=settings.seed, log=log)
     return {
         "mode": "audit",
         "mission": settings.mission,
@@ -74,6 +83,7 @@ def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_d
         "n_skipped_lines": settings.n_skipped_lines,
         "n_excluded": settings.n_excluded,
         "metrics": {k: metrics[k] for k in ("acc", "tp", "fp", "fn", "tn", "fn_rate", "fp_rate")},
+        "distillation": distillation,
         "generations_done": runner.run_done,
         "generations_saved": runner.run_saved,
         "artifacts": written["files"],

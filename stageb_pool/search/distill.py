@@ -2,7 +2,8 @@
 ChatML conversations for fine-tuning, ``distill_chatml.jsonl`` by default.
 
 The rule search exports once, after the loop, with the final guidance (upstream exported
-after every non-stopping iteration). Tickets: ``random.Random(distill_seed)``;
+after every non-stopping iteration); the audit exports after its rollout, with the run's
+guidance (as upstream's jump mode). Tickets: ``random.Random(distill_seed)``;
 ``distill_size >= N`` shuffles them all, else ``rng.sample``. One sample per ticket from
 the train-grid entry at ``distill_temperature``; a ticket without a valid sample is
 skipped; whether the verdict matches the label is not checked (as upstream).
@@ -68,6 +69,7 @@ def export_distillation(recorder, *, tickets: list, guidance, settings, train_sa
     """Run and write the export when ``settings`` (the stage_b_distillation section) asks for
     it; returns the summary's ``distillation`` object (None when nothing was asked)."""
     if not settings.enabled or not settings.distill_size:
+        log.info("distillation: off (stage_b_distillation.distill_size is not set, or enabled is false)")
         return None
     runner, run_dir = recorder.runner, recorder.run_dir
     chosen = distill_tickets(list(tickets), settings.distill_size, settings.distill_seed)

@@ -39,7 +39,7 @@ def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = Tr
         if any(key == k or key.startswith((k + ".", k + "[")) for k in overridden):
             e.message += " (value from --set)"
         raise
-    cfg = _resolve_paths(_resolve_seeds(cfg), os.path.dirname(where))
+    cfg = _resolve_paths(_resolve_seeds(_resolve_distillation(cfg, where)), os.path.dirname(where))
     if check_files:
         _check_files(cfg, where)
     return cfg
@@ -69,6 +69,27 @@ def config_document(cfg: Config) -> dict:
     data = to_dict(cfg)
     data.pop("output", None)
     return data
+
+
+_DISTILL_KEYS = ("distill_size", "distill_seed", "distill_temperature", "log_chatml_path")
+
+
+def _resolve_distillation(cfg: Config, where: str) -> Config:
+    """``stage_b_distillation.enabled`` as a bool: unset means on when ``distill_size`` is set
+    (upstream's default is on). No distillation setting is ignored: ``enabled: true`` needs a
+    ``distill_size``, and a setting of an export that is off is an error."""
+    dist = cfg.stage_b_distillation
+    if dist.enabled and dist.distill_size is None:
+        raise InputError("required when stage_b_distillation.enabled is true (the number of tickets to export)",
+                         f"{where}: stage_b_distillation.distill_size")
+    exporting = dist.distill_size is not None and dist.enabled is not False
+    if not exporting:
+        why = "enabled is false" if dist.enabled is False else "no distill_size is set"
+        for key in _DISTILL_KEYS:
+            if getattr(dist, key) is not None:
+                raise InputError(f"has no effect: the distillation export is off ({why}); remove it or turn "
+                                 "the export on", f"{where}: stage_b_distillation.{key}")
+    return replace_at(cfg, "stage_b_distillation.enabled", exporting)
 
 
 def _resolve_seeds(cfg: Config) -> Config:
