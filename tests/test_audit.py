@@ -97,8 +97,9 @@ def test_fake_audit_metrics_and_case_split(tmp_path):
 def test_metrics_steps_are_prefixes_of_the_run_order(tmp_path):
     run = fake_audit(tmp_path, n=24)
     steps = read_jsonl(run / "baseline_metrics_steps.jsonl")
-    # logging_steps 5 over 24 tickets: 5, 10, 15, 20, 24
-    assert [r["n_total"] for r in steps] == [5, 10, 15, 20, 24]
+    # logging_steps 5 over 24 tickets: 5, 10, 15, 20, 24; n_total and label as upstream
+    assert [r["n_done"] for r in steps] == [5, 10, 15, 20, 24]
+    assert {r["n_total"] for r in steps} == {24} and {r["label"] for r in steps} == {"jump_reflection baseline"}
     assert [r["batch_index"] for r in steps] == [1, 2, 3, 4, 5]
     assert {r["total_batches"] for r in steps} == {5}
     final = read_json(run / "baseline_metrics.json")

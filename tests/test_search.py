@@ -147,6 +147,19 @@ def test_candidate_rows_carry_gate_statistics_and_decisions(reference):
         assert len(r["regressions"]) == min(50, r["regression_count"])
 
 
+def test_target_signatures_are_null_unless_a_merge_as_upstream(reference):
+    """Downstream scripts read upstream's rows: target_signatures is null for every non-merge
+    candidate in rule_candidates and the regressions, and the stored list ([]) in benchmarks."""
+    run_dir, _ = reference
+    for name in ("rule_candidates.jsonl", "rule_search_candidate_regressions.jsonl"):
+        found = rows(run_dir, name)
+        assert found and all(r["op"] != "merge" for r in found)
+        assert all(r["target_signatures"] is None for r in found), name
+    removes = [r for r in rows(run_dir, "rule_candidates.jsonl") if r["op"] == "remove"]
+    assert removes and all(r["target_signature"] and r["text"] is None for r in removes)
+    assert all(b["target_signatures"] == [] for b in rows(run_dir, "benchmarks.jsonl"))
+
+
 def test_rejected_candidates_are_remembered_for_the_rest_of_the_run(reference):
     run_dir, _ = reference
     cands = rows(run_dir, "rule_candidates.jsonl")

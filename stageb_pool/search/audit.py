@@ -29,6 +29,7 @@ BASELINE_WRONG = "baseline_wrong_cases.jsonl"
 BASELINE_NP = "baseline_np_cases.jsonl"
 BASELINE_NG = "baseline_ng_cases.jsonl"
 BASELINE_STEPS = "baseline_metrics_steps.jsonl"
+STEPS_LABEL = "jump_reflection baseline"  # upstream's label, which scripts may filter on
 AUDIT_FILES = (BASELINE_METRICS, BASELINE_TICKET_STATS, BASELINE_WRONG, BASELINE_NP, BASELINE_NG, BASELINE_STEPS)
 
 
@@ -135,7 +136,7 @@ def write_audit_artifacts(run_dir, result: RolloutResult, tickets, *, mission: s
     put(BASELINE_NP, [case_row(s, by_key[s.key], mission, ghash, reasons=5) for s in wrong if s.gt_label == "pass"])
     put(BASELINE_NG, [case_row(s, by_key[s.key], mission, ghash, reasons=5) for s in wrong if s.gt_label == "fail"])
     put(BASELINE_STEPS, step_rows(result, tickets, logging_steps=logging_steps, chunk_size=chunk_size,
-                                  label="audit", now=now))
+                                  label=STEPS_LABEL, now=now))
     put(HARD_CASES, hard_case_rows(stats, iteration=1, sampler="baseline", limit=hard_case_limit,
                                    mission=mission, guidance_hash=ghash, now=now))
     if save_rollouts:
@@ -182,10 +183,10 @@ def case_row(s: verdicts.TicketStats, ticket, mission: str, guidance_hash: str, 
 
 def step_rows(result: RolloutResult, tickets, *, logging_steps: int, chunk_size: int, label: str,
               now: str) -> list[dict]:
-    """``baseline_metrics_steps.jsonl``: metrics over the first k tickets of the run order,
-    for k = logging_steps, 2*logging_steps, ..., n. Computed from the final results, so
-    deterministic; ``elapsed_sec`` (volatile) is when the chunks holding those k tickets
-    were all in."""
+    """``baseline_metrics_steps.jsonl``: metrics over the first k tickets of the run order
+    (``n_done``), for k = logging_steps, 2*logging_steps, ..., n; ``n_total`` is n in every
+    row, as upstream. Computed from the final results, so deterministic; ``elapsed_sec``
+    (volatile) is when the chunks holding those k tickets were all in."""
     n = len(tickets)
     step = max(1, logging_steps)
     bounds = list(range(step, n, step)) + [n] if n else []
@@ -200,7 +201,8 @@ def step_rows(result: RolloutResult, tickets, *, logging_steps: int, chunk_size:
             "label": label,
             "batch_index": index,
             "total_batches": len(bounds),
-            "n_total": k,
+            "n_total": n,
+            "n_done": k,
             "n_used": len(used),
             "n_dropped_overlength": k - len(used),
             "acc": m.acc,

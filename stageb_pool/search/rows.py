@@ -77,7 +77,7 @@ class CandidateRow(msgspec.Struct):
     candidate_id: str
     op: str
     target_signature: str | None
-    target_signatures: list[str]
+    target_signatures: list[str] | None  # null unless a merge, as upstream
     text: str | None
     rationale: str | None
     source: str
@@ -125,7 +125,7 @@ class RegressionRow(msgspec.Struct):
     candidate_id: str
     op: str
     target_signature: str | None
-    target_signatures: list[str]
+    target_signatures: list[str] | None  # null unless a merge, as upstream
     decision: str
     regression_count: int
     regressions: list[dict]
@@ -144,7 +144,7 @@ class BenchmarkRow(msgspec.Struct):
     candidate_id: str
     op: str
     target_signature: str | None
-    target_signatures: list[str]
+    target_signatures: list[str]  # the stored list, [] unless a merge, as upstream
     text: str | None
     rationale: str | None
     train_n: int
@@ -238,11 +238,13 @@ def rollout_rows(result) -> list[RolloutRow]:
     return rows
 
 
-def _identity(candidate) -> dict[str, Any]:
-    """The fields that name a candidate, as upstream's rows spell them."""
+def _identity(candidate, *, null_targets: bool = True) -> dict[str, Any]:
+    """The fields that name a candidate, as upstream's rows spell them: ``target_signatures``
+    is null unless the candidate is a merge (``null_targets``; benchmarks.jsonl keeps ``[]``)."""
+    targets = list(candidate.target_signatures or [])
     return {"signature": candidate.signature, "candidate_id": candidate.candidate_id, "op": candidate.op,
             "target_signature": candidate.target_signature,
-            "target_signatures": list(candidate.target_signatures or [])}
+            "target_signatures": targets if targets or not null_targets else None}
 
 
 def candidate_rows(outcome, mission: str) -> list[CandidateRow]:
@@ -296,7 +298,8 @@ def benchmark_row(outcome, mission: str) -> BenchmarkRow:
     return BenchmarkRow(
         timestamp=utc_timestamp(), iteration=outcome.iteration, mission=mission,
         accepted_key=new_keys[0] if c.candidate.op == "upsert" and new_keys else None,
-        **_identity(c.candidate), text=c.candidate.text, rationale=c.candidate.rationale, train_n=base.n,
+        **_identity(c.candidate, null_targets=False), text=c.candidate.text, rationale=c.candidate.rationale,
+        train_n=base.n,
         **{f"base_{k}": getattr(base, k) for k in _BENCH_METRICS},
         **{f"after_{k}": getattr(after, k) for k in _BENCH_METRICS},
         eval_n=ev.n if ev else 0, eval_base_acc=ev.acc if ev else None,
