@@ -29,8 +29,8 @@ from pathlib import Path
 
 import msgspec
 
-from stageb_pool.stageb.hashing import content_hash, stable_seed
 from stageb_pool.engine.records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, TicketRollout
+from stageb_pool.stageb.hashing import content_hash, stable_seed
 
 MISSION = "Cabinet inspection"
 FEATURES = ("rust", "crack", "dust", "clean")

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-
 from fake_engines import MISSION, fake_factory, write_run_inputs
+
 from stageb_pool.app.config import load_config
 from stageb_pool.app.diff import diff_runs
-from stageb_pool.search.fileio import read_json, read_jsonl
 from stageb_pool.app.job import run_job
+from stageb_pool.search.fileio import read_json, read_jsonl
 
 ARTIFACTS = [
     "baseline_metrics.json",

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from stageb_pool.app import cli
-from stageb_pool.stageb.errors import InputError
 from stageb_pool.pool import WorkerError
+from stageb_pool.stageb.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"

@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 
 import msgspec
 import pytest
 import tqdm
-
 from fake_engines import MISSION, FakeEngine, demo_ticket_records, fake_factory
+
 from stageb_pool import Pool
 from stageb_pool.app.config import SamplerConfig
-from stageb_pool.stageb.prompts import load_profile
+from stageb_pool.app.progress import Progress
 from stageb_pool.engine.records import ChatRequest, ChatResult, Decode
 from stageb_pool.search.rollout import RolloutRunner, RolloutSpec
+from stageb_pool.stageb.prompts import load_profile
 from stageb_pool.stageb.tickets import parse_ticket_line
-from stageb_pool.app.progress import Progress
-
-import json
 
 SAMPLER = SamplerConfig(grid=[Decode(temperature=0.7, seed=3), Decode(temperature=0.3)], samples_per_decode=2)
 K = 4  # samples per ticket
