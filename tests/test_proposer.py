@@ -13,6 +13,7 @@ from stageb_pool.stageb.proposer import (
     Candidate,
     ablation_candidates,
     build_proposer_prompt,
+    confidently_wrong,
     extract_json,
     normalize_signature,
     parse_candidates,
@@ -107,6 +108,8 @@ def test_select_examples_order_and_filter():
     assert select_examples(rows, tickets, 0) == []
     del tickets["d::fail"]
     assert [s.key for s, _ in select_examples(rows, tickets, 1)] == ["a::pass"]
+    # the same order drives the hard-case rows of the audit and the rule search
+    assert [s.key for s in confidently_wrong(rows)] == ["d::fail", "a::pass", "e::pass", "f::fail"]
 
 
 # --------------------------------------------------------------------------- request

@@ -29,17 +29,24 @@ from .text import CJK_CHAR
 
 # --------------------------------------------------------------------------- example selection
 
-def select_examples(stats: Mapping | Iterable, tickets_by_key: Mapping, reflect_size: int) -> list[tuple]:
-    """The ``reflect_size`` most confidently wrong tickets as ``(TicketStats, Ticket)`` pairs.
+def confidently_wrong(stats: Mapping | Iterable) -> list:
+    """The tickets whose valid majority differs from GT, most confidently wrong first.
 
-    Mismatches only (majority not None and != gt), sorted by ``(hard_wrong, difficulty)``
-    descending; the sort is stable, so ties keep pool order. Keys without a ticket in
-    ``tickets_by_key`` are skipped.
+    Sorted by ``(hard_wrong, difficulty)`` descending; the sort is stable, so ties keep
+    the given (pool or run) order. The one definition behind the proposer's examples and
+    the hard-case rows of the audit and the rule search.
     """
     rows = list(stats.values()) if isinstance(stats, Mapping) else list(stats)
     wrong = [s for s in rows if s.majority is not None and s.majority != s.gt_label]
     wrong.sort(key=lambda s: (s.hard_wrong, s.difficulty), reverse=True)
-    picked = [(s, tickets_by_key[s.key]) for s in wrong if s.key in tickets_by_key]
+    return wrong
+
+
+def select_examples(stats: Mapping | Iterable, tickets_by_key: Mapping, reflect_size: int) -> list[tuple]:
+    """The ``reflect_size`` most confidently wrong tickets (:func:`confidently_wrong`) as
+    ``(TicketStats, Ticket)`` pairs. Keys without a ticket in ``tickets_by_key`` are skipped.
+    """
+    picked = [(s, tickets_by_key[s.key]) for s in confidently_wrong(stats) if s.key in tickets_by_key]
     return picked[:max(0, int(reflect_size))]
 
 
