@@ -162,12 +162,13 @@ def _entry_objects(entry: dict) -> int:
 
 def estimate_objects(summary: str) -> int:
     """Upstream's ``obj`` estimate for one photo summary (docs/formats.md section 3)."""
-    text = normalize_spaces(summary or "").strip()
-    if text == IRRELEVANT:
+    summary = summary or ""
+    if IRRELEVANT in summary and normalize_spaces(summary).strip() == IRRELEVANT:
         return 0
     obj = extract_summary_json(summary)
     if obj is not None:
         return sum(_entry_objects(e) for e in summary_entries(obj))
+    text = normalize_spaces(summary).strip()
     segments = [s for s in text.split("，") if s.strip()]
     return len(segments) if segments else (1 if text else 0)
 
