@@ -23,14 +23,17 @@ def to_json(value, *, indent: int = 0) -> bytes:
     return msgspec.json.format(data, indent=indent) if indent else data
 
 
-class OutputError(Exception):
+class OutputError(OSError):
     """A file of the run could not be written (disk full, a file size limit, permissions):
-    names the file. What is on disk stays as it was (whole files are replaced atomically;
-    a torn append is cut back by ``--resume``)."""
+    the OSError, with a message that names the file. What is on disk stays as it was (whole
+    files are replaced atomically; a torn append is cut back by ``--resume``)."""
 
     def __init__(self, path, err: OSError, action: str = "write"):
-        self.path, self.errno = str(path), err.errno
-        super().__init__(f"cannot {action} {path}: {err.strerror or err}")
+        super().__init__(err.errno, f"cannot {action} {path}: {err.strerror or err}")
+        self.path = str(path)
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 @contextmanager
