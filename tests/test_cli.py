@@ -131,6 +131,13 @@ def test_check_demo_prints_the_plan():
     # 40 train baseline + 2 candidates x 40 + 24 eval, K = 1
     assert "up to 144 generations" in out
     assert "embedded" in out and "generic" in out
+    assert "distill        off" in out
+
+
+def test_check_names_the_distillation_export():
+    proc = run_cli("check", "configs/demo.yaml", "--audit", "--set", "stage_b_distillation.distill_size=5")
+    assert proc.returncode == 0, proc.stderr
+    assert "distill   5 tickets after the audit -> " in proc.stdout and "distill_chatml.jsonl" in proc.stdout
 
 
 def test_check_audit_mode_counts_every_ticket():

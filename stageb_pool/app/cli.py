@@ -117,6 +117,7 @@ def cmd_check(args) -> int:
 def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     """Validate the config and every input a run reads (without loading a model) and
     describe what the run would do. Raises InputError like the run itself would."""
+    from ..search.distill import DISTILL_DEFAULT
     from ..search.rundir import check_inside, run_dir_exists, run_dir_path
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
     from .config import load_config, with_mode
@@ -147,6 +148,10 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
         ("guidance", f"{cfg.guidance.path}: step {g.step}, rules {', '.join(g.experiences)}"),
         ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir_exists(run_dir) else "")),
     ]
+    dist = cfg.stage_b_distillation
+    when = "after the audit" if cfg.mode == "audit" else "after the loop, with the final guidance"
+    lines.append(("distill", f"{dist.distill_size} tickets {when} -> "
+                  f"{dist.log_chatml_path or run_dir / DISTILL_DEFAULT}" if dist.enabled else "off"))
     k_train = len(rs.train_sampler.grid) * rs.train_sampler.samples_per_decode
     k_eval = len(rs.eval_sampler.grid) * rs.eval_sampler.samples_per_decode
     if cfg.mode == "audit":

@@ -33,13 +33,13 @@ def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = Tr
         raise InputError(f"the config must be a YAML mapping of keys, not a {type(raw).__name__}", where)
     overridden = [apply_override(raw, assignment) for assignment in overrides]
     try:
-        cfg = validate(raw, where)
+        cfg = _resolve_distillation(validate(raw, where), where)
     except InputError as e:
         key = (e.location or "").partition(": ")[2]
         if any(key == k or key.startswith((k + ".", k + "[")) for k in overridden):
             e.message += " (value from --set)"
         raise
-    cfg = _resolve_paths(_resolve_seeds(_resolve_distillation(cfg, where)), os.path.dirname(where))
+    cfg = _resolve_paths(_resolve_seeds(cfg), os.path.dirname(where))
     if check_files:
         _check_files(cfg, where)
     return cfg
