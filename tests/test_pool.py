@@ -247,6 +247,21 @@ def test_restart_budget_is_pool_wide():
         assert pool.stats.restarts == 1
 
 
+@pytest.mark.parametrize("name, value", [
+    ("task_timeout", 1e300),  # was an OverflowError from select()
+    ("start_timeout", 1e300),
+    ("task_timeout", float("inf")),
+    ("start_timeout", float("nan")),
+    ("task_timeout", 0),
+    ("start_timeout", -5.0),
+    ("task_timeout", "600"),
+    ("max_restarts", -1),
+])
+def test_absurd_limits_are_value_errors_naming_the_argument(name, value):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        Pool(Engine, "cpu:1", **{name: value})
+
+
 def test_close_reaps_everything_and_is_idempotent():
     pool = Pool(Engine, "cpu:2")
     processes = all_processes(pool)

@@ -23,6 +23,8 @@ from .protocol import MAX_FRAME_BYTES, encode
 from .snapshots import SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
 
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week; a longer limit is a typo (and overflows select())
+
 
 class Pool:
     """One worker process per device, each holding ``engine_factory(device)``.
@@ -31,12 +33,18 @@ class Pool:
     list of ``Device``. ``task_timeout``/``start_timeout`` are seconds (None: no limit).
     ``max_restarts``: how many dead or timed-out workers may be replaced (pool-wide); the
     task they were running is retried. ``inline=True`` runs the engine in this process.
-    ``max_frame_bytes`` bounds every message (items, snapshots, results).
+    ``max_frame_bytes`` bounds every message (items, snapshots, results). A timeout that is
+    not a number of seconds in (0, ``MAX_TIMEOUT``], or a negative ``max_restarts``, is a
+    ValueError naming the argument.
     """
 
     def __init__(self, engine_factory, gpus="cpu:2", *, task_timeout: float | None = 600.0,
                  start_timeout: float | None = 600.0, max_restarts: int = 0, inline: bool = False,
                  max_frame_bytes: int = MAX_FRAME_BYTES):
+        task_timeout = _checked_timeout("task_timeout", task_timeout)
+        start_timeout = _checked_timeout("start_timeout", start_timeout)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
         if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(d, Device) for d in gpus):
             self.devices = list(gpus)
         else:
@@ -195,3 +203,14 @@ def _decode(task: TaskHandle, raw) -> tuple:
     except msgspec.ValidationError as exc:
         return None, PoolError(f"result of {task.method}() for item {task.index} is not a "
                                f"{getattr(task.result_type, '__name__', task.result_type)}: {exc}")
+
+
+def _checked_timeout(name: str, seconds) -> float | None:
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds (or None: no limit), got {seconds!r}")
+    if not 0 < seconds <= MAX_TIMEOUT:  # also refuses nan and inf
+        raise ValueError(f"{name} must be more than 0 and at most {MAX_TIMEOUT:g} seconds "
+                         f"(or None: no limit), got {seconds!r}")
+    return float(seconds)
