@@ -28,7 +28,9 @@ def fork_child(body, *, keep: tuple[int, ...] = (), setup=None, check_safe: bool
     In the child: ``after_fork_in_child``, ``die_with_parent``, ``setup()`` (e.g. pointing
     fds 1/2 somewhere), closing every descriptor above 2 but ``keep``, then ``body()``.
     The exit code is what ``body`` returns (None: 0), or 1 with the traceback on stderr
-    when it raises."""
+    when it raises. A child whose channel to its parent broke (the pool's process closed
+    it, or is gone) exits quietly with 0: nobody is left to tell, and a traceback would
+    only land on the user's terminal after a Ctrl-C."""
     if check_safe:
         check_fork_safe()
     parent_pid = os.getpid()
@@ -44,6 +46,8 @@ def fork_child(body, *, keep: tuple[int, ...] = (), setup=None, check_safe: bool
             setup()
         close_fds_except(*keep)
         code = body() or 0
+    except (BrokenPipeError, ConnectionResetError):
+        code = 0
     except BaseException:  # noqa: BLE001 - whatever happens, leave through os._exit
         traceback.print_exc()
     finally:

@@ -7,6 +7,7 @@ with a deadline, and methods that must "hang" block until they are killed.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 import time
@@ -93,6 +94,27 @@ class Engine:
         print(text)
         print("to stderr", file=__import__("sys").stderr)
         return True
+
+
+class StartsWhenTheParentLeaves:
+    """An engine whose start ends only once the parent has closed this worker's socket, so
+    that the worker's Ready meets a closed socket, as when Ctrl-C hits a run whose models
+    are still loading. Touches ``<marker>.<pid>`` when its start begins."""
+
+    def __init__(self, device, marker: str):
+        touch(f"{marker}.{os.getpid()}")
+        sockets = [int(fd) for fd in os.listdir("/proc/self/fd") if _is_socket(int(fd))]
+        (fd,) = sockets  # a worker keeps only its own socket
+        poller = select.poll()
+        poller.register(fd, select.POLLRDHUP)  # the peer closed (not: data arrived)
+        poller.poll(20_000)
+
+
+def _is_socket(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    except OSError:
+        return False
 
 
 class FailingEngine:
