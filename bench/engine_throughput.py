@@ -44,7 +44,7 @@ def workload(args):
     tickets = [t.text() for t in load_tickets(ROOT / "configs/demo/tickets.jsonl").tickets[: args.tickets]]
     mission = tickets[0].mission
     guidance = load_guidance(ROOT / "configs/demo/guidance.json", mission).experiences
-    profile = msgspec.to_builtins(prompts.load_profile("generic", mission=mission))
+    profile = prompts.load_profile("generic", mission=mission)
     decode = Decode(temperature=0.7, top_p=0.9, max_new_tokens=args.max_new_tokens, repetition_penalty=1.05, seed=43)
     chunks = [
         RolloutChunk("bench", i // args.chunk, tickets[i:i + args.chunk], [decode], 1, None, True)
@@ -56,9 +56,9 @@ def workload(args):
 
 def engine_factory(model: str):
     def build(device):
-        from stageb_pool.engine.transformers_engine import Engine
+        from stageb_pool.engine.build import build_engine
 
-        return Engine(device, path=model)
+        return build_engine(device, path=model)
 
     return build
 

@@ -9,6 +9,7 @@ import torch
 
 from stageb_pool.stageb import prompts
 from stageb_pool.pool.devices import Device
+from stageb_pool.engine.build import build_engine
 from stageb_pool.engine.transformers_engine import Engine
 from stageb_pool.stageb.errors import InputError
 from stageb_pool.engine.records import ChatRequest, ChunkResult, Decode, RolloutChunk, TicketText
@@ -53,17 +54,16 @@ def stable(result: ChunkResult) -> bytes:
 
 @pytest.fixture(scope="module")
 def profile():
-    # The pool hands the worker plain JSON values; so do we.
-    return msgspec.to_builtins(prompts.load_profile("generic", mission=MISSION))
+    return prompts.load_profile("generic", mission=MISSION)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(CPU, path="tiny")
+    return build_engine(CPU, path="tiny")
 
 
 def rollout(engine, ch, profile, guidance=GUIDANCE) -> ChunkResult:
-    return engine.rollout(msgspec.to_builtins(ch), guidance=guidance, profile=profile)
+    return engine.rollout(ch, guidance=guidance, profile=profile)
 
 
 def ids_of(result: ChunkResult) -> list:
@@ -101,9 +101,9 @@ def test_token_ids_only_when_asked(engine, profile):
 def test_chunk_results_do_not_depend_on_order_or_interleaving(profile):
     """What a worker did before (other chunks, chats, other guidance) never changes a chunk."""
     chunks = chunks_of(TICKETS, 4, grid=[SAMPLED, GREEDY], spd=2)
-    first = Engine(CPU, path="tiny")
+    first = build_engine(CPU, path="tiny")
     in_order = [stable(rollout(first, c, profile)) for c in chunks]
-    second = Engine(CPU, path="tiny")
+    second = build_engine(CPU, path="tiny")
     shuffled = {}
     for c in (chunks[2], chunks[0]):
         shuffled[c.chunk_index] = stable(rollout(second, c, profile))
@@ -182,11 +182,11 @@ def test_prompt_of_exactly_the_limit_is_kept(engine, profile):
 
 
 def test_a_configured_stop_token_ends_the_sample_and_the_text(profile):
-    plain = Engine(CPU, path="tiny")
+    plain = build_engine(CPU, path="tiny")
     greedy = rollout(plain, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
     assert greedy.finish_reason == "length"
     stop_token = plain.tokenizer.convert_ids_to_tokens(greedy.token_ids[4])
-    stopping = Engine(CPU, path="tiny", stop=[stop_token])
+    stopping = build_engine(CPU, path="tiny", stop=[stop_token])
     assert stopping.stop_strings == [stop_token]
     s = rollout(stopping, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
     first = greedy.token_ids.index(greedy.token_ids[4])
@@ -201,7 +201,7 @@ def test_a_multi_token_stop_string_ends_the_sample_and_cuts_the_text(engine, pro
     # Two consecutive generated tokens whose text is clean and is not itself one token.
     candidates = [(a, tok.decode(ids[a:a + 2])) for a in range(2, 8)]
     a, stop = next((a, s) for a, s in candidates if "\ufffd" not in s and s.strip() and s not in tok.get_vocab())
-    stopping = Engine(CPU, path="tiny", stop=[stop])
+    stopping = build_engine(CPU, path="tiny", stop=[stop])
     s = rollout(stopping, chunk(0, TICKETS[1:2], [GREEDY]), profile).tickets[0].samples[0]
     assert s.finish_reason == "stop"
     assert s.token_ids == ids[: a + 2] and s.completion_tokens == a + 2
@@ -209,7 +209,7 @@ def test_a_multi_token_stop_string_ends_the_sample_and_cuts_the_text(engine, pro
 
 
 def test_no_stop_strings_means_every_sample_runs_to_max_new_tokens(profile):
-    never = Engine(CPU, path="tiny", stop=[])
+    never = build_engine(CPU, path="tiny", stop=[])
     result = rollout(never, chunk(0, TICKETS[:4], [GREEDY]), profile)
     assert all(s.finish_reason == "length" and s.completion_tokens == GREEDY.max_new_tokens
                for t in result.tickets for s in t.samples)
@@ -226,8 +226,9 @@ def test_default_stops_are_eos_im_end_and_endoftext(engine):
     [
         ("Verdict: pass\nReason: ok", "Verdict: pass\nReason: ok"),
         ("  Verdict: fail  \n", "Verdict: fail"),
-        ("assistant\nVerdict: pass", "Verdict: pass"),
-        ("Assistant: Verdict: pass", "Verdict: pass"),
+        # a role echo is kept: the verdict parser is the one place that removes it
+        ("assistant\nVerdict: pass", "assistant\nVerdict: pass"),
+        ("Assistant: Verdict: pass", "Assistant: Verdict: pass"),
         ("Verdict: pass<|im_end|>more text", "Verdict: pass"),
         ("Verdict: pass<|endoftext|>x<|im_end|>y", "Verdict: pass"),
         ("the assistant\nsaid", "the assistant\nsaid"),
@@ -262,7 +263,7 @@ EXAMPLES = [f"Example {i}: ticket T{i:03d} was judged wrong; " + "mount bolt loo
 
 
 def test_chat_uses_all_examples_without_a_budget_and_is_seeded_by_the_request(engine):
-    a = engine.chat(msgspec.to_builtins(chat_request(EXAMPLES)))
+    a = engine.chat(chat_request(EXAMPLES))
     assert a.examples_used == 4 and a.text is not None and a.completion_tokens > 0
     assert a.finish_reason in ("stop", "length")
     assert engine.chat(chat_request(EXAMPLES)) == a
@@ -296,7 +297,7 @@ def test_info_records_what_determinism_depends_on(engine):
 def test_a_saved_checkpoint_directory_loads_and_generates_like_the_original(engine, profile, tmp_path):
     engine.model.save_pretrained(tmp_path)
     engine.tokenizer.save_pretrained(tmp_path)
-    loaded = Engine(CPU, path=str(tmp_path))
+    loaded = build_engine(CPU, path=str(tmp_path))
     assert loaded.info()["model_path"] == str(tmp_path.resolve())
     ch = chunk(0, TICKETS[:3], [SAMPLED, GREEDY])
     assert stable(rollout(loaded, ch, profile)) == stable(rollout(engine, ch, profile))
@@ -309,7 +310,7 @@ def test_a_corrupt_checkpoint_fails_construction_with_a_line_naming_the_path(eng
     if weights is not None:
         (tmp_path / "model.safetensors").write_bytes(weights)
     with pytest.raises(InputError) as info:
-        Engine(CPU, path=str(tmp_path))
+        build_engine(CPU, path=str(tmp_path))
     assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
 
 
@@ -318,13 +319,24 @@ def test_a_checkpoint_without_chat_template_is_refused_at_construction(engine, t
     engine.tokenizer.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink()
     with pytest.raises(InputError, match="chat template") as info:
-        Engine(CPU, path=str(tmp_path))
+        build_engine(CPU, path=str(tmp_path))
     assert str(tmp_path) in str(info.value)
+
+
+def test_an_injected_model_generates_like_the_built_engine(engine, profile):
+    """Engine(model, tokenizer, device) takes any loaded model; build_engine only loads."""
+    from stageb_pool.engine import tiny
+
+    model, tokenizer = tiny.build()
+    injected = Engine(model, tokenizer, CPU, model_path="tiny", model_name=tiny.NAME)
+    ch = chunk(0, TICKETS[:3], [SAMPLED, GREEDY])
+    assert stable(rollout(injected, ch, profile)) == stable(rollout(engine, ch, profile))
+    assert injected.info() == engine.info()
 
 
 def test_unknown_dtype_is_an_input_error():
     with pytest.raises(InputError, match="dtype"):
-        Engine(CPU, path="tiny", dtype="float13")
+        build_engine(CPU, path="tiny", dtype="float13")
 
 
 # ---------------------------------------------------------------- through the pool
@@ -334,13 +346,13 @@ def tiny_factory(device):
     # Inline engines run in this test process: keep it single-threaded (see CPU above).
     if device.kind == "cpu":
         device = msgspec.structs.replace(device, threads=1)
-    return Engine(device, path="tiny")
+    return build_engine(device, path="tiny")
 
 
 def pool_rollout(gpus, chunks, profile, *, inline=False) -> list[bytes]:
     from stageb_pool import Pool
 
-    with Pool(tiny_factory if inline else (lambda d: Engine(d, path="tiny")), gpus=gpus, inline=inline) as pool:
+    with Pool(tiny_factory if inline else (lambda d: build_engine(d, path="tiny")), gpus=gpus, inline=inline) as pool:
         results = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
         assert all(info["model"] == "tiny-qwen2" for info in pool.worker_info)
     return [stable(r) for r in results]
@@ -366,7 +378,7 @@ def test_a_bad_model_path_fails_the_pool_naming_the_path(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     with pytest.raises(WorkerError) as info:
-        Pool(lambda d: Engine(d, path=str(tmp_path)), gpus="cpu:1", start_timeout=120)
+        Pool(lambda d: build_engine(d, path=str(tmp_path)), gpus="cpu:1", start_timeout=120)
     assert str(tmp_path) in str(info.value)
 
 
@@ -384,7 +396,7 @@ def test_embedded_model_end_to_end_identical_on_1_and_2_workers(model_cache, pro
 
     results = {}
     for gpus in ("cpu:2", "cpu:1"):
-        with Pool(lambda d: Engine(d, path="embedded"), gpus=gpus, start_timeout=600) as pool:
+        with Pool(lambda d: build_engine(d, path="embedded"), gpus=gpus, start_timeout=600) as pool:
             info = pool.worker_info[0]
             results[gpus] = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
     assert info["model"] == "SmolLM2-135M-Instruct" and info["dtype"] == "float32"

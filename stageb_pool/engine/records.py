@@ -1,8 +1,8 @@
 """Typed records that travel between the parent and the generation engine in the workers.
 
 They are the single source of truth for the engine's requests and results: the parent
-encodes them into pool frames, the engine converts the decoded values back into these
-Structs (``msgspec.convert``) and the parent decodes results with them (``result_type``).
+encodes them into pool frames, the pool decodes each frame in the worker into the types the
+engine method declares, and the parent decodes results with them (``result_type``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""The generation engine that lives in each worker: Stage-B prompts in, sampled texts out.
+"""The transformers generation engine that lives in each worker: Stage-B prompts in,
+sampled texts out.
 
-One ``Engine`` per worker process, built by the pool's engine factory after fork. Its
-methods are what the parent calls through the pool: ``rollout`` (a chunk of tickets under a
-guidance snapshot) and ``chat`` (a free-form prompt, used by the rule proposer).
+``Engine(model, tokenizer, device)`` wraps a loaded model (``build.build_engine`` loads one
+inside a worker). Its methods are what the parent calls through the pool: ``rollout`` (a
+chunk of tickets under a guidance snapshot) and ``chat`` (a free-form prompt, used by the
+rule proposer). The pool decodes each call's arguments into the annotated types.
 
 Determinism: every generate call is seeded from the work it does (``chunk.seed_key``,
 chunk index, decode index, decode seed, sample index), never from a rank, and a chunk is
@@ -13,17 +15,15 @@ the software, hardware, dtype and chunk size stay the same (docs/architecture.md
 
 from __future__ import annotations
 
-import os
-import re
 import time
 
-import msgspec
 import torch
 
 from ..pool.devices import Device
 from ..stageb import prompts
 from ..stageb.hashing import stable_seed
-from . import models
+from ..stageb.prompts import PromptProfile
+from . import chat_text
 from .records import (
     ChatRequest,
     ChatResult,
@@ -34,36 +34,25 @@ from .records import (
     TicketRollout,
 )
 
-# Upstream strips a leading role marker that a weak model sometimes echoes.
-_ASSISTANT_PREFIX = re.compile(r"^\s*(?:<\|im_start\|>)?\s*(?:assistant\s*\n|Assistant:\s*)")
-_DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
-
 
 class Engine:
     """A model and its tokenizer on one device, ready to generate.
 
-    ``path``: ``"embedded"``, ``"tiny"``, a checkpoint directory or a ``.gguf`` file.
-    ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU; ``attn_implementation`` to
-    flash_attention_2 when installed, on CUDA with a 16-bit dtype, else sdpa. ``stop``: stop strings (default:
-    the tokenizer's eos plus ``<|im_end|>`` / ``<|endoftext|>`` when they exist).
+    ``stop``: stop strings (default: the tokenizer's eos plus ``<|im_end|>`` /
+    ``<|endoftext|>`` when they exist). ``model_path`` and ``model_name`` are provenance
+    for ``info()``.
     """
 
-    def __init__(self, device, *, path="embedded", dtype=None, attn_implementation=None,
-                 trust_remote_code=False, stop=None):
-        self.device = device if isinstance(device, Device) else msgspec.convert(device, Device)
-        torch.set_num_threads(max(1, self.device.threads))  # before the first op (fork rule)
-        if self.device.kind == "cuda":
-            _pin_cuda_determinism()
-        self.path = path
-        self.dtype = dtype or models.default_dtype(self.device.kind)
-        attn = attn_implementation or models.default_attn_implementation(self.device.kind, self.dtype)
-        self.model, self.tokenizer, self.model_name = models.load(
-            path, dtype=self.dtype, attn_implementation=attn, trust_remote_code=trust_remote_code,
-            device=self.device.torch_device,
-        )
-        self.attn_implementation = getattr(self.model.config, "_attn_implementation", attn)
+    def __init__(self, model, tokenizer, device: Device, *, stop: list[str] | None = None,
+                 model_path: str = "", model_name: str = ""):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        self.model_path = model_path
+        self.model_name = model_name or getattr(model.config, "name_or_path", "") or type(model).__name__
+        self.dtype = str(model.dtype).removeprefix("torch.")
+        self.attn_implementation = getattr(model.config, "_attn_implementation", None)
         self._setup_tokens(stop)
-        self._profiles: dict[int, tuple[object, object]] = {}
 
     # ------------------------------------------------------------ set-up
 
@@ -75,9 +64,7 @@ class Engine:
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         vocab = tok.get_vocab()
-        if stop is None:
-            stop = [t for t in (tok.eos_token, "<|im_end|>", "<|endoftext|>") if t and t in vocab]
-        self.stop_strings = list(dict.fromkeys(stop))
+        self.stop_strings = chat_text.stop_strings(tok, stop)
         # A stop string that is one token stops generation through eos_token_id; longer ones
         # go to generate's stop_strings and the decoded text is cut at them.
         self.stop_ids = [vocab[s] for s in self.stop_strings if s in vocab]
@@ -96,7 +83,7 @@ class Engine:
             "transformers": transformers.__version__,
             "device": torch.cuda.get_device_name(0) if self.device.kind == "cuda" else "cpu",
             "dtype": self.dtype,
-            "model_path": models.check_model_path(self.path),  # "embedded", "tiny" or an absolute path
+            "model_path": self.model_path,  # "embedded", "tiny" or an absolute path
             "model": self.model_name,
             "attn_implementation": self.attn_implementation,
             "stop": self.stop_strings,
@@ -108,7 +95,7 @@ class Engine:
 
     # ------------------------------------------------------------ rollout
 
-    def rollout(self, chunk, *, guidance, profile) -> ChunkResult:
+    def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: PromptProfile) -> ChunkResult:
         """Generate every candidate of every ticket of ``chunk`` under ``guidance``.
 
         Tickets whose prompt is longer than ``chunk.max_prompt_tokens`` come back dropped
@@ -116,8 +103,6 @@ class Engine:
         seeded, batched generate over the kept tickets in chunk order.
         """
         start = time.perf_counter()
-        chunk = chunk if isinstance(chunk, RolloutChunk) else msgspec.convert(chunk, RolloutChunk)
-        profile = self._profile(profile)
         texts = [self._render(prompts.build_messages(profile, guidance, t)) for t in chunk.tickets]
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         limit = chunk.max_prompt_tokens
@@ -141,27 +126,11 @@ class Engine:
         ]
         return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - start)
 
-    def _profile(self, profile):
-        """The PromptProfile of a snapshot. The pool hands the worker the same cached value for
-        the same snapshot, so conversions are cached by identity (the value is kept alive in
-        the cache so its id cannot be reused)."""
-        if isinstance(profile, prompts.PromptProfile):
-            return profile
-        hit = self._profiles.get(id(profile))
-        if hit is not None and hit[0] is profile:
-            return hit[1]
-        converted = msgspec.convert(profile, prompts.PromptProfile)
-        if len(self._profiles) >= 16:
-            self._profiles.clear()
-        self._profiles[id(profile)] = (profile, converted)
-        return converted
-
     # ------------------------------------------------------------ chat
 
-    def chat(self, request) -> ChatResult:
+    def chat(self, request: ChatRequest) -> ChatResult:
         """One free-form generation. Examples are dropped from the end until the rendered
         prompt fits ``max_prompt_tokens``; ``text`` is None when even zero examples do not fit."""
-        request = request if isinstance(request, ChatRequest) else msgspec.convert(request, ChatRequest)
         limit = request.max_prompt_tokens
         for k in range(len(request.examples), -1, -1):
             user = "\n\n".join(p for p in [request.user_head, *request.examples[:k], request.user_tail] if p)
@@ -177,12 +146,7 @@ class Engine:
     # ------------------------------------------------------------ shared steps
 
     def _render(self, messages: list[dict]) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, enable_thinking=False
-            )
-        except TypeError:  # a template (or tokenizer) that does not know enable_thinking
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return chat_text.render(self.tokenizer, messages)
 
     def _pad(self, rows: list[list[int]]) -> dict:
         batch = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
@@ -231,17 +195,4 @@ class Engine:
         return row, "length"
 
     def _clean(self, text: str) -> str:
-        cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=len(text))
-        return _ASSISTANT_PREFIX.sub("", text[:cut], count=1).strip()
-
-
-def _pin_cuda_determinism() -> None:
-    """Knobs that must be set before the CUDA context exists (a forked worker's first step)."""
-    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in _DETERMINISTIC_CUBLAS:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    # TF32 pinned off, so a run does not depend on a default that differs between versions.
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
-    torch.backends.cudnn.fp32_precision = "ieee"
+        return chat_text.clean(text, self.stop_strings)
