@@ -291,8 +291,18 @@ def test_task_queue_order_pins_retries_and_cancelled_tasks():
         q.push(x)
     tasks[2]._finish(cancelled=True)
     assert q.pop(1).id == 0 and q.pop(1).id == 1 and q.pop(0).id == 4  # 2 was cancelled
+    q.retry(tasks[4])
     q.retry(tasks[0])
-    assert q.pop(1).id == 0 and q.pop(1).id == 3 and q.pop(0) is None and q.pop(1) is None
+    assert [q.pop(1).id for _ in range(3)] == [0, 4, 3]  # retried first, oldest first
+    assert q.pop(0) is None and q.pop(1) is None
+
+
+def test_task_queue_runs_costed_tasks_most_expensive_first_after_the_others():
+    q = TaskQueue(1)
+    costs = [3.0, None, 7.0, 3.0, 0.0, None, 9.5]
+    for i, cost in enumerate(costs):
+        q.push(TaskHandle(None, i, "m", b"0", {}, None, None, cost))
+    assert [q.pop(0).id for _ in costs] == [1, 5, 6, 2, 0, 3, 4]
 
 
 def test_snapshot_cache_never_evicts_what_the_task_needs():

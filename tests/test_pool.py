@@ -93,6 +93,17 @@ def test_pinned_tasks_run_on_their_rank(pool3):
     assert pool3.gather(tasks) == [pool3.pids[i % 3] for i in range(9)]
 
 
+def test_costed_tasks_run_most_expensive_first_and_results_keep_input_order():
+    with Pool(Engine, "cpu:1") as pool:
+        order = []
+        tasks = [pool.submit("square", x, cost=c) for x, c in [(1, 1.0), (2, 5.0), (3, 2.5)]]
+        tasks.append(pool.submit("square", 4))  # no cost: before the costed ones
+        assert pool.gather(tasks, on_result=lambda i, r: order.append(i)) == [1, 4, 9, 16]
+        assert order == [3, 1, 2, 0]
+        with pytest.raises(ValueError, match="cost must be a finite number >= 0"):
+            pool.submit("square", 1, cost=float("nan"))
+
+
 def test_result_type_decodes_structs(pool3):
     out = pool3.map("echo", [1, 2], result_type=Echoed, guidance={"G0": "x"})
     assert out[0] == Echoed(item=1, shared={"guidance": {"G0": "x"}}, rank=out[0].rank)

@@ -5,8 +5,9 @@ processes or sockets: a *transport* starts, feeds, kills and listens to the work
 reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerClosed``,
 ``WorkerExited``). The dispatcher owns
 
-- the queue: a free worker takes the oldest task it may run (tasks submitted with ``rank=``
-  only go to that worker), a retried task first; one task in flight per worker;
+- the queue: a free worker takes the next task it may run (tasks submitted with ``rank=``
+  only go to that worker): a retried task first, then in submission order, or most
+  expensive first for tasks submitted with a ``cost``; one task in flight per worker;
 - one ``Slot`` per rank: its ``WorkerState``, the task in flight and the deadline of the
   state it is in (engine start, task, exit report), and the mirror of its snapshot cache;
 - faults: a worker past its deadline is killed; once its exit is reported it is replaced
@@ -16,8 +17,8 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
 from __future__ import annotations
 
 import enum
+import heapq
 import time
-from collections import deque
 from typing import NamedTuple, Protocol
 
 import msgspec
@@ -123,33 +124,37 @@ class Slot:
 
 
 class TaskQueue:
-    """Tasks waiting for a worker: one queue for any worker, one per rank for pinned tasks."""
+    """Tasks waiting for a worker: one heap for any worker, one per rank for pinned tasks.
+
+    A free worker takes, among the tasks it may run: a retried task first (it is older than
+    anything still queued); then tasks without a cost, in submission order; then tasks with
+    a cost, most expensive first (longest-processing-time-first: the longest tasks never
+    start last, so the tail after the last start is short), equal costs in submission order.
+    The order never changes a result: a task's seeds come from its work, not its turn."""
 
     def __init__(self, size: int):
-        self._any: deque[TaskHandle] = deque()
-        self._pinned = [deque() for _ in range(size)]
+        self._any: list = []
+        self._pinned: list[list] = [[] for _ in range(size)]
 
-    def _queue(self, task: TaskHandle) -> deque:
-        return self._any if task.rank is None else self._pinned[task.rank]
-
-    def push(self, task: TaskHandle) -> None:
-        self._queue(task).append(task)
+    def push(self, task: TaskHandle, *, retry: bool = False) -> None:
+        key = (not retry, task.cost is not None, -(task.cost or 0.0), task.id)
+        heapq.heappush(self._any if task.rank is None else self._pinned[task.rank], (key, task))
 
     def retry(self, task: TaskHandle) -> None:
-        """A task whose worker died goes first: it is older than anything still queued."""
-        self._queue(task).appendleft(task)
+        """A task whose worker died goes first."""
+        self.push(task, retry=True)
 
     def pop(self, rank: int) -> TaskHandle | None:
-        """The oldest task the worker of ``rank`` may run; tasks already done (cancelled)
+        """The first task the worker of ``rank`` may run; tasks already done (cancelled)
         are dropped on the way."""
-        queues = (self._any, self._pinned[rank])
-        for queue in queues:
-            while queue and queue[0].done():
-                queue.popleft()
-        candidates = [q for q in queues if q]
+        heaps = (self._any, self._pinned[rank])
+        for heap in heaps:
+            while heap and heap[0][1].done():
+                heapq.heappop(heap)
+        candidates = [heap for heap in heaps if heap]
         if not candidates:
             return None
-        return min(candidates, key=lambda q: q[0].id).popleft()
+        return heapq.heappop(min(candidates, key=lambda heap: heap[0][0]))[1]
 
 
 # -- the dispatcher ---------------------------------------------------------------------------

@@ -81,10 +81,17 @@ class Pool:
         return self._runner.worker_info
 
     def submit(self, method: str, item=None, *, rank: int | None = None, result_type=None,
-               **shared) -> TaskHandle:
+               cost: float | None = None, **shared) -> TaskHandle:
         """Queue ``engine.<method>(item, **shared)``; run by the first free worker (or by
-        worker ``rank``) once a ``gather`` (or the handle's ``result()``) drives the pool."""
-        return self._submit(method, item, rank, result_type, self._snapshots.share(shared))
+        worker ``rank``) once a ``gather`` (or the handle's ``result()``) drives the pool.
+
+        ``cost``: an estimate of the task's run time, in any unit. Queued tasks with a cost
+        start most expensive first, after those without one (which keep submission order);
+        results and seeds do not depend on it. Inline mode runs in gather order."""
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float))
+                                 or not 0 <= cost < float("inf")):
+            raise ValueError(f"cost must be a finite number >= 0 or None, got {cost!r}")
+        return self._submit(method, item, rank, result_type, self._snapshots.share(shared), cost)
 
     def gather(self, tasks, *, on_result=None) -> list:
         """Run the pool until every task is done; results in the order of ``tasks``.
@@ -143,7 +150,7 @@ class Pool:
         if self._closed:
             raise PoolError("the pool is closed")
 
-    def _submit(self, method, item, rank, result_type, keys) -> TaskHandle:
+    def _submit(self, method, item, rank, result_type, keys, cost=None) -> TaskHandle:
         self._check_open()
         if rank is not None and not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} does not exist: the pool has ranks 0-{self.size - 1}")
@@ -151,7 +158,7 @@ class Pool:
         if len(data) > self.max_frame:
             raise FrameTooLarge(len(data), self.max_frame, f"item for {method}()")
         self._snapshots.acquire(keys)
-        task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type)
+        task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type, cost)
         self._next_id += 1
         self._unfinished[task.id] = task
         self._runner.submit(task)
