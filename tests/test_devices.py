@@ -11,8 +11,13 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pool_scripts"))
 
 from stageb_pool import Pool  # noqa: E402
-from stageb_pool.pool.devices import MAX_CPU_WORKERS  # noqa: E402
-from stageb_pool.pool.devices import Device, DeviceSpecError, parse_gpus  # noqa: E402
+from stageb_pool.pool.devices import (  # noqa: E402
+    MAX_CPU_WORKERS,
+    Device,
+    DeviceSpecError,
+    parse_gpus,
+    parse_ray_spec,
+)
 
 
 @pytest.mark.parametrize(
@@ -67,3 +72,23 @@ def test_inline_mode_runs_on_the_listed_gpu(monkeypatch, parent_mask, gpu, forke
         assert forked.worker_info == [{"torch_device": "cuda:0", "mask": forked_mask}]
     with Pool(DeviceReport, [device], inline=True) as inline:  # this process sees them all
         assert inline.worker_info == [{"torch_device": f"cuda:{gpu}", "mask": parent_mask}]
+
+
+@pytest.mark.parametrize("spec, expected", [("32", ("cuda", 32)), (4, ("cuda", 4)), ("cpu", ("cpu", 1)),
+                                            ("cpu:3", ("cpu", 3)), (" 0008 ", ("cuda", 8))])
+def test_ray_specs_are_counts_because_ray_chooses_the_gpus(spec, expected):
+    assert parse_ray_spec(spec) == expected
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("0-7", "with Ray, the GPU spec is a count of GPUs N >= 1"),
+    ("0", "a count of GPUs N >= 1"),
+    ("\u00b2", "a count of GPUs"),
+    ("4097", "at most 4096 Ray workers"),
+    ("9" * 5000, "at most 4096 Ray workers"),
+    ("cpu:" + "9" * 5000, "at most 4096 Ray workers"),
+])
+def test_bad_ray_specs_are_clear_value_errors(spec, message):
+    with pytest.raises(DeviceSpecError, match=message) as info:
+        parse_ray_spec(spec)
+    assert len(str(info.value)) < 200

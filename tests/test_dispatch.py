@@ -52,8 +52,11 @@ class ScriptedTransport:
     get a process; ``slow_start`` ranks never send Ready; ``mute_kill`` ranks are never
     reported after a kill."""
 
-    def __init__(self, clock: Clock, *, silent=(), slow_start=(), mute_kill=(), init_fails=()):
+    def __init__(self, clock: Clock, *, silent=(), slow_start=(), mute_kill=(), init_fails=(), infos=None,
+                 exit_cause=None):
         self.clock = clock
+        self.infos = list(infos) if infos is not None else None  # engine.info() of each spawn, in order
+        self.exit_cause = exit_cause  # a backend that knows no exit code (Ray) says why instead
         self.silent, self.slow_start, self.mute_kill, self.init_fails = silent, slow_start, mute_kill, init_fails
         self.sent: list[tuple[int, object]] = []  # (rank, message) for every frame sent
         self.killed: list[int] = []
@@ -72,7 +75,8 @@ class ScriptedTransport:
         if rank in self.init_fails:
             self.events.append(WorkerMessage(rank, InitFailed(1, self.next_pid, "RuntimeError: no model", "Traceback")))
         elif rank not in self.slow_start:
-            self.events.append(WorkerMessage(rank, Ready(protocol.PROTOCOL_VERSION, self.next_pid, {"rank": rank})))
+            info = self.infos.pop(0) if self.infos is not None else {"rank": rank}
+            self.events.append(WorkerMessage(rank, Ready(protocol.PROTOCOL_VERSION, self.next_pid, info)))
 
     def send(self, rank, data):
         messages = protocol.FrameReader().feed(data)
@@ -87,7 +91,8 @@ class ScriptedTransport:
         elif method == "fail":
             self.events.append(WorkerMessage(rank, Failure(task.id, "ValueError: bad", "Traceback ... ValueError")))
         elif method == "die":
-            self.events.append(WorkerExited(rank, 3, None))
+            exited = WorkerExited(rank, None, None, self.exit_cause) if self.exit_cause else WorkerExited(rank, 3, None)
+            self.events.append(exited)
         elif method == "close":
             self.events.append(WorkerClosed(rank))
 
@@ -115,11 +120,12 @@ def clock(monkeypatch):
     return clock
 
 
-def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restarts=0):
+def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restarts=0, same_engines=False):
     devices = [Device("cpu", i, i) for i in range(size)]
     store = SnapshotStore(protocol.MAX_FRAME_BYTES)
     d = Dispatcher(transport, devices, store, PoolStats.empty(size), task_timeout=task_timeout,
-                   start_timeout=start_timeout, max_restarts=max_restarts, max_frame=protocol.MAX_FRAME_BYTES)
+                   start_timeout=start_timeout, max_restarts=max_restarts, max_frame=protocol.MAX_FRAME_BYTES,
+                   same_engines=same_engines)
     d.start()
     return d, store
 
@@ -236,6 +242,31 @@ def test_a_dead_worker_is_worker_died_with_its_exit_code(clock):
     d, store = make(ScriptedTransport(clock), 2)
     with pytest.raises(WorkerDied, match="in die\\(\\) on item 0: worker process died: exited with code 3"):
         run(d, [task(store, 0, "die")])
+
+
+def test_a_death_the_backend_cannot_explain_by_code_carries_its_cause(clock):
+    d, store = make(ScriptedTransport(clock, exit_cause="The actor is dead because its node died"), 1)
+    with pytest.raises(WorkerDied, match=r"in die\(\) on item 0: worker process died: The actor is dead because "
+                                         r"its node died$") as info:
+        run(d, [task(store, 0, "die")])
+    assert (info.value.exitcode, info.value.signal) == (None, None)
+
+
+def test_workers_with_different_engines_are_refused_naming_the_odd_one(clock):
+    same, odd = {"torch": "2.13", "gpu": "H100"}, {"torch": "2.12", "gpu": "H100"}
+    with pytest.raises(PoolError, match=r"worker 1 \(cpu:1\) reports a different engine \(torch: '2.12' "
+                                        r"where worker 0 has '2.13'\)"):
+        make(ScriptedTransport(clock, infos=[same, odd, same]), 3, same_engines=True)
+    with pytest.raises(PoolError, match=r"worker 0 \(cpu:0\) reports a different engine"):  # the odd one is named
+        make(ScriptedTransport(clock, infos=[odd, same, same]), 3, same_engines=True)
+    make(ScriptedTransport(clock, infos=[same, odd, same]), 3)  # the fork backend leaves it to the caller
+
+
+def test_a_replacement_with_another_engine_is_refused(clock):
+    same, odd = {"gpu": "H100"}, {"gpu": "A100"}
+    d, store = make(ScriptedTransport(clock, infos=[same, same, odd]), 2, max_restarts=1, same_engines=True)
+    with pytest.raises(PoolError, match=r"worker 0 \(cpu:0\) reports a different engine \(gpu: 'A100' where worker 1"):
+        run(d, [task(store, 0, "die_once", rank=0)])
 
 
 @pytest.mark.parametrize("how", ["hang_once", "die_once"])

@@ -397,3 +397,37 @@ def test_a_torch_op_in_the_parent_is_refused():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 3, out.stderr
     assert "native threads" in out.stdout and "OpenMP" in out.stdout
+
+
+# -- Ray stays out of the fork path ------------------------------------------------------------
+def test_ray_is_imported_only_lazily_and_only_by_the_ray_backend():
+    import ast
+    from pathlib import Path
+
+    import stageb_pool.pool
+
+    for path in Path(stageb_pool.pool.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                assert path.name in ("ray_cluster.py", "ray_transport.py"), f"{path.name} imports ray"
+                assert id(node) not in top_level, f"{path.name}:{node.lineno} imports ray at module level"
+
+
+def test_the_fork_backend_never_imports_ray_and_works_without_it():
+    code = (
+        "import sys; sys.path.insert(0, %r); sys.modules['ray'] = None  # as if not installed\n"
+        "from engines import Engine\nfrom stageb_pool import Pool, PoolError\n"
+        "with Pool(Engine, 'cpu:1') as pool:\n    assert pool.map('square', [3]) == [9]\n"
+        "try:\n    Pool(Engine, '2', backend='ray')\nexcept PoolError as e:\n    print(e)\n" % SCRIPTS
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "the Ray backend needs Ray: pip install 'stageb_pool[ray]'" in out.stdout
+    code = ("import sys; sys.path.insert(0, %r)\nfrom engines import Engine\nfrom stageb_pool import Pool\n"
+            "with Pool(Engine, 'cpu:1') as pool:\n    pool.map('square', [3])\nprint('ray' in sys.modules)\n" % SCRIPTS)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr

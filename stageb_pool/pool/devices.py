@@ -21,6 +21,9 @@ import msgspec
 # CPU workers one pool may fork. Not the core count: tests and benchmarks rightly run 8
 # workers (sleeping or sharing cores) on 2 cores. 64 is far above any useful count.
 MAX_CPU_WORKERS = 64
+# Workers one Ray pool may ask for (GPUs of a cluster, or CPU workers); far above any cluster
+# this project runs on, and it keeps a typo from building a huge placement request.
+MAX_RAY_WORKERS = 4096
 
 
 class DeviceSpecError(ValueError):
@@ -163,3 +166,23 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> 
         raise DeviceSpecError(f"GPU list {_quote(spec)} names a GPU twice")
     threads = max(1, min(8, cpus // len(indices)))
     return [Device("cuda", gpu, rank, threads) for rank, gpu in enumerate(indices)]
+
+
+def parse_ray_spec(spec: str | int) -> tuple[str, int]:
+    """``(kind, count)`` of a ``--gpus`` spec under the Ray backend, where Ray chooses the
+    GPUs: ``"32"`` (32 GPU workers anywhere in the cluster), ``"cpu"`` or ``"cpu:N"``."""
+    spec = str(spec).strip()
+    if spec == "cpu" or spec.startswith("cpu:"):
+        m = _CPU.fullmatch(spec)
+        n = None if m is None else (1 if m.group(1) is None else _int(m.group(1)))
+        kind = "cpu"
+    else:
+        m = re.fullmatch(_NUMBER, spec)
+        n = None if m is None else _int(m.group(1))
+        kind = "cuda"
+    if n is None or n < 1:
+        raise DeviceSpecError(f"{_quote(spec)}: with Ray, the GPU spec is a count of GPUs N >= 1 "
+                              "(Ray chooses which), cpu or cpu:N")
+    if n > MAX_RAY_WORKERS:
+        raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_RAY_WORKERS} Ray workers")
+    return kind, n

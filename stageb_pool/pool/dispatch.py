@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import enum
 import heapq
+import json
 import time
+from collections import Counter
 from typing import NamedTuple, Protocol
 
 import msgspec
@@ -55,11 +57,13 @@ class WorkerClosed(NamedTuple):
 
 
 class WorkerExited(NamedTuple):
-    """The worker of ``rank`` is gone (reaped); nothing more will come from it."""
+    """The worker of ``rank`` is gone (reaped); nothing more will come from it. A backend
+    that knows no exit code or signal says why in ``cause``."""
 
     rank: int
     exitcode: int | None
     signal: int | None
+    cause: str | None = None
 
 
 class Transport(Protocol):
@@ -163,17 +167,20 @@ class Dispatcher:
     inline. ``advance`` is one turn of the event loop."""
 
     def __init__(self, transport: Transport, devices, snapshots: SnapshotStore, stats: PoolStats, *,
-                 task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int):
+                 task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int,
+                 same_engines: bool = False):
         self.transport = transport
         self.devices = devices
         self.snapshots, self.stats = snapshots, stats
         self.task_timeout, self.start_timeout = task_timeout, start_timeout
         self.restarts_left = max_restarts
         self.max_frame = max_frame
+        self.same_engines = same_engines  # refuse a worker whose engine.info() differs from the others'
         self.queue = TaskQueue(len(devices))
         self.slots: list[Slot] = []
         self.worker_info: list[dict] = [{} for _ in devices]
         self._outcomes: list[Outcome] = []
+        self._started = False
 
     @property
     def pids(self) -> list[int | None]:
@@ -186,6 +193,9 @@ class Dispatcher:
             self.transport.spawn(rank)
         while any(slot.state is not WorkerState.IDLE for slot in self.slots):
             self._step()
+        if self.same_engines:
+            self._check_engines()
+        self._started = True
 
     def submit(self, task: TaskHandle) -> None:
         self.queue.push(task)
@@ -250,7 +260,10 @@ class Dispatcher:
             if msg.version != PROTOCOL_VERSION:
                 raise ProtocolError(f"worker {slot.rank} speaks protocol {msg.version}, the parent {PROTOCOL_VERSION}")
             slot.state, slot.deadline = WorkerState.IDLE, None
+            slot.pid = slot.pid or msg.pid  # a backend may only learn it here (Ray)
             self.worker_info[slot.rank] = msg.info
+            if self.same_engines and self._started:  # a replacement; at start all are compared at once
+                self._check_engines(new=slot)
         elif isinstance(msg, InitFailed):
             raise WorkerError(msg.error, method="engine_factory", remote_traceback=msg.traceback, **where)
         elif isinstance(msg, (Result, Failure)):
@@ -270,6 +283,26 @@ class Dispatcher:
                 self._outcomes.append(Outcome(task, error=error))
         else:
             raise ProtocolError(f"worker {slot.rank} sent an unexpected {name}")
+
+    def _check_engines(self, new: Slot | None = None) -> None:
+        """Byte-identical results need the same GPU model and software on every worker
+        (docs/architecture.md, determinism contract): refuse a worker whose engine.info()
+        differs from the others' (from the majority's at start, naming the odd worker)."""
+        ready = [s.rank for s in self.slots if s.state in (WorkerState.IDLE, WorkerState.BUSY)]
+        if new is not None:
+            ready = [r for r in ready if r != new.rank] + [new.rank]  # the newcomer is the odd one
+        kinds = Counter(_canonical(self.worker_info[r]) for r in ready)
+        majority = kinds.most_common(1)[0][0] if new is None else _canonical(self.worker_info[ready[0]])
+        odd = next((r for r in ready if _canonical(self.worker_info[r]) != majority), None)
+        if odd is None:
+            return
+        ref = next(r for r in ready if _canonical(self.worker_info[r]) == majority)
+        info, reference = self.worker_info[odd], self.worker_info[ref]
+        diff = "; ".join(f"{key}: {info.get(key)!r} where worker {ref} has {reference.get(key)!r}"
+                         for key in sorted(set(info) | set(reference)) if info.get(key) != reference.get(key))
+        raise PoolError(f"worker {odd} ({self.devices[odd].name}) reports a different engine ({diff}): "
+                        "results would depend on which worker ran which chunk; run on GPUs of one model "
+                        "with the same software on every node")
 
     def _on_closed(self, slot: Slot) -> None:
         if slot.state in (WorkerState.STARTING, WorkerState.IDLE, WorkerState.BUSY):
@@ -307,11 +340,15 @@ class Dispatcher:
             return
         if slot.trouble.timeout is not None:
             raise WorkerTimeout(slot.trouble.timeout, **where)
-        raise WorkerDied(exitcode=exited.exitcode, signal=exited.signal, **where)
+        raise WorkerDied(exitcode=exited.exitcode, signal=exited.signal, cause=exited.cause, **where)
 
     def _spawn(self, rank: int) -> None:
         self.slots[rank] = Slot(rank, self.devices[rank], _deadline(self.start_timeout))
         self.transport.spawn(rank)
+
+
+def _canonical(info: dict) -> str:
+    return json.dumps(info, sort_keys=True, default=str)
 
 
 def _deadline(seconds: float | None) -> float | None:

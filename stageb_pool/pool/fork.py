@@ -64,6 +64,11 @@ def check_fork_safe() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         problems.append("CUDA is initialised in this process (a forked child cannot use it)")
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        # Its gRPC threads do not survive a fork: a child segfaults on its first Ray call,
+        # and may deadlock in any lock they held. They stay even after ray.shutdown().
+        problems.append("Ray is initialised in this process (use backend='ray', or create fork pools before ray.init)")
     if os.path.isdir("/proc/self/task"):
         # A clean interpreter has 1 thread; `import torch` starts exactly one more. Any other
         # thread is usually torch's OpenMP pool, started by a torch op: a forked child that
@@ -76,7 +81,8 @@ def check_fork_safe() -> None:
         if native > clean and threading.active_count() == 1:
             problems.append(
                 f"{native} native threads exist where a clean process has {clean} "
-                "(started by a library: a torch op starts torch's OpenMP thread pool)"
+                "(started by a library: a torch op starts torch's OpenMP thread pool; "
+                "ray.init leaves threads behind even after ray.shutdown)"
             )
     if problems:
         raise PoolError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .devices import Device, parse_gpus
+from .devices import Device, parse_gpus, parse_ray_spec
 from .dispatch import Dispatcher
 from .errors import FrameTooLarge, PoolError, TaskCancelled
 from .forked import ForkedTransport
@@ -24,6 +24,7 @@ from .snapshots import SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
 
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week; a longer limit is a typo (and overflows select())
+BACKENDS = ("fork", "ray")
 
 
 class Pool:
@@ -36,20 +37,34 @@ class Pool:
     ``max_frame_bytes`` bounds every message (items, snapshots, results). A timeout that is
     not a number of seconds in (0, ``MAX_TIMEOUT``], or a negative ``max_restarts``, is a
     ValueError naming the argument.
+
+    ``backend="ray"`` runs the workers as Ray actors, one per GPU anywhere in the cluster
+    at ``ray_address`` (``"auto"``: the one ``ray start`` started; ``"local"``: a new one on
+    this machine, stopped by ``close``; ``"host:port"``); ``gpus`` is then a count (``"32"``)
+    or ``"cpu:N"``, and the workers are reserved within ``placement_timeout`` seconds or the
+    pool fails naming the resources. Workers whose ``engine.info()`` differ are refused.
+    Everything else (errors, restarts, snapshots, order, results) is the same.
     """
 
     def __init__(self, engine_factory, gpus="cpu:2", *, task_timeout: float | None = 600.0,
                  start_timeout: float | None = 600.0, max_restarts: int = 0, inline: bool = False,
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
+                 max_frame_bytes: int = MAX_FRAME_BYTES, backend: str = "fork", ray_address: str = "auto",
+                 placement_timeout: float = 60.0):
         task_timeout = _checked_timeout("task_timeout", task_timeout)
         start_timeout = _checked_timeout("start_timeout", start_timeout)
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-        if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(d, Device) for d in gpus):
-            self.devices = list(gpus)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if inline and backend != "fork":
+            raise ValueError("inline=True runs the engine in this process: it takes no backend")
+        if backend == "ray":
+            ray_spec = parse_ray_spec(gpus)
+            self.devices = []
+            self.size = ray_spec[1]
         else:
-            self.devices = parse_gpus(gpus)
-        self.size = len(self.devices)
+            self.devices = _devices(gpus)
+            self.size = len(self.devices)
         self.max_frame = max_frame_bytes
         self.stats = PoolStats.empty(self.size)
         self._snapshots = SnapshotStore(max_frame_bytes)
@@ -59,10 +74,18 @@ class Pool:
         if inline:
             self._runner = InlineRunner(engine_factory, self.devices[0], self._snapshots, self.stats, max_frame_bytes)
         else:
-            transport = ForkedTransport(self.devices, engine_factory, max_frame_bytes, self.stats)
+            if backend == "ray":
+                from .ray_transport import RayTransport  # imports ray; never on the fork path
+
+                transport = RayTransport(ray_spec, engine_factory, max_frame_bytes, self.stats, address=ray_address,
+                                         placement_timeout=_checked_timeout("placement_timeout", placement_timeout))
+                self.devices = transport.devices
+            else:
+                transport = ForkedTransport(self.devices, engine_factory, max_frame_bytes, self.stats)
             self._runner = Dispatcher(transport, self.devices, self._snapshots, self.stats,
                                       task_timeout=task_timeout, start_timeout=start_timeout,
-                                      max_restarts=max_restarts, max_frame=max_frame_bytes)
+                                      max_restarts=max_restarts, max_frame=max_frame_bytes,
+                                      same_engines=backend == "ray")
         try:
             self._runner.start()
         except BaseException:
@@ -79,6 +102,13 @@ class Pool:
     def worker_info(self) -> list[dict]:
         """Each rank's ``engine.info()``, as reported when its engine started."""
         return self._runner.worker_info
+
+    @property
+    def placement(self) -> list[dict]:
+        """Where each rank's worker runs: under Ray, its node (id, address), Ray's GPU ids
+        and its pid there; {} for workers on this machine."""
+        transport = getattr(self._runner, "transport", None)
+        return getattr(transport, "placement", None) or [{} for _ in range(self.size)]
 
     def submit(self, method: str, item=None, *, rank: int | None = None, result_type=None,
                cost: float | None = None, **shared) -> TaskHandle:
@@ -221,3 +251,9 @@ def _checked_timeout(name: str, seconds) -> float | None:
         raise ValueError(f"{name} must be more than 0 and at most {MAX_TIMEOUT:g} seconds "
                          f"(or None: no limit), got {seconds!r}")
     return float(seconds)
+
+
+def _devices(gpus) -> list[Device]:
+    if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(d, Device) for d in gpus):
+        return list(gpus)
+    return parse_gpus(gpus)

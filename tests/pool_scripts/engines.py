@@ -80,6 +80,8 @@ class Engine:
             touch(marker)
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if how == "exit":
+                os._exit(3)
             if how == "hang":
                 threading.Event().wait()
         return x * x
@@ -94,6 +96,25 @@ class Engine:
         print(text)
         print("to stderr", file=__import__("sys").stderr)
         return True
+
+
+class Uniform(Engine):
+    """The test engine with the same info() on every worker (the Ray backend refuses workers
+    whose engines differ)."""
+
+    def info(self):
+        return {"engine": "test", "kind": self.device.kind}
+
+    def sleep(self, seconds):
+        time.sleep(seconds)  # the workload itself (a simulated generation), not synchronisation
+        return seconds
+
+
+class OddOne(Uniform):
+    """Worker 1 reports other software, as a node with another torch would."""
+
+    def info(self):
+        return {**super().info(), "torch": "2.12.0" if self.device.rank == 1 else "2.13.0"}
 
 
 class StartsWhenTheParentLeaves:
