@@ -92,3 +92,10 @@ def test_bad_ray_specs_are_clear_value_errors(spec, message):
     with pytest.raises(DeviceSpecError, match=message) as info:
         parse_ray_spec(spec)
     assert len(str(info.value)) < 200
+
+
+def test_a_ray_pool_takes_the_kind_and_number_of_a_device_list():
+    assert parse_ray_spec([Device("cuda", r, r) for r in range(3)]) == ("cuda", 3)
+    assert parse_ray_spec([Device("cpu", 0, 0)]) == ("cpu", 1)
+    with pytest.raises(DeviceSpecError, match="all GPU workers or all CPU workers"):
+        parse_ray_spec([Device("cpu", 0, 0), Device("cuda", 1, 1)])

@@ -168,9 +168,14 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> 
     return [Device("cuda", gpu, rank, threads) for rank, gpu in enumerate(indices)]
 
 
-def parse_ray_spec(spec: str | int) -> tuple[str, int]:
+def parse_ray_spec(spec: str | int | list[Device]) -> tuple[str, int]:
     """``(kind, count)`` of a ``--gpus`` spec under the Ray backend, where Ray chooses the
-    GPUs: ``"32"`` (32 GPU workers anywhere in the cluster), ``"cpu"`` or ``"cpu:N"``."""
+    GPUs: ``"32"`` (32 GPU workers anywhere in the cluster), ``"cpu"`` or ``"cpu:N"``; or of
+    a list of Device (only their kind and number count)."""
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(d, Device) for d in spec):
+        if len({d.kind for d in spec}) > 1:
+            raise DeviceSpecError("a Ray pool's workers are all GPU workers or all CPU workers")
+        spec = f"cpu:{len(spec)}" if spec[0].kind == "cpu" else str(len(spec))
     spec = str(spec).strip()
     if spec == "cpu" or spec.startswith("cpu:"):
         m = _CPU.fullmatch(spec)
