@@ -188,6 +188,36 @@ def test_no_fork_pool_after_ray_init(ray_cluster):
         Pool(Uniform, "cpu:1")
 
 
+# -- the whole job -------------------------------------------------------------------------------------
+def test_audit_artifacts_are_identical_on_the_fork_pool_and_on_ray_with_one_and_two_actors(ray_free, tmp_path):
+    from fake_engines import MISSION, write_run_inputs
+
+    from stageb_pool.app.config import load_config
+    from stageb_pool.app.diff import diff_runs
+    from stageb_pool.app.job import run_job
+    from stageb_pool.search.fileio import read_jsonl
+
+    config = write_run_inputs(tmp_path, n_tickets=12, model="tiny")
+    out = tmp_path / "out" / MISSION
+    sets = ["--set", "output.save_rollouts=true"]
+    # The fork pool runs in a child process: this one is connected to Ray and may not fork.
+    fork = subprocess.run([sys.executable, "-m", "stageb_pool.app.cli", "--gpus", "cpu:1", "--audit", config,
+                           "--set", "output.run_name=fork", *sets], capture_output=True, text=True, timeout=600,
+                          env=_child_env())
+    assert fork.returncode == 0, fork.stderr[-3000:]
+    for gpus in ("cpu:1", "cpu:2"):
+        cfg = load_config(config, [f"output.run_name=ray-{gpus[-1]}", "output.save_rollouts=true"])
+        assert run_job(cfg, gpus, audit=True, ray_address="auto", argv=["test"]) == 0
+    texts = [r["text"] for r in read_jsonl(out / "fork" / "rollouts" / "audit.jsonl")]
+    assert len(texts) == 12 * 4 and len(set(texts)) > 1  # real, varied generations are compared
+    for run in ("ray-1", "ray-2"):
+        assert [f"{d.file} {d.where} {d.key}" for d in diff_runs(out / "fork", out / run)] == [], run
+        for name in ("baseline_ticket_stats.jsonl", "rollouts/audit.jsonl"):
+            assert (out / run / name).read_bytes() == (out / "fork" / name).read_bytes(), name
+        assert json.loads((out / run / "summary.json").read_text())["workers"].keys() == (
+            {"cpu:0"} if run == "ray-1" else {"cpu:0", "cpu:1"})
+
+
 # -- clusters of their own (child processes) --------------------------------------------------------
 def run_script(name: str, *args, timeout: float = 120):
     return subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args], capture_output=True, text=True,
