@@ -110,6 +110,13 @@ def test_engine_init_failure_raises_from_the_constructor(ray_free):
     assert "in __init__" in info.value.remote_traceback
 
 
+def test_an_actor_that_dies_while_starting_is_worker_died(ray_free):
+    from engines import ExitsWhileStarting
+
+    with pytest.raises(WorkerDied, match=r"in engine_factory\(\): worker process died: The actor is dead because"):
+        ray_pool(ExitsWhileStarting)
+
+
 def test_workers_with_different_engines_are_refused_naming_the_odd_one(ray_free):
     with pytest.raises(PoolError, match=r"worker 1 \(cuda:1\) reports a different engine "
                                         r"\(torch: '2.12.0' where worker 0 has '2.13.0'\)"):

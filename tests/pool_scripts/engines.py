@@ -117,6 +117,13 @@ class OddOne(Uniform):
         return {**super().info(), "torch": "2.12.0" if self.device.rank == 1 else "2.13.0"}
 
 
+class ExitsWhileStarting:
+    """A process that dies while its engine loads (an OOM kill, a crash in a native library)."""
+
+    def __init__(self, device):
+        os._exit(5)
+
+
 class StartsWhenTheParentLeaves:
     """An engine whose start ends only once the parent has closed this worker's socket, so
     that the worker's Ready meets a closed socket, as when Ctrl-C hits a run whose models
