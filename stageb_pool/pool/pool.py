@@ -5,7 +5,7 @@
 
 The facade over a runner: ``InlineRunner`` (the engine in this process) or a ``Dispatcher``
 driving workers through a transport (``ForkedTransport``: forked by the zygote, one socketpair
-each). The pool encodes items and shared values at submit, gathers results in the order it
+each; ``RayTransport``: Ray actors in one placement group). The pool encodes items and shared values at submit, gathers results in the order it
 was given, decodes them (as ``result_type`` when given) and owns the tasks' life cycle; the
 runner decides where a task runs and turns every worker fault into an error or a retry.
 """
@@ -58,39 +58,38 @@ class Pool:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if inline and backend != "fork":
             raise ValueError("inline=True runs the engine in this process: it takes no backend")
-        if backend == "ray":
-            ray_spec = parse_ray_spec(gpus)
-            self.devices = []
-            self.size = ray_spec[1]
-        else:
-            self.devices = _devices(gpus)
-            self.size = len(self.devices)
+        ray_spec = parse_ray_spec(gpus) if backend == "ray" else None  # (kind, count): Ray picks GPUs
+        self.devices = [] if ray_spec else _devices(gpus)
+        self.size = ray_spec[1] if ray_spec else len(self.devices)
         self.max_frame = max_frame_bytes
         self.stats = PoolStats.empty(self.size)
         self._snapshots = SnapshotStore(max_frame_bytes)
         self._unfinished: dict[int, TaskHandle] = {}  # by id: submitted, not yet finished
         self._next_id = 0
         self._closed = False
-        if inline:
-            self._runner = InlineRunner(engine_factory, self.devices[0], self._snapshots, self.stats, max_frame_bytes)
-        else:
-            if backend == "ray":
-                from .ray_transport import RayTransport  # imports ray; never on the fork path
-
-                transport = RayTransport(ray_spec, engine_factory, max_frame_bytes, self.stats, address=ray_address,
-                                         placement_timeout=_checked_timeout("placement_timeout", placement_timeout))
-                self.devices = transport.devices
-            else:
-                transport = ForkedTransport(self.devices, engine_factory, max_frame_bytes, self.stats)
-            self._runner = Dispatcher(transport, self.devices, self._snapshots, self.stats,
-                                      task_timeout=task_timeout, start_timeout=start_timeout,
-                                      max_restarts=max_restarts, max_frame=max_frame_bytes,
-                                      same_engines=backend == "ray")
+        self._runner = self._runner_for(engine_factory, inline, ray_spec, ray_address, placement_timeout,
+                                        task_timeout=task_timeout, start_timeout=start_timeout,
+                                        max_restarts=max_restarts)
         try:
             self._runner.start()
         except BaseException:
             self.close()
             raise
+
+    def _runner_for(self, engine_factory, inline: bool, ray_spec, ray_address: str, placement_timeout, **limits):
+        """The inline runner, or the dispatcher over the fork or the Ray transport."""
+        if inline:
+            return InlineRunner(engine_factory, self.devices[0], self._snapshots, self.stats, self.max_frame)
+        if ray_spec is None:
+            transport = ForkedTransport(self.devices, engine_factory, self.max_frame, self.stats)
+        else:
+            from .ray_transport import RayTransport  # imports ray; never on the fork path
+
+            transport = RayTransport(ray_spec, engine_factory, self.max_frame, self.stats, address=ray_address,
+                                     placement_timeout=_checked_timeout("placement_timeout", placement_timeout))
+            self.devices = transport.devices  # planned from the cluster's resources
+        return Dispatcher(transport, self.devices, self._snapshots, self.stats, max_frame=self.max_frame,
+                          same_engines=ray_spec is not None, **limits)
 
     # -- public API ---------------------------------------------------------------------
     @property
