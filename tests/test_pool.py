@@ -431,3 +431,21 @@ def test_the_fork_backend_never_imports_ray_and_works_without_it():
             "with Pool(Engine, 'cpu:1') as pool:\n    pool.map('square', [3])\nprint('ray' in sys.modules)\n" % SCRIPTS)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("message, cause", [
+    ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+     "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) OOM",
+     "The actor is dead because its worker process has died (Worker unexpectedly exits with a connection error "
+     "code 2. End of file.)"),
+    ("The actor is dead because it was killed by `ray.kill`.", "The actor is dead because it was killed by `ray.kill`"),
+    ("The actor died because of an error raised in its creation task, \x1b[36mray::RayWorker.__init__()\x1b[39m "
+     "(pid=1) At least one of the input arguments could not be computed.",
+     "The actor died because of an error raised in its creation task, ray::RayWorker.__init__() (pid=1) At least one "
+     "of the input arguments could not be computed"),
+    ("Something\nelse entirely", "RuntimeError: Something else entirely"),
+])
+def test_a_dead_actor_is_explained_in_one_line(message, cause):
+    from stageb_pool.pool.ray_transport import _cause  # importable without Ray: it imports ray lazily
+
+    assert _cause(RuntimeError(message)) == cause

@@ -184,10 +184,10 @@ def _cause(exc: BaseException) -> str:
     """Ray's own explanation of a death, in one line (it reports no exit code or signal):
     "The actor is dead because its worker process has died (Worker unexpectedly exits with
     a connection error code 2. End of file.)"."""
-    text = " ".join(str(exc).split())
-    why = re.search(r"The actor is dead because .*?\.(?=\s|$)", text)
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # no colour codes, one line
+    why = re.search(r"The actor (?:is dead|died) because .*?\.(?=\s|$)", text)
     detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text)
     if why is None:
         return f"{type(exc).__name__}: {text[:200]}"
-    cause = why.group(0).rstrip(".")
+    cause = why.group(0).rstrip(".")[:200]
     return f"{cause} ({detail.group(1).strip()[:200]})" if detail else cause
