@@ -65,9 +65,11 @@ class ScriptedTransport:
         self.events: list = []
         self.calls: dict[str, int] = {}
         self.next_pid = 100
+        self.dead: set[int] = set()  # ranks whose process exited: nothing more comes from them
 
     def spawn(self, rank):
         self.spawned.append(rank)
+        self.dead.discard(rank)
         if rank in self.silent:
             return
         self.next_pid += 1
@@ -83,6 +85,8 @@ class ScriptedTransport:
         self.sent += [(rank, m) for m in messages]
         task = messages[-1]
         assert isinstance(task, Task) and all(isinstance(m, Snapshot) for m in messages[:-1])
+        if rank in self.dead:
+            return
         n = self.calls[task.method] = self.calls.get(task.method, 0) + 1
         method = task.method.removesuffix("_once") if n == 1 else task.method
         if method in ("square", "hang_once", "die_once"):
@@ -93,6 +97,7 @@ class ScriptedTransport:
         elif method == "die":
             exited = WorkerExited(rank, None, None, self.exit_cause) if self.exit_cause else WorkerExited(rank, 3, None)
             self.events.append(exited)
+            self.dead.add(rank)
         elif method == "close":
             self.events.append(WorkerClosed(rank))
 
@@ -120,12 +125,12 @@ def clock(monkeypatch):
     return clock
 
 
-def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restarts=0, same_engines=False):
+def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restarts=0, same_engines=False, depth=1):
     devices = [Device("cpu", i, i) for i in range(size)]
     store = SnapshotStore(protocol.MAX_FRAME_BYTES)
     d = Dispatcher(transport, devices, store, PoolStats.empty(size), task_timeout=task_timeout,
                    start_timeout=start_timeout, max_restarts=max_restarts, max_frame=protocol.MAX_FRAME_BYTES,
-                   same_engines=same_engines)
+                   same_engines=same_engines, depth=depth)
     d.start()
     return d, store
 
@@ -312,6 +317,68 @@ def test_close_names_the_busy_workers(clock):
     d._dispatch()
     d.close()
     assert t.closed_with == [1]
+
+
+# -- depth: the next task waits in the worker (the Ray backend) ---------------------------------------
+class Quiet(ScriptedTransport):
+    """Answers only when told (``answer(rank)``), so the tasks in flight can be inspected."""
+
+    def send(self, rank, data):
+        messages = protocol.FrameReader().feed(data)
+        self.sent += [(rank, m) for m in messages]
+
+    def answer(self, rank):
+        task = next(m for r, m in self.sent if r == rank and isinstance(m, Task) and m.id not in self.answered)
+        self.answered.add(task.id)
+        self.events.append(WorkerMessage(rank, Result(task.id, msgspec.Raw(b"0"))))
+
+    answered: set = set()
+
+
+def test_with_depth_2_every_free_worker_gets_a_task_before_any_gets_a_second(clock):
+    t = Quiet(clock)
+    t.answered = set()
+    d, store = make(t, 2, depth=2)
+    tasks = [task(store, i) for i in range(7)]
+    for x in tasks:
+        d.submit(x)
+    d._dispatch()
+    assert [(rank, m.id) for rank, m in t.sent if isinstance(m, Task)] == [(0, 0), (1, 1), (0, 2), (1, 3)]
+    t.answer(0)
+    assert [o.task.id for o in d.advance(tasks)] == [0]
+    assert [x.id for x in d.slots[0].tasks] == [2, 4]  # 4 waits behind the running 2
+    t.answer(0)
+    assert [o.task.id for o in d.advance(tasks)] == [2]
+    # 5 and 6 are left, no more than the workers: they go to whichever is free first
+    assert [x.id for x in d.slots[0].tasks] == [4] and len(d.queue) == 2
+
+
+def test_with_depth_2_the_second_tasks_deadline_starts_when_the_first_is_done(clock):
+    t = Quiet(clock)
+    t.answered = set()
+    d, store = make(t, 1, depth=2, task_timeout=5.0)
+    tasks = [task(store, 0), task(store, 1, "hang")]
+    for x in tasks:
+        d.submit(x)
+    d._dispatch()
+    clock.now += 4.0
+    t.answer(0)
+    assert [o.task.id for o in d.advance(tasks)] == [0]
+    with pytest.raises(WorkerTimeout) as info:
+        for _ in range(10):
+            d.advance(tasks)
+    assert info.value.method == "hang" and clock.now == pytest.approx(1009.0)  # 4 s + its own 5 s
+
+
+def test_with_depth_2_a_death_retries_every_task_it_held_in_their_order(clock):
+    t = ScriptedTransport(clock)
+    d, store = make(t, 2, depth=2, max_restarts=1)
+    tasks = [task(store, 0, "die_once", item=3, rank=0), task(store, 1, item=4, rank=0)]
+    tasks += [task(store, i, item=i) for i in range(2, 6)]
+    assert run(d, tasks) == {0: 9, 1: 16, 2: 4, 3: 9, 4: 16, 5: 25} and d.stats.restarts == 1
+    # rank 0 held 0 and 1 when it died; its replacement got them again, the running one first
+    ids = [m.id for r, m in t.sent if r == 0 and isinstance(m, Task)]
+    assert ids[:3] == [0, 1, 0] and 1 in ids[3:]
 
 
 # -- the pure parts -------------------------------------------------------------------------------

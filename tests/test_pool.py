@@ -449,3 +449,14 @@ def test_a_dead_actor_is_explained_in_one_line(message, cause):
     from stageb_pool.pool.ray_transport import _cause  # importable without Ray: it imports ray lazily
 
     assert _cause(RuntimeError(message)) == cause
+
+
+def test_ray_answers_are_taken_in_the_order_each_actor_got_its_calls():
+    from stageb_pool.pool.ray_transport import RayTransport
+
+    transport = RayTransport.__new__(RayTransport)  # only its bookkeeping: no Ray needed
+    a, b = object(), object()
+    transport.inflight = {"a1": (0, a), "b1": (1, b), "a2": (0, a), "b2": (1, b), "a3": (0, a)}
+    # Ray reported a2 and b1 done, a1 (sent before a2, so done too) not yet: a1 and a2 in order
+    assert transport._in_order(["a2", "b1"]) == ["a1", "b1", "a2"]
+    assert transport._in_order(["b2"]) == ["b1", "b2"] and transport._in_order([]) == []

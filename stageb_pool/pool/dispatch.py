@@ -7,9 +7,12 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
 
 - the queue: a free worker takes the next task it may run (tasks submitted with ``rank=``
   only go to that worker): a retried task first, then in submission order, or most
-  expensive first for tasks submitted with a ``cost``; one task in flight per worker;
-- one ``Slot`` per rank: its ``WorkerState``, the task in flight and the deadline of the
-  state it is in (engine start, task, exit report), and the mirror of its snapshot cache;
+  expensive first for tasks submitted with a ``cost``; one task in flight per worker, or
+  ``depth`` where a transport's round trip is worth hiding (the next task then waits in the
+  worker, which runs its tasks in order; free workers are served first);
+- one ``Slot`` per rank: its ``WorkerState``, the tasks in flight and the deadline of the
+  state it is in (engine start, the running task, exit report), and the mirror of its
+  snapshot cache;
 - faults: a worker past its deadline is killed; once its exit is reported it is replaced
   and its task retried (``max_restarts``, pool-wide), or the fault is raised.
 """
@@ -20,7 +23,7 @@ import enum
 import heapq
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import NamedTuple, Protocol
 
 import msgspec
@@ -74,8 +77,9 @@ class Transport(Protocol):
         """Start a worker process for ``rank`` (its first, or a replacement)."""
 
     def send(self, rank: int, data: bytes) -> None:
-        """Frames for the worker of ``rank``, which has no task; a worker that is gone
-        shows up as a later event, never as an exception here."""
+        """Frames for the worker of ``rank``, which has no task (or fewer than the
+        dispatcher's depth; the worker runs them in order); a worker that is gone shows
+        up as a later event, never as an exception here."""
 
     def kill(self, rank: int) -> None:
         """Kill the worker of ``rank``; its WorkerExited follows."""
@@ -92,7 +96,7 @@ class WorkerState(enum.Enum):
     SPAWNING = "spawning"  # asked for; no process reported yet (start_timeout)
     STARTING = "starting"  # its process builds the engine (start_timeout)
     IDLE = "idle"
-    BUSY = "busy"  # one task in flight (task_timeout)
+    BUSY = "busy"  # tasks in flight; the first is running (task_timeout)
     LOST = "lost"  # its channel closed; the exit report is due (EXIT_REPORT_GRACE)
     KILLED = "killed"  # killed by the pool; the exit report is due (KILL_REPORT_TIMEOUT)
     DEAD = "dead"  # exit reported
@@ -114,10 +118,15 @@ class Slot:
         self.state = WorkerState.SPAWNING
         self.deadline = deadline  # of the current state; None: no limit
         self.pid: int | None = None
-        self.task: TaskHandle | None = None
-        self.started = 0.0  # when the task in flight was sent
+        self.tasks: deque[TaskHandle] = deque()  # in flight, in the order the worker runs them
+        self.started = 0.0  # when the running task (the first) started, as far as we know
         self.trouble: Trouble | None = None
         self.cache = SnapshotCache()
+
+    @property
+    def task(self) -> TaskHandle | None:
+        """The task the worker is running (the first in flight), if any."""
+        return self.tasks[0] if self.tasks else None
 
     def where(self) -> dict:
         """The keyword arguments that locate a fault of this worker in an error."""
@@ -148,6 +157,10 @@ class TaskQueue:
         """A task whose worker died goes first."""
         self.push(task, retry=True)
 
+    def __len__(self) -> int:
+        """Tasks queued (cancelled ones included until they are dropped)."""
+        return len(self._any) + sum(len(heap) for heap in self._pinned)
+
     def pop(self, rank: int) -> TaskHandle | None:
         """The first task the worker of ``rank`` may run; tasks already done (cancelled)
         are dropped on the way."""
@@ -168,7 +181,7 @@ class Dispatcher:
 
     def __init__(self, transport: Transport, devices, snapshots: SnapshotStore, stats: PoolStats, *,
                  task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int,
-                 same_engines: bool = False):
+                 same_engines: bool = False, depth: int = 1):
         self.transport = transport
         self.devices = devices
         self.snapshots, self.stats = snapshots, stats
@@ -176,6 +189,7 @@ class Dispatcher:
         self.restarts_left = max_restarts
         self.max_frame = max_frame
         self.same_engines = same_engines  # refuse a worker whose engine.info() differs from the others'
+        self.depth = depth  # tasks in flight per worker
         self.queue = TaskQueue(len(devices))
         self.slots: list[Slot] = []
         self.worker_info: list[dict] = [{} for _ in devices]
@@ -230,16 +244,24 @@ class Dispatcher:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        for slot in self.slots:
-            if slot.state is WorkerState.IDLE:
-                task = self.queue.pop(slot.rank)
-                if task is not None:
-                    self._send_task(slot, task)
+        # Round by round: every idle worker gets a task before any gets a second one, and a
+        # second only while more tasks are queued than there are workers: the last ones go
+        # to whichever worker is free first, never behind a long task (a short tail).
+        for in_flight in range(self.depth):
+            if in_flight and len(self.queue) <= len(self.slots):
+                return
+            for slot in self.slots:
+                if len(slot.tasks) == in_flight and slot.state in (WorkerState.IDLE, WorkerState.BUSY):
+                    task = self.queue.pop(slot.rank)
+                    if task is not None:
+                        self._send_task(slot, task)
 
     def _send_task(self, slot: Slot, task: TaskHandle) -> None:
-        slot.state, slot.task, task.ran_on = WorkerState.BUSY, task, slot.rank
-        slot.started = time.monotonic()
-        slot.deadline = _deadline(self.task_timeout)
+        if not slot.tasks:  # it starts at once; a later one when those before it are done
+            slot.started = time.monotonic()
+            slot.deadline = _deadline(self.task_timeout)
+        slot.state, task.ran_on = WorkerState.BUSY, slot.rank
+        slot.tasks.append(task)
         messages = [Snapshot(key, msgspec.Raw(self.snapshots.data(key)), evict)
                     for key, evict in slot.cache.admit(task.shared)]
         self.stats.snapshot_sends += len(messages)
@@ -249,7 +271,8 @@ class Dispatcher:
             frames.append(protocol.frame(msg, self.max_frame))
             name = type(msg).__name__
             self.stats.frames_sent[name] = self.stats.frames_sent.get(name, 0) + 1
-        # Blocking sends are safe: a worker reads while it has no task, and this one has none.
+        # Blocking sends are safe with depth 1: a worker reads while it has no task, and this
+        # one has none (a deeper transport, Ray's, never blocks on a busy worker).
         self.transport.send(slot.rank, b"".join(frames))
 
     def _on_message(self, slot: Slot, msg) -> None:
@@ -270,11 +293,15 @@ class Dispatcher:
             task = slot.task
             if task is None or task.id != msg.id:
                 raise ProtocolError(f"worker {slot.rank} answered task {msg.id}, which it was not running")
+            now = time.monotonic()
             self.stats.items[slot.rank] += 1
-            self.stats.busy_s[slot.rank] += time.monotonic() - slot.started
-            slot.task = None
+            self.stats.busy_s[slot.rank] += now - slot.started
+            slot.tasks.popleft()
             if slot.state is WorkerState.BUSY:  # a killed one stays killed
-                slot.state, slot.deadline = WorkerState.IDLE, None
+                if slot.tasks:  # the next one runs now
+                    slot.started, slot.deadline = now, _deadline(self.task_timeout)
+                else:
+                    slot.state, slot.deadline = WorkerState.IDLE, None
             if isinstance(msg, Result):
                 self._outcomes.append(Outcome(task, raw=msg.value))
             else:
@@ -326,16 +353,18 @@ class Dispatcher:
             self.transport.kill(slot.rank)
 
     def _on_exited(self, slot: Slot, exited: WorkerExited) -> None:
-        """The worker is gone: replace it and retry its task, or raise."""
+        """The worker is gone: replace it and retry its tasks, or raise."""
         if slot.trouble is None:
             slot.trouble = Trouble(slot.state, None)
-        where, task = slot.where(), slot.task
-        slot.state, slot.deadline, slot.task = WorkerState.DEAD, None, None
+        where, tasks = slot.where(), list(slot.tasks)
+        slot.state, slot.deadline = WorkerState.DEAD, None
+        slot.tasks.clear()
         if self.restarts_left > 0:
             self.restarts_left -= 1
             self.stats.restarts += 1
-            if task is not None and not task.done():
-                self.queue.retry(task)
+            for task in tasks:
+                if not task.done():
+                    self.queue.retry(task)
             self._spawn(slot.rank)
             return
         if slot.trouble.timeout is not None:

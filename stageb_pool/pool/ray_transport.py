@@ -97,7 +97,7 @@ class RayTransport:
             raise
         self.actors: list = [None] * len(self.devices)
         self.placement: list[dict] = [{} for _ in self.devices]
-        self.inflight: dict = {}  # ObjectRef -> rank: each actor's ready() or run() call
+        self.inflight: dict = {}  # ObjectRef -> (rank, actor): the ready() and run() calls not yet answered
         self.events: list = []
 
     def spawn(self, rank: int) -> None:
@@ -113,18 +113,21 @@ class RayTransport:
         ).remote(msgspec.json.encode(self.devices[rank]), self.factory, self.max_frame)
         self.actors[rank] = actor
         self.placement[rank] = {}  # known once it is ready
-        self.inflight[actor.ready.remote()] = rank
+        self.inflight[actor.ready.remote()] = (rank, actor)
         self.events.append(WorkerStarted(rank, None))
 
     def send(self, rank: int, data: bytes) -> None:
-        self.inflight[self.actors[rank].run.remote(data)] = rank
+        # Never blocks: Ray queues the call in the actor, which runs its calls in order.
+        actor = self.actors[rank]
+        self.inflight[actor.run.remote(data)] = (rank, actor)
         self.stats.bytes_sent += len(data)
 
     def kill(self, rank: int) -> None:
-        # The only way to stop a running actor task; its pending call then fails with
-        # ActorDiedError, which poll reports as the exit.
-        self.ray.kill(self.actors[rank], no_restart=True)
-        if rank not in self.inflight.values():
+        # The only way to stop a running actor task; its pending calls then fail with
+        # ActorDiedError, which poll reports as the exit (once).
+        actor = self.actors[rank]
+        self.ray.kill(actor, no_restart=True)
+        if all(a is not actor for _, a in self.inflight.values()):
             self.events.append(WorkerExited(rank, None, None, "killed by the pool"))
 
     def poll(self, timeout: float | None) -> list:
@@ -137,9 +140,19 @@ class RayTransport:
         ready, rest = self.ray.wait(refs, num_returns=1, timeout=0 if events else timeout)
         if ready and rest:  # collect whatever else is done, without waiting
             ready += self.ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-        for ref in ready:
-            events.append(self._answer(self.inflight.pop(ref), ref))
+        for ref in self._in_order(ready):
+            if ref in self.inflight:  # not dropped with an actor that died meanwhile
+                events.append(self._answer(*self.inflight.pop(ref), ref))
         return events
+
+    def _in_order(self, ready: list) -> list:
+        """The calls to answer, in the order each actor got them: for every actor, its calls
+        up to its last one found done. An actor runs its calls in order, but Ray may report
+        a later one done first; ``ray.get`` of an earlier one then returns at once."""
+        done = set(ready)
+        calls = list(self.inflight.items())
+        last = {id(actor): i for i, (ref, (_, actor)) in enumerate(calls) if ref in done}
+        return [ref for i, (ref, (_, actor)) in enumerate(calls) if i <= last.get(id(actor), -1)]
 
     def close(self, busy: list[int]) -> None:
         """Kill every actor (an engine holds nothing worth a graceful stop), remove the
@@ -160,15 +173,17 @@ class RayTransport:
         self.group = None
         self.connection.close()
 
-    def _answer(self, rank: int, ref):
-        """The event for one finished call of the actor of ``rank``."""
+    def _answer(self, rank: int, actor, ref):
+        """The event for one finished call of ``actor``, the worker of ``rank``."""
         ray = self.ray
         try:
             data = ray.get(ref)
         except ray.exceptions.RayTaskError as exc:  # our actor code raised: a bug, not a death
             raise ProtocolError(f"worker {rank} ({self.devices[rank].name}) failed outside the engine: {exc}") from None
         except ray.exceptions.RayError as exc:  # the actor died (or its node, or its object)
-            ray.kill(self.actors[rank], no_restart=True)  # in case it only looks dead: free its bundle
+            ray.kill(actor, no_restart=True)  # in case it only looks dead: free its bundle
+            # Its other calls fail the same way: one exit per actor, then its tasks are retried.
+            self.inflight = {r: v for r, v in self.inflight.items() if v[1] is not actor}
             return WorkerExited(rank, None, None, _cause(exc))
         self.stats.bytes_received += len(data)
         messages = protocol.FrameReader(self.max_frame).feed(data)
