@@ -28,3 +28,10 @@ def model_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("model-cache")
     os.environ["STAGEB_POOL_CACHE"] = str(path)
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``ray`` run last. ray.init leaves threads in this process (even after
+    ray.shutdown), and a fork pool created after them refuses to start (a forked child
+    could deadlock, and segfaults on any Ray call), so every fork-pool test runs first."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)  # stable: order kept otherwise

@@ -253,7 +253,18 @@ def test_run_passes_flags_to_run_job(fake_job, project):
     [(config, devices, kwargs)] = calls
     assert config.runner.epochs == 1 and [d.name for d in devices] == ["cpu:0", "cpu:1"]
     assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False,
-                      "config_path": str(project / "c.yaml")}
+                      "config_path": str(project / "c.yaml"), "ray_address": None}
+
+
+def test_ray_takes_a_gpu_count_and_passes_the_address(fake_job, project, capsys):
+    calls = fake_job(lambda: 0)
+    assert cli.main(["--gpus", "32", "--ray", "auto", str(project / "c.yaml")]) == 0
+    [(_, devices, kwargs)] = calls
+    assert [d.name for d in devices] == [f"cuda:{r}" for r in range(32)] and kwargs["ray_address"] == "auto"
+    assert cli.main(["--gpus", "0-7", "--ray", "auto", str(project / "c.yaml")]) == 2  # Ray picks the GPUs
+    assert "--gpus: '0-7': with Ray, the GPU spec is a count of GPUs" in capsys.readouterr().err
+    assert cli.main(["--gpus", "cpu", "--ray", "auto", "--debug", str(project / "c.yaml")]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_run_word_is_optional(fake_job, project):

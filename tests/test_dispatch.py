@@ -52,8 +52,11 @@ class ScriptedTransport:
     get a process; ``slow_start`` ranks never send Ready; ``mute_kill`` ranks are never
     reported after a kill."""
 
-    def __init__(self, clock: Clock, *, silent=(), slow_start=(), mute_kill=(), init_fails=()):
+    def __init__(self, clock: Clock, *, silent=(), slow_start=(), mute_kill=(), init_fails=(), infos=None,
+                 exit_cause=None):
         self.clock = clock
+        self.infos = list(infos) if infos is not None else None  # engine.info() of each spawn, in order
+        self.exit_cause = exit_cause  # a backend that knows no exit code (Ray) says why instead
         self.silent, self.slow_start, self.mute_kill, self.init_fails = silent, slow_start, mute_kill, init_fails
         self.sent: list[tuple[int, object]] = []  # (rank, message) for every frame sent
         self.killed: list[int] = []
@@ -62,9 +65,11 @@ class ScriptedTransport:
         self.events: list = []
         self.calls: dict[str, int] = {}
         self.next_pid = 100
+        self.dead: set[int] = set()  # ranks whose process exited: nothing more comes from them
 
     def spawn(self, rank):
         self.spawned.append(rank)
+        self.dead.discard(rank)
         if rank in self.silent:
             return
         self.next_pid += 1
@@ -72,13 +77,16 @@ class ScriptedTransport:
         if rank in self.init_fails:
             self.events.append(WorkerMessage(rank, InitFailed(1, self.next_pid, "RuntimeError: no model", "Traceback")))
         elif rank not in self.slow_start:
-            self.events.append(WorkerMessage(rank, Ready(protocol.PROTOCOL_VERSION, self.next_pid, {"rank": rank})))
+            info = self.infos.pop(0) if self.infos is not None else {"rank": rank}
+            self.events.append(WorkerMessage(rank, Ready(protocol.PROTOCOL_VERSION, self.next_pid, info)))
 
     def send(self, rank, data):
         messages = protocol.FrameReader().feed(data)
         self.sent += [(rank, m) for m in messages]
         task = messages[-1]
         assert isinstance(task, Task) and all(isinstance(m, Snapshot) for m in messages[:-1])
+        if rank in self.dead:
+            return
         n = self.calls[task.method] = self.calls.get(task.method, 0) + 1
         method = task.method.removesuffix("_once") if n == 1 else task.method
         if method in ("square", "hang_once", "die_once"):
@@ -87,7 +95,9 @@ class ScriptedTransport:
         elif method == "fail":
             self.events.append(WorkerMessage(rank, Failure(task.id, "ValueError: bad", "Traceback ... ValueError")))
         elif method == "die":
-            self.events.append(WorkerExited(rank, 3, None))
+            exited = WorkerExited(rank, None, None, self.exit_cause) if self.exit_cause else WorkerExited(rank, 3, None)
+            self.events.append(exited)
+            self.dead.add(rank)
         elif method == "close":
             self.events.append(WorkerClosed(rank))
 
@@ -115,11 +125,12 @@ def clock(monkeypatch):
     return clock
 
 
-def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restarts=0):
+def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restarts=0, same_engines=False, depth=1):
     devices = [Device("cpu", i, i) for i in range(size)]
     store = SnapshotStore(protocol.MAX_FRAME_BYTES)
     d = Dispatcher(transport, devices, store, PoolStats.empty(size), task_timeout=task_timeout,
-                   start_timeout=start_timeout, max_restarts=max_restarts, max_frame=protocol.MAX_FRAME_BYTES)
+                   start_timeout=start_timeout, max_restarts=max_restarts, max_frame=protocol.MAX_FRAME_BYTES,
+                   same_engines=same_engines, depth=depth)
     d.start()
     return d, store
 
@@ -238,6 +249,31 @@ def test_a_dead_worker_is_worker_died_with_its_exit_code(clock):
         run(d, [task(store, 0, "die")])
 
 
+def test_a_death_the_backend_cannot_explain_by_code_carries_its_cause(clock):
+    d, store = make(ScriptedTransport(clock, exit_cause="The actor is dead because its node died"), 1)
+    with pytest.raises(WorkerDied, match=r"in die\(\) on item 0: worker process died: The actor is dead because "
+                                         r"its node died$") as info:
+        run(d, [task(store, 0, "die")])
+    assert (info.value.exitcode, info.value.signal) == (None, None)
+
+
+def test_workers_with_different_engines_are_refused_naming_the_odd_one(clock):
+    same, odd = {"torch": "2.13", "gpu": "H100"}, {"torch": "2.12", "gpu": "H100"}
+    with pytest.raises(PoolError, match=r"worker 1 \(cpu:1\) reports a different engine \(torch: '2.12' "
+                                        r"where worker 0 has '2.13'\)"):
+        make(ScriptedTransport(clock, infos=[same, odd, same]), 3, same_engines=True)
+    with pytest.raises(PoolError, match=r"worker 0 \(cpu:0\) reports a different engine"):  # the odd one is named
+        make(ScriptedTransport(clock, infos=[odd, same, same]), 3, same_engines=True)
+    make(ScriptedTransport(clock, infos=[same, odd, same]), 3)  # the fork backend leaves it to the caller
+
+
+def test_a_replacement_with_another_engine_is_refused(clock):
+    same, odd = {"gpu": "H100"}, {"gpu": "A100"}
+    d, store = make(ScriptedTransport(clock, infos=[same, same, odd]), 2, max_restarts=1, same_engines=True)
+    with pytest.raises(PoolError, match=r"worker 0 \(cpu:0\) reports a different engine \(gpu: 'A100' where worker 1"):
+        run(d, [task(store, 0, "die_once", rank=0)])
+
+
 @pytest.mark.parametrize("how", ["hang_once", "die_once"])
 def test_a_replacement_gets_the_task_first_and_the_snapshots_again(clock, how):
     t = ScriptedTransport(clock)
@@ -283,6 +319,68 @@ def test_close_names_the_busy_workers(clock):
     assert t.closed_with == [1]
 
 
+# -- depth: the next task waits in the worker (the Ray backend) ---------------------------------------
+class Quiet(ScriptedTransport):
+    """Answers only when told (``answer(rank)``), so the tasks in flight can be inspected."""
+
+    def send(self, rank, data):
+        messages = protocol.FrameReader().feed(data)
+        self.sent += [(rank, m) for m in messages]
+
+    def answer(self, rank):
+        task = next(m for r, m in self.sent if r == rank and isinstance(m, Task) and m.id not in self.answered)
+        self.answered.add(task.id)
+        self.events.append(WorkerMessage(rank, Result(task.id, msgspec.Raw(b"0"))))
+
+    answered: set = set()
+
+
+def test_with_depth_2_every_free_worker_gets_a_task_before_any_gets_a_second(clock):
+    t = Quiet(clock)
+    t.answered = set()
+    d, store = make(t, 2, depth=2)
+    tasks = [task(store, i) for i in range(7)]
+    for x in tasks:
+        d.submit(x)
+    d._dispatch()
+    assert [(rank, m.id) for rank, m in t.sent if isinstance(m, Task)] == [(0, 0), (1, 1), (0, 2), (1, 3)]
+    t.answer(0)
+    assert [o.task.id for o in d.advance(tasks)] == [0]
+    assert [x.id for x in d.slots[0].tasks] == [2, 4]  # 4 waits behind the running 2
+    t.answer(0)
+    assert [o.task.id for o in d.advance(tasks)] == [2]
+    # 5 and 6 are left, no more than the workers: they go to whichever is free first
+    assert [x.id for x in d.slots[0].tasks] == [4] and len(d.queue) == 2
+
+
+def test_with_depth_2_the_second_tasks_deadline_starts_when_the_first_is_done(clock):
+    t = Quiet(clock)
+    t.answered = set()
+    d, store = make(t, 1, depth=2, task_timeout=5.0)
+    tasks = [task(store, 0), task(store, 1, "hang")]
+    for x in tasks:
+        d.submit(x)
+    d._dispatch()
+    clock.now += 4.0
+    t.answer(0)
+    assert [o.task.id for o in d.advance(tasks)] == [0]
+    with pytest.raises(WorkerTimeout) as info:
+        for _ in range(10):
+            d.advance(tasks)
+    assert info.value.method == "hang" and clock.now == pytest.approx(1009.0)  # 4 s + its own 5 s
+
+
+def test_with_depth_2_a_death_retries_every_task_it_held_in_their_order(clock):
+    t = ScriptedTransport(clock)
+    d, store = make(t, 2, depth=2, max_restarts=1)
+    tasks = [task(store, 0, "die_once", item=3, rank=0), task(store, 1, item=4, rank=0)]
+    tasks += [task(store, i, item=i) for i in range(2, 6)]
+    assert run(d, tasks) == {0: 9, 1: 16, 2: 4, 3: 9, 4: 16, 5: 25} and d.stats.restarts == 1
+    # rank 0 held 0 and 1 when it died; its replacement got them again, the running one first
+    ids = [m.id for r, m in t.sent if r == 0 and isinstance(m, Task)]
+    assert ids[:3] == [0, 1, 0] and 1 in ids[3:]
+
+
 # -- the pure parts -------------------------------------------------------------------------------
 def test_task_queue_order_pins_retries_and_cancelled_tasks():
     q = TaskQueue(2)
@@ -291,8 +389,18 @@ def test_task_queue_order_pins_retries_and_cancelled_tasks():
         q.push(x)
     tasks[2]._finish(cancelled=True)
     assert q.pop(1).id == 0 and q.pop(1).id == 1 and q.pop(0).id == 4  # 2 was cancelled
+    q.retry(tasks[4])
     q.retry(tasks[0])
-    assert q.pop(1).id == 0 and q.pop(1).id == 3 and q.pop(0) is None and q.pop(1) is None
+    assert [q.pop(1).id for _ in range(3)] == [0, 4, 3]  # retried first, oldest first
+    assert q.pop(0) is None and q.pop(1) is None
+
+
+def test_task_queue_runs_costed_tasks_most_expensive_first_after_the_others():
+    q = TaskQueue(1)
+    costs = [3.0, None, 7.0, 3.0, 0.0, None, 9.5]
+    for i, cost in enumerate(costs):
+        q.push(TaskHandle(None, i, "m", b"0", {}, None, None, cost))
+    assert [q.pop(0).id for _ in costs] == [1, 5, 6, 2, 0, 3, 4]
 
 
 def test_snapshot_cache_never_evicts_what_the_task_needs():

@@ -76,6 +76,20 @@ def test_same_results_on_one_or_two_workers(tickets, profile):
     assert "pass" in verdicts and "fail" in verdicts  # the noise really drew both
 
 
+def test_chunks_carry_their_cost_and_the_longest_start_first(tickets, profile):
+    short, long = tickets[:3], [msgspec.structs.replace(t, per_image={"image_1": "x" * 5000}) for t in tickets[3:6]]
+    with Pool(fake_factory(), "cpu:1") as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=3)
+        pending = runner.submit(spec(short + long))
+        costs = [task.cost for task in runner._inflight.values()]
+        assert costs[1] > costs[0] > 0
+        prompt_chars = sum(sum(len(v) for v in t.per_image.values()) + len(GUIDANCE["G0"]) for t in short)
+        assert costs[0] == prompt_chars * K  # (summaries + guidance) per ticket, times the samples
+        result = runner.wait([pending])[0]
+    assert list(result.stats) == [t.key for t in short + long]
+    assert result.chunk_done_s[1] < result.chunk_done_s[0]  # one worker: the costly chunk ran first
+
+
 def test_cache_hit_generates_nothing(tickets, profile):
     with Pool(fake_factory(), "cpu:1", inline=True) as pool:
         runner = RolloutRunner(pool, profile, chunk_size=4)

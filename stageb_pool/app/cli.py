@@ -1,6 +1,6 @@
 """The ``stageb-pool`` command: run, check and diff.
 
-    stageb-pool [run] --gpus SPEC CONFIG [--audit] [--resume | --overwrite] [--debug]
+    stageb-pool [run] --gpus SPEC CONFIG [--audit] [--resume | --overwrite] [--debug | --ray ADDRESS]
                       [--log-level LEVEL] [--set key.path=value ...]
     stageb-pool check CONFIG [--audit] [--set key.path=value ...]
     stageb-pool diff RUN_A RUN_B [--max N]
@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     again = run.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the run directory from its last completed iteration")
     again.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    run.add_argument("--debug", action="store_true", help="one worker, inline in this process (breakpoints work)")
+    where = run.add_mutually_exclusive_group()
+    where.add_argument("--debug", action="store_true", help="one worker, inline in this process (breakpoints work)")
+    where.add_argument("--ray", metavar="ADDRESS",
+                       help="run the workers as Ray actors across a cluster: auto (the cluster `ray start` "
+                            "started), local (a new one on this machine) or HOST:PORT; --gpus is then a GPU count")
     run.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                      help="logging verbosity on stderr (default: info; debug adds worker tracebacks)")
     _add_set(run)
@@ -102,11 +106,11 @@ def cmd_run(args) -> int:
     from .config import load_config
     from .job import resolve_devices, run_job
 
-    devices = resolve_devices(args.gpus)
+    devices = resolve_devices(args.gpus, ray=args.ray is not None)
     config = load_config(args.config, args.overrides)
 
     return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug,
-                   config_path=args.config)
+                   config_path=args.config, ray_address=args.ray)
 
 
 def cmd_check(args) -> int:
@@ -251,8 +255,8 @@ def _report_failure(err: Exception, level: str) -> int:
     from ..pool import PoolError
 
     if isinstance(err, PoolError):
-        # args[0] is the one-line "worker R (device) in method(): cause"; str(err) of a
-        # WorkerError appends the remote traceback, which only --log-level debug shows.
+        # args[0] is the one-line "worker R (device) in method(): cause"; the remote
+        # traceback of a WorkerError (its __cause__) only --log-level debug shows.
         first = str(err.args[0] if err.args else err).strip().splitlines()
         print(f"stageb-pool: run failed: {first[0] if first else type(err).__name__}", file=sys.stderr)
         remote = getattr(err, "remote_traceback", None)

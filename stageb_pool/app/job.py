@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from ..engine import models
-from ..pool import Device, DeviceSpecError, Pool, parse_gpus
+from ..pool import Device, DeviceSpecError, Pool, parse_gpus, parse_ray_spec
 from ..search import rundir
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
@@ -72,9 +72,14 @@ def load_inputs(config) -> _Inputs:
     return _Inputs(mission, ingest, run_order, profile, model_path, seed_guidance, proposer_system)
 
 
-def resolve_devices(spec) -> list[Device]:
-    """The devices of a ``--gpus`` spec; a bad spec is an InputError located at ``--gpus``."""
+def resolve_devices(spec, *, ray: bool = False) -> list[Device]:
+    """The devices of a ``--gpus`` spec; a bad spec is an InputError located at ``--gpus``.
+    Under Ray (``--ray``) the spec is a GPU count or ``cpu:N``: Ray chooses the GPUs, so the
+    devices are numbered by rank."""
     try:
+        if ray:
+            kind, count = parse_ray_spec(spec)
+            return [Device(kind, rank, rank) for rank in range(count)]
         return parse_gpus(spec)
     except DeviceSpecError as err:
         raise InputError(str(err), "--gpus") from None
@@ -101,18 +106,20 @@ def engine_factory_for(model_config, model_path: str):
 
 def run_job(config, devices, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
             debug: bool = False, engine_factory=None, argv: list[str] | None = None,
-            config_path: str | None = None) -> int:
+            config_path: str | None = None, ray_address: str | None = None) -> int:
     """Run one audit or rule search; return 0 on success. Exceptions propagate (the CLI
     maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
 
     ``devices`` is a list of Device or a ``--gpus`` spec. ``engine_factory`` (a test seam)
     replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv);
-    ``config_path`` (the config file) is one of the inputs no output may overwrite."""
+    ``config_path`` (the config file) is one of the inputs no output may overwrite.
+    ``ray_address`` runs the workers as Ray actors on that cluster (``--ray``); the parent
+    still writes every artifact here, and the placement may take ``pool.start_timeout``."""
     started = time.monotonic()
     started_at = rundir.utc_now()
     config = with_mode(config, audit)
     if not isinstance(devices, list):
-        devices = resolve_devices(devices)
+        devices = resolve_devices(devices, ray=ray_address is not None)
     if debug:
         devices = devices[:1]
 
@@ -145,11 +152,14 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         atomic_write_bytes(repo.path, seed_guidance)
 
     factory = engine_factory or engine_factory_for(config.model, inputs.model_path)
+    ray = ray_address is not None and not debug
     pool = Pool(
         factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
-        max_restarts=config.pool.max_restarts, inline=debug,
+        max_restarts=config.pool.max_restarts, inline=debug, backend="ray" if ray else "fork",
+        ray_address=ray_address or "auto", placement_timeout=config.pool.start_timeout,
     )
     try:
+        run_json["devices"] = devices = pool.devices  # under Ray: the threads its plan gave each worker
         progress = Progress(log=log, stats_fn=pool_items_per_rank(pool))
         runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
                                progress=progress, save_rollouts=config.output.save_rollouts)
@@ -159,6 +169,9 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
             workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov), **run_json))
         log.info("%s run of %d tickets (mission %s) on %d worker(s) -> %s",
                  config.mode, len(inputs.tickets), inputs.mission, pool.size, run_dir)
+        if ray:
+            nodes = {where.get("node_ip") for where in pool.placement}
+            log.info("Ray placed the %d workers on %d node(s): %s", pool.size, len(nodes), ", ".join(sorted(nodes)))
         if config.mode == "audit":
             summary = run_audit(runner, tickets=inputs.tickets, guidance=repo.load(),
                                 settings=audit_settings(config, inputs), run_dir=run_dir, log=log)

@@ -2,6 +2,11 @@
 
 The parent must never initialise CUDA (a forked child could not use it), so GPUs are
 counted from the driver's /proc entries or ``nvidia-smi``, never through torch.cuda.
+
+A spec is untrusted input: only ASCII digits count as numbers, GPU ranges are checked
+against the GPUs present before anything is expanded, at most ``MAX_CPU_WORKERS`` CPU
+workers may be asked for, and every problem is a ``DeviceSpecError`` that quotes at most
+a short excerpt of the spec.
 """
 
 from __future__ import annotations
@@ -13,6 +18,13 @@ import subprocess
 
 import msgspec
 
+# CPU workers one pool may fork. Not the core count: tests and benchmarks rightly run 8
+# workers (sleeping or sharing cores) on 2 cores. 64 is far above any useful count.
+MAX_CPU_WORKERS = 64
+# Workers one Ray pool may ask for (GPUs of a cluster, or CPU workers); far above any cluster
+# this project runs on, and it keeps a typo from building a huge placement request.
+MAX_RAY_WORKERS = 4096
+
 
 class DeviceSpecError(ValueError):
     """A ``--gpus`` spec that cannot be read or names devices that do not exist."""
@@ -21,12 +33,17 @@ class DeviceSpecError(ValueError):
 class Device(msgspec.Struct, frozen=True):
     """A worker's device. ``index`` is the physical GPU index (as the user wrote it) or the
     CPU worker's number; ``rank`` is the worker's position in the pool; ``threads`` is the
-    torch intra-op thread count the worker sets before its first torch op."""
+    torch intra-op thread count the worker sets before its first torch op.
+
+    ``ordinal`` is the number torch gives this GPU in the engine's process: 0 in a worker
+    process, which sees only its own GPU (CUDA_VISIBLE_DEVICES); ``index`` in inline mode,
+    where the engine runs in the parent, which sees every GPU of the spec."""
 
     kind: str  # "cuda" | "cpu"
     index: int
     rank: int
     threads: int = 1
+    ordinal: int = 0
 
     @property
     def name(self) -> str:
@@ -34,8 +51,11 @@ class Device(msgspec.Struct, frozen=True):
 
     @property
     def torch_device(self) -> str:
-        # A GPU worker sees only its own GPU (CUDA_VISIBLE_DEVICES), which torch calls cuda:0.
-        return "cuda:0" if self.kind == "cuda" else "cpu"
+        return f"cuda:{self.ordinal}" if self.kind == "cuda" else "cpu"
+
+    def in_this_process(self) -> Device:
+        """This device as seen by an engine built in the parent itself (inline mode)."""
+        return msgspec.structs.replace(self, ordinal=self.index if self.kind == "cuda" else 0)
 
     def visible_devices(self) -> str:
         """The CUDA_VISIBLE_DEVICES value for this worker, relative to the parent's own."""
@@ -66,22 +86,54 @@ def count_gpus() -> int:
     return 0
 
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_NUMBER = "([0-9]+)"  # ASCII digits only: str.isdigit accepts "²", and int() and \d accept "٣"
+_RANGE = re.compile(rf"{_NUMBER}(?:-{_NUMBER})?")
+_CPU = re.compile(rf"cpu(?::{_NUMBER})?")
+_TOO_BIG = 10**9  # stands for any number of 10 or more digits: never a GPU index or a count
 
 
-def _gpu_indices(spec: str) -> list[int]:
-    indices: list[int] = []
+def _quote(text: str) -> str:
+    """The spec for an error message: a huge one is cut short."""
+    return repr(text) if len(text) <= 40 else repr(text[:30]) + f"... ({len(text)} characters)"
+
+
+def _int(digits: str) -> int:
+    """The value of a run of ASCII digits; ``_TOO_BIG`` for any number of 10 or more
+    significant digits, which int() might not even read (its 4300-digit limit)."""
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) < 10 else _TOO_BIG
+
+
+def _show(lo: int, hi: int, digits: str) -> str:
+    """A range of missing GPUs, as the user wrote its upper end."""
+    top = str(hi) if hi < _TOO_BIG else f"{digits[:6]}... ({len(digits)} digits)"
+    return str(lo) if lo == hi else (f"{lo}, {top}" if hi == lo + 1 else f"{lo}-{top}")
+
+
+def _gpu_ranges(spec: str) -> list[tuple[int, int, str]]:
+    """``(low, high, high as written)`` per comma-separated part, in the spec's order."""
+    ranges = []
     for part in spec.split(","):
-        m = _RANGE.match(part.strip())
+        m = _RANGE.fullmatch(part.strip())
         if not m:
-            raise DeviceSpecError(f"cannot read GPU list {spec!r}: use e.g. 0-7, 0,2,5-6, 0, cpu or cpu:4")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            raise DeviceSpecError(f"cannot read GPU list {_quote(spec)}: use e.g. 0-7, 0,2,5-6, 0, cpu or cpu:4")
+        high = m.group(2) if m.group(2) is not None else m.group(1)
+        lo, hi = _int(m.group(1)), _int(high)
         if hi < lo:
-            raise DeviceSpecError(f"GPU range {part.strip()!r} runs backwards")
-        indices.extend(range(lo, hi + 1))
-    if len(set(indices)) != len(indices):
-        raise DeviceSpecError(f"GPU list {spec!r} names a GPU twice")
-    return indices
+            raise DeviceSpecError(f"GPU range {_quote(part.strip())} runs backwards")
+        ranges.append((lo, hi, high))
+    return ranges
+
+
+def _cpu_devices(spec: str, cpus: int) -> list[Device]:
+    m = _CPU.fullmatch(spec)
+    n = 1 if m.group(1) is None else _int(m.group(1))
+    if n < 1:
+        raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
+    if n > MAX_CPU_WORKERS:
+        raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_CPU_WORKERS} CPU workers")
+    threads = max(1, cpus // n)
+    return [Device("cpu", i, i, threads) for i in range(n)]
 
 
 def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> list[Device]:
@@ -89,7 +141,8 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> 
 
     GPU indices are checked against the GPUs that exist (``gpu_count``, counted when not
     given); an index that does not exist is an error naming the ones that do.
-    CPU workers split the available cores between them (at least one thread each).
+    CPU workers (at most ``MAX_CPU_WORKERS``) split the available cores between them (at
+    least one thread each).
     """
     if isinstance(spec, int):
         spec = str(spec)
@@ -98,17 +151,43 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> 
     spec = str(spec).strip()
     cpus = available_cpus()
     if spec == "cpu" or spec.startswith("cpu:"):
-        n_text = spec[4:] if spec.startswith("cpu:") else "1"
-        if not n_text.isdigit() or int(n_text) < 1:
-            raise DeviceSpecError(f"{spec!r}: cpu:N needs a worker count N >= 1")
-        n = int(n_text)
-        threads = max(1, cpus // n)
-        return [Device("cpu", i, i, threads) for i in range(n)]
-    indices = _gpu_indices(spec)
+        if not _CPU.fullmatch(spec):
+            raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
+        return _cpu_devices(spec, cpus)
+    ranges = _gpu_ranges(spec)
     have = count_gpus() if gpu_count is None else gpu_count
-    missing = [i for i in indices if i >= have]
+    # Check before expanding: "0-99999999" must not build a list of 10^8 indices.
+    missing = [_show(max(lo, have), hi, high) for lo, hi, high in ranges if hi >= have]
     if missing:
         which = f"GPUs 0-{have - 1} exist" if have > 1 else ("GPU 0 exists" if have == 1 else "no GPU is visible (use --gpus cpu:N)")
-        raise DeviceSpecError(f"GPU {', '.join(map(str, missing))} does not exist: {which}")
+        raise DeviceSpecError(f"GPU {', '.join(missing)} does not exist: {which}")
+    indices = [i for lo, hi, _ in ranges for i in range(lo, hi + 1)]
+    if len(set(indices)) != len(indices):
+        raise DeviceSpecError(f"GPU list {_quote(spec)} names a GPU twice")
     threads = max(1, min(8, cpus // len(indices)))
     return [Device("cuda", gpu, rank, threads) for rank, gpu in enumerate(indices)]
+
+
+def parse_ray_spec(spec: str | int | list[Device]) -> tuple[str, int]:
+    """``(kind, count)`` of a ``--gpus`` spec under the Ray backend, where Ray chooses the
+    GPUs: ``"32"`` (32 GPU workers anywhere in the cluster), ``"cpu"`` or ``"cpu:N"``; or of
+    a list of Device (only their kind and number count)."""
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(d, Device) for d in spec):
+        if len({d.kind for d in spec}) > 1:
+            raise DeviceSpecError("a Ray pool's workers are all GPU workers or all CPU workers")
+        spec = f"cpu:{len(spec)}" if spec[0].kind == "cpu" else str(len(spec))
+    spec = str(spec).strip()
+    if spec == "cpu" or spec.startswith("cpu:"):
+        m = _CPU.fullmatch(spec)
+        n = None if m is None else (1 if m.group(1) is None else _int(m.group(1)))
+        kind = "cpu"
+    else:
+        m = re.fullmatch(_NUMBER, spec)
+        n = None if m is None else _int(m.group(1))
+        kind = "cuda"
+    if n is None or n < 1:
+        raise DeviceSpecError(f"{_quote(spec)}: with Ray, the GPU spec is a count of GPUs N >= 1 "
+                              "(Ray chooses which), cpu or cpu:N")
+    if n > MAX_RAY_WORKERS:
+        raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_RAY_WORKERS} Ray workers")
+    return kind, n

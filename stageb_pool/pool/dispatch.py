@@ -5,10 +5,14 @@ processes or sockets: a *transport* starts, feeds, kills and listens to the work
 reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerClosed``,
 ``WorkerExited``). The dispatcher owns
 
-- the queue: a free worker takes the oldest task it may run (tasks submitted with ``rank=``
-  only go to that worker), a retried task first; one task in flight per worker;
-- one ``Slot`` per rank: its ``WorkerState``, the task in flight and the deadline of the
-  state it is in (engine start, task, exit report), and the mirror of its snapshot cache;
+- the queue: a free worker takes the next task it may run (tasks submitted with ``rank=``
+  only go to that worker): a retried task first, then in submission order, or most
+  expensive first for tasks submitted with a ``cost``; one task in flight per worker, or
+  ``depth`` where a transport's round trip is worth hiding (the next task then waits in the
+  worker, which runs its tasks in order; free workers are served first);
+- one ``Slot`` per rank: its ``WorkerState``, the tasks in flight and the deadline of the
+  state it is in (engine start, the running task, exit report), and the mirror of its
+  snapshot cache;
 - faults: a worker past its deadline is killed; once its exit is reported it is replaced
   and its task retried (``max_restarts``, pool-wide), or the fault is raised.
 """
@@ -16,8 +20,10 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
 from __future__ import annotations
 
 import enum
+import heapq
+import json
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import NamedTuple, Protocol
 
 import msgspec
@@ -54,11 +60,13 @@ class WorkerClosed(NamedTuple):
 
 
 class WorkerExited(NamedTuple):
-    """The worker of ``rank`` is gone (reaped); nothing more will come from it."""
+    """The worker of ``rank`` is gone (reaped); nothing more will come from it. A backend
+    that knows no exit code or signal says why in ``cause``."""
 
     rank: int
     exitcode: int | None
     signal: int | None
+    cause: str | None = None
 
 
 class Transport(Protocol):
@@ -69,8 +77,9 @@ class Transport(Protocol):
         """Start a worker process for ``rank`` (its first, or a replacement)."""
 
     def send(self, rank: int, data: bytes) -> None:
-        """Frames for the worker of ``rank``, which has no task; a worker that is gone
-        shows up as a later event, never as an exception here."""
+        """Frames for the worker of ``rank``, which has no task (or fewer than the
+        dispatcher's depth; the worker runs them in order); a worker that is gone shows
+        up as a later event, never as an exception here."""
 
     def kill(self, rank: int) -> None:
         """Kill the worker of ``rank``; its WorkerExited follows."""
@@ -87,7 +96,7 @@ class WorkerState(enum.Enum):
     SPAWNING = "spawning"  # asked for; no process reported yet (start_timeout)
     STARTING = "starting"  # its process builds the engine (start_timeout)
     IDLE = "idle"
-    BUSY = "busy"  # one task in flight (task_timeout)
+    BUSY = "busy"  # tasks in flight; the first is running (task_timeout)
     LOST = "lost"  # its channel closed; the exit report is due (EXIT_REPORT_GRACE)
     KILLED = "killed"  # killed by the pool; the exit report is due (KILL_REPORT_TIMEOUT)
     DEAD = "dead"  # exit reported
@@ -109,10 +118,15 @@ class Slot:
         self.state = WorkerState.SPAWNING
         self.deadline = deadline  # of the current state; None: no limit
         self.pid: int | None = None
-        self.task: TaskHandle | None = None
-        self.started = 0.0  # when the task in flight was sent
+        self.tasks: deque[TaskHandle] = deque()  # in flight, in the order the worker runs them
+        self.started = 0.0  # when the running task (the first) started, as far as we know
         self.trouble: Trouble | None = None
         self.cache = SnapshotCache()
+
+    @property
+    def task(self) -> TaskHandle | None:
+        """The task the worker is running (the first in flight), if any."""
+        return self.tasks[0] if self.tasks else None
 
     def where(self) -> dict:
         """The keyword arguments that locate a fault of this worker in an error."""
@@ -123,33 +137,41 @@ class Slot:
 
 
 class TaskQueue:
-    """Tasks waiting for a worker: one queue for any worker, one per rank for pinned tasks."""
+    """Tasks waiting for a worker: one heap for any worker, one per rank for pinned tasks.
+
+    A free worker takes, among the tasks it may run: a retried task first (it is older than
+    anything still queued); then tasks without a cost, in submission order; then tasks with
+    a cost, most expensive first (longest-processing-time-first: the longest tasks never
+    start last, so the tail after the last start is short), equal costs in submission order.
+    The order never changes a result: a task's seeds come from its work, not its turn."""
 
     def __init__(self, size: int):
-        self._any: deque[TaskHandle] = deque()
-        self._pinned = [deque() for _ in range(size)]
+        self._any: list = []
+        self._pinned: list[list] = [[] for _ in range(size)]
 
-    def _queue(self, task: TaskHandle) -> deque:
-        return self._any if task.rank is None else self._pinned[task.rank]
-
-    def push(self, task: TaskHandle) -> None:
-        self._queue(task).append(task)
+    def push(self, task: TaskHandle, *, retry: bool = False) -> None:
+        key = (not retry, task.cost is not None, -(task.cost or 0.0), task.id)
+        heapq.heappush(self._any if task.rank is None else self._pinned[task.rank], (key, task))
 
     def retry(self, task: TaskHandle) -> None:
-        """A task whose worker died goes first: it is older than anything still queued."""
-        self._queue(task).appendleft(task)
+        """A task whose worker died goes first."""
+        self.push(task, retry=True)
+
+    def __len__(self) -> int:
+        """Tasks queued (cancelled ones included until they are dropped)."""
+        return len(self._any) + sum(len(heap) for heap in self._pinned)
 
     def pop(self, rank: int) -> TaskHandle | None:
-        """The oldest task the worker of ``rank`` may run; tasks already done (cancelled)
+        """The first task the worker of ``rank`` may run; tasks already done (cancelled)
         are dropped on the way."""
-        queues = (self._any, self._pinned[rank])
-        for queue in queues:
-            while queue and queue[0].done():
-                queue.popleft()
-        candidates = [q for q in queues if q]
+        heaps = (self._any, self._pinned[rank])
+        for heap in heaps:
+            while heap and heap[0][1].done():
+                heapq.heappop(heap)
+        candidates = [heap for heap in heaps if heap]
         if not candidates:
             return None
-        return min(candidates, key=lambda q: q[0].id).popleft()
+        return heapq.heappop(min(candidates, key=lambda heap: heap[0][0]))[1]
 
 
 # -- the dispatcher ---------------------------------------------------------------------------
@@ -158,17 +180,21 @@ class Dispatcher:
     inline. ``advance`` is one turn of the event loop."""
 
     def __init__(self, transport: Transport, devices, snapshots: SnapshotStore, stats: PoolStats, *,
-                 task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int):
+                 task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int,
+                 same_engines: bool = False, depth: int = 1):
         self.transport = transport
         self.devices = devices
         self.snapshots, self.stats = snapshots, stats
         self.task_timeout, self.start_timeout = task_timeout, start_timeout
         self.restarts_left = max_restarts
         self.max_frame = max_frame
+        self.same_engines = same_engines  # refuse a worker whose engine.info() differs from the others'
+        self.depth = depth  # tasks in flight per worker
         self.queue = TaskQueue(len(devices))
         self.slots: list[Slot] = []
         self.worker_info: list[dict] = [{} for _ in devices]
         self._outcomes: list[Outcome] = []
+        self._started = False
 
     @property
     def pids(self) -> list[int | None]:
@@ -181,6 +207,9 @@ class Dispatcher:
             self.transport.spawn(rank)
         while any(slot.state is not WorkerState.IDLE for slot in self.slots):
             self._step()
+        if self.same_engines:
+            self._check_engines()
+        self._started = True
 
     def submit(self, task: TaskHandle) -> None:
         self.queue.push(task)
@@ -215,16 +244,24 @@ class Dispatcher:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        for slot in self.slots:
-            if slot.state is WorkerState.IDLE:
-                task = self.queue.pop(slot.rank)
-                if task is not None:
-                    self._send_task(slot, task)
+        # Round by round: every idle worker gets a task before any gets a second one, and a
+        # second only while more tasks are queued than there are workers: the last ones go
+        # to whichever worker is free first, never behind a long task (a short tail).
+        for in_flight in range(self.depth):
+            if in_flight and len(self.queue) <= len(self.slots):
+                return
+            for slot in self.slots:
+                if len(slot.tasks) == in_flight and slot.state in (WorkerState.IDLE, WorkerState.BUSY):
+                    task = self.queue.pop(slot.rank)
+                    if task is not None:
+                        self._send_task(slot, task)
 
     def _send_task(self, slot: Slot, task: TaskHandle) -> None:
-        slot.state, slot.task, task.ran_on = WorkerState.BUSY, task, slot.rank
-        slot.started = time.monotonic()
-        slot.deadline = _deadline(self.task_timeout)
+        if not slot.tasks:  # it starts at once; a later one when those before it are done
+            slot.started = time.monotonic()
+            slot.deadline = _deadline(self.task_timeout)
+        slot.state, task.ran_on = WorkerState.BUSY, slot.rank
+        slot.tasks.append(task)
         messages = [Snapshot(key, msgspec.Raw(self.snapshots.data(key)), evict)
                     for key, evict in slot.cache.admit(task.shared)]
         self.stats.snapshot_sends += len(messages)
@@ -234,7 +271,8 @@ class Dispatcher:
             frames.append(protocol.frame(msg, self.max_frame))
             name = type(msg).__name__
             self.stats.frames_sent[name] = self.stats.frames_sent.get(name, 0) + 1
-        # Blocking sends are safe: a worker reads while it has no task, and this one has none.
+        # Blocking sends are safe with depth 1: a worker reads while it has no task, and this
+        # one has none (a deeper transport, Ray's, never blocks on a busy worker).
         self.transport.send(slot.rank, b"".join(frames))
 
     def _on_message(self, slot: Slot, msg) -> None:
@@ -245,18 +283,25 @@ class Dispatcher:
             if msg.version != PROTOCOL_VERSION:
                 raise ProtocolError(f"worker {slot.rank} speaks protocol {msg.version}, the parent {PROTOCOL_VERSION}")
             slot.state, slot.deadline = WorkerState.IDLE, None
+            slot.pid = slot.pid or msg.pid  # a backend may only learn it here (Ray)
             self.worker_info[slot.rank] = msg.info
+            if self.same_engines and self._started:  # a replacement; at start all are compared at once
+                self._check_engines(new=slot)
         elif isinstance(msg, InitFailed):
             raise WorkerError(msg.error, method="engine_factory", remote_traceback=msg.traceback, **where)
         elif isinstance(msg, (Result, Failure)):
             task = slot.task
             if task is None or task.id != msg.id:
                 raise ProtocolError(f"worker {slot.rank} answered task {msg.id}, which it was not running")
+            now = time.monotonic()
             self.stats.items[slot.rank] += 1
-            self.stats.busy_s[slot.rank] += time.monotonic() - slot.started
-            slot.task = None
+            self.stats.busy_s[slot.rank] += now - slot.started
+            slot.tasks.popleft()
             if slot.state is WorkerState.BUSY:  # a killed one stays killed
-                slot.state, slot.deadline = WorkerState.IDLE, None
+                if slot.tasks:  # the next one runs now
+                    slot.started, slot.deadline = now, _deadline(self.task_timeout)
+                else:
+                    slot.state, slot.deadline = WorkerState.IDLE, None
             if isinstance(msg, Result):
                 self._outcomes.append(Outcome(task, raw=msg.value))
             else:
@@ -265,6 +310,26 @@ class Dispatcher:
                 self._outcomes.append(Outcome(task, error=error))
         else:
             raise ProtocolError(f"worker {slot.rank} sent an unexpected {name}")
+
+    def _check_engines(self, new: Slot | None = None) -> None:
+        """Byte-identical results need the same GPU model and software on every worker
+        (docs/architecture.md, determinism contract): refuse a worker whose engine.info()
+        differs from the others' (from the majority's at start, naming the odd worker)."""
+        ready = [s.rank for s in self.slots if s.state in (WorkerState.IDLE, WorkerState.BUSY)]
+        if new is not None:
+            ready = [r for r in ready if r != new.rank] + [new.rank]  # the newcomer is the odd one
+        kinds = Counter(_canonical(self.worker_info[r]) for r in ready)
+        majority = kinds.most_common(1)[0][0] if new is None else _canonical(self.worker_info[ready[0]])
+        odd = next((r for r in ready if _canonical(self.worker_info[r]) != majority), None)
+        if odd is None:
+            return
+        ref = next(r for r in ready if _canonical(self.worker_info[r]) == majority)
+        info, reference = self.worker_info[odd], self.worker_info[ref]
+        diff = "; ".join(f"{key}: {info.get(key)!r} where worker {ref} has {reference.get(key)!r}"
+                         for key in sorted(set(info) | set(reference)) if info.get(key) != reference.get(key))
+        raise PoolError(f"worker {odd} ({self.devices[odd].name}) reports a different engine ({diff}): "
+                        "results would depend on which worker ran which chunk; run on GPUs of one model "
+                        "with the same software on every node")
 
     def _on_closed(self, slot: Slot) -> None:
         if slot.state in (WorkerState.STARTING, WorkerState.IDLE, WorkerState.BUSY):
@@ -288,25 +353,31 @@ class Dispatcher:
             self.transport.kill(slot.rank)
 
     def _on_exited(self, slot: Slot, exited: WorkerExited) -> None:
-        """The worker is gone: replace it and retry its task, or raise."""
+        """The worker is gone: replace it and retry its tasks, or raise."""
         if slot.trouble is None:
             slot.trouble = Trouble(slot.state, None)
-        where, task = slot.where(), slot.task
-        slot.state, slot.deadline, slot.task = WorkerState.DEAD, None, None
+        where, tasks = slot.where(), list(slot.tasks)
+        slot.state, slot.deadline = WorkerState.DEAD, None
+        slot.tasks.clear()
         if self.restarts_left > 0:
             self.restarts_left -= 1
             self.stats.restarts += 1
-            if task is not None and not task.done():
-                self.queue.retry(task)
+            for task in tasks:
+                if not task.done():
+                    self.queue.retry(task)
             self._spawn(slot.rank)
             return
         if slot.trouble.timeout is not None:
             raise WorkerTimeout(slot.trouble.timeout, **where)
-        raise WorkerDied(exitcode=exited.exitcode, signal=exited.signal, **where)
+        raise WorkerDied(exitcode=exited.exitcode, signal=exited.signal, cause=exited.cause, **where)
 
     def _spawn(self, rank: int) -> None:
         self.slots[rank] = Slot(rank, self.devices[rank], _deadline(self.start_timeout))
         self.transport.spawn(rank)
+
+
+def _canonical(info: dict) -> str:
+    return json.dumps(info, sort_keys=True, default=str)
 
 
 def _deadline(seconds: float | None) -> float | None:

@@ -80,15 +80,18 @@ class WorkerError(_WorkerFault):
 
 
 class WorkerDied(_WorkerFault):
-    """A worker process exited or was killed (OOM killer, segfault, kill -9)."""
+    """A worker process exited or was killed (OOM killer, segfault, kill -9).
 
-    def __init__(self, *, exitcode: int | None, signal: int | None, **where):
+    ``exitcode`` or ``signal`` say how, where the backend knows (a forked worker); ``cause``
+    is the backend's own words where it does not (Ray reports neither for a dead actor)."""
+
+    def __init__(self, *, exitcode: int | None, signal: int | None, cause: str | None = None, **where):
         if signal is not None:
             cause = f"killed by signal {signal} ({_signal_name(signal)})"
-        else:
+        elif exitcode is not None or cause is None:
             cause = f"exited with code {exitcode}"
         super().__init__(f"worker process died: {cause}", **where)
-        self.exitcode, self.signal = exitcode, signal
+        self.exitcode, self.signal, self.cause = exitcode, signal, cause
 
 
 class WorkerTimeout(_WorkerFault):

@@ -28,7 +28,9 @@ def fork_child(body, *, keep: tuple[int, ...] = (), setup=None, check_safe: bool
     In the child: ``after_fork_in_child``, ``die_with_parent``, ``setup()`` (e.g. pointing
     fds 1/2 somewhere), closing every descriptor above 2 but ``keep``, then ``body()``.
     The exit code is what ``body`` returns (None: 0), or 1 with the traceback on stderr
-    when it raises."""
+    when it raises. A child whose channel to its parent broke (the pool's process closed
+    it, or is gone) exits quietly with 0: nobody is left to tell, and a traceback would
+    only land on the user's terminal after a Ctrl-C."""
     if check_safe:
         check_fork_safe()
     parent_pid = os.getpid()
@@ -44,6 +46,8 @@ def fork_child(body, *, keep: tuple[int, ...] = (), setup=None, check_safe: bool
             setup()
         close_fds_except(*keep)
         code = body() or 0
+    except (BrokenPipeError, ConnectionResetError):
+        code = 0
     except BaseException:  # noqa: BLE001 - whatever happens, leave through os._exit
         traceback.print_exc()
     finally:
@@ -60,6 +64,11 @@ def check_fork_safe() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         problems.append("CUDA is initialised in this process (a forked child cannot use it)")
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        # Its gRPC threads do not survive a fork: a child segfaults on its first Ray call,
+        # and may deadlock in any lock they held. They stay even after ray.shutdown().
+        problems.append("Ray is initialised in this process (use backend='ray', or create fork pools before ray.init)")
     if os.path.isdir("/proc/self/task"):
         # A clean interpreter has 1 thread; `import torch` starts exactly one more. Any other
         # thread is usually torch's OpenMP pool, started by a torch op: a forked child that
@@ -72,7 +81,8 @@ def check_fork_safe() -> None:
         if native > clean and threading.active_count() == 1:
             problems.append(
                 f"{native} native threads exist where a clean process has {clean} "
-                "(started by a library: a torch op starts torch's OpenMP thread pool)"
+                "(started by a library: a torch op starts torch's OpenMP thread pool; "
+                "ray.init leaves threads behind even after ray.shutdown)"
             )
     if problems:
         raise PoolError(

@@ -23,7 +23,8 @@ class InlineRunner:
     """Runs the gathered tasks one by one, in the order of the gather."""
 
     def __init__(self, engine_factory, device, snapshots: SnapshotStore, stats: PoolStats, max_frame: int):
-        self.engine_factory, self.device = engine_factory, device
+        self.engine_factory = engine_factory
+        self.device = device.in_this_process()  # e.g. cuda:3, not the cuda:0 of a worker process
         self.snapshots, self.stats = snapshots, stats
         self.max_frame = max_frame
         self.worker_info: list[dict] = [{}]

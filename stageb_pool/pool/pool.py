@@ -5,7 +5,7 @@
 
 The facade over a runner: ``InlineRunner`` (the engine in this process) or a ``Dispatcher``
 driving workers through a transport (``ForkedTransport``: forked by the zygote, one socketpair
-each). The pool encodes items and shared values at submit, gathers results in the order it
+each; ``RayTransport``: Ray actors in one placement group). The pool encodes items and shared values at submit, gathers results in the order it
 was given, decodes them (as ``result_type`` when given) and owns the tasks' life cycle; the
 runner decides where a task runs and turns every worker fault into an error or a retry.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .devices import Device, parse_gpus
+from .devices import Device, parse_gpus, parse_ray_spec
 from .dispatch import Dispatcher
 from .errors import FrameTooLarge, PoolError, TaskCancelled
 from .forked import ForkedTransport
@@ -22,6 +22,10 @@ from .inline import InlineRunner
 from .protocol import MAX_FRAME_BYTES, encode
 from .snapshots import SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
+
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week; a longer limit is a typo (and overflows select())
+BACKENDS = ("fork", "ray")
+RAY_DEPTH = 2  # tasks in flight per Ray actor
 
 
 class Pool:
@@ -31,35 +35,63 @@ class Pool:
     list of ``Device``. ``task_timeout``/``start_timeout`` are seconds (None: no limit).
     ``max_restarts``: how many dead or timed-out workers may be replaced (pool-wide); the
     task they were running is retried. ``inline=True`` runs the engine in this process.
-    ``max_frame_bytes`` bounds every message (items, snapshots, results).
+    ``max_frame_bytes`` bounds every message (items, snapshots, results). A timeout that is
+    not a number of seconds in (0, ``MAX_TIMEOUT``], or a negative ``max_restarts``, is a
+    ValueError naming the argument.
+
+    ``backend="ray"`` runs the workers as Ray actors, one per GPU anywhere in the cluster
+    at ``ray_address`` (``"auto"``: the one ``ray start`` started; ``"local"``: a new one on
+    this machine, stopped by ``close``; ``"host:port"``); ``gpus`` is then a count (``"32"``)
+    or ``"cpu:N"``, and the workers are reserved within ``placement_timeout`` seconds or the
+    pool fails naming the resources. Workers whose ``engine.info()`` differ are refused.
+    Everything else (errors, restarts, snapshots, order, results) is the same.
     """
 
     def __init__(self, engine_factory, gpus="cpu:2", *, task_timeout: float | None = 600.0,
                  start_timeout: float | None = 600.0, max_restarts: int = 0, inline: bool = False,
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
-        if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(d, Device) for d in gpus):
-            self.devices = list(gpus)
-        else:
-            self.devices = parse_gpus(gpus)
-        self.size = len(self.devices)
+                 max_frame_bytes: int = MAX_FRAME_BYTES, backend: str = "fork", ray_address: str = "auto",
+                 placement_timeout: float = 60.0):
+        task_timeout = _checked_timeout("task_timeout", task_timeout)
+        start_timeout = _checked_timeout("start_timeout", start_timeout)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if inline and backend != "fork":
+            raise ValueError("inline=True runs the engine in this process: it takes no backend")
+        ray_spec = parse_ray_spec(gpus) if backend == "ray" else None  # (kind, count): Ray picks GPUs
+        self.devices = [] if ray_spec else _devices(gpus)
+        self.size = ray_spec[1] if ray_spec else len(self.devices)
         self.max_frame = max_frame_bytes
         self.stats = PoolStats.empty(self.size)
         self._snapshots = SnapshotStore(max_frame_bytes)
         self._unfinished: dict[int, TaskHandle] = {}  # by id: submitted, not yet finished
         self._next_id = 0
         self._closed = False
-        if inline:
-            self._runner = InlineRunner(engine_factory, self.devices[0], self._snapshots, self.stats, max_frame_bytes)
-        else:
-            transport = ForkedTransport(self.devices, engine_factory, max_frame_bytes, self.stats)
-            self._runner = Dispatcher(transport, self.devices, self._snapshots, self.stats,
-                                      task_timeout=task_timeout, start_timeout=start_timeout,
-                                      max_restarts=max_restarts, max_frame=max_frame_bytes)
+        self._runner = self._runner_for(engine_factory, inline, ray_spec, ray_address, placement_timeout,
+                                        task_timeout=task_timeout, start_timeout=start_timeout,
+                                        max_restarts=max_restarts)
         try:
             self._runner.start()
         except BaseException:
             self.close()
             raise
+
+    def _runner_for(self, engine_factory, inline: bool, ray_spec, ray_address: str, placement_timeout, **limits):
+        """The inline runner, or the dispatcher over the fork or the Ray transport."""
+        if inline:
+            return InlineRunner(engine_factory, self.devices[0], self._snapshots, self.stats, self.max_frame)
+        if ray_spec is None:
+            transport = ForkedTransport(self.devices, engine_factory, self.max_frame, self.stats)
+        else:
+            from .ray_transport import RayTransport  # imports ray; never on the fork path
+
+            transport = RayTransport(ray_spec, engine_factory, self.max_frame, self.stats, address=ray_address,
+                                     placement_timeout=_checked_timeout("placement_timeout", placement_timeout))
+            self.devices = transport.devices  # planned from the cluster's resources
+        # Under Ray the next task waits in the actor: Ray's ~1 ms round trip is not spent idle.
+        return Dispatcher(transport, self.devices, self._snapshots, self.stats, max_frame=self.max_frame,
+                          same_engines=ray_spec is not None, depth=1 if ray_spec is None else RAY_DEPTH, **limits)
 
     # -- public API ---------------------------------------------------------------------
     @property
@@ -72,11 +104,25 @@ class Pool:
         """Each rank's ``engine.info()``, as reported when its engine started."""
         return self._runner.worker_info
 
+    @property
+    def placement(self) -> list[dict]:
+        """Where each rank's worker runs: under Ray, its node (id, address), Ray's GPU ids
+        and its pid there; {} for workers on this machine."""
+        transport = getattr(self._runner, "transport", None)
+        return getattr(transport, "placement", None) or [{} for _ in range(self.size)]
+
     def submit(self, method: str, item=None, *, rank: int | None = None, result_type=None,
-               **shared) -> TaskHandle:
+               cost: float | None = None, **shared) -> TaskHandle:
         """Queue ``engine.<method>(item, **shared)``; run by the first free worker (or by
-        worker ``rank``) once a ``gather`` (or the handle's ``result()``) drives the pool."""
-        return self._submit(method, item, rank, result_type, self._snapshots.share(shared))
+        worker ``rank``) once a ``gather`` (or the handle's ``result()``) drives the pool.
+
+        ``cost``: an estimate of the task's run time, in any unit. Queued tasks with a cost
+        start most expensive first, after those without one (which keep submission order);
+        results and seeds do not depend on it. Inline mode runs in gather order."""
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float))
+                                 or not 0 <= cost < float("inf")):
+            raise ValueError(f"cost must be a finite number >= 0 or None, got {cost!r}")
+        return self._submit(method, item, rank, result_type, self._snapshots.share(shared), cost)
 
     def gather(self, tasks, *, on_result=None) -> list:
         """Run the pool until every task is done; results in the order of ``tasks``.
@@ -135,7 +181,7 @@ class Pool:
         if self._closed:
             raise PoolError("the pool is closed")
 
-    def _submit(self, method, item, rank, result_type, keys) -> TaskHandle:
+    def _submit(self, method, item, rank, result_type, keys, cost=None) -> TaskHandle:
         self._check_open()
         if rank is not None and not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} does not exist: the pool has ranks 0-{self.size - 1}")
@@ -143,7 +189,7 @@ class Pool:
         if len(data) > self.max_frame:
             raise FrameTooLarge(len(data), self.max_frame, f"item for {method}()")
         self._snapshots.acquire(keys)
-        task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type)
+        task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type, cost)
         self._next_id += 1
         self._unfinished[task.id] = task
         self._runner.submit(task)
@@ -195,3 +241,20 @@ def _decode(task: TaskHandle, raw) -> tuple:
     except msgspec.ValidationError as exc:
         return None, PoolError(f"result of {task.method}() for item {task.index} is not a "
                                f"{getattr(task.result_type, '__name__', task.result_type)}: {exc}")
+
+
+def _checked_timeout(name: str, seconds) -> float | None:
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds (or None: no limit), got {seconds!r}")
+    if not 0 < seconds <= MAX_TIMEOUT:  # also refuses nan and inf
+        raise ValueError(f"{name} must be more than 0 and at most {MAX_TIMEOUT:g} seconds "
+                         f"(or None: no limit), got {seconds!r}")
+    return float(seconds)
+
+
+def _devices(gpus) -> list[Device]:
+    if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(d, Device) for d in gpus):
+        return list(gpus)
+    return parse_gpus(gpus)

@@ -40,13 +40,13 @@ class TaskHandle:
     as ``pool.gather([task])`` does (which is also how several tasks come back in order).
     ``ran_on`` is the rank of the worker that computed the result."""
 
-    __slots__ = ("id", "method", "item", "shared", "rank", "result_type", "index", "owner",
+    __slots__ = ("id", "method", "item", "shared", "rank", "result_type", "cost", "index", "owner",
                  "ran_on", "_pool", "_state", "_result", "_error")
 
     def __init__(self, pool, id: int, method: str, item: bytes, shared: dict[str, str],
-                 rank: int | None, result_type):
+                 rank: int | None, result_type, cost: float | None = None):
         self.id, self.method, self.item, self.shared = id, method, item, shared
-        self.rank, self.result_type = rank, result_type
+        self.rank, self.result_type, self.cost = rank, result_type, cost
         self.index: int | None = None  # position in the gather that waits for it
         self.owner = None  # the gather waiting for it
         self.ran_on: int | None = None

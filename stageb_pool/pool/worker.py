@@ -16,9 +16,10 @@ from .calls import Calls
 from .protocol import Failure, InitFailed, Ready, Result, Shutdown, Snapshot, Task
 
 
-def limit_threads(device) -> None:
-    """Pin devices and thread counts before anything can initialise CUDA or OpenMP."""
-    if device.kind == "cuda":
+def limit_threads(device, *, pin_gpu: bool = True) -> None:
+    """Pin devices and thread counts before anything can initialise CUDA or OpenMP.
+    ``pin_gpu=False`` where someone else chose the GPU (Ray sets CUDA_VISIBLE_DEVICES)."""
+    if device.kind == "cuda" and pin_gpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = device.visible_devices()
     os.environ["OMP_NUM_THREADS"] = str(device.threads)
     os.environ["MKL_NUM_THREADS"] = str(device.threads)

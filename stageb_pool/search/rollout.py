@@ -150,7 +150,7 @@ class RolloutRunner:
                 )
                 self._inflight[key] = self.pool.submit(
                     "rollout", chunk, guidance=spec.guidance, profile=self.profile,
-                    result_type=ChunkResult,
+                    result_type=ChunkResult, cost=chunk_cost(tickets, spec.guidance, spec.sampler),
                 )
             parts.append(_Part(key, len(tickets), owner))
         return Pending(spec, guidance_hash, parts)
@@ -290,6 +290,15 @@ class RolloutRunner:
             cached_generations=cached,
             chunk_done_s=done_s,
         )
+
+
+def chunk_cost(tickets: list[Ticket], guidance: dict[str, str], sampler: SamplerConfig) -> float:
+    """A chunk's expected work, for the pool to start the most expensive chunks first (a
+    shorter tail than submission order; seeds do not depend on the order): its prompt
+    characters (each ticket's summaries plus the guidance) times the samples it generates."""
+    guidance_chars = sum(len(rule) for rule in guidance.values())
+    prompt_chars = sum(sum(len(text) for text in t.per_image.values()) + guidance_chars for t in tickets)
+    return float(prompt_chars * len(sampler.grid) * sampler.samples_per_decode)
 
 
 def _check_chunk(result: ChunkResult, tickets: list[Ticket], key: str) -> None:

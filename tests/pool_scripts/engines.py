@@ -7,6 +7,7 @@ with a deadline, and methods that must "hang" block until they are killed.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 import time
@@ -79,6 +80,8 @@ class Engine:
             touch(marker)
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if how == "exit":
+                os._exit(3)
             if how == "hang":
                 threading.Event().wait()
         return x * x
@@ -93,6 +96,53 @@ class Engine:
         print(text)
         print("to stderr", file=__import__("sys").stderr)
         return True
+
+
+class Uniform(Engine):
+    """The test engine with the same info() on every worker (the Ray backend refuses workers
+    whose engines differ)."""
+
+    def info(self):
+        return {"engine": "test", "kind": self.device.kind}
+
+    def sleep(self, seconds):
+        time.sleep(seconds)  # the workload itself (a simulated generation), not synchronisation
+        return seconds
+
+
+class OddOne(Uniform):
+    """Worker 1 reports other software, as a node with another torch would."""
+
+    def info(self):
+        return {**super().info(), "torch": "2.12.0" if self.device.rank == 1 else "2.13.0"}
+
+
+class ExitsWhileStarting:
+    """A process that dies while its engine loads (an OOM kill, a crash in a native library)."""
+
+    def __init__(self, device):
+        os._exit(5)
+
+
+class StartsWhenTheParentLeaves:
+    """An engine whose start ends only once the parent has closed this worker's socket, so
+    that the worker's Ready meets a closed socket, as when Ctrl-C hits a run whose models
+    are still loading. Touches ``<marker>.<pid>`` when its start begins."""
+
+    def __init__(self, device, marker: str):
+        touch(f"{marker}.{os.getpid()}")
+        sockets = [int(fd) for fd in os.listdir("/proc/self/fd") if _is_socket(int(fd))]
+        (fd,) = sockets  # a worker keeps only its own socket
+        poller = select.poll()
+        poller.register(fd, select.POLLRDHUP)  # the peer closed (not: data arrived)
+        poller.poll(20_000)
+
+
+def _is_socket(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    except OSError:
+        return False
 
 
 class FailingEngine:

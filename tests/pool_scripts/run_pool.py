@@ -1,8 +1,10 @@
 """A parent process that runs a pool and blocks in gather; the tests signal or kill it.
 
-usage: run_pool.py STATE_DIR
+usage: run_pool.py STATE_DIR [slow-start]
 Writes STATE_DIR/pids.json (worker and zygote pids) once the pool is up, then maps a
-blocking task over the workers. Exits 130 on Ctrl-C, like the CLI.
+blocking task over the workers. With ``slow-start`` the workers' engines start only when
+the parent has left them (each touches STATE_DIR/starting.<pid> first), so the pool is
+interrupted while it starts. Exits 130 on Ctrl-C, like the CLI.
 """
 
 import json
@@ -13,15 +15,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from engines import Engine, touch  # noqa: E402
+from engines import Engine, StartsWhenTheParentLeaves, touch  # noqa: E402
 from processes import parent_pid  # noqa: E402
 
 from stageb_pool import Pool  # noqa: E402
 
 
-def main(state_dir: str) -> int:
+def main(state_dir: str, mode: str = "") -> int:
+    engine = Engine
+    if mode == "slow-start":
+        marker = os.path.join(state_dir, "starting")
+        engine = lambda device: StartsWhenTheParentLeaves(device, marker)  # noqa: E731
     try:
-        with Pool(Engine, "cpu:2") as pool:
+        with Pool(engine, "cpu:2") as pool:
             pids = {"workers": pool.pids, "zygote": parent_pid(pool.pids[0])}
             touch(os.path.join(state_dir, "pids.json"), json.dumps(pids))
             pool.map("block", [os.path.join(state_dir, "started")] * 2)
@@ -31,4 +37,4 @@ def main(state_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:]))

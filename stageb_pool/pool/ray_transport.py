@@ -1,0 +1,208 @@
+"""The Ray backend's transport: one actor per worker, each in its bundle of one placement
+group; the dispatcher (dispatch.py) decides everything, as for forked workers.
+
+The payloads stay the pool's msgspec frames: ``RayWorker.run`` takes one ``bytes`` argument
+(the Snapshot frames the actor lacks, then one Task frame) and returns one ``bytes`` frame
+(Result or Failure); Ray passes top-level bytes without pickling them. ``RayWorker.ready``
+answers ``Ready`` or ``InitFailed``: an engine that fails to start is a ``WorkerError``, and a
+Ray error (the actor's process died) is a death. Ray's own restarts and retries are off; the
+dispatcher replaces a dead or stalled actor in the same bundle and retries its task. A
+stalled actor is killed (``ray.cancel`` does not stop a running actor task).
+
+``ray`` is imported lazily (``ray_cluster.import_ray``); this module is only imported for
+``Pool(backend="ray")``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+
+import msgspec
+
+from . import protocol
+from .calls import Calls
+from .devices import Device
+from .dispatch import WorkerExited, WorkerMessage, WorkerStarted
+from .errors import PoolError, ProtocolError
+from .protocol import InitFailed, Ready, Snapshot, Task
+from .ray_cluster import RayConnection, place, plan_workers, remove_group
+from .tasks import PoolStats
+from .worker import exception_summary, limit_threads, run_task, start_engine
+
+
+class RayWorker:
+    """The actor: one engine, built in ``__init__``, answering frames. Runs in an actor process."""
+
+    def __init__(self, device_json: bytes, engine_factory, max_frame: int):
+        import ray
+
+        self.device = msgspec.json.decode(device_json, type=Device)
+        self.max_frame = max_frame
+        limit_threads(self.device, pin_gpu=False)  # Ray chose the GPU: CUDA_VISIBLE_DEVICES is set
+        where = {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                 "gpu_ids": [str(i) for i in ray.get_gpu_ids()], "pid": os.getpid()}
+        try:
+            engine, info = start_engine(engine_factory, self.device)
+        except Exception as exc:  # the parent raises it as WorkerError, as for a forked worker
+            self.calls = None
+            self.hello = protocol.frame(InitFailed(protocol.PROTOCOL_VERSION, os.getpid(), exception_summary(exc),
+                                                   traceback.format_exc()), max_frame)
+            return
+        self.calls = Calls(engine)
+        # The placement rides along under "ray"; the transport takes it out again, so
+        # worker_info is the engine's own report, as with forked workers.
+        self.hello = protocol.frame(Ready(protocol.PROTOCOL_VERSION, os.getpid(), {**info, "ray": where}), max_frame)
+
+    def __repr__(self) -> str:  # Ray's prefix of every line the actor prints: "(w3 cuda:3 pid=...)"
+        device = getattr(self, "device", None)  # Ray may ask before __init__ ran
+        return f"w{device.rank} {device.name}" if device else "RayWorker"
+
+    def ready(self) -> bytes:
+        return self.hello
+
+    def run(self, frames: bytes) -> bytes:
+        reply = None
+        for msg in protocol.FrameReader(self.max_frame).feed(frames):
+            if isinstance(msg, Snapshot):
+                self.calls.add_snapshot(msg.key, msg.value, msg.evict)
+            elif isinstance(msg, Task):
+                reply = run_task(self.calls, msg, self.max_frame)
+            else:
+                raise ProtocolError(f"worker got unexpected {type(msg).__name__}")
+        return reply
+
+
+class RayTransport:
+    """Connects to Ray, plans and places one bundle per worker, then runs actors on request.
+
+    ``spec``: ``(kind, count)`` from ``devices.parse_ray_spec``. ``placement`` holds, per
+    rank, where its actor runs (node id and address, Ray's GPU ids, pid)."""
+
+    def __init__(self, spec: tuple[str, int], engine_factory, max_frame: int, stats: PoolStats, *,
+                 address: str, placement_timeout: float):
+        self.max_frame = max_frame
+        self.stats = stats
+        self.connection = RayConnection(address)
+        ray = self.ray = self.connection.ray
+        self.group = None
+        try:
+            self.devices, self.bundles = plan_workers(ray, *spec)
+            self.group = place(ray, self.bundles, placement_timeout, name=f"stageb_pool-{os.getpid()}-{id(self):x}")
+            self.actor_class = ray.remote(RayWorker)
+            self.factory = ray.put(engine_factory)  # shipped once (Ray pickles it), not per actor
+        except BaseException:
+            self.close([])
+            raise
+        self.actors: list = [None] * len(self.devices)
+        self.placement: list[dict] = [{} for _ in self.devices]
+        self.inflight: dict = {}  # ObjectRef -> (rank, actor): the ready() and run() calls not yet answered
+        self.events: list = []
+
+    def spawn(self, rank: int) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = self.bundles[rank]
+        actor = self.actor_class.options(
+            num_gpus=bundle.get("GPU", 0), num_cpus=bundle.get("CPU", 0),
+            max_restarts=0, max_task_retries=0, max_concurrency=1,  # restarts and retries are the pool's
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=rank,
+                placement_group_capture_child_tasks=False),
+        ).remote(msgspec.json.encode(self.devices[rank]), self.factory, self.max_frame)
+        self.actors[rank] = actor
+        self.placement[rank] = {}  # known once it is ready
+        self.inflight[actor.ready.remote()] = (rank, actor)
+        self.events.append(WorkerStarted(rank, None))
+
+    def send(self, rank: int, data: bytes) -> None:
+        # Never blocks: Ray queues the call in the actor, which runs its calls in order.
+        actor = self.actors[rank]
+        self.inflight[actor.run.remote(data)] = (rank, actor)
+        self.stats.bytes_sent += len(data)
+
+    def kill(self, rank: int) -> None:
+        # The only way to stop a running actor task; its pending calls then fail with
+        # ActorDiedError, which poll reports as the exit (once).
+        actor = self.actors[rank]
+        self.ray.kill(actor, no_restart=True)
+        if all(a is not actor for _, a in self.inflight.values()):
+            self.events.append(WorkerExited(rank, None, None, "killed by the pool"))
+
+    def poll(self, timeout: float | None) -> list:
+        events, self.events = self.events, []
+        if not self.inflight:
+            if events or timeout is not None:
+                return events
+            raise PoolError("the Ray backend was asked to wait with nothing in flight")
+        refs = list(self.inflight)
+        ready, rest = self.ray.wait(refs, num_returns=1, timeout=0 if events else timeout)
+        if ready and rest:  # collect whatever else is done, without waiting
+            ready += self.ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        for ref in self._in_order(ready):
+            if ref in self.inflight:  # not dropped with an actor that died meanwhile
+                events.append(self._answer(*self.inflight.pop(ref), ref))
+        return events
+
+    def _in_order(self, ready: list) -> list:
+        """The calls to answer, in the order each actor got them: for every actor, its calls
+        up to its last one found done. An actor runs its calls in order, but Ray may report
+        a later one done first; ``ray.get`` of an earlier one then returns at once."""
+        done = set(ready)
+        calls = list(self.inflight.items())
+        last = {id(actor): i for i, (ref, (_, actor)) in enumerate(calls) if ref in done}
+        return [ref for i, (ref, (_, actor)) in enumerate(calls) if i <= last.get(id(actor), -1)]
+
+    def close(self, busy: list[int]) -> None:
+        """Kill every actor (an engine holds nothing worth a graceful stop), remove the
+        placement group, and shut Ray down if this pool started it."""
+        ray = self.ray
+        if ray.is_initialized():
+            for actor in getattr(self, "actors", []):
+                if actor is not None:
+                    try:
+                        ray.kill(actor, no_restart=True)
+                    except Exception:  # noqa: BLE001 - already dead
+                        pass
+            if self.group is not None:
+                try:
+                    remove_group(self.group)
+                except Exception:  # noqa: BLE001 - the cluster is going away
+                    pass
+        self.group = None
+        self.connection.close()
+
+    def _answer(self, rank: int, actor, ref):
+        """The event for one finished call of ``actor``, the worker of ``rank``."""
+        ray = self.ray
+        try:
+            data = ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:  # our actor code raised: a bug, not a death
+            raise ProtocolError(f"worker {rank} ({self.devices[rank].name}) failed outside the engine: {exc}") from None
+        except ray.exceptions.RayError as exc:  # the actor died (or its node, or its object)
+            ray.kill(actor, no_restart=True)  # in case it only looks dead: free its bundle
+            # Its other calls fail the same way: one exit per actor, then its tasks are retried.
+            self.inflight = {r: v for r, v in self.inflight.items() if v[1] is not actor}
+            return WorkerExited(rank, None, None, _cause(exc))
+        self.stats.bytes_received += len(data)
+        messages = protocol.FrameReader(self.max_frame).feed(data)
+        if len(messages) != 1:
+            raise ProtocolError(f"worker {rank} answered {len(messages)} messages in one reply")
+        msg = messages[0]
+        if isinstance(msg, Ready):
+            self.placement[rank] = msg.info.pop("ray", {})
+        return WorkerMessage(rank, msg)
+
+
+def _cause(exc: BaseException) -> str:
+    """Ray's own explanation of a death, in one line (it reports no exit code or signal):
+    "The actor is dead because its worker process has died (Worker unexpectedly exits with
+    a connection error code 2. End of file.)"."""
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # no colour codes, one line
+    why = re.search(r"The actor (?:is dead|died) because .*?\.(?=\s|$)", text)
+    detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text)
+    if why is None:
+        return f"{type(exc).__name__}: {text[:200]}"
+    cause = why.group(0).rstrip(".")[:200]
+    return f"{cause} ({detail.group(1).strip()[:200]})" if detail else cause
