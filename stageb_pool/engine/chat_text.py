@@ -1,6 +1,9 @@
 """Text in and out of a chat model, shared by the engines: rendering messages with the
 tokenizer's chat template, the stop strings, and cleaning a decoded completion.
 
+Stops follow upstream (behaviours 16): the end-of-turn strings are always there, and
+``model.stop`` adds to them; it never replaces them.
+
 """
 
 from __future__ import annotations
@@ -24,15 +27,34 @@ def render(tokenizer, messages: list[dict]) -> str:
 
 def stop_strings(tokenizer, extra: list[str] | None = None) -> list[str]:
     """The tokenizer's eos, ``<|im_end|>`` and ``<|endoftext|>`` where the vocabulary has
-    them, or the configured stops when given, without repeats."""
-    if extra is not None:
-        return list(dict.fromkeys(extra))
+    them, then the configured extra stops, without repeats."""
     vocab = tokenizer.get_vocab()
     defaults = [t for t in (tokenizer.eos_token, *END_OF_TURN) if t and t in vocab]
-    return list(dict.fromkeys(defaults))
+    return list(dict.fromkeys([*defaults, *(extra or [])]))
 
 
 def clean(text: str, stops: list[str]) -> str:
     """The completion cut at the first stop string, a leading role marker removed, stripped."""
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
     return _ASSISTANT_PREFIX.sub("", text[:cut], count=1).strip()
+
+
+def chat_messages(request, k: int) -> list[dict]:
+    """The proposer's messages with the first ``k`` examples of a ``ChatRequest``."""
+    user = "\n\n".join(p for p in [request.user_head, *request.examples[:k], request.user_tail] if p)
+    return [{"role": "system", "content": request.system}, {"role": "user", "content": user}]
+
+
+def fit_examples(request, encode) -> tuple[int, list[int], bool]:
+    """``(k, prompt ids, fits)`` for the most examples whose prompt fits the request's
+    ``max_prompt_tokens``, dropping examples from the end but never below one (upstream:
+    the proposer is never asked without an example). When even that does not fit, ``fits``
+    is False and ``k`` and the ids are those of the last try. ``encode(messages)`` gives
+    the prompt's token ids."""
+    limit = request.max_prompt_tokens
+    lowest = 1 if request.examples else 0
+    for k in range(len(request.examples), lowest - 1, -1):
+        row = encode(chat_messages(request, k))
+        if limit is None or len(row) <= limit:
+            return k, row, True
+    return lowest, row, False

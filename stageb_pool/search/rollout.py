@@ -131,6 +131,7 @@ class RolloutRunner:
                     samples_per_decode=spec.sampler.samples_per_decode,
                     max_prompt_tokens=spec.sampler.max_prompt_tokens,
                     return_token_ids=self.save_rollouts,
+                    constrain_verdict=spec.sampler.constrain_verdict,
                 )
                 self._inflight[key] = self.pool.submit(
                     "rollout", chunk, guidance=spec.guidance, profile=self.profile,
