@@ -33,3 +33,8 @@ def descendants(pid: int) -> list[int]:
         found += children
         frontier += children
     return found
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of a living process (e.g. the pool's zygote, from a worker's pid)."""
+    return int(_stat(pid)[1])

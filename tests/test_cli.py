@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,6 +144,17 @@ def test_check_reports_a_malformed_ticket_line(project):
     lines[4] = '{"group_id": "x", "mission": "Rooftop antenna mount inspection", "label": "maybe", "per_image": {"image_1": "a"}}\n'
     (project / "tickets.jsonl").write_text("".join(lines))
     assert_one_line_error(run_cli("check", str(project / "c.yaml")), 2, f"{project / 'tickets.jsonl'}:5")
+
+
+def test_check_prints_the_ingest_conversions(project):
+    lines = (project / "tickets.jsonl").read_text().splitlines(keepends=True)
+    first = json.loads(lines[0])
+    first.update(group_id=15502, label_timestamp=20250315)
+    lines[0] = json.dumps(first) + "\n"
+    (project / "tickets.jsonl").write_text("".join(lines))
+    proc = run_cli("check", str(project / "c.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"\n  converted +group_id 1\n  ignored +label_timestamp 1\n", proc.stdout), proc.stdout
 
 
 def test_check_reports_guidance_without_g0(project):

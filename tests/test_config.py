@@ -96,6 +96,20 @@ def test_path_like_profile_resolves_but_a_name_stays_a_name(cfgdir):
 def test_bootstrap_seed_defaults_to_the_top_level_seed(cfgdir):
     assert load(cfgdir).rule_search.gate.bootstrap.seed == 7
     assert load(cfgdir, overrides=["rule_search.gate.bootstrap.seed=99"]).rule_search.gate.bootstrap.seed == 99
+    assert load(cfgdir).stage_b_distillation.distill_seed == 7
+    assert load(cfgdir, overrides=["stage_b_distillation.distill_seed=0"]).stage_b_distillation.distill_seed == 0
+
+
+def test_a_loaded_config_is_a_frozen_value(cfgdir):
+    cfg = load(cfgdir)
+    for section, key in ((cfg, "seed"), (cfg.output, "save_rollouts"), (cfg.rule_search.gate.bootstrap, "seed")):
+        with pytest.raises(AttributeError):
+            setattr(section, key, 1)
+    audit = cfgmod.with_mode(cfg, True)
+    assert (audit.mode, cfg.mode) == ("audit", "search")
+    assert cfgmod.with_mode(cfg, False) is cfg
+    assert cfgmod.replace_at(cfg, "rule_search.gate.bootstrap.seed", 5).rule_search.gate.bootstrap.seed == 5
+    assert cfg.rule_search.gate.bootstrap.seed == 7
 
 
 def test_max_changed_fraction_zero_means_zero(cfgdir):
@@ -379,7 +393,7 @@ def test_config_struct_tree_forbids_unknown_fields_everywhere():
     def walk(struct):
         assert struct.__struct_config__.forbid_unknown_fields, struct
         for f in msgspec.structs.fields(struct):
-            sub = cfgmod._struct_of(f.type)
+            sub = cfgmod.struct_of(f.type)
             if sub is not None:
                 walk(sub)
     walk(Config)

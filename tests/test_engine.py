@@ -263,8 +263,9 @@ def test_default_stops_are_eos_im_end_and_endoftext(engine):
     [
         ("Verdict: pass\nReason: ok", "Verdict: pass\nReason: ok"),
         ("  Verdict: fail  \n", "Verdict: fail"),
-        ("assistant\nVerdict: pass", "Verdict: pass"),
-        ("Assistant: Verdict: pass", "Verdict: pass"),
+        # a role echo is kept: the verdict parser is the one place that removes it
+        ("assistant\nVerdict: pass", "assistant\nVerdict: pass"),
+        ("Assistant: Verdict: pass", "Assistant: Verdict: pass"),
         ("Verdict: pass<|im_end|>more text", "Verdict: pass"),
         ("Verdict: pass<|endoftext|>x<|im_end|>y", "Verdict: pass"),
         ("the assistant\nsaid", "the assistant\nsaid"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import msgspec
 import pytest
 
 from stageb_pool.stageb.errors import InputError
@@ -140,6 +141,63 @@ def test_missing_file(tmp_path):
         load_guidance(tmp_path / "nope.json", M)
 
 
+def test_json_errors_give_line_and_column(tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text('{\n  "M": {\n    "step": 1,,\n  }\n}\n', encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        load_guidance(path, M)
+    assert err.value.location == f"{path}:3:15" and err.value.message.startswith("invalid JSON")
+
+
+@pytest.mark.parametrize("text, location, message", [
+    # a rule key or a mission section given twice: refused, not the last one kept
+    ('{"M": {"step": 1, "updated_at": "%s", "experiences": {"G0": "a", "G1": "b", "G1": "c"}}}' % T0,
+     "M.experiences", "key 'G1' is given twice"),
+    ('{"M": {"step": 1}, "M": {"step": 2}}', "", "key 'M' is given twice"),
+    ('{"M": {"step": 1, "updated_at": "%s", "experiences": {"G0": "\\ud800"}}}' % T0,
+     "M.experiences.G0", "lone surrogate"),
+])
+def test_strict_json_content_problems_name_the_key_path(tmp_path, text, location, message):
+    path = tmp_path / "g.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        load_guidance(path, "M")
+    assert err.value.location == (f"{path}: {location}" if location else str(path))
+    assert err.value.message.startswith(message)
+
+
+@pytest.mark.parametrize("content, location, message", [
+    (b'{"M": ' + b"[" * 1000 + b"]" * 1000 + b"}", ":1:106", "JSON nested deeper than 100 levels"),
+    (b'{"M": {"step": 1, "updated_at": "x", "experiences": {"G0": "\xff"}}}', ":1:61", "not valid UTF-8"),
+    (b'{"M": {"step": ' + b"1" * 4301 + b"}}", ":1:16", "invalid JSON: Exceeds the limit (4300 digits)"),
+])
+def test_hostile_guidance_bytes_are_located(tmp_path, content, location, message):
+    path = tmp_path / "g.json"
+    path.write_bytes(content)
+    with pytest.raises(InputError) as err:
+        load_guidance(path, "M")
+    assert err.value.location == f"{path}{location}" and err.value.message.startswith(message)
+
+
+def test_a_huge_rule_key_is_refused_at_load(tmp_path):
+    key = "G" + "1" * 5000  # would kill the worker that orders the rules by number
+    path = write_file(tmp_path, {M: section(experiences={"G0": "a", key: "b"})})
+    with pytest.raises(InputError) as err:
+        load_guidance(path, M)
+    assert err.value.location.startswith(f"{path}: {M}: experiences.G1111")
+    assert len(str(err.value)) < 300 and "rule key too long" in err.value.message
+
+
+def test_bom_and_fifo(tmp_path):
+    path = tmp_path / "g.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({M: section()}).encode())
+    assert load_guidance(path, M).experiences["G0"] == "需确认螺丝"  # a BOM is accepted, as in every input
+    fifo = tmp_path / "g.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="not a regular file"):
+        load_guidance(fifo, M)
+
+
 # ----------------------------------------------------------------------------- operations
 
 BASE = {"G0": "检查螺丝", "S1": "无法确认则不通过", "G1": "螺丝松动则不通过", "G2": "标签缺失则不通过"}
@@ -165,19 +223,32 @@ def test_upsert_with_key_creates_or_rewrites():
     assert apply(g, op="upsert", key="G1", text="改写").experiences["G1"] == "改写"
 
 
-def test_text_is_normalised():
-    new = apply(G(BASE), op="upsert", text="  接地线\u3000缺失   则不通过。。 ")
-    assert new.experiences["G3"] == "接地线 缺失 则不通过"
+@pytest.mark.parametrize("given, stored", [
+    ("若螺丝松动则判定不通过。", "若螺丝松动则判定不通过。"),  # upstream stores and prompts the text as given
+    ("  接地线\u3000缺失   则不通过。。 \n", "接地线\u3000缺失   则不通过。。"),  # outer whitespace stripped only
+    ("第一行\n第二行", "第一行\n第二行"),
+])
+def test_text_is_stored_as_given(given, stored):
+    new = apply(G(BASE), op="upsert", text=given)
+    assert new.experiences["G3"] == stored
+
+
+def test_a_second_identical_upsert_is_a_no_op_write_not_an_error():
+    g1 = apply(G(BASE), op="upsert", text="若螺丝松动则判定不通过。", evidence=["k0"])
+    g2 = apply(g1, op="upsert", text="若螺丝松动则判定不通过。", evidence=["k1"])
+    assert g2.experiences == g1.experiences and g2.step == g1.step + 1
+    meta = g2.metadata["G3"]
+    assert (meta.hit_count, meta.miss_count, meta.sources) == (2, 0, ["k1", "k0"])
 
 
 def test_identical_text_redirects_to_the_existing_key():
     g = G(BASE, metadata={"G2": ExperienceMeta(updated_at=T0, reflection_id="old", sources=["s::fail"], hit_count=1)})
-    # upsert of an existing rule's text (after normalisation) changes nothing -> error
-    with pytest.raises(GuidanceError, match="did not modify"):
-        apply(g, op="upsert", text="标签缺失则不通过。")
-    # update of G1 with G2's text rewrites G2, not G1: still no change
-    with pytest.raises(GuidanceError, match="did not modify"):
-        apply(g, op="update", key="G1", text="标签缺失则不通过")
+    # upsert of an existing rule's text (compared without the trailing 。) rewrites that rule
+    new = apply(g, op="upsert", text="标签 缺失则不通过。")
+    assert new.experiences == {**BASE, "G2": "标签 缺失则不通过。"}
+    assert new.metadata["G2"].hit_count == 2 and new.step == g.step + 1
+    # update of G1 with G2's text rewrites G2, not G1
+    assert apply(g, op="update", key="G1", text="标签缺失则不通过").experiences == BASE
     # merge into G5 with G2's text lands on G2 and folds G1 into it
     new = apply(g, op="merge", key="G5", text="标签缺失则不通过", merged_from=["G1", "G2"])
     assert new.experiences == {"G0": "检查螺丝", "S1": "无法确认则不通过", "G2": "标签缺失则不通过"}
@@ -227,7 +298,7 @@ def test_remove():
     new = apply(g, op="remove", key="G1")
     assert "G1" not in new.experiences and "G1" not in new.metadata
     with pytest.raises(GuidanceError, match="did not modify"):
-        apply(g, op="remove", key="G9")  # missing key: nothing changes
+        apply(g, op="remove", key="G9")  # missing key: nothing changes (upstream's error too)
     with pytest.raises(GuidanceError, match="needs a key"):
         apply(g, op="remove")
 
@@ -254,6 +325,17 @@ def test_merge_folds_metadata_and_deletes_merged_from():
     assert m.rationale == "旧理由"  # no new rationale: the old one stays
     assert (m.updated_at, m.reflection_id) == (NOW, "refl-1")
     assert g.metadata == meta  # the input was not touched
+
+
+def test_merge_without_rationale_keeps_the_first_one_of_target_then_merged():
+    meta = {"G2": ExperienceMeta(updated_at=T0, reflection_id="a", sources=["t2"], hit_count=1),
+            "G3": ExperienceMeta(updated_at=T0, reflection_id="b", rationale="B", sources=["t3"], hit_count=1)}
+    g = G({**BASE, "G3": "三"}, metadata=meta)
+    m = apply(g, op="merge", key="G2", text="合并后", merged_from=["G3"], evidence=["e1"]).metadata["G2"]
+    assert (m.rationale, m.sources, m.hit_count) == ("B", ["e1", "t2", "t3"], 3)
+    meta["G2"] = msgspec.structs.replace(meta["G2"], rationale="A")
+    g = G({**BASE, "G3": "三"}, metadata=meta)
+    assert apply(g, op="merge", key="G2", text="合并后", merged_from=["G3"], rationale=" ").metadata["G2"].rationale == "A"
 
 
 def test_new_rationale_replaces_old():

@@ -6,6 +6,7 @@ nothing sleeps to synchronise.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -13,16 +14,17 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
-import msgspec
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pool_scripts"))
 
 from engines import Echoed, Engine, FailingEngine, wait_for_path  # noqa: E402
-from processes import gone  # noqa: E402
+from processes import gone, parent_pid  # noqa: E402
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout  # noqa: E402
+from stageb_pool.pool import RemoteTraceback, TaskCancelled  # noqa: E402
 from stageb_pool.pool.protocol import FrameTooLarge, ProtocolError  # noqa: E402
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "pool_scripts")
@@ -38,7 +40,9 @@ def wait_until(condition, timeout: float) -> bool:
 
 
 def all_processes(pool) -> list[int]:
-    return [p for p in pool.pids if p is not None] + [pool._zygote.pid]
+    """The workers and their parent, the zygote."""
+    workers = [p for p in pool.pids if p is not None]
+    return workers + [parent_pid(workers[0])]
 
 
 @pytest.fixture
@@ -109,7 +113,7 @@ def test_each_snapshot_is_sent_once_per_worker():
 
 
 def test_snapshot_cache_evicts_and_resends():
-    from stageb_pool.pool.pool import SNAPSHOT_CACHE_SIZE
+    from stageb_pool.pool.snapshots import SNAPSHOT_CACHE_SIZE
 
     values = [{"v": i} for i in range(SNAPSHOT_CACHE_SIZE + 2)]
     with Pool(Engine, "cpu:1") as pool:
@@ -130,6 +134,35 @@ def test_engine_exception_carries_rank_item_and_remote_traceback(pool3):
     first_line = str(err).splitlines()[0]
     assert first_line == f"worker {err.rank} (cpu:{err.rank}) in fail_on() on item 4: ValueError: item 4 is bad"
     assert pool3.map("square", [1, 2, 3]) == [1, 4, 9]  # the pool is still usable
+
+
+def test_a_worker_error_is_one_line_and_chains_the_workers_traceback(pool3):
+    with pytest.raises(WorkerError) as info:
+        pool3.call(1, "fail_on", 2)
+    err = info.value
+    assert str(err) == "worker 1 (cpu:1) in fail_on() on item 0: ValueError: item 2 is bad"
+    assert isinstance(err.__cause__, RemoteTraceback) and err.__cause__.text == err.remote_traceback
+    printed = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    # the worker's frames first, then the parent's, as with concurrent.futures
+    assert printed.index("in fail_on") < printed.index("direct cause") < printed.index("WorkerError: worker 1")
+
+
+def test_task_handles_behave_like_futures():
+    with Pool(Engine, "cpu:1") as pool:
+        ok, bad = pool.submit("square", 4), pool.submit("fail_on", 2)
+        assert not ok.done() and not ok.cancelled()
+        assert ok.result() == 16 and ok.done() and ok.exception() is None and ok.ran_on == 0
+        assert isinstance(bad.exception(), WorkerError) and bad.done() and not bad.cancelled()
+        with pytest.raises(WorkerError, match="item 2 is bad"):
+            bad.result()
+        first, second = pool.submit("fail_on", 2), pool.submit("square", 3)
+        with pytest.raises(WorkerError):
+            pool.gather([first, second])  # one worker: the second is still queued, and cancelled
+        assert second.cancelled() and isinstance(second.exception(), concurrent.futures.CancelledError)
+        with pytest.raises(TaskCancelled, match="cancelled: an earlier error in its gather"):
+            second.result()
+        pending = pool.submit("square", 5)
+    assert pending.cancelled()  # closing the pool cancels what was never gathered
 
 
 def test_engine_init_failure_raises_from_the_constructor():
@@ -199,9 +232,10 @@ def test_restart_and_retry_give_identical_results(tmp_path, how):
         assert pool.map("square", [5]) == [25]  # and it works
 
 
-def test_a_task_may_share_more_values_than_the_snapshot_cache_holds():
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_task_may_share_more_values_than_the_snapshot_cache_holds(inline):
     shared = {f"v{i}": i for i in range(12)}
-    with Pool(Engine, "cpu:1") as pool:
+    with Pool(Engine, "cpu:1", inline=inline) as pool:
         assert pool.map("sum_shared", [0, 100], **shared) == [66, 166]
         assert pool.call(0, "sum_shared", 1, a=1) == 2  # older snapshots can be evicted again
 

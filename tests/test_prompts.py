@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import msgspec
@@ -120,7 +121,7 @@ def test_domain_from_mission_prefix_and_override():
     bbu = load_profile("bbu_rru", mission=BBU)
     forced = load_profile("bbu_rru", mission=BBU, domain="rru")
     assert forced.domain == "rru" and forced.system != bbu.system
-    assert forced.system == (PROFILES_DIR / "bbu_rru" / "system_rru.txt").read_text(encoding="utf-8").rstrip("\n")
+    assert forced.system == (PROFILES_DIR / "bbu_rru" / "system_rru.txt").read_text(encoding="utf-8")
     assert load_profile("generic", mission="x").domain is None
 
 
@@ -170,8 +171,8 @@ def test_the_proposer_prompt_defaults_to_the_profiles_proposer_txt(tmp_path):
     assert load_proposer_prompt(str(tmp_path / "custom"), None) == "Custom proposer."
 
 
-@pytest.mark.parametrize("content, message", [(None, "cannot read the proposer prompt"), (" \n", "empty"),
-                                              (b"\xff\xfe", "not valid UTF-8")])
+@pytest.mark.parametrize("content, message", [(None, "proposer prompt not found"), (" \n", "empty"),
+                                              (b"ok\n\xff\xfe", "not valid UTF-8")])
 def test_a_bad_proposer_prompt_is_a_located_error(tmp_path, content, message):
     path = tmp_path / "proposer.txt"
     if isinstance(content, bytes):
@@ -180,7 +181,23 @@ def test_a_bad_proposer_prompt_is_a_located_error(tmp_path, content, message):
         path.write_text(content, encoding="utf-8")
     with pytest.raises(InputError, match=message) as err:
         load_proposer_prompt("generic", str(path))
-    assert err.value.location == str(path)
+    assert err.value.location == (f"{path}:2:1" if message == "not valid UTF-8" else str(path))
+
+
+def test_a_fifo_proposer_prompt_is_refused_not_waited_for(tmp_path):
+    fifo = tmp_path / "proposer.txt"
+    os.mkfifo(fifo)
+    # A writer that closes at once: a reader that opens the FIFO gets an empty text instead
+    # of blocking the test forever (a reader that refuses the FIFO never opens it).
+    writer = threading.Thread(target=lambda: open(fifo, "wb").close(), daemon=True)
+    writer.start()
+    try:
+        with pytest.raises(InputError, match="proposer prompt is not a regular file"):
+            load_proposer_prompt("generic", str(fifo))
+    finally:
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the writer's open return
+        writer.join()
+        os.close(reader)
 
 
 def test_unknown_profile_name_lists_known():
@@ -191,7 +208,7 @@ def test_unknown_profile_name_lists_known():
 @pytest.mark.parametrize("missing", ["profile.yaml", "user.txt", "system.txt"])
 def test_missing_profile_file(profile_dir, missing):
     (profile_dir / missing).unlink()
-    with pytest.raises(InputError, match="missing profile file") as err:
+    with pytest.raises(InputError, match="profile file not found") as err:
         load_profile(str(profile_dir), mission="m")
     assert err.value.location == str(profile_dir / missing)
 
@@ -264,24 +281,32 @@ def test_render_template(template, values, expected):
 
 OBJ_TABLE = [
     ("无关图片", 0),
-    ("  无关图片（远景） ", 0),
+    ("  无关图片 \n", 0),
+    ("  无关图片（远景） ", 1),  # upstream: only exactly 无关图片 is 0; this is one free-text segment
     ("", 0),
     (j({"统计": []}), 0),
     (j({"统计": [{"类别": "BBU设备"}]}), 1),  # no attributes: max(1, 0)
     (j({"统计": [{"类别": "BBU设备", "品牌": {"华为": 1}, "可见性": {"完整": 1}}]}), 1),
     (j({"统计": [{"类别": "螺丝", "符合性": {"符合": 2, "不符合": 1}}]}), 3),
-    (j({"统计": [{"类别": "螺丝", "符合性": {"符合": 2, "坏": -1, "x": 0, "y": True, "z": "3"}}]}), 2),  # positive ints only
+    (j({"统计": [{"类别": "螺丝", "符合性": {"符合": 2, "坏": -1, "x": 0, "y": True, "z": "3"}}]}), 5),  # digit strings count
+    (j({"统计": [{"类别": "螺丝", "符合性": {"符合": 2.0, "x": 1.5, "z": " 2 "}}]}), 4),  # integral floats too
+    (j({"统计": [{"类别": " 标签 ", "文本": {"A": 1}, "可读性": {"可读": 2}}]}), 3),  # 类别 compared stripped
     (j({"统计": [{"类别": "线缆", "颜色": ["红", "黑", None]}]}), 2),  # list: non-null items
     (j({"统计": [{"类别": "线缆", "颜色": "红"}]}), 1),  # scalar: 1
     (j({"统计": [{"类别": "线缆", "颜色": None}]}), 1),  # null: 0 -> max(1, 0)
     (j({"统计": [{"类别": "标签", "文本": {"A": 1, "B": 1}, "可读性": {"可读": 2}}]}), 4),  # 文本 + 可读性
     (j({"统计": [{"类别": "标签", "文本": {"A": 1}, "位置": {"上": 5}}]}), 5),  # max attr wins
     (j({"统计": [{"类别": "标签"}]}), 1),
-    (j({"统计": [{"类别": "a", "n": {"x": 2}}, {"类别": "b", "n": {"x": 3}}, "free"]}), 6),  # non-object entry: 1
+    (j({"统计": [{"类别": "a", "n": {"x": 2}}, {"类别": "b", "n": {"x": 3}}, "free"]}), 5),  # non-object entry: 0
+    (j({"统计": {"类别": "a"}}), 0),  # a summary object whose 统计 is no list: nothing to count
+    (j({"统计": [{"类别": "标签", "文本": {"A": 2.0, "B": "3"}}, "junk"]}), 5),  # prompts.md's executed example
     ("<DOMAIN=BBU>, <TASK=SUMMARY>\n" + j({"统计": [{"类别": "a", "n": {"x": 2}}]}), 2),  # last JSON line
     ("前缀说明 " + j({"统计": [{"类别": "a", "n": {"x": 3}}]}) + " 后缀", 3),  # widest {...} span
     ('统计=[{"类别": "a", "n": {"x": 4}}]', 4),  # repaired assignment text
-    ('统计：[{"类别": "a", "n": {"x": 2}}] 备注', 2),
+    ('统计:[{"类别": "a", "n": {"x": 2}}] 备注', 2),
+    ('统计：[{"类别": "a", "n": {"x": 2}}] 备注', 1),  # a full-width colon is not repaired (upstream): free text
+    ('分组统计=[{"类别": "a", "n": {"x": 2}}]', 2),  # upstream finds "统计=" inside "分组统计="
+    ("<DOMAIN=BBU><TASK=SUMMARY>\n" + j({"统计": [{"类别": "a", "n": {"x": 2}}]}), 2),  # header without comma
     (j({"备注": ["x"]}), 1),  # JSON without 统计: non-JSON fallback, one segment
     ("机柜正面，螺丝齐全，标签清晰", 3),  # split on the Chinese comma
     ("机柜正面，，", 1),
@@ -309,16 +334,38 @@ STATION_TABLE = [
     ("RRU安装检查", [S({"类别": "固定件"}, distance=3, key="距离"), S({"类别": "其他"}, distance=4)],
      ["- 站点距离=3: RRU=无, 紧固件=有", "- 站点距离=4: RRU=无, 紧固件=无"]),  # kept even when empty
     ("RRU安装检查", [S({"类别": "RRU设备"})], []),  # no distance: not paired
-    ("RRU安装检查", ["RRU设备完整，站点距离=12", "紧固件齐全，站点距离/12", "无关图片 站点距离=12"],
-     ["- 站点距离=12: RRU=有, 紧固件=有"]),  # non-JSON text; irrelevant photos skipped
+    ("RRU安装检查", ["RRU设备完整，站点距离=12", "紧固件齐全，站点距离/12", "无关图片 站点距离=13"],
+     ["- 站点距离=12: RRU=有, 紧固件=有", "- 站点距离=13: RRU=无, 紧固件=无"]),  # non-JSON text (upstream
+    # does not skip 无关图片 text; it rarely carries a distance)
+    ("RRU安装检查", ["RRU 在左侧，站点距离=5"], ["- 站点距离=5: RRU=有, 紧固件=无"]),  # the word RRU
+    ("RRU安装检查", [S({"类别": "RRU设备"}, distance="035"), S({"类别": "紧固件"}, distance=35)],
+     ["- 站点距离=035: RRU=有, 紧固件=无", "- 站点距离=35: RRU=无, 紧固件=有"]),  # distances kept as written
+    ("RRU安装检查", [j({"统计": [{"类别": "RRU设备"}, {"类别": "站点距离", "站点距离": {"3": 1}},
+                                 {"类别": "站点距离", "站点距离": {"4": 1}}]})],
+     ["- 站点距离=3: RRU=有, 紧固件=无"]),  # the first 站点距离 entry only
+    ("RRU安装检查", [j({"统计": [{"类别": {"RRU设备": 1}}, {"类别": "站点距离", "站点距离": {"3": 1}}]})],
+     ["- 站点距离=3: RRU=无, 紧固件=无"]),  # a non-string 类别 names nothing (upstream crashed)
     ("RRU位置检查", [S({"类别": "RRU接地端"}, distance=5), S({"类别": "接地线"}, {"类别": "标签", "文本": {"GND-1": 1}}, distance=6),
-                   S({"类别": "接地线"}, {"类别": "标签", "文本": {"无法识别": 1}}, distance=7), S({"类别": "其他"}, distance=9)],
-     ["- 站点距离=5: RRU接地端=有, 接地线(可读标签)=无", "- 站点距离=6: RRU接地端=无, 接地线(可读标签)=有"]),
-    ("RRU线缆", [S({"类别": "尾纤"}, distance=2), S({"类别": "线缆", "套管保护": {"有保护": 1}}, distance=3),
-               S({"类别": "线缆", "套管保护": {"没有保护": 2}}, distance=4), S({"类别": "标签", "文本": {"ODF-3": 1}}, distance=4)],
-     ["- 站点距离=2: 尾纤=有, 套管=无, 标签文本=无", "- 站点距离=3: 尾纤=无, 套管=有, 标签文本=无",
-      "- 站点距离=4: 尾纤=无, 套管=无, 标签文本=有"]),
-    ("RRU线缆", [S({"类别": "线缆", "套管保护": {"有保护": 0}}, distance=1)], []),  # zero count: no sleeve
+                   S({"类别": "接地线"}, {"类别": "标签", "可读性": {"不可读": 1}}, distance=7), S({"类别": "其他"}, distance=9),
+                   S({"类别": "接地线"}, {"类别": "标签", "文本": {"无法识别": 1}}, distance=8)],
+     ["- 站点距离=5: RRU接地端=有, 接地线(可读标签)=无", "- 站点距离=6: RRU接地端=无, 接地线(可读标签)=有",
+      "- 站点距离=8: RRU接地端=无, 接地线(可读标签)=有"]),  # upstream: any 文本 key is readable text
+    ("RRU位置检查", ["接地线，标签/GND-1，站点距离=3", "接地线，标签/无法识别，站点距离=4", "接地线，标签，站点距离=5"],
+     ["- 站点距离=3: RRU接地端=无, 接地线(可读标签)=有"]),  # text: 标签/ and not 无法识别/没有标签
+    ("RRU线缆", [S({"类别": "尾纤"}, distance=2), S({"类别": "尾纤", "套管保护": {"有保护": 1}}, distance=3),
+               S({"类别": "尾纤", "套管保护": {"没有保护": 2}}, distance=4), S({"类别": "标签", "文本": {"ODF-3": 1}}, distance=4)],
+     ["- 站点距离=2: 尾纤=有, 套管=无, 标签文本=无", "- 站点距离=3: 尾纤=有, 套管=有, 标签文本=无",
+      "- 站点距离=4: 尾纤=有, 套管=无, 标签文本=有"]),
+    ("RRU线缆", [S({"类别": "尾纤", "套管保护": {"有保护": 0}}, distance=1)],
+     ["- 站点距离=1: 尾纤=有, 套管=无, 标签文本=无"]),  # zero count: no sleeve
+    # issue 14 §3 item 7: upstream reads 套管保护 of the first 尾纤 entry only, so a separate
+    # 套管 entry is no sleeve (as upstream) ...
+    ("RRU线缆", [S({"类别": "尾纤"}, {"类别": "套管", "套管保护": {"有保护": 1}}, distance=8)],
+     ["- 站点距离=8: 尾纤=有, 套管=无, 标签文本=无"]),
+    # ... and in free text "套管/没有保护" is no sleeve here; upstream said 套管=有 (its defect,
+    # listed in docs/formats.md)
+    ("RRU线缆", ["站点距离=8，尾纤，套管/没有保护，标签/OPT-1"], ["- 站点距离=8: 尾纤=有, 套管=无, 标签文本=有"]),
+    ("RRU线缆", ["站点距离=9，套管/有保护"], ["- 站点距离=9: 尾纤=无, 套管=有, 标签文本=无"]),
     (BBU, [S({"类别": "RRU设备"}, distance=35)], []),  # only the three RRU missions
 ]
 
@@ -326,3 +373,94 @@ STATION_TABLE = [
 @pytest.mark.parametrize("mission,summaries,expected", STATION_TABLE)
 def test_station_summary(mission, summaries, expected):
     assert station_summary_lines(mission, summaries) == expected
+
+
+# ----------------------------------------------------------------------------- a team's own templates
+
+# issue 14 §4: a profile folder of plain files outside the package reproduces a given pair of
+# messages byte for byte. The system text is a file used as written (final newline kept);
+# the user message follows upstream's builder, here checked against messages built by it
+# (the worked example of the upstream research notes, and the rules those notes give for
+# summaries, obj counts and station blocks).
+UPSTREAM_STYLE_YAML = """\
+language: zh
+domain_prefixes: {RRU: rru}
+default_domain: bbu
+verdict: {pass_words: [通过, pass, 通过。], fail_words: [不通过, fail, 未通过, 不通过。], pass_text: 通过, fail_text: 不通过}
+labels:
+  scaffold: 结构不变量：
+  rules: 可学习规则：
+  image_stats: "统计: {items}；图片数量: {count}"
+  station_summary: 安装点汇总（按站点距离合并）：
+  image_summaries: 图片摘要：
+options: {rules_order: key, object_stats: true, station_aggregation: true, bbu_cleanup: true}
+"""
+UPSTREAM_STYLE_USER = "任务: {mission}\n重点: {focus}\n{scaffold}\n\n{rules}\n\n{image_stats}\n\n{station_summary}\n\n{image_summaries}\n"
+# Blocks joined by two empty lines, one final newline: the shape of upstream's system messages.
+OWN_SYSTEM_BBU = "你是质检助手。\n\n【任务】\n只输出两行。\n\n\n【BBU】\n- 无关图片不参与判断。\n\n\n【输出格式】\n- Verdict: 通过 或 不通过\n"
+OWN_SYSTEM_RRU = "你是质检助手。\n\n\n【RRU】\n- 跨图只按站点距离合并。\n"
+
+
+@pytest.fixture
+def own_profile(tmp_path):
+    folder = tmp_path / "team_prompts"
+    folder.mkdir()
+    (folder / "profile.yaml").write_text(UPSTREAM_STYLE_YAML, encoding="utf-8")
+    (folder / "user.txt").write_text(UPSTREAM_STYLE_USER, encoding="utf-8")
+    (folder / "system_bbu.txt").write_bytes(OWN_SYSTEM_BBU.encode())
+    (folder / "system_rru.txt").write_bytes(OWN_SYSTEM_RRU.encode())
+    return folder
+
+
+def test_a_folder_of_plain_templates_reproduces_upstream_messages_byte_for_byte(own_profile):
+    guidance = {"G0": "检查BBU", "S1": "若缺失则判定不通过。", "G10": "规则十", "G2": "规则二"}
+    summary = j({"统计": [{"类别": "BBU设备", "品牌": {"华为": 1}, "可见性": {"完整": 1}},
+                          {"类别": "BBU安装螺丝", "符合性": {"符合": 2, "不符合/未拧紧": 1}}], "备注": []})
+    ticket = TicketText("k::pass", BBU, {"image_1": summary, "image_2": "无关图片", "image_3": "螺丝，标签，  "})
+    system, user = build_messages(load_profile(str(own_profile), mission=BBU), guidance, ticket)
+    assert system == {"role": "system", "content": OWN_SYSTEM_BBU}
+    assert user["content"] == (
+        "任务: BBU安装方式检查（正装）\n"
+        "重点: 检查BBU\n"
+        "结构不变量：\n"
+        "1. 若缺失则判定不通过。\n"
+        "\n"
+        "可学习规则：\n"
+        "1. 检查BBU\n"
+        "2. 规则十\n"
+        "3. 规则二\n"
+        "\n"
+        "统计: Image1(obj=4), Image2(obj=0), Image3(obj=2)；图片数量: 3\n"
+        "\n"
+        "图片摘要：\n"
+        f"1. {summary}\n"
+        "2. 无关图片\n"
+        "3. 螺丝，标签，"
+    )
+
+
+def test_upstream_summary_rules_hold_in_a_teams_own_profile(own_profile):
+    # lines stripped, blank lines and comma-less headers dropped; an empty summary "3. "
+    ticket = TicketText("k::pass", "RRU安装检查", {
+        "image_2": "  <DOMAIN=RRU><TASK=SUMMARY>\n\n  RRU设备，站点距离=12  \n   紧固件  ",
+        "image_1": j({"统计": [{"类别": "RRU设备"}, {"类别": "站点距离", "站点距离": {"12": 1}}]}),
+        "image_3": "",
+    })
+    system, user = build_messages(load_profile(str(own_profile), mission="RRU安装检查"), {"G0": "RRU检查"}, ticket)
+    assert system["content"] == OWN_SYSTEM_RRU
+    assert user["content"] == (
+        "任务: RRU安装检查\n"
+        "重点: RRU检查\n"
+        "可学习规则：\n"
+        "1. RRU检查\n"
+        "\n"
+        "统计: Image1(obj=2), Image2(obj=2), Image3(obj=0)；图片数量: 3\n"
+        "\n"
+        "安装点汇总（按站点距离合并）：\n"
+        "- 站点距离=12: RRU=有, 紧固件=有\n"
+        "\n"
+        "图片摘要：\n"
+        '1. {"统计": [{"类别": "RRU设备"}, {"类别": "站点距离", "站点距离": {"12": 1}}]}\n'
+        "2. RRU设备，站点距离=12\n紧固件\n"
+        "3. "
+    )

@@ -7,12 +7,13 @@ import re
 
 import pytest
 
-from stageb_pool.stageb.guidance import ExperienceMeta, Guidance, Operation
+from stageb_pool.stageb.guidance import ExperienceMeta, Guidance, Operation, apply_operation
 from stageb_pool.stageb.prompts import VerdictVocab
 from stageb_pool.stageb.proposer import (
     Candidate,
     ablation_candidates,
     build_proposer_prompt,
+    confidently_wrong,
     extract_json,
     normalize_signature,
     normalize_spaces,
@@ -107,6 +108,8 @@ def test_select_examples_order_and_filter():
     assert select_examples(rows, tickets, 0) == []
     del tickets["d::fail"]
     assert [s.key for s, _ in select_examples(rows, tickets, 1)] == ["a::pass"]
+    # the same order drives the hard-case rows of the audit and the rule search
+    assert [s.key for s in confidently_wrong(rows)] == ["d::fail", "a::pass", "e::pass", "f::fail"]
 
 
 # --------------------------------------------------------------------------- request
@@ -130,7 +133,7 @@ def test_request_layout_matches_upstream_user_message():
     assert req.examples[0].split("\n") == [
         "样本1: ticket_key=k1::fail; gt_label=fail; baseline_majority=pass; agreement=1.000; difficulty=0.000",
         "stage_a_summaries:",
-        "  - image_1: summary 1", "  - image_2: summary 2", "  - image_10: summary 10",
+        "  - image_1: summary 1", "  - image_10: summary 10", "  - image_2: summary 2",  # upstream's string order
     ]
     assert req.examples[1].startswith("样本2: ticket_key=k2::pass; gt_label=pass; baseline_majority=fail; "
                                       "agreement=0.667; difficulty=0.333")
@@ -222,6 +225,22 @@ def test_op_defaults_to_upsert_and_is_case_insensitive():
     assert one({"op": " UPSERT ", "text": GOOD})[0][0].op == "upsert"
 
 
+def test_an_empty_op_is_rejected_as_upstream_does():
+    # upstream: op = str(op).strip().lower() unless the key is absent or null, so "" is no
+    # operation at all (only a missing or null op means upsert)
+    accepted, rejected = parse([{"op": "", "text": GOOD}, {"op": None, "text": "若标签缺失则判定不通过"}])
+    assert [c.op for c in accepted] == ["upsert"]
+    assert rejected == [{"index": 0, "op": "", "text": GOOD, "reason": "unknown op ''"}]
+
+
+def test_a_second_identical_upsert_is_a_rejected_duplicate_candidate():
+    g = guidance()
+    first = apply_operation(g, one({"text": "若螺丝松动则判定不通过。"})[0][0].operation, now="2025-01-01T00:00:00",
+                            reflection_id="r")
+    accepted, rejected = parse([{"text": "若螺丝松动则判定不通过。"}], g=first)
+    assert accepted == [] and [r["reason"] for r in rejected] == [f"duplicate of existing rule G{len(g.experiences) - 1}"]
+
+
 def test_legacy_rules_form_is_upserts():
     accepted, _ = parse({"rules": [{"text": GOOD, "rationale": "r"}]})
     assert [c.op for c in accepted] == ["upsert"]
@@ -270,6 +289,12 @@ def test_structural_rejections(entry, reason):
         "若BBU设备/显示完整/螺丝，则判定通过",
         "若类别=螺丝/不符合，则判定不通过",
         "If cabinet/door/complete, judge pass",
+        # issue 14 §3 item 3: a Stage-A summary anywhere in the rule, as upstream rejects it
+        '<DOMAIN=BBU>, <TASK=SUMMARY>\n{"统计":[]}',
+        '若出现 {"统计": []} 则判定不通过',
+        '统计=[{"类别": "BBU设备"}] 则判定不通过',
+        '若BBU设备缺失则判定不通过。\n{"dataset": "BBU", "统计": [{"类别": "BBU设备"}]}',
+        '若BBU设备缺失则判定不通过。\n{"统计": [{"类别": "BBU设备"}]}',
     ],
 )
 def test_stage_a_leak(text):

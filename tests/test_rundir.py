@@ -15,7 +15,8 @@ from stageb_pool import PoolError, __version__
 from stageb_pool.app.config import load_config
 from stageb_pool.stageb.errors import InputError
 from stageb_pool.search.fileio import read_json
-from stageb_pool.app.job import run_job
+from stageb_pool.stageb.hashing import tickets_hash
+from stageb_pool.app.job import load_inputs, run_job
 from stageb_pool.search.rundir import gpus_spec, prepare_run_dir, rollouts_path
 from stageb_pool.pool.devices import parse_gpus
 
@@ -204,3 +205,25 @@ def test_workers_with_different_engines_are_reported(caplog):
         warn_if_workers_differ(same[:2] + [{"device": "NVIDIA H100", "dtype": "bfloat16"}], log)
     [record] = caplog.records
     assert "workers [2]" in record.getMessage() and "H100" in record.getMessage()
+
+
+def test_run_json_hashes_the_ticket_set_and_state_json_the_run_order(tmp_path):
+    """run.json's tickets_hash names the judged set (file order does not matter); state.json's
+    names the run order a resume must reproduce (a reordered file changes it)."""
+    over = ["mode=search", "rule_search.eval_pool_size=0", "rule_search.train_pool_size=4", "runner.epochs=1"]
+    hashes = []
+    for name, reverse in (("a", False), ("b", True)):
+        cfg = write_run_inputs(tmp_path / name, n_tickets=12)
+        tickets = Path(cfg).parent / "tickets.jsonl"
+        lines = tickets.read_text().splitlines(keepends=True)
+        tickets.write_text("".join(reversed(lines) if reverse else lines))
+        assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True) == 0
+        run = Path(cfg).parent / "out" / MISSION / "run1"
+        inputs = load_inputs(load_config(cfg, over))
+        prov = read_json(run / "run.json")["provenance"]["tickets_hash"]
+        state = read_json(run / "state.json")["tickets_hash"]
+        assert prov == tickets_hash(sorted(inputs.tickets, key=lambda t: t.key))
+        assert state == tickets_hash(inputs.tickets)  # run order
+        hashes.append((prov, state))
+    (prov_a, state_a), (prov_b, state_b) = hashes
+    assert prov_a == prov_b and state_a != state_b

@@ -4,6 +4,7 @@ skip mode, file-level errors and exclusions."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -68,8 +69,8 @@ def test_invalid_timestamp_becomes_none_like_upstream(tmp_path):
     ({"image_1": '"quoted \\"text\\""'}, {"image_1": 'quoted "text"'}),  # JSON string unwrapped
     ({"image_1": '{"统计": []}'}, {"image_1": '{"统计": []}'}),  # JSON objects kept as text
     ({"image_1": '"unterminated'}, {"image_1": '"unterminated'}),
-    ({"image_1": "<DOMAIN=BBU>, <TASK=SUMMARY>\n{\"统计\": []}"}, {"image_1": '{"统计": []}'}),
-    ({"image_1": "<DOMAIN=RRU> ,<TASK=SUMMARY>\r\nfree text"}, {"image_1": "free text"}),
+    # kept as given, header lines included (the BBU clean-up and the prompt remove them, as upstream)
+    ({"image_1": "<DOMAIN=RRU>, <TASK=SUMMARY>\r\nfree text "}, {"image_1": "<DOMAIN=RRU>, <TASK=SUMMARY>\r\nfree text "}),
 ])
 def test_per_image_normalisation(per_image, expected):
     out = normalize_per_image(per_image)
@@ -103,22 +104,30 @@ BAD_LINES = [
     ({k: v for k, v in rec().items() if k != "label"}, "missing field 'label'"),
     ({k: v for k, v in rec().items() if k != "per_image"}, "missing field 'per_image'"),
     (rec(mission=""), "field 'mission' is empty"),
-    (rec(group="  "), "field 'group_id' is empty"),
     (rec(label=""), "field 'label' is empty"),
     (rec(mission=7), "field 'mission' must be a string, got integer"),
-    (rec(group=15502), "field 'group_id' must be a string, got integer"),
     (rec(label=True), "field 'label' must be a string, got boolean"),
+    (rec(mission="BBU\u0000x"), "field 'mission' contains a NUL character"),
+    # what upstream would have turned into "None", "True" or "1.5" stays refused
+    (rec(group=None), "field 'group_id' must be a string or an integer, got null"),
+    (rec(group=True), "field 'group_id' must be a string or an integer, got boolean"),
+    (rec(group=1.5), "field 'group_id' must be a string or an integer, got number"),
+    # hostile input: located, never a crash or a silently kept value
+    ('{"mission": "M", "mission": "N", "group_id": "A", "label": "pass", "per_image": {"image_1": "s"}}',
+     "key 'mission' is given twice in one object"),
+    ('{"mission": "M", "group_id": "A", "label": "pass", "per_image": {"image_1": "s", "image_1": "t"}}',
+     "key 'image_1' is given twice in one object at per_image"),
+    (rec(per_image={"image_" + "7" * 4301: "s"}), "per_image key 'image_7777"),
+    ('{"mission": "M", "group_id": "A", "label": "pass", "per_image": {"image_1": "\\ud800"}}',
+     "lone surrogate escape (\\ud800-\\udfff) in a string at per_image.image_1"),
+    ('{"mission": "M", "group_id": "A", "label": "pass", "n": ' + "1" * 4301 + ', "per_image": {"image_1": "s"}}',
+     "invalid JSON: Exceeds the limit (4300 digits)"),
     (rec(label="maybe"), "label must be 'pass' or 'fail', got 'maybe'"),
     (rec(label="通过"), "label must be 'pass' or 'fail', got '通过'"),
     (rec(per_image=["a"]), "field 'per_image' must be an object, got array"),
     (rec(per_image="a"), "field 'per_image' must be an object, got string"),
     (rec(per_image={}), "field 'per_image' is empty"),
-    (rec(per_image={"image_1": 3}), "per_image['image_1'] must be a string, got integer"),
-    (rec(per_image={"image_1": {"统计": []}}), "per_image['image_1'] must be a string, got object"),
-    (rec(per_image={"image_1": None}), "per_image['image_1'] must be a string, got null"),
     (rec(per_image={"image_1": "a", "图片_1": "b"}), "per_image keys 'image_1' and '图片_1' both map to image_1"),
-    (rec(label_source=5), "field 'label_source' must be a string, got integer"),
-    (rec(label_timestamp=20250315), "field 'label_timestamp' must be a string, got integer"),
 ]
 
 
@@ -140,6 +149,55 @@ def test_skip_mode_records_and_continues(tmp_path, bad, message):
     assert len(report.skipped) == 1
     assert report.skipped[0]["location"] == f"{path}:2"
     assert report.skipped[0]["error"].startswith(message)
+
+
+def test_records_upstream_reads_are_read_with_counted_conversions(tmp_path):
+    path = write(tmp_path, [
+        rec(15502, "pass"),                                   # integer id -> its decimal text
+        rec("", "fail", label_timestamp=12345),               # empty id; non-string timestamp ignored
+        rec(" B ", per_image={"image_1": {"统计": [{"类别": "BBU设备"}]}, "image_2": None, "image_3": 7},
+            label_source=5),
+    ])
+    report = load_tickets(path)
+    assert [t.key for t in report.tickets] == ["15502::pass", "::fail", " B ::pass"]  # ids verbatim, as upstream
+    assert report.tickets[0].group_id == "15502"
+    assert report.tickets[1].label_timestamp is None
+    # an object summary is compact JSON text (not a Python repr); null and numbers their JSON text
+    assert report.tickets[2].per_image == {"image_1": '{"统计":[{"类别":"BBU设备"}]}', "image_2": "null",
+                                           "image_3": "7"}
+    assert report.tickets[2].label_source == "human"
+    assert report.converted == {"group_id": 1, "per_image": 3}  # values converted
+    assert report.ignored == {"label_source": 1, "label_timestamp": 1}
+
+
+@pytest.mark.parametrize("on_bad_line", ["error", "skip"])
+def test_json_nested_too_deep_is_an_error_in_both_modes(tmp_path, on_bad_line):
+    deep = '{"mission": "M", "group_id": "A", "label": "pass", "per_image": {"image_1": "s"}, "x": ' \
+        + "[" * 1000 + "]" * 1000 + "}"
+    path = write(tmp_path, [rec("A"), deep])
+    with pytest.raises(InputError) as err:
+        load_tickets(path, on_bad_line=on_bad_line)
+    assert err.value.location == f"{path}:2"
+    assert err.value.message.startswith("JSON nested deeper than 100 levels")
+
+
+def test_only_regular_files_are_read(tmp_path):
+    fifo = tmp_path / "tickets.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="ticket file is not a regular file"):
+        load_tickets(fifo)
+    with pytest.raises(InputError, match="exclusion list is not a regular file"):
+        load_exclusions([], fifo)
+    with pytest.raises(InputError, match="ticket file is not a regular file"):
+        load_tickets(tmp_path)
+
+
+def test_exclusion_list_must_be_utf8(tmp_path):
+    path = tmp_path / "exclude.txt"
+    path.write_bytes(b"\xef\xbb\xbfA::pass\nB\xff::fail\n")
+    with pytest.raises(InputError) as err:
+        load_exclusions([], path)
+    assert err.value.location == f"{path}:2:2" and "not valid UTF-8" in err.value.message
 
 
 def test_invalid_utf8_is_located(tmp_path):
@@ -250,7 +308,8 @@ STATION_JSON = json.dumps({"备注": ["近景"], "统计": [
     ("无关图片（室外远景）", "无关图片"),
     (STATION_JSON, '{"统计": [{"类别": "BBU设备", "可见性": {"完整": 1}}], "备注": ["近景"], "分组统计": {"BBU": 1}}'),
     ('{"统计":[{"类别":"标签","文本":{"站点距离35米":1}}]}', '{"统计": [{"类别": "标签", "文本": {"35米": 1}}]}'),
-    ('{"other": 1}', '{"other": 1}'),  # no 统计 list: untouched
+    ('{"other": 1}', '{"other": 1}'),  # nothing to remove
+    ("<DOMAIN=BBU>, <TASK=SUMMARY>\n\n  螺丝齐全  \n", "螺丝齐全"),  # header and blank lines go, stripped
     ("BBU设备, 螺丝齐全", "BBU设备, 螺丝齐全"),
     ('统计=[{"类别": "BBU设备"}, {"类别": "站点距离", "站点距离": {"35": 1}}]', '统计=[{"类别": "BBU设备"}]'),
 ])
@@ -272,9 +331,33 @@ def test_bbu_cleanup_only_for_non_rru_missions(tmp_path):
 
 
 @pytest.mark.parametrize("raw,expected", [
-    ('统计=[{"类别": "A"}, {"类别": "站点距离", "站点距离": {"35": 1}}, {"类别": "B"}]', '统计=[{"类别": "A"}, {"类别": "B"}]'),
+    ('统计=[{"类别": "A"}, {"类别": "站点距离", "站点距离": {"35": 1}}, {"类别": "B"}]', '统计=[{"类别": "A"},{"类别": "B"}]'),
     ('统计=[{"类别": "站点距离", "站点距离": {"35": 1}}, {"类别": "B"}] 备注', '统计=[{"类别": "B"}] 备注'),
     ("站点距离=35, 设备完整", "=35, 设备完整"),  # no braces: the word itself is removed
 ])
 def test_bbu_clean_unparsable_text(raw, expected):
+    assert bbu_clean_summary(raw) == expected
+
+
+@pytest.mark.parametrize("raw,expected", [
+    # issue 14 §3 item 5: a truncated summary keeps its BBU entry, minus the distance
+    ('{"统计": [{"类别": "BBU设备", "备注": "站点距离=5"}, {"类别": "站点距离", "站点距离": {"35": 1}}',
+     '{"统计": [{"类别": "BBU设备", "备注": "=5"}'),
+    # parseable JSON without a 统计 list: the distance still goes, the text keeps its form
+    ('{"备注": ["站点距离=12"], "分组统计": {"站点距离": {"12": 1}, "BBU": 1}}', '{"备注": ["=12"], "分组统计": {"BBU": 1}}'),
+    ('{"描述": "站点距离=12"}', '{"描述": "=12"}'),
+    # text around one JSON object: the object is parsed and re-serialised, the rest dropped
+    ('note: {"统计": [{"类别": "站点距离", "站点距离": {"3": 1}}, {"类别": "BBU设备"}]}', '{"统计": [{"类别": "BBU设备"}]}'),
+    # upstream's other executed examples (docs/notes ingest.md section 3)
+    ('{"统计": "x", "站点距离": 3}', '{"统计": "x"'),
+    ('{"统计": [{"类别": "BBU设备", "备注": "站点距离=3"}], "备注": ["站点距离/5"]',
+     '{"统计": [{"类别": "BBU设备", "备注": "=3"}], "备注": ["/5"]'),
+    ('{"统计": [{"类别":"站点距离","站点距离":{"3":1}}, {"类别": "BBU设备"}]', '{"统计": [{"类别":}, {"类别": "BBU设备"}]'),
+    ('  {"统计": [{"类别": "BBU设备"}], "分组统计": {"站点距离": {"3": 1}}}  ', '{"统计": [{"类别": "BBU设备"}], "分组统计": {}}'),
+    ('[1, "站点距离"]', '[1, ""]'),
+    ("", ""),
+    ("   \n ", ""),
+    ("{" * 500 + "站点距离", "{" * 500),  # hostile nesting: treated as text, no RecursionError
+])
+def test_bbu_clean_matches_upstream(raw, expected):
     assert bbu_clean_summary(raw) == expected

@@ -26,12 +26,22 @@ PARSE_TABLE = [
     ("Verdict: 未通过\nReason: 缺失", ZH, "fail", "缺失"),
     ("Verdict: 通过。\nReason: ok", ZH, "pass", "ok"),
     ("Verdict: 不通过。\nReason: ok", ZH, "fail", "ok"),
+    ("Verdict: 通過。\nReason: ok", ZH, "pass", "ok"),
+    # upstream's grammar: no other trailing punctuation, no inner tab, nothing doubled
+    ("Verdict: pass.\nReason: ok", ZH, None, None),
+    ("Verdict: 通过.\nReason: ok", ZH, None, None),
+    ("Verdict: 未通过。\nReason: ok", ZH, None, None),
+    ("Verdict: 通过。。\nReason: ok", ZH, None, None),
+    ("Verdict: pa\tss\nReason: ok", ZH, None, None),
+    ("Verdict: Fail.\nReason: ok", EN, None, None),
+    ("Verdict: p a s s\nReason: ok", EN, "pass", "ok"),
+    ("Verdict: 不\t通过\nReason: ok", ZH, "fail", "ok"),
     ("Verdict: pass\nReason: ok", ZH, "pass", "ok"),
     ("Verdict: FAIL\nReason: ok", ZH, "fail", "ok"),
     ("Verdict: 通過\nReason: 繁体", ZH, "pass", "繁体"),
     ("Verdict: pass\nReason: all bolts present", EN, "pass", "all bolts present"),
     ("Verdict: fail\nReason: bolt missing", EN, "fail", "bolt missing"),
-    ("Verdict: Pass.\nReason: fine", EN, "pass", "fine"),
+    ("Verdict: Pass\nReason: fine", EN, "pass", "fine"),
     ("Verdict: 通过\nReason: x", EN, None, None),  # not in the English vocabulary
     # spaces inside and around the verdict word are removed
     ("Verdict:  不 通 过 \nReason: 空格", ZH, "fail", "空格"),
@@ -54,7 +64,9 @@ PARSE_TABLE = [
     ("Assistant: Verdict: pass\nReason: marker", EN, "pass", "marker"),
     ("Assistant:\nVerdict: pass\nReason: marker", EN, "pass", "marker"),
     ("<|im_start|>assistant\nVerdict: fail\nReason: marker", EN, "fail", "marker"),
-    ("  ASSISTANT：\nVerdict: fail\nReason: marker", EN, "fail", "marker"),
+    ("<|im_start|>Assistant:Assistant: Verdict: fail\nReason: marker", EN, "fail", "marker"),
+    # upstream's markers are case-sensitive: another spelling is a third line
+    ("  ASSISTANT：\nVerdict: fail\nReason: marker", EN, None, None),
     # a marker that is not leading is just text: three lines -> invalid
     ("Verdict: pass\nassistant\nReason: late marker", EN, None, None),
     # third-state words in the reason are accepted (upstream smoke test)
@@ -98,8 +110,21 @@ def test_parse_none_text_is_invalid():
 def test_vocabulary_comes_from_the_profile():
     vocab = VerdictVocab(pass_words=["OK"], fail_words=["NG"], pass_text="OK", fail_text="NG")
     assert parse_verdict("Verdict: ok\nReason: r", vocab).verdict == "pass"
-    assert parse_verdict("Verdict: ng.\nReason: r", vocab).verdict == "fail"
+    assert parse_verdict("Verdict: n g\nReason: r", vocab).verdict == "fail"
+    assert parse_verdict("Verdict: ng.\nReason: r", vocab).verdict is None
     assert parse_verdict("Verdict: pass\nReason: r", vocab).verdict is None
+
+
+@pytest.mark.parametrize("word, verdict", [
+    ("pass.", "pass"), ("通过.", "pass"), ("未通过。", "fail"), ("通过。。", "pass"), ("pa\tss", "pass"),
+    ("pass!", None),
+])
+def test_loose_words_are_an_explicit_profile_option(word, verdict):
+    strict = VerdictVocab(pass_words=["通过", "pass"], fail_words=["不通过", "未通过"], pass_text="通过",
+                          fail_text="不通过")
+    loose = msgspec.structs.replace(strict, loose=True)
+    assert parse_verdict(f"Verdict: {word}\nReason: r", strict).verdict is None
+    assert parse_verdict(f"Verdict: {word}\nReason: r", loose).verdict == verdict
 
 
 def test_error_says_why():
@@ -228,11 +253,21 @@ def test_majority_reason_none_when_all_invalid():
 
 def test_reason_counts_top_and_order():
     s = ticket_stats("k", "pass", R(
-        ("pass", "c"), ("pass", "a"), ("fail", "b"), ("fail", "a"), ("pass", "d"), ("pass", "e"),
-        ("pass", "f"), ("pass", "b"), (None, None), ("pass", "g"),
+        ("pass", "c"), ("pass", "a"), ("fail", "b"), ("pass", "a"), ("pass", "d"), ("pass", "e"),
+        ("pass", "f"), ("pass", "e"), (None, None), ("pass", "g"),
     ))
     assert reason_counts(s) == [
-        {"reason": "a", "count": 2}, {"reason": "b", "count": 2},
-        {"reason": "c", "count": 1}, {"reason": "d", "count": 1}, {"reason": "e", "count": 1},
+        {"reason": "a", "count": 2}, {"reason": "e", "count": 2},
+        {"reason": "c", "count": 1}, {"reason": "d", "count": 1}, {"reason": "f", "count": 1},
     ]
     assert reason_counts(s, top=1) == [{"reason": "a", "count": 2}]
+
+
+@pytest.mark.parametrize("pairs, expected", [
+    # upstream counts only the reasons of the samples that voted with the majority
+    ([("pass", "A"), ("fail", "B"), ("fail", "C")], [{"reason": "B", "count": 1}, {"reason": "C", "count": 1}]),
+    ([("fail", "B"), ("fail", "B"), ("pass", "A"), (None, None)], [{"reason": "B", "count": 2}]),
+    ([(None, None), (None, None)], []),
+])
+def test_reason_counts_are_the_majority_voters_reasons(pairs, expected):
+    assert reason_counts(ticket_stats("k", "pass", R(*pairs))) == expected

@@ -115,16 +115,12 @@ def cmd_check(args) -> int:
 def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     """Validate the config and every input a run reads (without loading a model) and
     describe what the run would do. Raises InputError like the run itself would."""
-    import msgspec
-
     from ..search.rundir import run_dir_path
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
-    from .config import config_hash, load_config
+    from .config import config_hash, load_config, with_mode
     from .job import load_inputs
 
-    cfg = load_config(config_path, overrides)
-    if audit:
-        cfg = msgspec.structs.replace(cfg, mode="audit")
+    cfg = with_mode(load_config(config_path, overrides), audit)
     inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
     tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
@@ -137,6 +133,8 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
                     f"{ingest.excluded} excluded"),
     ]
     lines += [("  skipped", f"{s['location']}: {s['error']}") for s in ingest.skipped[:5]]
+    lines += [(f"  {what}", ", ".join(f"{k} {n}" for k, n in counts.items()))
+              for what, counts in (("converted", ingest.converted), ("ignored", ingest.ignored)) if counts]
     lines += [
         ("model", inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}"),
         ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),

@@ -27,7 +27,8 @@ from ..stageb import guidance as guidance_mod
 from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
-from ..stageb.hashing import content_hash
+from ..stageb.hashing import content_hash, tickets_hash
+from .config import with_mode
 from .progress import Progress, pool_items_per_rank
 
 log = logging.getLogger("stageb_pool")
@@ -118,11 +119,6 @@ def engine_factory_for(model_config, model_path: str):
     return build
 
 
-def tickets_hash(tickets) -> str:
-    """Hash of the ticket set (key order, not run order): what the run judged."""
-    return content_hash(sorted((msgspec.to_builtins(t) for t in tickets), key=lambda t: t["key"]))
-
-
 def run_job(config, devices, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
             debug: bool = False, engine_factory=None, argv: list[str] | None = None) -> int:
     """Run one audit or rule search; return 0 on success. Exceptions propagate (the CLI
@@ -132,8 +128,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv)."""
     started = time.monotonic()
     started_at = rundir.utc_now()
-    if audit and config.mode != "audit":
-        config = msgspec.structs.replace(config, mode="audit")
+    config = with_mode(config, audit)
     if not isinstance(devices, list):
         devices = resolve_devices(devices)
     if debug:
@@ -152,7 +147,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
 
     run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
     prov = dict(model_path=config.model.path, chunk_size=config.runner.chunk_size,
-                profile_hash=content_hash(inputs.profile), tickets_hash=tickets_hash(inputs.tickets))
+                profile_hash=content_hash(inputs.profile), tickets_hash=tickets_hash(sorted(inputs.tickets, key=lambda t: t.key)))
     # A first run.json before the workers start marks the directory as a stageb-pool run
     # even if the start fails (so --overwrite may replace it); rewritten with rank 0's info.
     rundir.write_run_json(run_dir, workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov),

@@ -8,10 +8,6 @@ Stops follow upstream (behaviours 16): the end-of-turn strings are always there,
 
 from __future__ import annotations
 
-import re
-
-# Upstream strips a leading role marker that a weak model sometimes echoes.
-_ASSISTANT_PREFIX = re.compile(r"^\s*(?:<\|im_start\|>)?\s*(?:assistant\s*\n|Assistant:\s*)")
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
 
 
@@ -34,9 +30,10 @@ def stop_strings(tokenizer, extra: list[str] | None = None) -> list[str]:
 
 
 def clean(text: str, stops: list[str]) -> str:
-    """The completion cut at the first stop string, a leading role marker removed, stripped."""
+    """The completion cut at the first stop string, stripped. A role marker the model echoes
+    is left in: removing it is the verdict parser's business (stageb.verdicts), in one place."""
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
-    return _ASSISTANT_PREFIX.sub("", text[:cut], count=1).strip()
+    return text[:cut].strip()
 
 
 def chat_messages(request, k: int) -> list[dict]:

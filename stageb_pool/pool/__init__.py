@@ -6,8 +6,19 @@ imports from the rest of the package (tests/test_layout.py checks it).
 """
 
 from .devices import Device, DeviceSpecError, parse_gpus
-from .pool import Pool, PoolStats, TaskHandle, WorkerDied, WorkerError, WorkerTimeout
-from .protocol import FrameTooLarge, PoolError, ProtocolError
+from .errors import (
+    FrameTooLarge,
+    PoolError,
+    ProtocolError,
+    RemoteTraceback,
+    TaskCancelled,
+    WorkerDied,
+    WorkerError,
+    WorkerTimeout,
+)
+from .pool import Pool
+from .tasks import PoolStats, TaskHandle
 
 __all__ = ["Pool", "PoolStats", "TaskHandle", "Device", "DeviceSpecError", "parse_gpus", "PoolError",
-           "WorkerError", "WorkerDied", "WorkerTimeout", "FrameTooLarge", "ProtocolError"]
+           "WorkerError", "WorkerDied", "WorkerTimeout", "TaskCancelled", "RemoteTraceback", "FrameTooLarge",
+           "ProtocolError"]

@@ -22,29 +22,11 @@ from typing import Any, Union
 
 import msgspec
 
+from .errors import FrameTooLarge, PoolError, ProtocolError  # noqa: F401 - part of this module's API
+
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # one result of a big rollout chunk is a few MB
 HEADER = struct.Struct("!I")
-
-
-class PoolError(Exception):
-    """Base class of every error the pool raises."""
-
-
-class ProtocolError(PoolError):
-    """The other end sent something that is not a valid frame of this protocol."""
-
-
-class FrameTooLarge(PoolError):
-    """A message does not fit in one frame (``max_frame`` bytes)."""
-
-    def __init__(self, size: int, limit: int, what: str = "message"):
-        super().__init__(
-            f"{what} of {size:,} bytes exceeds the pool's frame limit of {limit:,} bytes "
-            f"(raise max_frame_bytes, or pass a path instead of the data)"
-        )
-        self.size = size
-        self.limit = limit
 
 
 class Message(msgspec.Struct, tag_field="type", tag=True):

@@ -1,58 +1,19 @@
 """The worker: a forked child that builds one engine and answers tasks until told to stop.
 
-Everything here runs in a child process that was forked by the zygote. The child never
-returns into the code that forked it: ``worker_main`` always leaves through ``os._exit``.
+Everything here runs in a child process that the zygote forked with ``fork.fork_child``,
+which ran the common first steps and makes the child leave through ``os._exit`` with the
+code ``worker_main`` returns.
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import os
-import signal
 import sys
 import traceback
 
 from . import protocol
 from .calls import Calls
 from .protocol import Failure, InitFailed, Ready, Result, Shutdown, Snapshot, Task
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(expected_ppid: int) -> None:
-    """SIGKILL this process when its parent dies.
-
-    The ``getppid`` re-check closes the race where the parent died between fork() and
-    prctl(): we would then already be re-parented and never get the signal."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        os._exit(70)
-    if os.getppid() != expected_ppid:
-        os._exit(71)
-
-
-def close_fds_except(*keep: int) -> None:
-    """Close every descriptor above stderr except ``keep``.
-
-    A child that kept a sibling's socket (or the zygote's control socket) would hold that
-    connection open, and the parent would never see the EOF that tells it a process died."""
-    low = 3
-    for fd in sorted(set(keep)):
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
-
-
-def after_fork_in_child() -> None:
-    """Common first steps of the zygote and of every worker, right after fork."""
-    # Objects inherited from the parent must never be finalised here: a file object of the
-    # parent whose descriptor number we reuse would otherwise close *our* socket.
-    gc.freeze()
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the parent
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handlers are not ours
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def limit_threads(device) -> None:
@@ -67,16 +28,6 @@ def limit_threads(device) -> None:
         torch.set_num_threads(device.threads)
 
 
-def flush_stdio() -> None:
-    """Flush Python's stdio buffers before a fork (a child would inherit them and print
-    them once more) and before ``os._exit`` (which skips the flush)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-
-
 def _line_buffered_stdio() -> None:
     # fds 1 and 2 are pipes to the zygote, which prefixes each line with our rank; line
     # buffering makes prints appear promptly and never lost at os._exit.
@@ -84,25 +35,18 @@ def _line_buffered_stdio() -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
 
 
-def worker_main(sock, device, engine_factory, max_frame: int) -> None:
-    """Body of a worker process. Never returns."""
-    code = 1
+def worker_main(sock, device, engine_factory, max_frame: int) -> int:
+    """Body of a worker process: start the engine, then answer tasks; the exit code."""
+    _line_buffered_stdio()
+    limit_threads(device)
     try:
-        _line_buffered_stdio()
-        limit_threads(device)
-        try:
-            engine, info = start_engine(engine_factory, device)
-        except Exception as exc:
-            protocol.send(sock, InitFailed(protocol.PROTOCOL_VERSION, os.getpid(), exception_summary(exc), traceback.format_exc()))
-            return
-        protocol.send(sock, Ready(protocol.PROTOCOL_VERSION, os.getpid(), info), max_frame)
-        serve(sock, engine, max_frame)
-        code = 0
-    except BaseException:  # noqa: BLE001 - whatever happens, leave through os._exit
-        traceback.print_exc()
-    finally:
-        flush_stdio()
-        os._exit(code)
+        engine, info = start_engine(engine_factory, device)
+    except Exception as exc:
+        protocol.send(sock, InitFailed(protocol.PROTOCOL_VERSION, os.getpid(), exception_summary(exc), traceback.format_exc()))
+        return 1
+    protocol.send(sock, Ready(protocol.PROTOCOL_VERSION, os.getpid(), info), max_frame)
+    serve(sock, engine, max_frame)
+    return 0
 
 
 def serve(sock, engine, max_frame: int) -> None:

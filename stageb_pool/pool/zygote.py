@@ -20,76 +20,30 @@ import os
 import selectors
 import signal
 import socket
-import sys
-import threading
 import time
-import traceback
 
 from . import protocol
+from .fork import fork_child
 from .protocol import Exited, Kill, PoolError, Shutdown, Spawn, Spawned
-from .worker import (
-    after_fork_in_child,
-    close_fds_except,
-    die_with_parent,
-    flush_stdio,
-    worker_main,
-)
-
-
-def check_fork_safe() -> None:
-    """Refuse to fork from a process where a child could deadlock or not use CUDA."""
-    problems = []
-    if threading.active_count() > 1:
-        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.current_thread())
-        problems.append(f"{threading.active_count()} Python threads are running (other: {names})")
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        problems.append("CUDA is initialised in this process (a forked child cannot use it)")
-    if os.path.isdir("/proc/self/task"):
-        # A clean interpreter has 1 thread; `import torch` starts exactly one more. Any other
-        # thread is usually torch's OpenMP pool, started by a torch op: a forked child that
-        # runs its own first op would then deadlock. A thread that was just joined can linger
-        # in /proc for a moment, so give the count a little time to settle.
-        clean = 1 + (torch is not None)
-        deadline = time.monotonic() + 0.5
-        while (native := len(os.listdir("/proc/self/task"))) > clean and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if native > clean and threading.active_count() == 1:
-            problems.append(
-                f"{native} native threads exist where a clean process has {clean} "
-                "(started by a library: a torch op starts torch's OpenMP thread pool)"
-            )
-    if problems:
-        raise PoolError(
-            "Refusing to fork the pool's workers: " + "; ".join(problems) + ". "
-            "Create the Pool as early as possible, before starting threads, running torch ops "
-            "or initialising CUDA in the parent."
-        )
+from .worker import worker_main
 
 
 class Zygote:
     """The parent's handle on the fork server."""
 
     def __init__(self, devices, engine_factory, max_frame: int):
-        check_fork_safe()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        parent_pid = os.getpid()
-        flush_stdio()
-        pid = os.fork()
-        if pid == 0:  # the zygote; never returns
-            code = 1
-            try:
-                after_fork_in_child()
-                die_with_parent(parent_pid)
-                close_fds_except(theirs.fileno())
-                ForkServer(theirs, devices, engine_factory, max_frame).run()
-                code = 0
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        theirs.close()
-        self.pid = pid
+
+        def serve():
+            ForkServer(theirs, devices, engine_factory, max_frame).run()
+
+        try:
+            self.pid = fork_child(serve, keep=(theirs.fileno(),), check_safe=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self.sock = ours
         self.status: int | None = None
 
@@ -229,19 +183,13 @@ class ForkServer:
         ours, theirs = socket.socketpair()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        zygote_pid = os.getpid()
-        flush_stdio()
-        pid = os.fork()
-        if pid == 0:  # the worker; never returns
-            try:
-                after_fork_in_child()
-                die_with_parent(zygote_pid)
-                os.dup2(out_w, 1)
-                os.dup2(err_w, 2)
-                close_fds_except(theirs.fileno())
-                worker_main(theirs, device, self.engine_factory, self.max_frame)
-            finally:
-                os._exit(1)
+
+        def redirect_output():
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+
+        pid = fork_child(lambda: worker_main(theirs, device, self.engine_factory, self.max_frame),
+                         keep=(theirs.fileno(),), setup=redirect_output)
         theirs.close()
         os.close(out_w)
         os.close(err_w)

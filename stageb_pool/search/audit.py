@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..stageb import verdicts
+from ..stageb.proposer import confidently_wrong
 from .fileio import write_json, write_jsonl
 from .rollout import RolloutResult, RolloutSpec
 from .rundir import HARD_CASES, artifact, rollouts_path, utc_timestamp
@@ -48,7 +49,7 @@ def run_audit(ctx) -> dict:
         hard_case_limit=max(200, 8 * config.rule_search.reflect_size),
         n_skipped_lines=skipped,
         n_excluded=excluded,
-        save_rollouts=config.output.save_rollouts,
+        save_rollouts=ctx.runner.save_rollouts,
     )
     metrics = written["metrics"]
     ctx.log.info(
@@ -164,12 +165,11 @@ def case_row(s: verdicts.TicketStats, ticket, mission: str, guidance_hash: str, 
 
 def hard_case_rows(stats: dict, *, iteration: int, sampler: str, limit: int, mission: str,
                    guidance_hash: str, now: str | None = None, with_reasons: bool = True) -> list[dict]:
-    """``rule_search_hard_cases.jsonl`` rows: tickets with a valid majority that differs from
-    GT, by (hard_wrong, difficulty) descending (stable: ticket order breaks ties), cut to
-    ``limit``, ranked from 1."""
+    """``rule_search_hard_cases.jsonl`` rows: the confidently wrong tickets (valid majority
+    != GT, most confident first, ticket order on ties; ``proposer.confidently_wrong``), cut
+    to ``limit``, ranked from 1."""
     now = utc_timestamp() if now is None else now
-    wrong = [s for s in stats.values() if s.majority is not None and s.majority != s.gt_label]
-    wrong.sort(key=lambda s: (s.hard_wrong, s.difficulty), reverse=True)
+    wrong = confidently_wrong(stats)
     rows = []
     for rank, s in enumerate(wrong[:limit], start=1):
         rows.append({

@@ -33,7 +33,7 @@ from ..engine.records import ChatRequest, Decode
 from ..stageb import gate as gate_mod
 from ..stageb import proposer
 from ..stageb.guidance import Guidance, GuidanceError, apply_operation, load_guidance
-from ..stageb.hashing import content_hash
+from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.prompts import build_messages
 from ..stageb.ticket_pools import TrainPoolSampler, split_eval_pool
 from ..stageb.verdicts import compute_metrics
@@ -126,8 +126,7 @@ class RuleSearch:
         self.repo = ctx.guidance_repo
         self.log = ctx.log
         self.timing = {"rollout": 0.0, "proposer": 0.0, "gate": 0.0, "io": 0.0}
-        bootstrap_seed = self.rs.gate.bootstrap.seed
-        self.bootstrap_seed = self.seed if bootstrap_seed is None else int(bootstrap_seed)
+        self.bootstrap_seed = self.rs.gate.bootstrap.seed  # resolved by load_config
         self.train, self.eval = split_eval_pool(list(ctx.tickets), self.rs.eval_pool_size, self.seed)
         self.proposer_system = ctx.proposer_system
         self.state: state_mod.SearchState | None = None
@@ -142,7 +141,7 @@ class RuleSearch:
         return state_mod.SearchState(
             iteration=0, guidance_hash=g.hash, guidance_step=g.step, guidance=msgspec.to_builtins(g),
             no_gain=0, rejected_ids=[], sampler=sampler, config_hash=state_mod.config_identity(self.cfg),
-            tickets_hash=state_mod.tickets_identity(self.ctx.tickets),
+            tickets_hash=tickets_hash(self.ctx.tickets),  # run order: what a resume must reproduce
             artifacts={name: 0 for name in state_mod.APPEND_ARTIFACTS},
             config=state_mod.config_document(self.cfg),
         )
@@ -209,7 +208,7 @@ class RuleSearch:
     def _wait(self, pendings: list, phase: str = "rollout") -> list:
         with self._phase(phase):
             results = self.runner.wait(pendings)
-        if self.cfg.output.save_rollouts:
+        if self.runner.save_rollouts:
             self._save_rollouts(results)
         return results
 
@@ -523,7 +522,7 @@ class RuleSearch:
         if not dc.enabled or not dc.distill_size:
             return None
         tickets = list(self.ctx.tickets)
-        rng = random.Random(self.seed if dc.distill_seed is None else int(dc.distill_seed))
+        rng = random.Random(dc.distill_seed)  # resolved by load_config
         if dc.distill_size >= len(tickets):
             rng.shuffle(tickets)
         else:

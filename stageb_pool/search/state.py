@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from ..stageb.errors import InputError
-from ..stageb.hashing import content_hash
+from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import TrainPoolSampler
 from . import fileio, rundir
 
@@ -119,11 +119,6 @@ def config_identity(config) -> str:
     return content_hash(config_document(config))  # == app.config.config_hash(config)
 
 
-def tickets_identity(tickets) -> str:
-    """Hash of the run's tickets (keys, labels, summaries, in run order)."""
-    return content_hash([msgspec.to_builtins(t) for t in tickets])
-
-
 def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted key paths where two plain-data documents differ (lists compared whole)."""
     if isinstance(old, dict) and isinstance(new, dict):
@@ -158,7 +153,7 @@ def check_resumable(state: SearchState, *, config, tickets, run_dir: Path) -> No
         raise InputError(
             "cannot resume: the config differs from the interrupted run's at " + ", ".join(keys), location
         )
-    if tickets_identity(tickets) != state.tickets_hash:
+    if tickets_hash(tickets) != state.tickets_hash:
         raise InputError(
             "cannot resume: the tickets differ from the interrupted run's (stage_a_paths content or "
             "ticket_filter changed)",

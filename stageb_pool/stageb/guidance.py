@@ -15,8 +15,10 @@ from pathlib import Path
 
 import msgspec
 
+from . import inputs
 from .errors import InputError
 from .hashing import content_hash
+from .text import IndexTooLong, normalize_spaces, short, trailing_index
 
 LEARNABLE_KEY = re.compile(r"^G\d+$")
 SCAFFOLD_KEY = re.compile(r"^S\d+$")
@@ -125,6 +127,10 @@ def parse_section(raw, where: str) -> Guidance:
         raise InputError("must be a non-empty object of rule texts", f"{where}: experiences")
     clean: dict[str, str] = {}
     for key, text in experiences.items():
+        try:
+            trailing_index(key)  # a prompt orders the rules by it
+        except IndexTooLong as err:
+            raise InputError(f"rule key too long: {err}", f"{where}: experiences.{short(key)}") from None
         if not isinstance(text, str) or not text.strip():
             raise InputError("must be a non-empty string", f"{where}: experiences.{key}")
         clean[key] = text.strip()
@@ -144,13 +150,9 @@ def parse_section(raw, where: str) -> Guidance:
 
 
 def read_guidance_file(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise InputError("guidance file not found", str(path))
-    try:
-        data = msgspec.json.decode(path.read_bytes())
-    except msgspec.DecodeError as exc:
-        raise InputError(f"invalid JSON: {exc}", str(path)) from None
+    """The whole file, strictly decoded (``inputs.load_json_file``: syntax errors at
+    ``path:line:col``, a mission or rule key given twice, deep nesting, lone surrogates)."""
+    data = inputs.load_json_file(path, "guidance file")
     if not isinstance(data, dict):
         raise InputError("must be a JSON object keyed by mission", str(path))
     return data
@@ -167,9 +169,11 @@ def load_guidance(path: str | Path, mission: str) -> Guidance:
 
 # --------------------------------------------------------------------------- edits
 
-def normalize_rule_text(text: str) -> str:
-    """Whitespace collapsed (full-width spaces included), trailing 。/. stripped."""
-    return re.sub(r"\s+", " ", text.replace("\u3000", " ")).strip().rstrip("。.").strip()
+def rule_text_key(text: str) -> str:
+    """The form two rule texts are compared in (upstream's duplicate lookup): spaces
+    normalised, stripped, trailing 。/. removed. Only for comparisons: a rule is stored and
+    prompted as given, outer whitespace stripped."""
+    return normalize_spaces(text).strip().rstrip("。.")
 
 
 def _check_learnable(key: str, role: str) -> None:
@@ -192,16 +196,17 @@ def _dedupe(items: list[str]) -> list[str]:
 
 def _folded_meta(g: Guidance, keys: list[str], op: Operation, now: str, reflection_id: str) -> ExperienceMeta:
     """Metadata of a key written by ``op``: hits and misses of the key and every merged key
-    folded together, plus one hit for this write (upstream 1.3)."""
+    folded together, plus one hit for this write; without a new rationale, the first one of
+    the target's and then the merged keys' metadata (upstream 1.3)."""
     old = [g.metadata[k] for k in keys if k in g.metadata]
     hits = sum(m.hit_count for m in old) + 1
     misses = sum(m.miss_count for m in old)
-    target_old = g.metadata.get(keys[0])
+    rationale = (op.rationale or "").strip() or next((m.rationale for m in old if m.rationale), None)
     return ExperienceMeta(
         updated_at=now,
         reflection_id=reflection_id,
         sources=_dedupe(list(op.evidence) + [s for m in old for s in m.sources]),
-        rationale=op.rationale if op.rationale else (target_old.rationale if target_old else None),
+        rationale=rationale,
         hit_count=hits,
         miss_count=misses,
         confidence=hits / (hits + misses + 1e-5),
@@ -218,8 +223,9 @@ def _resolve_target(g: Guidance, op: Operation, text: str) -> str:
         _check_learnable(target, "target")
     if op.op == "update" and target not in g.experiences:
         raise GuidanceError(f"update target {target} does not exist")
+    wanted = rule_text_key(text)
     for key, existing in g.experiences.items():
-        if key != target and normalize_rule_text(existing) == text:
+        if key != target and rule_text_key(existing) == wanted:
             if SCAFFOLD_KEY.match(key):
                 raise GuidanceError(f"text duplicates read-only scaffold rule {key}")
             if LEARNABLE_KEY.match(key):
@@ -229,8 +235,10 @@ def _resolve_target(g: Guidance, op: Operation, text: str) -> str:
 
 def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str) -> Guidance:
     """The guidance after ``op`` (a pure preview: nothing is written). ``step + 1`` and
-    ``updated_at = now``. Raises GuidanceError when the operation cannot apply or changes
-    nothing."""
+    ``updated_at = now``. Writing a text that an existing rule already holds (compared by
+    ``rule_text_key``) rewrites that rule and folds its metadata, as upstream: no error.
+    Raises GuidanceError when the operation cannot apply (a refused key, a remove of a key
+    that is not there)."""
     if op.op not in OPERATIONS:
         raise GuidanceError(f"unknown operation {op.op!r} (expected {', '.join(OPERATIONS)})")
     experiences = dict(g.experiences)
@@ -241,11 +249,13 @@ def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str)
         if op.key == "G0":
             raise GuidanceError("G0 (the mission checklist) cannot be removed")
         _check_learnable(op.key, "remove target")
-        experiences.pop(op.key, None)
+        if op.key not in experiences:
+            raise GuidanceError(f"remove {op.key} did not modify guidance (no such rule)")
+        del experiences[op.key]
         metadata.pop(op.key, None)
     else:
-        text = normalize_rule_text(op.text or "")
-        if not text:
+        text = (op.text or "").strip()  # stored as given, as upstream
+        if not rule_text_key(text):
             raise GuidanceError(f"{op.op} needs a non-empty text")
         target = _resolve_target(g, op, text)
         merged: list[str] = []
@@ -261,9 +271,6 @@ def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str)
             del experiences[key]
             metadata.pop(key, None)
         metadata[target] = _folded_meta(g, [target, *merged], op, now, reflection_id)
-    if experiences == g.experiences:
-        target = f" {op.key}" if op.key else ""
-        raise GuidanceError(f"{op.op}{target} did not modify guidance")
     return Guidance(step=g.step + 1, updated_at=now, experiences=experiences, metadata=metadata)
 
 

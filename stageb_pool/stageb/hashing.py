@@ -28,6 +28,16 @@ def content_hash(value) -> str:
     return hashlib.sha256(canonical_json(value)).hexdigest()[:16]
 
 
+def tickets_hash(tickets) -> str:
+    """``content_hash`` of the tickets (key, label, mission, summaries) in the order given.
+
+    The order is the caller's statement of identity: ``run.json`` hashes the ticket set in
+    key order (what the run judged, whatever the file order or seed); ``state.json`` hashes
+    the run order, which a resumed search must reproduce exactly.
+    """
+    return content_hash([msgspec.to_builtins(t) for t in tickets])
+
+
 def stable_seed(*parts) -> int:
     """A 63-bit seed from the parts' text, e.g. ``stable_seed(run_seed, "train", chunk, d, s)``."""
     text = "/".join(str(p) for p in parts)

@@ -19,14 +19,13 @@ import re
 from pathlib import Path
 
 import msgspec
-import yaml
 
+from . import inputs
 from .errors import InputError
 from .hashing import content_hash
-from .tickets import (  # the same rules at ingest and at prompt time
-    IRRELEVANT,
-    strip_header_lines,
-)
+from .stations import station_summary_lines
+from .summaries import estimate_objects, strip_summary_headers
+from .text import MAX_INDEX_DIGITS, IndexTooLong, trailing_index, verdict_word_form
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"  # the built-in profiles (package data)
 PROPOSER_FILE = "proposer.txt"  # a profile's default proposer system prompt
@@ -34,17 +33,19 @@ INLINE_FIELDS = ("mission", "focus")
 BLOCK_FIELDS = ("scaffold", "rules", "image_stats", "station_summary", "image_summaries")
 RULES_ORDERS = ("key", "g0_first")
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
-_TRAILING_INT = re.compile(r"(\d+)$")
 
 
 class VerdictVocab(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Words accepted after ``Verdict:`` (compared after removing spaces, lower-casing and
-    stripping a trailing 。/.), and the two words the prompt asks for."""
+    """Words accepted after ``Verdict:`` (compared in upstream's form: spaces normalised,
+    ASCII spaces removed, lower-cased; see ``text.verdict_word_form``), and the two
+    words the prompt asks for. ``loose`` also ignores any whitespace and trailing 。/. (off:
+    upstream's grammar, so invalid rates compare with upstream's)."""
 
     pass_words: list[str]
     fail_words: list[str]
     pass_text: str
     fail_text: str
+    loose: bool = False
 
 
 class ProfileLabels(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -105,25 +106,20 @@ def _profile_dir(name_or_path: str, base_dir: str | Path | None) -> Path:
     return directory
 
 
-def _read_text(path: Path) -> str:
-    if not path.is_file():
-        raise InputError("missing profile file", str(path))
-    try:
-        text = path.read_bytes().decode("utf-8-sig").replace("\r\n", "\n")
-    except UnicodeDecodeError:
-        raise InputError("not valid UTF-8", str(path)) from None
+def _read_text(path: Path, *, keep_final_newline: bool = False) -> str:
+    """A profile file (regular, UTF-8, a BOM removed, CRLF read as LF). A system text is
+    used as written, final newline included (upstream's system messages end with one); a
+    layout or YAML file loses its trailing newlines."""
+    text = inputs.read_text(path, "profile file").replace("\r\n", "\n")
     if not text.strip():
         raise InputError("empty profile file", str(path))
-    return text.rstrip("\n")
+    return text if keep_final_newline else text.rstrip("\n")
 
 
 def _read_profile_yaml(path: Path) -> ProfileFile:
-    try:
-        raw = yaml.safe_load(_read_text(path))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise InputError(f"invalid YAML: {getattr(exc, 'problem', exc)}", where) from None
+    raw = inputs.load_yaml_file(path, "profile file")
+    if raw is None:
+        raise InputError("empty profile file", str(path))
     try:
         profile = msgspec.convert(raw, ProfileFile)
     except msgspec.ValidationError as exc:
@@ -132,9 +128,17 @@ def _read_profile_yaml(path: Path) -> ProfileFile:
         raise InputError(message, f"{path}: {keypath}" if keypath else str(path)) from None
     if profile.options.rules_order not in RULES_ORDERS:
         raise InputError(f"must be one of {', '.join(RULES_ORDERS)}", f"{path}: options.rules_order")
-    if not profile.verdict.pass_words or not profile.verdict.fail_words:
-        raise InputError("pass_words and fail_words must be non-empty", f"{path}: verdict")
+    _check_vocabulary(profile.verdict, path)
     return profile
+
+
+def _check_vocabulary(vocab: VerdictVocab, path: Path) -> None:
+    if not vocab.pass_words or not vocab.fail_words:
+        raise InputError("pass_words and fail_words must be non-empty", f"{path}: verdict")
+    forms = {verdict_word_form(w, loose=vocab.loose): w for w in vocab.pass_words}
+    both = [w for w in vocab.fail_words if verdict_word_form(w, loose=vocab.loose) in forms]
+    if both:
+        raise InputError(f"{both[0]!r} is both a pass word and a fail word", f"{path}: verdict.fail_words")
 
 
 def _check_template(template: str, path: Path) -> None:
@@ -172,7 +176,7 @@ def load_profile(
         name=directory.name,
         domain=domain,
         language=spec.language,
-        system=_read_text(system_path),
+        system=_read_text(system_path, keep_final_newline=True),
         user_template=user_template,
         verdict=spec.verdict,
         labels=spec.labels,
@@ -183,12 +187,7 @@ def load_profile(
 def load_proposer_prompt(profile: str, path: str | None, *, base_dir: str | Path | None = None) -> str:
     """The proposer's system prompt: the file at ``path``, or the profile's ``proposer.txt``."""
     file = Path(path) if path is not None else _profile_dir(str(profile), base_dir) / PROPOSER_FILE
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as err:
-        raise InputError(f"cannot read the proposer prompt: {err.strerror or err}", str(file)) from err
-    except UnicodeDecodeError:
-        raise InputError("the proposer prompt is not valid UTF-8", str(file)) from None
+    text = inputs.read_text(file, "proposer prompt")  # verbatim, as upstream (a BOM removed)
     if not text.strip():
         raise InputError("the proposer prompt is empty", str(file))
     return text
@@ -196,169 +195,24 @@ def load_proposer_prompt(profile: str, path: str | None, *, base_dir: str | Path
 
 # --------------------------------------------------------------------------- summaries
 
-def _image_index(key: str) -> int:
-    m = _TRAILING_INT.search(key)
-    return int(m.group(1)) if m else 0
+def _image_order(key: str) -> int:
+    try:
+        return trailing_index(key) or 0
+    except IndexTooLong:
+        return 0
 
 
 def ordered_summaries(per_image: dict[str, str]) -> list[str]:
-    """Summaries sorted by the trailing integer of their key, header lines removed."""
-    return [strip_header_lines(per_image[k]) for k in sorted(per_image, key=_image_index)]
-
-
-def _as_stats_object(value) -> dict | None:
-    return value if isinstance(value, dict) and isinstance(value.get("统计"), list) else None
-
-
-def _try_json(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def extract_summary_json(text: str) -> dict | None:
-    """The summary's ``{"统计": [...]}`` object: direct parse, else the last line that
-    parses, else the widest ``{...}`` span, else a repaired ``统计=[...]`` assignment."""
-    text = text.strip()
-    found = _as_stats_object(_try_json(text))
-    if found is None:
-        for line in reversed(text.split("\n")):
-            found = _as_stats_object(_try_json(line.strip()))
-            if found is not None:
-                break
-    if found is None and "{" in text and "}" in text:
-        found = _as_stats_object(_try_json(text[text.find("{"): text.rfind("}") + 1]))
-    if found is None:
-        m = re.search(r"统计\s*[=:：]\s*(\[.*\])", text, re.S)
-        items = _try_json(m.group(1)) if m else None
-        found = {"统计": items} if isinstance(items, list) else None
-    return found
-
-
-def _attr_total(value) -> int:
-    if isinstance(value, dict):
-        return sum(c for c in value.values() if type(c) is int and c > 0)
-    if isinstance(value, list):
-        return sum(1 for item in value if item is not None)
-    return 0 if value is None else 1
-
-
-def _entry_objects(entry) -> int:
-    if not isinstance(entry, dict):
-        return 1
-    best = max((_attr_total(v) for k, v in entry.items() if k != "类别"), default=0)
-    count = max(1, best)
-    if entry.get("类别") == "标签":
-        count = max(count, _attr_total(entry.get("文本")) + _attr_total(entry.get("可读性")))
-    return count
-
-
-def estimate_objects(summary: str) -> int:
-    """Upstream's ``obj`` estimate for one photo summary (see docs/formats.md)."""
-    text = summary.strip()
-    if text.startswith(IRRELEVANT):
-        return 0
-    obj = extract_summary_json(text)
-    if obj is not None:
-        return sum(_entry_objects(e) for e in obj["统计"])
-    if not text:
-        return 0
-    return max(1, sum(1 for part in text.split("，") if part.strip()))
-
-
-# --------------------------------------------------------------------------- RRU blocks
-
-_NO_SLEEVE = {"没有保护", "无保护"}
-_UNREADABLE = {"", "无", "无法识别", "不可识别", "模糊"}
-_DISTANCE_TEXT = re.compile(r"站点距离[=/](\d+)")
-
-
-def _categories(obj: dict) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for entry in obj["统计"]:
-        if isinstance(entry, dict) and isinstance(entry.get("类别"), str):
-            out.setdefault(entry["类别"], []).append(entry)
-    return out
-
-
-def _distances(obj: dict | None, text: str) -> list[int]:
-    if obj is None:
-        return sorted({int(d) for d in _DISTANCE_TEXT.findall(text)})
-    found = set()
-    for entry in _categories(obj).get("站点距离", []):
-        for attr in ("站点距离", "距离"):
-            if isinstance(entry.get(attr), dict):
-                found.update(int(k.strip()) for k in entry[attr] if k.strip().isdigit())
-    return sorted(found)
-
-
-def _readable_label(cats: dict[str, list[dict]]) -> bool:
-    for entry in cats.get("标签", []):
-        texts = entry.get("文本")
-        if isinstance(texts, dict) and any(k.strip() not in _UNREADABLE and c for k, c in texts.items()):
-            return True
-    return False
-
-
-def _sleeve(cats: dict[str, list[dict]]) -> bool:
-    for entries in cats.values():
-        for entry in entries:
-            values = entry.get("套管保护")
-            if isinstance(values, dict) and any(k not in _NO_SLEEVE and c for k, c in values.items()):
-                return True
-    return False
-
-
-def _features(mission: str, obj: dict | None, text: str) -> dict[str, bool]:
-    """The per-install-point facts each RRU mission pairs across photos. Non-JSON text
-    falls back to looking for the category names in the text."""
-    if obj is None:
-        has = lambda *words: any(w in text for w in words)  # noqa: E731
-        readable = has("标签")
-        sleeve = has("套管") and not has(*_NO_SLEEVE)
-    else:
-        cats = _categories(obj)
-        has = lambda *words: any(w in cats for w in words)  # noqa: E731
-        readable = _readable_label(cats)
-        sleeve = _sleeve(cats)
-    if mission == "RRU安装检查":
-        return {"RRU": has("RRU设备"), "紧固件": has("紧固件", "固定件")}
-    if mission == "RRU位置检查":
-        return {"RRU接地端": has("RRU接地端"), "接地线(可读标签)": has("接地线") and readable}
-    return {"尾纤": has("尾纤"), "套管": sleeve, "标签文本": readable}
-
-
-STATION_MISSIONS = ("RRU安装检查", "RRU位置检查", "RRU线缆")
-
-
-def station_summary_lines(mission: str, summaries: list[str]) -> list[str]:
-    """``- 站点距离=35: RRU=有, 紧固件=有`` per station distance, numerically sorted; for
-    RRU位置检查 and RRU线缆, distances where nothing was seen are left out."""
-    if mission not in STATION_MISSIONS:
-        return []
-    merged: dict[int, dict[str, bool]] = {}
-    for text in summaries:
-        if text.strip().startswith(IRRELEVANT):
-            continue  # irrelevant photos never take part in pairing
-        obj = extract_summary_json(text)
-        facts = _features(mission, obj, text)
-        for distance in _distances(obj, text):
-            seen = merged.setdefault(distance, dict.fromkeys(facts, False))
-            for name, value in facts.items():
-                seen[name] = seen[name] or value
-    keep_empty = mission == "RRU安装检查"
-    return [
-        f"- 站点距离={d}: " + ", ".join(f"{k}={'有' if v else '无'}" for k, v in facts.items())
-        for d, facts in sorted(merged.items())
-        if keep_empty or any(facts.values())
-    ]
+    """Summaries sorted by the trailing integer of their key (none: 0; ties keep their
+    order), as stored: the obj estimate and the station blocks read them raw, the summary
+    block shows them through ``summaries.strip_summary_headers`` (upstream)."""
+    return [per_image[k] for k in sorted(per_image, key=_image_order)]
 
 
 # --------------------------------------------------------------------------- rendering
 
 def _natural_key(key: str) -> tuple:
-    m = re.match(r"^([A-Za-z]*)(\d+)$", key)
+    m = re.fullmatch(r"([A-Za-z]*)([0-9]{1,%d})" % MAX_INDEX_DIGITS, key)
     return (m.group(1), int(m.group(2)), "") if m else (key, -1, key)
 
 
@@ -384,7 +238,8 @@ def _blocks(profile: PromptProfile, guidance: dict[str, str], mission: str, summ
         "rules": _block(labels.rules, _rule_lines(guidance, "G", options.rules_order)),
         "image_stats": "",
         "station_summary": "",
-        "image_summaries": _block(labels.image_summaries, [f"{i}. {s}" for i, s in enumerate(summaries, start=1)]),
+        "image_summaries": _block(labels.image_summaries,
+                                  [f"{i}. {strip_summary_headers(s)}" for i, s in enumerate(summaries, start=1)]),
     }
     if options.object_stats:
         items = ", ".join(f"Image{i}(obj={estimate_objects(s)})" for i, s in enumerate(summaries, start=1))

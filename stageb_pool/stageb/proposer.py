@@ -14,8 +14,6 @@ Differences from upstream, on purpose:
   dependency; upstream also ran without it when it was not installed).
 * The Stage-A leak filter catches ``image1``-style text (upstream's ``image\\d`` pattern
   was a raw string matching a literal backslash) and ``复核`` in object chains.
-* Image summaries in the prompt are ordered by image number (upstream: ``image_10``
-  before ``image_2``).
 * Target resolution (update/remove/merge) happens here with a logged reason instead of
   a silent skip during evaluation; every rejection is returned as a row.
 * English word lists sit next to the Chinese ones so the generic profile is filtered too;
@@ -33,28 +31,10 @@ from typing import Iterable, Mapping, Sequence
 import msgspec
 
 from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
+from .summaries import extract_summary_json
+from .text import CJK_CHAR, normalize_spaces
 
 # --------------------------------------------------------------------------- text normalisation
-
-_CJK = "\u4e00-\u9fff"
-_CJK_PUNCT = "，。；：！？、"
-
-
-def normalize_spaces(text: str) -> str:
-    """Upstream's space normalisation: runs of spaces collapsed, spaces between CJK
-    characters (and between CJK and CJK punctuation) dropped, a Latin word or a split
-    upper-case/digit token wedged between CJK characters glued on, stripped."""
-    if not text:
-        return text
-    text = re.sub(r" +", " ", text)
-    text = re.sub(rf"([{_CJK}])\s+([{_CJK}])", r"\1\2", text)
-    text = re.sub(rf"([{_CJK}])\s+([{_CJK_PUNCT}])", r"\1\2", text)
-    text = re.sub(rf"([{_CJK_PUNCT}])\s+([{_CJK}])", r"\1\2", text)
-    text = re.sub(rf"([{_CJK}])\s+([a-zA-Z]+)\s+([{_CJK}])", r"\1\2\3", text)  # 挡 wind 板 -> 挡wind板
-    text = re.sub(rf"([{_CJK}])([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3\4", text)  # 设备BB U设备
-    text = re.sub(rf"^([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3", text)  # BB U设备
-    return re.sub(r" +", " ", text.strip())
-
 
 _SIGNATURE_PUNCT = re.compile(r"[，,。.!！？;；:：\-—_()（）\[\]{}<>《》“”\"'·~]")
 
@@ -77,23 +57,28 @@ def _check_form(text: str) -> str:
 
 # --------------------------------------------------------------------------- example selection
 
-def select_examples(stats: Mapping | Iterable, tickets_by_key: Mapping, reflect_size: int) -> list[tuple]:
-    """The ``reflect_size`` most confidently wrong tickets as ``(TicketStats, Ticket)`` pairs.
+def confidently_wrong(stats: Mapping | Iterable) -> list:
+    """The tickets whose valid majority differs from GT, most confidently wrong first.
 
-    Mismatches only (majority not None and != gt), sorted by ``(hard_wrong, difficulty)``
-    descending; the sort is stable, so ties keep pool order. Keys without a ticket in
-    ``tickets_by_key`` are skipped.
+    Sorted by ``(hard_wrong, difficulty)`` descending; the sort is stable, so ties keep
+    the given (pool or run) order. The one definition behind the proposer's examples and
+    the hard-case rows of the audit and the rule search.
     """
     rows = list(stats.values()) if isinstance(stats, Mapping) else list(stats)
     wrong = [s for s in rows if s.majority is not None and s.majority != s.gt_label]
     wrong.sort(key=lambda s: (s.hard_wrong, s.difficulty), reverse=True)
-    picked = [(s, tickets_by_key[s.key]) for s in wrong if s.key in tickets_by_key]
+    return wrong
+
+
+def select_examples(stats: Mapping | Iterable, tickets_by_key: Mapping, reflect_size: int) -> list[tuple]:
+    """The ``reflect_size`` most confidently wrong tickets (:func:`confidently_wrong`) as
+    ``(TicketStats, Ticket)`` pairs. Keys without a ticket in ``tickets_by_key`` are skipped.
+    """
+    picked = [(s, tickets_by_key[s.key]) for s in confidently_wrong(stats) if s.key in tickets_by_key]
     return picked[:max(0, int(reflect_size))]
 
 
 # --------------------------------------------------------------------------- request
-
-_IMAGE_NUMBER = re.compile(r"(\d+)$")
 
 _TEXTS = {
     "zh": {
@@ -114,12 +99,7 @@ _TEXTS = {
 def proposer_language(vocab) -> str:
     """``"zh"`` when the profile's verdict words are Chinese, else ``"en"``."""
     words = f"{getattr(vocab, 'pass_text', '')}{getattr(vocab, 'fail_text', '')}"
-    return "zh" if re.search(f"[{_CJK}]", words) else "en"
-
-
-def _image_order(key: str) -> tuple:
-    m = _IMAGE_NUMBER.search(key)
-    return (0, int(m.group(1)), key) if m else (1, 0, key)
+    return "zh" if CJK_CHAR.search(words) else "en"
 
 
 def _experiences(guidance) -> dict[str, str]:
@@ -140,7 +120,7 @@ def render_example(number: int, stats, ticket, lang: str = "zh") -> str:
         f"baseline_majority={stats.majority}; agreement={stats.agreement:.3f}; difficulty={stats.difficulty:.3f}",
         "stage_a_summaries:",
     ]
-    for key in sorted(ticket.per_image, key=_image_order):
+    for key in sorted(ticket.per_image):  # upstream's string order: image_10 before image_2
         lines.append(f"  - {key}: {ticket.per_image[key]}")
     return "\n".join(lines)
 
@@ -288,16 +268,23 @@ _BRAND = ("brand", "品牌")
 _EXTRA_FAIL = ("判不通过", "不能通过", "cannot pass", "not pass", "does not pass")
 
 
+def _is_json_object(text: str) -> bool:
+    if not text.startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def is_stage_a_leak(text: str) -> bool:
-    """Pasted Stage-A summary text: a JSON object, ``标签/``, an image reference
-    (``image_3``, ``image3``, ``Image 3``), or ``/``-joined object chains."""
+    """Pasted Stage-A summary text: a summary object anywhere in the text (a header line
+    before it, inside a sentence, on the last line, or a ``统计=[...]`` assignment: what the
+    prompt's summary parser would read as one), any JSON object, ``标签/``, an image
+    reference (``image_3``, ``image3``, ``Image 3``), or ``/``-joined object chains."""
     stripped = (text or "").strip()
-    if stripped.startswith("{"):
-        try:
-            if isinstance(json.loads(stripped), dict):
-                return True
-        except ValueError:
-            pass
+    if extract_summary_json(stripped) is not None or _is_json_object(stripped):
+        return True
     lowered = stripped.lower()
     if "标签/" in lowered or "image_" in lowered or _IMAGE_REF.search(lowered):
         return True
@@ -315,7 +302,7 @@ def _first_hit(text: str, words: Iterable[str]) -> str | None:
 def _has_word(form: str, word: str) -> bool:
     """Substring for CJK words; for Latin words the match must start a word (pass, passes)."""
     word = word.lower()
-    if re.search(f"[{_CJK}]", word):
+    if CJK_CHAR.search(word):
         return word in form
     return re.search(rf"(?<![a-z]){re.escape(word)}", form) is not None
 
@@ -566,7 +553,8 @@ def parse_candidates(
             accepted.append(result)
             continue
         fields = entry if isinstance(entry, dict) else {}
-        rejections.append({"index": index, "op": _clean(fields.get("op")) or None,
+        op = fields.get("op")
+        rejections.append({"index": index, "op": _clean(op) if op is not None else None,
                            "text": _clean(fields.get("text")) or None, "reason": result})
     return accepted, rejections
 

@@ -1,28 +1,30 @@
 """Stage-A ticket files (upstream 1.2): read, validate, normalise, filter.
 
 One JSON object per line; each becomes a ``Ticket`` keyed ``"{group_id}::{label}"``.
-Every problem is reported with its ``path:line``; by default the first bad line stops
-the run (``InputError``, exit code 2) before any work starts, with ``on_bad_line="skip"``
-bad lines are skipped and listed in ``IngestReport.skipped``.
+Every record upstream's ingest reads is read, with explicit conversions counted in the
+``IngestReport`` (an integer group id becomes its decimal text, a non-string summary its
+compact JSON text; a non-string ``label_timestamp``/``label_source`` is ignored). Every
+problem is reported with its ``path:line``; by default the first bad line stops the run
+(``InputError``, exit code 2) before any work starts, with ``on_bad_line="skip"`` bad
+lines are skipped and listed in ``IngestReport.skipped``.
 """
 
 from __future__ import annotations
 
 import json
-import re
+from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
 import msgspec
 
+from . import inputs
 from .errors import InputError
+from .summaries import bbu_clean_summary, is_rru_mission
+from .text import IndexTooLong, short, trailing_index
 
 LABELS = ("pass", "fail")
-IRRELEVANT = "无关图片"
-STATION_DISTANCE = "站点距离"
-HEADER_LINE = re.compile(r"^<DOMAIN=.*>\s*,\s*<TASK=.*>$")
-_TRAILING_INT = re.compile(r"(\d+)$")
 _TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
 
@@ -54,10 +56,18 @@ class IngestReport(msgspec.Struct):
     tickets: list[Ticket]
     skipped: list[dict] = []  # {"location": "path:line", "error": "..."}
     excluded: int = 0
+    # field -> how many values were converted (group_id: integer -> text; per_image: a
+    # non-string summary -> its JSON text) or ignored for their type (label_timestamp, label_source)
+    converted: dict[str, int] = {}
+    ignored: dict[str, int] = {}
 
 
 class _BadLine(Exception):
     """A problem with one line; turned into a located InputError or a skipped entry."""
+
+
+class _UnreadableLine(_BadLine):
+    """A line no record should look like (JSON nested too deep): an error in both modes."""
 
 
 def _type_name(value) -> str:
@@ -66,15 +76,9 @@ def _type_name(value) -> str:
 
 # --------------------------------------------------------------------------- summaries
 
-def strip_header_lines(text: str) -> str:
-    """Drop ``<DOMAIN=...>, <TASK=...>`` header lines from a summary."""
-    lines = text.splitlines()
-    kept = [line for line in lines if not HEADER_LINE.match(line.strip())]
-    return "\n".join(kept).strip() if len(kept) != len(lines) else text
-
-
 def _unwrap(value: str) -> str:
-    # Some Stage-A writers JSON-encode the summary twice: '"{\"统计\": ...}"'.
+    # Some Stage-A writers JSON-encode the summary twice: '"{\"统计\": ...}"' (upstream
+    # kept the quotes and backslashes, so nothing downstream could read it).
     if value.strip().startswith('"'):
         try:
             inner = json.loads(value)
@@ -85,107 +89,74 @@ def _unwrap(value: str) -> str:
     return value
 
 
-def _canonical_summary(obj: dict) -> str:
-    first = [k for k in ("统计", "备注", "分组统计") if k in obj]
-    ordered = {k: obj[k] for k in first + [k for k in obj if k not in first]}
-    return json.dumps(ordered, ensure_ascii=False, separators=(", ", ": "))
-
-
-def _enclosing_braces(text: str, pos: int) -> tuple[int, int] | None:
-    """The ``{...}`` span that encloses ``pos`` (brace counting, strings not parsed)."""
-    depth, start = 0, -1
-    for i in range(pos - 1, -1, -1):
-        if text[i] == "}":
-            depth += 1
-        elif text[i] == "{":
-            if depth == 0:
-                start = i
-                break
-            depth -= 1
-    if start < 0:
-        return None
-    depth = 0
-    for j in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return start, j + 1
-    return None
-
-
-def _remove_station_fragments(text: str) -> str:
-    """Best effort for unparsable text: drop every ``{...}`` object that mentions the
-    station distance, with one adjacent comma separator."""
-    while (hit := text.find(STATION_DISTANCE)) >= 0:
-        span = _enclosing_braces(text, hit)
-        if span is None:
-            return text.replace(STATION_DISTANCE, "")
-        before, after = text[: span[0]].rstrip(), text[span[1]:].lstrip()
-        if after.startswith(","):
-            after = after[1:].lstrip()
-        elif before.endswith(","):
-            before = before[:-1].rstrip()
-        gap = " " if before and after and before[-1] not in "[{" and after[0] not in "]}" else ""
-        text = before + gap + after
-    return text
-
-
-def bbu_clean_summary(text: str) -> str:
-    """Upstream's BBU clean-up: irrelevant photos become exactly 无关图片; station-distance
-    evidence (an RRU concept) is removed and the JSON re-serialised canonically."""
-    if text.strip().startswith(IRRELEVANT):
-        return IRRELEVANT
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return _remove_station_fragments(text)
-    if not isinstance(obj, dict) or not isinstance(obj.get("统计"), list):
-        return text
-    obj["统计"] = [e for e in obj["统计"] if not (isinstance(e, dict) and e.get("类别") == STATION_DISTANCE)]
-    if isinstance(obj.get("分组统计"), dict):
-        obj["分组统计"].pop(STATION_DISTANCE, None)
-    return _canonical_summary(obj).replace(STATION_DISTANCE, "")
-
-
 def _bbu_cleaned(mission: str, per_image: dict[str, str]) -> dict[str, str]:
     """``bbu_clean_summary`` on every summary, except for RRU missions (left as they are)."""
-    if mission.startswith("RRU"):
+    if is_rru_mission(mission):
         return per_image
     return {k: bbu_clean_summary(v) for k, v in per_image.items()}
 
 
+def _summary_text(value) -> str:
+    # Upstream str()-ed any value (a Python repr nothing downstream parses); JSON text keeps
+    # an object summary readable by the prompt's summary parser.
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def normalize_per_image(per_image: dict) -> dict[str, str]:
     """Keys -> ``image_{n}`` by trailing integer (no digits: 1-based position), sorted by n;
-    JSON-string values unwrapped; header lines dropped."""
+    a non-string value becomes its compact JSON text; JSON-string values unwrapped; the text
+    otherwise as given (the BBU clean-up and the prompt read headers away)."""
     by_index: dict[int, tuple[str, str]] = {}
     for position, (key, value) in enumerate(per_image.items(), start=1):
-        if not isinstance(value, str):
-            raise _BadLine(f"per_image[{key!r}] must be a string, got {_type_name(value)}")
-        m = _TRAILING_INT.search(key)
-        n = int(m.group(1)) if m else position
+        try:
+            n = trailing_index(key)
+        except IndexTooLong as err:
+            raise _BadLine(f"per_image key {short(key)!r}: {err}") from None
+        n = position if n is None else n
         if n in by_index:
             raise _BadLine(f"per_image keys {by_index[n][0]!r} and {key!r} both map to image_{n}")
-        by_index[n] = (key, strip_header_lines(_unwrap(value)))
+        by_index[n] = (key, _unwrap(_summary_text(value)))
     return {f"image_{n}": by_index[n][1] for n in sorted(by_index)}
 
 
 # --------------------------------------------------------------------------- one line
 
-def _text_field(record: dict, name: str, *, required: bool) -> str | None:
-    if name not in record or (not required and record[name] is None):
-        if required:
-            raise _BadLine(f"missing field {name!r}")
-        return None
-    value = record[name]
+def _field(record: dict, name: str):
+    if name not in record:
+        raise _BadLine(f"missing field {name!r}")
+    return record[name]
+
+
+def _text_field(record: dict, name: str) -> str:
+    value = _field(record, name)
     if not isinstance(value, str):
         raise _BadLine(f"field {name!r} must be a string, got {_type_name(value)}")
-    if required and not value.strip():
+    if not value.strip():
         raise _BadLine(f"field {name!r} is empty")
+    return value
+
+
+def _group_id(record: dict, notes: Counter) -> str:
+    value = _field(record, "group_id")
+    if type(value) is int:  # upstream str()-ed it: 15502 -> "15502"
+        notes["converted group_id"] += 1
+        return str(value)
+    if not isinstance(value, str):
+        raise _BadLine(f"field 'group_id' must be a string or an integer, got {_type_name(value)}")
+    return value  # verbatim, empty allowed (upstream's key "::fail")
+
+
+def _optional_text(record: dict, name: str, notes: Counter) -> str | None:
+    value = record.get(name)
+    if value is not None and not isinstance(value, str):
+        notes[f"ignored {name}"] += 1  # upstream ignored a non-string value
+        return None
     return value
 
 
 def _timestamp(value: str | None) -> str | None:
     # Upstream parsed with datetime.fromisoformat and kept None when that failed.
-    if value is None:
+    if not value:
         return None
     try:
         datetime.fromisoformat(value)
@@ -194,50 +165,59 @@ def _timestamp(value: str | None) -> str | None:
     return value
 
 
-def parse_ticket_line(line: str, *, bbu_cleanup: bool = False) -> Ticket:
-    """One JSONL line -> Ticket; raises ``_BadLine`` with what is wrong."""
+def _decode_record(line: str) -> dict:
     try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise _BadLine(f"invalid JSON: {exc}") from None
+        record = inputs.loads(line)
+    except inputs.JsonProblem as err:
+        detail = f" (column {err.col})" if err.col else (f" at {err.keypath}" if err.keypath else "")
+        kind = _UnreadableLine if "nested deeper" in err.message else _BadLine
+        raise kind(err.message + detail) from None
     if not isinstance(record, dict):
         raise _BadLine(f"expected a JSON object, got {_type_name(record)}")
-    mission = _text_field(record, "mission", required=True).strip()
-    group_id = _text_field(record, "group_id", required=True).strip()
-    label = _text_field(record, "label", required=True).strip().lower()
+    return record
+
+
+def _parse_record(record: dict, bbu_cleanup: bool) -> tuple[Ticket, Counter]:
+    notes: Counter = Counter()
+    mission = _text_field(record, "mission")
+    if "\x00" in mission:
+        raise _BadLine("field 'mission' contains a NUL character")
+    group_id = _group_id(record, notes)
+    label = _text_field(record, "label").strip().lower()
     if label not in LABELS:
         raise _BadLine(f"label must be 'pass' or 'fail', got {record['label']!r}")
-    if "per_image" not in record:
-        raise _BadLine("missing field 'per_image'")
-    per_image = record["per_image"]
+    per_image = _field(record, "per_image")
     if not isinstance(per_image, dict):
         raise _BadLine(f"field 'per_image' must be an object, got {_type_name(per_image)}")
     if not per_image:
         raise _BadLine("field 'per_image' is empty")
     summaries = normalize_per_image(per_image)
+    notes["converted per_image"] += sum(not isinstance(v, str) for v in per_image.values())
     if bbu_cleanup:
         summaries = _bbu_cleaned(mission, summaries)
-    source = _text_field(record, "label_source", required=False)
-    return Ticket(
+    source = _optional_text(record, "label_source", notes)
+    ticket = Ticket(
         key=f"{group_id}::{label}",
         group_id=group_id,
         mission=mission,
         label=label,
         per_image=summaries,
         label_source=source.strip() if source and source.strip() else "human",
-        label_timestamp=_timestamp(_text_field(record, "label_timestamp", required=False)),
+        label_timestamp=_timestamp(_optional_text(record, "label_timestamp", notes)),
     )
+    return ticket, +notes
+
+
+def parse_ticket_line(line: str, *, bbu_cleanup: bool = False) -> Ticket:
+    """One JSONL line -> Ticket; raises ``_BadLine`` with what is wrong."""
+    return _parse_record(_decode_record(line), bbu_cleanup)[0]
 
 
 # --------------------------------------------------------------------------- files
 
 def _read_lines(path: Path) -> Iterable[tuple[int, str | None]]:
     """(line number, text) for every non-blank line; text None when not UTF-8."""
-    if not path.is_file():
-        raise InputError("ticket file not found", str(path))
-    raw = path.read_bytes()
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
+    raw = inputs.read_bytes(path, "ticket file")
     for number, chunk in enumerate(raw.split(b"\n"), start=1):
         chunk = chunk.rstrip(b"\r")
         if not chunk.strip():
@@ -282,15 +262,16 @@ def load_tickets(
     skipped: list[dict] = []
     where: dict[str, str] = {}
     excluded = 0
+    notes: Counter = Counter()
     for path in path_list:
         for number, line in _read_lines(path):
             location = f"{path}:{number}"
             try:
                 if line is None:
                     raise _BadLine("not valid UTF-8")
-                ticket = parse_ticket_line(line, bbu_cleanup=bbu_cleanup)
+                ticket, line_notes = _parse_record(_decode_record(line), bbu_cleanup)
             except _BadLine as exc:
-                if on_bad_line == "error":
+                if on_bad_line == "error" or isinstance(exc, _UnreadableLine):
                     raise InputError(str(exc), location) from None
                 skipped.append({"location": location, "error": str(exc)})
                 continue
@@ -301,11 +282,17 @@ def load_tickets(
                 raise InputError(f"duplicate ticket key {ticket.key!r} (first at {where[ticket.key]})", location)
             where[ticket.key] = location
             tickets.append(ticket)
+            notes.update(line_notes)
     if not tickets:
         detail = f" ({excluded} excluded, {len(skipped)} bad lines skipped)" if excluded or skipped else ""
         raise InputError(f"no tickets{detail}", ", ".join(map(str, path_list)))
     _check_one_mission(tickets, where)
-    return IngestReport(tickets=tickets, skipped=skipped, excluded=excluded)
+    return IngestReport(tickets=tickets, skipped=skipped, excluded=excluded,
+                        converted=_counts(notes, "converted "), ignored=_counts(notes, "ignored "))
+
+
+def _counts(notes: Counter, prefix: str) -> dict[str, int]:
+    return {k[len(prefix):]: v for k, v in sorted(notes.items()) if k.startswith(prefix)}
 
 
 def load_exclusions(keys: Iterable[str] | None, path: str | Path | None) -> frozenset[str]:
@@ -313,11 +300,7 @@ def load_exclusions(keys: Iterable[str] | None, path: str | Path | None) -> froz
     ignored). A missing file is an error: silently excluding nothing would hide a typo."""
     result = {k.strip() for k in (keys or ()) if k.strip()}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise InputError("exclusion list not found", str(path))
-        text = path.read_bytes().decode("utf-8-sig", errors="replace")
-        for line in text.splitlines():
+        for line in inputs.read_text(path, "exclusion list").splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
                 result.add(line)

@@ -14,16 +14,14 @@ from collections.abc import Iterable
 import msgspec
 
 from .prompts import VerdictVocab
+from .text import verdict_word_form
 
-# A chat template sometimes echoes the role before the answer. Only a *leading* marker is
-# removed; upstream cut at the last bare word "assistant" anywhere, which truncated any
-# Reason that used the word (upstream 9.3 item 10).
-_ASSISTANT_MARKER = re.compile(
-    r"^\s*(?:<\|im_start\|>\s*assistant\b[ \t]*[:：]?|assistant[ \t]*(?:[:：]|\r?\n|$))",
-    re.IGNORECASE,
-)
+# A chat template sometimes echoes the role before the answer: upstream's markers
+# (``assistant``, ``Assistant``, optionally with ``:``, or ``<|im_start|>assistant``), case
+# as upstream. Only *leading* markers are removed; upstream also cut at the last
+# ``assistant`` anywhere, which made any Reason using the word invalid (upstream 9.3 item 10).
+_ASSISTANT_MARKER = re.compile(r"^\s*(?:<\|?im_start\|?>)?(?:assistant|Assistant)(?:[ \t]*:)?")
 _COLON = re.compile(r"[:：]")
-_SPACES = re.compile(r"\s+")
 
 
 class Parsed(msgspec.Struct, frozen=True):
@@ -39,13 +37,9 @@ def _invalid(error: str) -> Parsed:
     return Parsed(None, None, error)
 
 
-def normalize_verdict_word(value: str) -> str:
-    """Spaces removed, lower-cased, trailing 。 / . stripped: ``" 通过。"`` -> ``"通过"``."""
-    return _SPACES.sub("", value).lower().rstrip("。.")
-
-
 def strip_assistant_marker(text: str) -> str:
-    """Remove leading ``assistant`` / ``Assistant:`` / ``<|im_start|>assistant`` markers."""
+    """Remove leading ``assistant`` / ``Assistant:`` / ``<|im_start|>assistant`` markers.
+    The only place a role echo is removed: the engine returns the decoded text as is."""
     while True:
         m = _ASSISTANT_MARKER.match(text)
         if not m:
@@ -79,10 +73,11 @@ def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
         return _invalid("no ':' after 'Verdict'")
     if reason is None:
         return _invalid("no ':' after 'Reason'")
-    word = normalize_verdict_word(value)
-    if word in {normalize_verdict_word(w) for w in vocab.pass_words}:
+    loose = vocab.loose
+    word = verdict_word_form(value, loose=loose)
+    if word in {verdict_word_form(w, loose=loose) for w in vocab.pass_words}:
         verdict = "pass"
-    elif word in {normalize_verdict_word(w) for w in vocab.fail_words}:
+    elif word in {verdict_word_form(w, loose=loose) for w in vocab.fail_words}:
         verdict = "fail"
     else:
         return _invalid(f"unknown verdict {value!r}")
@@ -201,15 +196,19 @@ def _most_common(values: list[str]) -> list[tuple[str, int]]:
     return sorted(Counter(values).items(), key=lambda kv: -kv[1])
 
 
+def _majority_voters_reasons(stats: TicketStats) -> list[str]:
+    """The reasons of the samples that voted with the majority (upstream's hard-case rows)."""
+    if stats.majority is None:
+        return []
+    return [r for v, r in zip(stats.verdicts, stats.reasons) if v == stats.majority and r]
+
+
 def majority_reason(stats: TicketStats) -> str | None:
     """The most frequent reason among the samples that voted with the majority."""
-    if stats.majority is None:
-        return None
-    reasons = [r for v, r in zip(stats.verdicts, stats.reasons) if v == stats.majority and r is not None]
+    reasons = _majority_voters_reasons(stats)
     return _most_common(reasons)[0][0] if reasons else None
 
 
 def reason_counts(stats: TicketStats, top: int = 5) -> list[dict]:
-    """``[{"reason", "count"}]`` of the valid samples' reasons, most frequent first."""
-    reasons = [r for r in stats.reasons if r is not None]
-    return [{"reason": r, "count": c} for r, c in _most_common(reasons)[:top]]
+    """``[{"reason", "count"}]`` of the majority voters' reasons, most frequent first."""
+    return [{"reason": r, "count": c} for r, c in _most_common(_majority_voters_reasons(stats))[:top]]

@@ -10,9 +10,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from engines import Engine, touch  # noqa: E402
+from processes import parent_pid  # noqa: E402
 
 from stageb_pool import Pool  # noqa: E402
 
@@ -20,7 +22,7 @@ from stageb_pool import Pool  # noqa: E402
 def main(state_dir: str) -> int:
     try:
         with Pool(Engine, "cpu:2") as pool:
-            pids = {"workers": pool.pids, "zygote": pool._zygote.pid}
+            pids = {"workers": pool.pids, "zygote": parent_pid(pool.pids[0])}
             touch(os.path.join(state_dir, "pids.json"), json.dumps(pids))
             pool.map("block", [os.path.join(state_dir, "started")] * 2)
     except KeyboardInterrupt:

@@ -1,0 +1,268 @@
+"""The config schema: every key, type, range and default, as frozen msgspec Structs.
+
+These Struct definitions are the single place where the config's keys are defined
+(docs/usage.md mirrors them; a test keeps the two in step). Every section is frozen: a
+loaded config is a value, resolved once by ``load_config`` (paths absolute, the seeds
+that default to the top-level seed filled in) and never changed afterwards. The helpers at
+the end walk the schema (the Struct a field holds, a field's type at a key path, every
+leaf key), for the key checks, ``--set`` and the docs test.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import msgspec
+from msgspec import Meta
+
+from ...engine.records import SamplerConfig
+
+# Constrained scalar types: msgspec checks these while converting and reports the key path.
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+Probability = Annotated[float, Meta(ge=0, le=1)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Base of every config section: unknown keys are errors, fields are keyword-only, and a
+    loaded config is never changed (a changed copy is ``msgspec.structs.replace``)."""
+
+
+class ModelConfig(_Section, kw_only=True):
+    path: NonEmptyStr = "embedded"  # "embedded" (SmolLM2-135M), "tiny" (test model), an HF checkpoint dir or a .gguf file
+    dtype: str | None = None  # torch dtype name, e.g. "bfloat16"; None: the engine's default for the device
+    attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None: transformers' default
+    trust_remote_code: bool = False  # passed to transformers when loading a checkpoint
+    stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
+
+
+class PromptConfig(_Section, kw_only=True):
+    profile: NonEmptyStr = "generic"  # a profile name under configs/prompts/ or a profile directory path
+    domain: str | None = None  # domain hint for profiles that have one (bbu_rru: "bbu" | "rru"); None: from the mission
+
+
+class GuidanceConfig(_Section, kw_only=True):
+    path: NonEmptyStr  # seed guidance JSON (mission-keyed); copied into the run directory at start
+    retention: PosInt = 5  # guidance snapshots kept in the run directory
+
+
+class OutputConfig(_Section, kw_only=True):
+    root: NonEmptyStr  # artifacts go to {root}/{mission}/{run_name}/
+    run_name: NonEmptyStr  # name of the run directory (no path separators)
+    save_rollouts: bool = False  # also write every generated text to rollouts/<rollout>.jsonl
+
+
+class IngestConfig(_Section, kw_only=True):
+    on_bad_line: Literal["error", "skip"] = "error"  # a malformed ticket line stops the run, or is skipped and counted
+
+
+class TicketFilterConfig(_Section, kw_only=True):
+    exclude_ticket_keys: list[str] = []  # ticket keys ("group_id::label") removed right after ingest
+    exclude_ticket_keys_path: str | None = None  # file with one key per line (blank lines and # comments ignored)
+
+
+class PoolConfig(_Section, kw_only=True):
+    task_timeout: PosFloat = 600.0  # seconds a worker may spend on one request before it counts as stalled
+    start_timeout: PosFloat = 900.0  # seconds a worker may take to start and load its model
+    max_restarts: NonNegInt = 0  # worker replacements (with the work retried) before the run fails
+
+
+class RunnerConfig(_Section, kw_only=True):
+    epochs: PosInt = 10  # rule-search iteration budget
+    chunk_size: PosInt = 16  # tickets per work item sent to a worker; generation seeds are per chunk, so it is part of the result
+    logging_steps: PosInt = 256  # audit mode: a baseline_metrics_steps.jsonl row every this many tickets
+
+
+class BootstrapConfig(_Section, kw_only=True):
+    iterations: PosInt = 200  # paired ticket-level bootstrap resamples
+    min_prob: Probability = 0.8  # required P(RER* >= min_relative_error_reduction)
+    seed: int | None = None  # bootstrap RNG base (plus the iteration); None: the top-level seed
+
+
+class GateConfig(_Section, kw_only=True):
+    min_relative_error_reduction: NonNegFloat = 0.1  # tau: required relative error reduction on the train pool
+    max_changed_fraction: Probability = 0.05  # churn cap: fraction of tickets whose majority may change (0 means 0)
+    max_fp_rate_increase: Probability = 0.01  # largest allowed rise of the false-release rate, for every op
+    bootstrap: BootstrapConfig = msgspec.field(default_factory=BootstrapConfig)
+    eval_max_acc_drop: Probability | None = None  # veto when eval accuracy drops by more; None: log only
+
+
+class EarlyStopConfig(_Section, kw_only=True):
+    patience: PosInt = 3  # stop after this many consecutive iterations without an accepted edit
+
+
+class RuleSearchConfig(_Section, kw_only=True):
+    proposer_prompt_path: NonEmptyStr | None = None  # proposer system prompt file; None: the prompt profile's proposer.txt
+    proposer_temperature: NonNegFloat = 0.4
+    proposer_top_p: TopP = 0.9
+    proposer_repetition_penalty: PosFloat = 1.05
+    proposer_max_new_tokens: PosInt = 2048
+    proposer_max_prompt_tokens: PosInt = 4096  # examples are dropped from the end until the prompt fits
+    reflect_size: PosInt = 16  # confidently wrong tickets shown to the proposer
+    num_candidate_rules: PosInt = 3  # candidates per iteration (proposer, then ablation fill)
+    train_pool_size: PosInt = 512  # tickets per iteration's train pool
+    train_pool_fraction: Annotated[float, Meta(gt=0, le=1)] | None = None  # overrides the size: round(N_train * f)
+    eval_pool_size: NonNegInt = 128  # fixed stratified eval pool (0: no eval pool)
+    gate: GateConfig = msgspec.field(default_factory=GateConfig)
+    early_stop: EarlyStopConfig = msgspec.field(default_factory=EarlyStopConfig)
+    train_sampler: SamplerConfig  # train baseline and candidate rollouts; also the audit rollout
+    eval_sampler: SamplerConfig  # eval pool rollouts
+
+
+class DistillConfig(_Section, kw_only=True):
+    enabled: bool = False  # export ChatML distillation data once, after the loop, with the final guidance
+    log_chatml_path: str | None = None  # None: {run_dir}/distill_chatml.jsonl
+    distill_size: PosInt | None = None  # tickets to export; None: nothing is exported
+    distill_seed: int | None = None  # ticket sampling seed; None: the top-level seed
+    distill_temperature: NonNegFloat | None = None  # None: the lowest train-grid temperature
+
+
+class Config(_Section, kw_only=True):
+    seed: int  # the run seed: pools, generation seeds and the bootstrap derive from it
+    stage_a_paths: Annotated[list[NonEmptyStr], Meta(min_length=1)]  # Stage-A JSONL ticket files (a single string is accepted)
+    mode: Literal["search", "audit"] = "search"  # rule search, or the baseline audit (also: --audit)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    prompt: PromptConfig = msgspec.field(default_factory=PromptConfig)
+    guidance: GuidanceConfig
+    output: OutputConfig
+    ingest: IngestConfig = msgspec.field(default_factory=IngestConfig)
+    ticket_filter: TicketFilterConfig = msgspec.field(default_factory=TicketFilterConfig)
+    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    runner: RunnerConfig = msgspec.field(default_factory=RunnerConfig)
+    rule_search: RuleSearchConfig
+    stage_b_distillation: DistillConfig = msgspec.field(default_factory=DistillConfig)
+
+
+# Upstream keys that no longer exist, and what replaced them. "[]" stands for any list index.
+LEGACY_KEYS: dict[str, str] = {
+    "model.model_name_or_path": "replaced by model.path",
+    "model.torch_dtype": "replaced by model.dtype",
+    "model.device_map": "no longer needed: each GPU runs its own worker with a full model (choose GPUs with --gpus)",
+    "model.attn_impl": "replaced by model.attn_implementation",
+    "jump_reflection": "replaced by mode: audit (or the --audit flag)",
+    "default_domain": "replaced by prompt.domain",
+    "domain_map": "replaced by prompt.domain (one mission per run)",
+    "max_token_length": "replaced by rule_search.train_sampler.max_prompt_tokens / "
+    "rule_search.eval_sampler.max_prompt_tokens and rule_search.proposer_max_prompt_tokens",
+    "reflection": "section no longer used: the proposer is configured by the rule_search.proposer_* keys",
+    "guidance.reset_on_rerun": "removed: a run starts from guidance.path unless it is resumed with --resume",
+    "runner.per_rank_rollout_batch_size": "replaced by runner.chunk_size (tickets per work item, the same for any GPU count)",
+    "runner.rollout_batch_size": "replaced by runner.chunk_size",
+    "rule_search.gate.min_changed_fraction": "replaced by rule_search.gate.max_changed_fraction "
+    "(upstream read this lower-bound name as an upper bound)",
+    "rule_search.validate_size": "removed: the held-out pool is rule_search.eval_pool_size",
+    "rule_search.validate_fraction": "removed: the held-out pool is rule_search.eval_pool_size",
+    "rule_search.validate_with_replacement": "removed: the held-out pool is rule_search.eval_pool_size",
+    "rule_search.holdout": "removed: the held-out pool is rule_search.eval_pool_size",
+    "rule_search.reflect_order": "removed: it had no effect upstream (examples are always hardest first)",
+    "rule_search.train_with_replacement": "removed: a train pool never holds the same ticket twice",
+    "rule_search.mining_sampler": "removed: the optional mining rollout is not supported",
+    "rule_search.train_sampler.grid[].stop": "replaced by model.stop",
+    "rule_search.eval_sampler.grid[].stop": "replaced by model.stop",
+    "rule_search.train_sampler.grid[].no_repeat_ngram_size": "removed: not supported",
+    "rule_search.eval_sampler.grid[].no_repeat_ngram_size": "removed: not supported",
+}
+
+
+# ----------------------------------------------------------------------------- schema walking
+
+
+def struct_of(tp) -> type | None:
+    """The Struct type a field holds, looking through Annotated and ``X | None``."""
+    tp = strip_annotated(tp)
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return tp
+    return first_in_union(tp, struct_of)
+
+
+def list_item(tp):
+    """The item type when the field is a list (looking through Annotated and Optional)."""
+    tp = strip_annotated(tp)
+    if get_origin(tp) is list:
+        return get_args(tp)[0]
+    return first_in_union(tp, list_item)
+
+
+def first_in_union(tp, find):
+    """``find(arg)`` for the first member of a union type that gives a result, else None."""
+    if is_union(tp):
+        return next((r for r in map(find, get_args(tp)) if r is not None), None)
+    return None
+
+
+def strip_annotated(tp):
+    """The type inside ``Annotated[...]`` (constraints removed)."""
+    while get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
+    return tp
+
+
+def fields_of(struct: type) -> dict[str, msgspec.structs.FieldInfo]:
+    return {f.encode_name: f for f in msgspec.structs.fields(struct)}
+
+
+def join_key(prefix: str, key: str) -> str:
+    """``prefix.key``, or ``key`` at the top level (dotted key paths in messages and diffs)."""
+    return f"{prefix}.{key}" if prefix else key
+
+
+def legacy_name(path: str) -> str:
+    """The LEGACY_KEYS spelling of a key path: list indices become ``[]``."""
+    return re.sub(r"\[\d+\]", "[]", path)
+
+
+def unknown_key_message(path: str, key: str, valid: list[str]) -> str:
+    """The message for a key the schema does not have: its legacy replacement, or the
+    closest valid name."""
+    full = join_key(path, key)
+    legacy = LEGACY_KEYS.get(legacy_name(full))
+    if legacy:
+        return f"legacy key {full!r}: {legacy}"
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {join_key(path, close[0])!r}?" if close else f"; valid keys here: {', '.join(valid)}"
+    return f"unknown key {full!r}{hint}"
+
+
+def is_union(tp) -> bool:
+    """``Union[X, Y]`` or ``X | Y`` (the two spell different runtime types)."""
+    return get_origin(tp) is Union or type(tp).__name__ == "UnionType"
+
+
+def optional(tp) -> bool:
+    tp = strip_annotated(tp)
+    return is_union(tp) and type(None) in get_args(tp)
+
+
+def type_at(path: str):
+    """The declared type of the field at a key path (list indices ignored)."""
+    struct: type = Config
+    tp = None
+    for part in re.sub(r"\[\d+\]", "", path).split("."):
+        tp = fields_of(struct)[part].type
+        struct = struct_of(tp) or struct
+    return tp
+
+
+def config_keys(struct: type = Config, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every leaf key of the schema as ``(dotted.key, default)``; the default is
+    ``msgspec.NODEFAULT`` for required keys. Sampler keys appear once per sampler and the
+    grid entries as ``...grid[].field``. Used by the docs test."""
+    out: list[tuple[str, Any]] = []
+    for f in msgspec.structs.fields(struct):
+        key = join_key(prefix, f.encode_name)
+        sub = struct_of(f.type)
+        item = list_item(f.type)
+        if sub is not None:
+            out.extend(config_keys(sub, key))
+            continue
+        default = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+        out.append((key, default))
+        if item is not None and struct_of(item) is not None:
+            out.extend(config_keys(struct_of(item), f"{key}[]"))
+    return out

@@ -1,0 +1,313 @@
+"""The dispatcher: which worker runs which task, and what a stalled or dead worker becomes.
+
+It is shared by every backend whose workers are other processes, and knows nothing about
+processes or sockets: a *transport* starts, feeds, kills and listens to the workers and
+reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerClosed``,
+``WorkerExited``). The dispatcher owns
+
+- the queue: a free worker takes the oldest task it may run (tasks submitted with ``rank=``
+  only go to that worker), a retried task first; one task in flight per worker;
+- one ``Slot`` per rank: its ``WorkerState``, the task in flight and the deadline of the
+  state it is in (engine start, task, exit report), and the mirror of its snapshot cache;
+- faults: a worker past its deadline is killed; once its exit is reported it is replaced
+  and its task retried (``max_restarts``, pool-wide), or the fault is raised.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from typing import NamedTuple, Protocol
+
+import msgspec
+
+from . import protocol
+from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTimeout
+from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snapshot, Task
+from .snapshots import SnapshotCache, SnapshotStore
+from .tasks import Outcome, PoolStats, TaskHandle
+
+EXIT_REPORT_GRACE = 0.5  # a worker that closed its channel must be reported exited by then, else it is killed
+KILL_REPORT_TIMEOUT = 10.0  # a killed worker whose exit is never reported means the pool is broken
+
+
+# -- what a transport reports ---------------------------------------------------------------
+class WorkerStarted(NamedTuple):
+    """A process exists for ``rank`` and is building its engine."""
+
+    rank: int
+    pid: int | None
+
+
+class WorkerMessage(NamedTuple):
+    """A message from the worker of ``rank``: Ready, InitFailed, Result or Failure."""
+
+    rank: int
+    message: protocol.Message
+
+
+class WorkerClosed(NamedTuple):
+    """The channel to the worker of ``rank`` closed; its exit report should follow."""
+
+    rank: int
+
+
+class WorkerExited(NamedTuple):
+    """The worker of ``rank`` is gone (reaped); nothing more will come from it."""
+
+    rank: int
+    exitcode: int | None
+    signal: int | None
+
+
+class Transport(Protocol):
+    """How a backend starts, feeds, kills and listens to its workers. Events always refer
+    to the rank's current process, never to one it replaced."""
+
+    def spawn(self, rank: int) -> None:
+        """Start a worker process for ``rank`` (its first, or a replacement)."""
+
+    def send(self, rank: int, data: bytes) -> None:
+        """Frames for the worker of ``rank``, which has no task; a worker that is gone
+        shows up as a later event, never as an exception here."""
+
+    def kill(self, rank: int) -> None:
+        """Kill the worker of ``rank``; its WorkerExited follows."""
+
+    def poll(self, timeout: float | None) -> list:
+        """The events that happened, waiting at most ``timeout`` seconds for the first."""
+
+    def close(self, busy: list[int]) -> None:
+        """Stop every worker (``busy`` ones at once) and release everything."""
+
+
+# -- the parent's view of one worker ----------------------------------------------------------
+class WorkerState(enum.Enum):
+    SPAWNING = "spawning"  # asked for; no process reported yet (start_timeout)
+    STARTING = "starting"  # its process builds the engine (start_timeout)
+    IDLE = "idle"
+    BUSY = "busy"  # one task in flight (task_timeout)
+    LOST = "lost"  # its channel closed; the exit report is due (EXIT_REPORT_GRACE)
+    KILLED = "killed"  # killed by the pool; the exit report is due (KILL_REPORT_TIMEOUT)
+    DEAD = "dead"  # exit reported
+
+
+class Trouble(NamedTuple):
+    """The first sign that a worker is failing: what it was doing, and the limit it
+    exceeded (None when it died or closed its channel)."""
+
+    during: WorkerState
+    timeout: float | None
+
+
+class Slot:
+    """The parent's view of the worker of one rank (one process; a replacement gets a new Slot)."""
+
+    def __init__(self, rank: int, device, deadline: float | None):
+        self.rank, self.device = rank, device
+        self.state = WorkerState.SPAWNING
+        self.deadline = deadline  # of the current state; None: no limit
+        self.pid: int | None = None
+        self.task: TaskHandle | None = None
+        self.started = 0.0  # when the task in flight was sent
+        self.trouble: Trouble | None = None
+        self.cache = SnapshotCache()
+
+    def where(self) -> dict:
+        """The keyword arguments that locate a fault of this worker in an error."""
+        task = self.task
+        starting = self.trouble is not None and self.trouble.during is WorkerState.STARTING
+        return dict(rank=self.rank, device=self.device.name, index=task.index if task else None,
+                    method=task.method if task else ("engine_factory" if starting else None))
+
+
+class TaskQueue:
+    """Tasks waiting for a worker: one queue for any worker, one per rank for pinned tasks."""
+
+    def __init__(self, size: int):
+        self._any: deque[TaskHandle] = deque()
+        self._pinned = [deque() for _ in range(size)]
+
+    def _queue(self, task: TaskHandle) -> deque:
+        return self._any if task.rank is None else self._pinned[task.rank]
+
+    def push(self, task: TaskHandle) -> None:
+        self._queue(task).append(task)
+
+    def retry(self, task: TaskHandle) -> None:
+        """A task whose worker died goes first: it is older than anything still queued."""
+        self._queue(task).appendleft(task)
+
+    def pop(self, rank: int) -> TaskHandle | None:
+        """The oldest task the worker of ``rank`` may run; tasks already done (cancelled)
+        are dropped on the way."""
+        queues = (self._any, self._pinned[rank])
+        for queue in queues:
+            while queue and queue[0].done():
+                queue.popleft()
+        candidates = [q for q in queues if q]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda q: q[0].id).popleft()
+
+
+# -- the dispatcher ---------------------------------------------------------------------------
+class Dispatcher:
+    """Runs tasks on the workers of ``transport``; the pool's runner for every backend but
+    inline. ``advance`` is one turn of the event loop."""
+
+    def __init__(self, transport: Transport, devices, snapshots: SnapshotStore, stats: PoolStats, *,
+                 task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int):
+        self.transport = transport
+        self.devices = devices
+        self.snapshots, self.stats = snapshots, stats
+        self.task_timeout, self.start_timeout = task_timeout, start_timeout
+        self.restarts_left = max_restarts
+        self.max_frame = max_frame
+        self.queue = TaskQueue(len(devices))
+        self.slots: list[Slot] = []
+        self.worker_info: list[dict] = [{} for _ in devices]
+        self._outcomes: list[Outcome] = []
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [slot.pid for slot in self.slots]
+
+    def start(self) -> None:
+        """Start every worker; return once all are ready."""
+        self.slots = [Slot(rank, device, _deadline(self.start_timeout)) for rank, device in enumerate(self.devices)]
+        for rank in range(len(self.devices)):
+            self.transport.spawn(rank)
+        while any(slot.state is not WorkerState.IDLE for slot in self.slots):
+            self._step()
+
+    def submit(self, task: TaskHandle) -> None:
+        self.queue.push(task)
+
+    def advance(self, waiting) -> list[Outcome]:
+        """Wait for the next event (or deadline), handle it, hand out queued tasks; the
+        tasks finished meanwhile (any task, not only ``waiting``)."""
+        self._step()
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    def close(self) -> None:
+        self.transport.close([s.rank for s in self.slots if s.state is WorkerState.BUSY])
+
+    # -- the event loop ---------------------------------------------------------------------
+    def _step(self) -> None:
+        self._dispatch()
+        deadlines = [slot.deadline for slot in self.slots if slot.deadline is not None]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        for event in self.transport.poll(timeout):
+            slot = self.slots[event.rank]
+            if isinstance(event, WorkerStarted):
+                slot.state, slot.pid = WorkerState.STARTING, event.pid
+                slot.deadline = _deadline(self.start_timeout)
+            elif isinstance(event, WorkerMessage):
+                self._on_message(slot, event.message)
+            elif isinstance(event, WorkerClosed):
+                self._on_closed(slot)
+            else:
+                self._on_exited(slot, event)
+        self._check_deadlines()
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        for slot in self.slots:
+            if slot.state is WorkerState.IDLE:
+                task = self.queue.pop(slot.rank)
+                if task is not None:
+                    self._send_task(slot, task)
+
+    def _send_task(self, slot: Slot, task: TaskHandle) -> None:
+        slot.state, slot.task, task.ran_on = WorkerState.BUSY, task, slot.rank
+        slot.started = time.monotonic()
+        slot.deadline = _deadline(self.task_timeout)
+        messages = [Snapshot(key, msgspec.Raw(self.snapshots.data(key)), evict)
+                    for key, evict in slot.cache.admit(task.shared)]
+        self.stats.snapshot_sends += len(messages)
+        messages.append(Task(task.id, task.method, msgspec.Raw(task.item), task.shared))
+        frames = []
+        for msg in messages:
+            frames.append(protocol.frame(msg, self.max_frame))
+            name = type(msg).__name__
+            self.stats.frames_sent[name] = self.stats.frames_sent.get(name, 0) + 1
+        # Blocking sends are safe: a worker reads while it has no task, and this one has none.
+        self.transport.send(slot.rank, b"".join(frames))
+
+    def _on_message(self, slot: Slot, msg) -> None:
+        name = type(msg).__name__
+        self.stats.frames_received[name] = self.stats.frames_received.get(name, 0) + 1
+        where = dict(rank=slot.rank, device=slot.device.name)
+        if isinstance(msg, Ready):
+            if msg.version != PROTOCOL_VERSION:
+                raise ProtocolError(f"worker {slot.rank} speaks protocol {msg.version}, the parent {PROTOCOL_VERSION}")
+            slot.state, slot.deadline = WorkerState.IDLE, None
+            self.worker_info[slot.rank] = msg.info
+        elif isinstance(msg, InitFailed):
+            raise WorkerError(msg.error, method="engine_factory", remote_traceback=msg.traceback, **where)
+        elif isinstance(msg, (Result, Failure)):
+            task = slot.task
+            if task is None or task.id != msg.id:
+                raise ProtocolError(f"worker {slot.rank} answered task {msg.id}, which it was not running")
+            self.stats.items[slot.rank] += 1
+            self.stats.busy_s[slot.rank] += time.monotonic() - slot.started
+            slot.task = None
+            if slot.state is WorkerState.BUSY:  # a killed one stays killed
+                slot.state, slot.deadline = WorkerState.IDLE, None
+            if isinstance(msg, Result):
+                self._outcomes.append(Outcome(task, raw=msg.value))
+            else:
+                error = WorkerError(msg.error, index=task.index, method=task.method,
+                                    remote_traceback=msg.traceback, **where)
+                self._outcomes.append(Outcome(task, error=error))
+        else:
+            raise ProtocolError(f"worker {slot.rank} sent an unexpected {name}")
+
+    def _on_closed(self, slot: Slot) -> None:
+        if slot.state in (WorkerState.STARTING, WorkerState.IDLE, WorkerState.BUSY):
+            slot.trouble = Trouble(slot.state, None)
+            slot.state, slot.deadline = WorkerState.LOST, time.monotonic() + EXIT_REPORT_GRACE
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for slot in self.slots:
+            if slot.deadline is None or now < slot.deadline:
+                continue
+            if slot.state is WorkerState.SPAWNING:
+                raise PoolError(f"no process was started for worker {slot.rank} within {self.start_timeout:g} s")
+            if slot.state is WorkerState.KILLED:
+                raise PoolError(f"worker {slot.rank} (pid {slot.pid}) was killed but its exit was never reported")
+            # Too slow, or alive after closing its channel: kill it, then wait for its exit.
+            if slot.trouble is None:
+                limit = self.start_timeout if slot.state is WorkerState.STARTING else self.task_timeout
+                slot.trouble = Trouble(slot.state, limit)
+            slot.state, slot.deadline = WorkerState.KILLED, now + KILL_REPORT_TIMEOUT
+            self.transport.kill(slot.rank)
+
+    def _on_exited(self, slot: Slot, exited: WorkerExited) -> None:
+        """The worker is gone: replace it and retry its task, or raise."""
+        if slot.trouble is None:
+            slot.trouble = Trouble(slot.state, None)
+        where, task = slot.where(), slot.task
+        slot.state, slot.deadline, slot.task = WorkerState.DEAD, None, None
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            self.stats.restarts += 1
+            if task is not None and not task.done():
+                self.queue.retry(task)
+            self._spawn(slot.rank)
+            return
+        if slot.trouble.timeout is not None:
+            raise WorkerTimeout(slot.trouble.timeout, **where)
+        raise WorkerDied(exitcode=exited.exitcode, signal=exited.signal, **where)
+
+    def _spawn(self, rank: int) -> None:
+        self.slots[rank] = Slot(rank, self.devices[rank], _deadline(self.start_timeout))
+        self.transport.spawn(rank)
+
+
+def _deadline(seconds: float | None) -> float | None:
+    return None if seconds is None else time.monotonic() + seconds

@@ -1,0 +1,106 @@
+"""Every error the pool raises, all subclasses of ``PoolError``.
+
+A fault on one worker (``WorkerError``, ``WorkerDied``, ``WorkerTimeout``) names the worker's
+rank and device, and the method and item it was running. ``str()`` of any of them is one
+line, which is what the CLI prints. A ``WorkerError`` from a worker process carries the
+worker's traceback as text (``remote_traceback``) and chains it as ``__cause__``, as
+``concurrent.futures`` does with its ``_RemoteTraceback``, so an uncaught one prints the
+worker's frames above the parent's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+
+
+class PoolError(Exception):
+    """Base class of every error the pool raises."""
+
+
+class ProtocolError(PoolError):
+    """The other end sent something that is not a valid frame of this protocol."""
+
+
+class FrameTooLarge(PoolError):
+    """A message does not fit in one frame (``max_frame`` bytes)."""
+
+    def __init__(self, size: int, limit: int, what: str = "message"):
+        super().__init__(
+            f"{what} of {size:,} bytes exceeds the pool's frame limit of {limit:,} bytes "
+            f"(raise max_frame_bytes, or pass a path instead of the data)"
+        )
+        self.size = size
+        self.limit = limit
+
+
+class TaskCancelled(PoolError, concurrent.futures.CancelledError):
+    """A task was cancelled by an earlier error in its gather, or by ``close()``."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as text.
+
+    Set as a ``WorkerError``'s ``__cause__``: Python prints it first, then "The above
+    exception was the direct cause of the following exception", then the parent's frames."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.text.rstrip()}\n"""'
+
+
+class _WorkerFault(PoolError):
+    """Something went wrong on one worker; says which worker, device, item and method."""
+
+    def __init__(self, summary: str, *, rank: int, device: str, index: int | None = None,
+                 method: str | None = None):
+        where = f"worker {rank} ({device})"
+        if method is not None:
+            where += f" in {method}()"
+        if index is not None:
+            where += f" on item {index}"
+        super().__init__(f"{where}: {summary}")
+        self.rank, self.device, self.index, self.method = rank, device, index, method
+
+
+class WorkerError(_WorkerFault):
+    """An exception in an engine method or in the engine's construction.
+
+    ``remote_traceback`` is the worker's traceback (text); when given it also becomes the
+    ``__cause__``, so a Python traceback of this error shows the worker's frames."""
+
+    def __init__(self, summary: str, *, remote_traceback: str = "", **where):
+        super().__init__(summary, **where)
+        self.remote_traceback = remote_traceback
+        if remote_traceback:
+            self.__cause__ = RemoteTraceback(remote_traceback)
+
+
+class WorkerDied(_WorkerFault):
+    """A worker process exited or was killed (OOM killer, segfault, kill -9)."""
+
+    def __init__(self, *, exitcode: int | None, signal: int | None, **where):
+        if signal is not None:
+            cause = f"killed by signal {signal} ({_signal_name(signal)})"
+        else:
+            cause = f"exited with code {exitcode}"
+        super().__init__(f"worker process died: {cause}", **where)
+        self.exitcode, self.signal = exitcode, signal
+
+
+class WorkerTimeout(_WorkerFault):
+    """A worker exceeded task_timeout (or start_timeout); it was killed and reaped."""
+
+    def __init__(self, timeout: float, **where):
+        super().__init__(f"no answer within {timeout:g} s; the worker was killed", **where)
+        self.timeout = timeout
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return "?"

@@ -1,0 +1,86 @@
+"""Shared values ("snapshots", e.g. the guidance) sent to each worker once.
+
+``SnapshotStore`` is the parent's side: each distinct value is encoded once and keyed by
+the hash of its bytes, and kept while a task needs it. ``SnapshotCache`` is the parent's
+mirror of what one worker holds: an LRU of ``SNAPSHOT_CACHE_SIZE`` keys whose evictions
+travel with the next ``Snapshot`` frame, so the worker's cache is exactly what the parent
+believes it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from . import protocol
+from .errors import FrameTooLarge
+
+SNAPSHOT_CACHE_SIZE = 8  # distinct shared values each worker keeps (a baseline + candidates)
+
+
+class SnapshotStore:
+    """Encoded shared values by key, each with the number of unfinished tasks using it."""
+
+    def __init__(self, max_frame: int):
+        self.max_frame = max_frame
+        self._values: dict[str, list] = {}  # key -> [encoded value, tasks using it]
+
+    def share(self, shared: dict) -> dict[str, str]:
+        """Snapshot keys (name -> key) of shared values; each distinct value is encoded once."""
+        keys = {}
+        for name, value in shared.items():
+            data = protocol.encode(value)
+            key = hashlib.sha256(data).hexdigest()[:16]  # equal encodings are one snapshot
+            if key not in self._values:
+                if len(data) > self.max_frame:
+                    raise FrameTooLarge(len(data), self.max_frame, f"shared value {name!r}")
+                self._values[key] = [data, 0]
+            keys[name] = key
+        return keys
+
+    def acquire(self, keys: dict[str, str]) -> None:
+        for key in keys.values():
+            self._values[key][1] += 1
+
+    def release(self, keys: dict[str, str]) -> None:
+        """A task that used ``keys`` is finished: drop the values no other task needs."""
+        for key in keys.values():
+            entry = self._values[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._values[key]
+
+    def data(self, key: str) -> bytes:
+        return self._values[key][0]
+
+
+class SnapshotCache:
+    """The parent's bookkeeping of one worker's snapshot cache (least recently used first)."""
+
+    def __init__(self, capacity: int = SNAPSHOT_CACHE_SIZE):
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def admit(self, needed: dict[str, str]) -> list[tuple[str, list[str]]]:
+        """Mark the keys a task needs as used; return ``(key, evict)`` for each key the
+        worker must be sent, with the keys it must drop first. A key this task needs is
+        never evicted: if it needs more values than the capacity, the cache grows."""
+        wanted = set(needed.values())
+        sends = []
+        for key in needed.values():
+            if key in self._keys:
+                self._keys.move_to_end(key)
+                continue
+            evict = []
+            while len(self._keys) >= self.capacity:
+                old = next((k for k in self._keys if k not in wanted), None)
+                if old is None:
+                    break
+                del self._keys[old]
+                evict.append(old)
+            self._keys[key] = None
+            sends.append((key, evict))
+        return sends

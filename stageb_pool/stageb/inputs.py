@@ -1,0 +1,249 @@
+"""Reading the user's input files (tickets, exclusion list, guidance, prompt profiles): the
+checks every one of them gets, in one place.
+
+* Only regular files: a FIFO would block the run forever, a directory would fail late.
+* UTF-8, with or without a byte-order mark (accepted in every input alike); an invalid
+  byte is reported with its line and column.
+* JSON is decoded strictly: a key given twice in one object, nesting deeper than
+  ``MAX_DEPTH``, an integer of more than 4,300 digits (Python refuses to convert it) and a
+  lone surrogate escape (``"\\ud800"``, which no UTF-8 file can write back) are errors with a
+  location, never a silently kept last value or a RecursionError.
+* YAML the same way: duplicate keys and excessive nesting are located errors.
+
+Every failure is an ``InputError`` (exit code 2) or, for callers that add their own
+location (one ticket line), a ``JsonProblem``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+
+import yaml
+
+from .errors import InputError
+from .text import short
+
+BOM = b"\xef\xbb\xbf"
+MAX_DEPTH = 100  # Stage-A summaries and guidance files nest about 5 deep
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_TOKEN = re.compile(_JSON_STRING.pattern + r"|[\[\]{}]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_LONG_INT = re.compile(r"\d{4301,}")
+
+
+# --------------------------------------------------------------------------- files
+
+def regular_file(path: str | Path, what: str) -> Path:
+    """``path`` if it names a regular file (symbolic links followed), else InputError."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise InputError(f"{what} not found", str(path)) from None
+    except OSError as err:
+        raise InputError(f"cannot read the {what}: {err.strerror or err}", str(path)) from None
+    if not stat.S_ISREG(mode):
+        raise InputError(f"the {what} is not a regular file", str(path))
+    return path
+
+
+def read_bytes(path: str | Path, what: str) -> bytes:
+    """The bytes of a regular file, a leading byte-order mark removed."""
+    path = regular_file(path, what)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise InputError(f"cannot read the {what}: {err.strerror or err}", str(path)) from None
+    return data[len(BOM):] if data.startswith(BOM) else data
+
+
+def line_col(text: str, pos: int) -> tuple[int, int]:
+    """1-based line and column of character ``pos``."""
+    line = text.count("\n", 0, pos) + 1
+    return line, pos - (text.rfind("\n", 0, pos) + 1) + 1
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+    """``data`` as text; an invalid byte is located at ``where:line:column``."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line, col = line_col(data[: err.start].decode("utf-8", "replace"), err.start)
+        raise InputError(f"not valid UTF-8 (byte 0x{data[err.start]:02x})", f"{where}:{line}:{col}") from None
+
+
+def read_text(path: str | Path, what: str) -> str:
+    """A regular UTF-8 file as text (a BOM removed, nothing else changed)."""
+    return decode_utf8(read_bytes(path, what), str(path))
+
+
+# --------------------------------------------------------------------------- JSON
+
+class JsonProblem(ValueError):
+    """Why a JSON text was refused; ``line``/``col`` (1-based) or ``keypath`` say where."""
+
+    def __init__(self, message: str, *, line: int | None = None, col: int | None = None, keypath: str = ""):
+        super().__init__(message)
+        self.message, self.line, self.col, self.keypath = message, line, col, keypath
+
+    def where(self, prefix: str) -> str:
+        """``prefix:line:col`` for syntax problems, ``prefix: key.path`` for content ones."""
+        if self.line is not None:
+            return f"{prefix}:{self.line}:{self.col}"
+        return f"{prefix}: {self.keypath}" if self.keypath else prefix
+
+
+class _Duplicate:
+    """Stands in for the value of a key given twice, so its key path can be found."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        out[key] = _Duplicate(key) if key in out else value
+    return out
+
+
+def nesting_exceeds(text: str, limit: int) -> int | None:
+    """Position of the first JSON bracket nested deeper than ``limit`` (brackets inside
+    strings skipped), None when the text stays within it. Cheap for ordinary text."""
+    if text.count("{") + text.count("[") <= limit:
+        return None
+    skeleton = _JSON_STRING.sub('""', text)  # brackets inside summaries are text, not depth
+    if skeleton.count("{") + skeleton.count("[") <= limit:
+        return None
+    depth = 0
+    for m in _JSON_TOKEN.finditer(text):
+        token = m.group()
+        if token in "[{":
+            depth += 1
+            if depth > limit:
+                return m.start()
+        elif token in "]}":
+            depth -= 1
+    return None
+
+
+def _walk(value, path: tuple = ()):
+    """(key path, value) of every value, depth first, without recursion."""
+    stack = [(path, value)]
+    while stack:
+        path, value = stack.pop()
+        yield path, value
+        if isinstance(value, dict):
+            stack.extend((path + (k,), v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((path + (i,), v) for i, v in reversed(list(enumerate(value))))
+
+
+def _printable(text: str) -> str:
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _keypath(path: tuple) -> str:
+    return ".".join(_printable(short(str(p))) for p in path)
+
+
+def _content_problems(value, *, duplicates: bool, surrogates: bool) -> None:
+    for path, item in _walk(value):
+        if duplicates and isinstance(item, _Duplicate):
+            raise JsonProblem(f"key {short(item.key)!r} is given twice in one object", keypath=_keypath(path[:-1]))
+        if surrogates:
+            for text in ([path[-1]] if path and isinstance(path[-1], str) else []) + (
+                    [item] if isinstance(item, str) else []):
+                if _SURROGATE.search(text):
+                    raise JsonProblem("lone surrogate escape (\\ud800-\\udfff) in a string", keypath=_keypath(path))
+
+
+def loads(text: str) -> object:
+    """``json.loads`` with the checks of this module; raises JsonProblem."""
+    deep = nesting_exceeds(text, MAX_DEPTH)
+    if deep is not None:
+        line, col = line_col(text, deep)
+        raise JsonProblem(f"JSON nested deeper than {MAX_DEPTH} levels", line=line, col=col)
+    seen_duplicate = []
+
+    def hook(pairs):
+        obj = _object(pairs)
+        if len(obj) != len(pairs):
+            seen_duplicate.append(True)
+        return obj
+
+    try:
+        value = json.loads(text, object_pairs_hook=hook)
+    except json.JSONDecodeError as err:
+        raise JsonProblem(f"invalid JSON: {err.msg}", line=err.lineno, col=err.colno) from None
+    except ValueError as err:  # an integer over Python's 4,300-digit conversion limit
+        m = _LONG_INT.search(text)
+        line, col = line_col(text, m.start()) if m else (None, None)
+        raise JsonProblem(f"invalid JSON: {err}".split(";")[0], line=line, col=col) from None
+    duplicates = bool(seen_duplicate)
+    surrogates = _SURROGATE_ESCAPE.search(text) is not None
+    if duplicates or surrogates:
+        _content_problems(value, duplicates=duplicates, surrogates=surrogates)
+    return value
+
+
+def load_json_file(path: str | Path, what: str) -> object:
+    """A JSON file, strictly decoded; every problem located at ``path:line:col`` or
+    ``path: key.path``."""
+    text = read_text(path, what)
+    try:
+        return loads(text)
+    except JsonProblem as err:
+        raise InputError(err.message, err.where(str(path))) from None
+
+
+# --------------------------------------------------------------------------- YAML
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses duplicate keys and nesting deeper than MAX_DEPTH."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: construct_mapping refuses it with its own message
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {first + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_file(path: str | Path, what: str) -> object:
+    """A YAML file, strictly loaded; problems located at ``path:line``."""
+    text = read_text(path, what)
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        problem = getattr(err, "problem", None) or str(err)
+        raise InputError(f"invalid YAML: {problem}", f"{path}:{mark.line + 1}" if mark else str(path)) from None

@@ -1,0 +1,289 @@
+"""Stage-A summary text: what the prompt and the ingest clean-up read out of a photo's
+summary, with upstream's exact rules (``src/utils/summary_json.py``, the obj estimate of its
+prompt builder and the BBU clean-up of its ingest).
+
+A summary is usually one JSON line ``{"统计": [{"类别": ..., <attribute>: {<value>: count}}],
+"备注": [...]}``, possibly after a ``<DOMAIN=...>, <TASK=...>`` header line, and sometimes
+free text (``螺丝，标签``) or ``无关图片`` (an irrelevant photo). Parsing never raises: text
+that does not parse is free text. Nesting is bounded before ``json.loads`` sees the text, so
+a hostile summary cannot raise RecursionError in a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from .inputs import MAX_DEPTH, nesting_exceeds
+from .text import normalize_spaces
+
+IRRELEVANT = "无关图片"
+STATION_DISTANCE = "站点距离"
+STATS = "统计"
+# The ingest clean-up removes this header form (comma required); the prompt a looser one.
+HEADER_LINE = re.compile(r"^<DOMAIN=.*>\s*,\s*<TASK=.*>$")
+
+
+def _loads(text: str):
+    """``json.loads`` or None: never an exception, whatever the text."""
+    if nesting_exceeds(text, MAX_DEPTH) is not None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:  # invalid JSON, or an integer over Python's 4,300-digit limit
+        return None
+
+
+def _object(candidate: str) -> dict | None:
+    c = candidate.strip()
+    if not (c.startswith("{") and c.endswith("}")):
+        return None
+    parsed = _loads(c)
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _is_header(line: str) -> bool:
+    return line.startswith("<DOMAIN=") and "<TASK=" in line and line.endswith(">")
+
+
+def strip_summary_headers(text: str) -> str:
+    """The summary as the prompt shows it: blank lines dropped, every line stripped, header
+    lines (``<DOMAIN=...>`` ... ``<TASK=...>``, comma or not) dropped, the whole stripped."""
+    if not text:
+        return ""
+    lines = (line.strip() for line in text.splitlines() if line.strip())
+    return "\n".join(line for line in lines if not _is_header(line)).strip()
+
+
+def _balanced_list(text: str, start: int) -> str | None:
+    """The string-aware ``[...]`` span opening at ``start``, or None when it never closes."""
+    depth, in_string, escape = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth == 0:
+                return text[start:i + 1]
+    return None
+
+
+def _list_assignment(text: str, key: str) -> list | None:
+    # First occurrence of "key=" then "key:" (so "分组统计=" also counts for "统计=", as upstream).
+    for sep in ("=", ":"):
+        pos = text.find(f"{key}{sep}")
+        if pos < 0:
+            continue
+        bracket = text.find("[", pos + len(key) + 1)
+        span = _balanced_list(text, bracket) if bracket >= 0 else None
+        parsed = _loads(span) if span else None
+        if isinstance(parsed, list):
+            return parsed
+    return None
+
+
+def extract_summary_json(text: str) -> dict | None:
+    """The summary object (a JSON object with a ``统计`` key of any type): the whole text,
+    else each line from the last one up, else the widest ``{...}`` span, else a repaired
+    ``统计=[...]`` / ``统计:[...]`` assignment. None for irrelevant photos and free text."""
+    stripped = strip_summary_headers(text)
+    if not stripped or stripped.startswith(IRRELEVANT):
+        return None
+    candidates = [stripped, *reversed(stripped.split("\n"))]
+    start, end = stripped.find("{"), stripped.rfind("}")
+    if 0 <= start < end:
+        candidates.append(stripped[start:end + 1])
+    for candidate in candidates:
+        obj = _object(candidate)
+        if obj is not None and STATS in obj:
+            return obj
+    stats = _list_assignment(stripped, STATS)
+    return {STATS: stats} if stats is not None else None
+
+
+def summary_entries(obj: dict) -> list[dict]:
+    """The object entries of ``统计`` (non-object entries and a non-list ``统计`` give none)."""
+    entries = obj.get(STATS)
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+
+def entry_by_category(entries: list[dict], category: str) -> dict | None:
+    return next((e for e in entries if e.get("类别") == category), None)
+
+
+def categories(entries: list[dict]) -> set[str]:
+    """The ``类别`` names of the entries (a non-string 类别 names nothing; upstream crashed)."""
+    return {e["类别"] for e in entries if isinstance(e.get("类别"), str)}
+
+
+# --------------------------------------------------------------------------- obj estimate
+
+def _count(value) -> int | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        try:
+            return int(value.strip())
+        except ValueError:  # a digit that int() refuses ("²"), or over 4,300 digits
+            return None
+    return None
+
+
+def _total(value) -> int:
+    if isinstance(value, dict):
+        return sum(c for c in map(_count, value.values()) if c is not None and c > 0)
+    if isinstance(value, list):
+        return sum(1 for item in value if item is not None)
+    return 0 if value is None else 1
+
+
+def _entry_objects(entry: dict) -> int:
+    totals = {key: _total(value) for key, value in entry.items() if key != "类别"}
+    count = max(1, max(totals.values(), default=0))
+    category = entry.get("类别")
+    if isinstance(category, str) and category.strip() == "标签":
+        count = max(count, totals.get("文本", 0) + totals.get("可读性", 0))
+    return count
+
+
+def estimate_objects(summary: str) -> int:
+    """Upstream's ``obj`` estimate for one photo summary (docs/formats.md section 3)."""
+    text = normalize_spaces(summary or "").strip()
+    if text == IRRELEVANT:
+        return 0
+    obj = extract_summary_json(summary)
+    if obj is not None:
+        return sum(_entry_objects(e) for e in summary_entries(obj))
+    segments = [s for s in text.split("，") if s.strip()]
+    return len(segments) if segments else (1 if text else 0)
+
+
+# --------------------------------------------------------------------------- BBU clean-up
+
+def canonical_summary(obj: dict) -> str:
+    """One JSON line, keys 统计, 备注, 分组统计 first, separators ", " and ": "."""
+    first = [k for k in (STATS, "备注", "分组统计") if k in obj]
+    ordered = {k: obj[k] for k in first + [k for k in obj if k not in first]}
+    return json.dumps(ordered, ensure_ascii=False, separators=(", ", ": "))
+
+
+def _matching_brace(text: str, start: int) -> int | None:
+    """Index of the ``}`` closing the ``{`` at ``start`` (string-aware), None if none does."""
+    depth, in_string, escape = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+def _cut(text: str, start: int, end: int) -> str:
+    """``text`` without ``[start, end)``, with one comma separator eaten (right first)."""
+    left, right = text[:start].rstrip(), text[end:].lstrip()
+    if right.startswith(","):
+        right = right[1:].lstrip()
+    elif left.endswith(","):
+        left = left[:-1].rstrip()
+    return left + right
+
+
+def _drop_station_objects(text: str) -> str:
+    """Every ``{...}`` holding ``"类别": "站点距离"`` removed (an unclosed one: to the end)."""
+    needle = f'"类别": "{STATION_DISTANCE}"'
+    while (hit := text.find(needle)) >= 0:
+        start = text.rfind("{", 0, hit)
+        if start < 0:
+            return text
+        end = _matching_brace(text, start)
+        text = _cut(text, start, len(text) if end is None else end + 1)
+    return text
+
+
+def _drop_station_keys(text: str) -> str:
+    """Every ``"站点距离": <value>`` fragment removed with its leading comma: an object value
+    by brace matching (to the end if unclosed), any other value up to the next comma."""
+    needle = f'"{STATION_DISTANCE}"'
+    while (hit := text.find(needle)) >= 0:
+        start = hit
+        before = text[:hit].rstrip()
+        if before.endswith(","):
+            start = len(before) - 1
+        colon = text.find(":", hit + len(needle))
+        if colon < 0:
+            return text
+        k = colon + 1
+        while k < len(text) and text[k].isspace():
+            k += 1
+        if k >= len(text):
+            return text
+        if text[k] == "{":
+            end = _matching_brace(text, k)
+            end = len(text) if end is None else end + 1
+        else:
+            end = text.find(",", k)
+            end = len(text) if end < 0 else end
+        left, right = text[:start].rstrip(), text[end:].lstrip()
+        text = left + (right[1:].lstrip() if right.startswith(",") else right)
+    return text
+
+
+def _parse_for_cleanup(text: str):
+    if text.startswith("{") and text.endswith("}"):
+        return _loads(text)
+    start, end = text.find("{"), text.rfind("}")
+    if start >= 0 and end > start:
+        return _object(text[start:end + 1])
+    return None
+
+
+def bbu_clean_summary(text: str) -> str:
+    """Upstream's BBU clean-up: an irrelevant photo becomes exactly 无关图片; blank and
+    header lines go; the station distance (an RRU concept) is removed: from the parsed
+    summary object (re-serialised canonically) when there is one, else from the text
+    (objects of category 站点距离, ``"站点距离": ...`` fragments); the word itself last."""
+    stripped = (text or "").strip()
+    if stripped.startswith(IRRELEVANT):
+        return IRRELEVANT
+    lines = [line for line in stripped.splitlines() if line.strip()]
+    cleaned = "\n".join(line for line in lines if not HEADER_LINE.match(line.strip())).strip()
+    if not cleaned:
+        return ""
+    obj = _parse_for_cleanup(cleaned)
+    if isinstance(obj, dict) and isinstance(obj.get(STATS), list):
+        obj[STATS] = [e for e in obj[STATS] if not (isinstance(e, dict) and e.get("类别") == STATION_DISTANCE)]
+        if isinstance(obj.get("分组统计"), dict):
+            obj["分组统计"].pop(STATION_DISTANCE, None)
+        return canonical_summary(obj).replace(STATION_DISTANCE, "")
+    return _drop_station_keys(_drop_station_objects(cleaned)).replace(STATION_DISTANCE, "").strip()
+
+
+def is_rru_mission(mission: str) -> bool:
+    """Upstream's test for the clean-up: RRU missions keep their station distances."""
+    return mission.strip().startswith("RRU")

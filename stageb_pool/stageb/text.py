@@ -1,0 +1,68 @@
+"""Text forms shared by the domain modules: upstream's space normalisation and the
+trailing integer of a key.
+
+Both are comparison and ordering helpers: nothing here changes what is stored or shown.
+"""
+
+from __future__ import annotations
+
+import re
+
+_CJK = "\u4e00-\u9fff"
+_CJK_PUNCT = "，。；：！？、"
+CJK_CHAR = re.compile(f"[{_CJK}]")
+# Real keys carry a handful of digits; a longer run is refused before int() sees it
+# (Python refuses to convert more than 4,300 digits, and such a key is never meant).
+MAX_INDEX_DIGITS = 18
+_TRAILING_DIGITS = re.compile(r"(\d+)$")
+
+
+def normalize_spaces(text: str) -> str:
+    """Upstream's space normalisation: runs of ASCII spaces collapsed, whitespace between
+    CJK characters (and between CJK and CJK punctuation) dropped, a Latin word or a split
+    upper-case/digit token wedged between CJK characters glued on, stripped."""
+    if not text:
+        return text
+    text = re.sub(r" +", " ", text)
+    text = re.sub(rf"([{_CJK}])\s+([{_CJK}])", r"\1\2", text)
+    text = re.sub(rf"([{_CJK}])\s+([{_CJK_PUNCT}])", r"\1\2", text)
+    text = re.sub(rf"([{_CJK_PUNCT}])\s+([{_CJK}])", r"\1\2", text)
+    text = re.sub(rf"([{_CJK}])\s+([a-zA-Z]+)\s+([{_CJK}])", r"\1\2\3", text)  # 挡 wind 板 -> 挡wind板
+    text = re.sub(rf"([{_CJK}])([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3\4", text)  # 设备BB U设备
+    text = re.sub(rf"^([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3", text)  # BB U设备
+    return re.sub(r" +", " ", text.strip())
+
+
+_WHITESPACE = re.compile(r"\s+")
+
+
+def verdict_word_form(value: str, *, loose: bool = False) -> str:
+    """Upstream's form of a verdict word: stripped, spaces normalised (whitespace between
+    CJK characters dropped), ASCII spaces removed, lower-cased: ``" 不 通过 "`` ->
+    ``"不通过"``, while ``"pa\\tss"`` and ``"pass."`` stay distinct from ``"pass"``.
+    ``loose`` (a profile's ``verdict.loose``) also removes every whitespace and trailing
+    。/. runs, so those become ``"pass"`` too."""
+    if loose:
+        return _WHITESPACE.sub("", value).lower().rstrip("。.")
+    return normalize_spaces(value.strip()).strip().replace(" ", "").lower()
+
+
+class IndexTooLong(ValueError):
+    """A key's trailing number has more than ``MAX_INDEX_DIGITS`` digits."""
+
+
+def trailing_index(key: str) -> int | None:
+    """The integer at the end of ``key`` (``image_7`` -> 7, ``图片_01`` -> 1, ``G12`` -> 12),
+    None when it has no trailing digits. Raises IndexTooLong for an absurd digit run."""
+    m = _TRAILING_DIGITS.search(key)
+    if m is None:
+        return None
+    digits = m.group(1)
+    if len(digits) > MAX_INDEX_DIGITS:
+        raise IndexTooLong(f"{len(digits)} trailing digits (at most {MAX_INDEX_DIGITS})")
+    return int(digits)
+
+
+def short(text: str, limit: int = 40) -> str:
+    """``text`` cut to ``limit`` characters for an error message (a key may be huge)."""
+    return text if len(text) <= limit else f"{text[:limit]}…"
