@@ -297,19 +297,50 @@ def decoded(engine, result: ChunkResult) -> list[str]:
 
 
 @pytest.mark.parametrize("name, words", [("generic", ("pass", "fail")), ("bbu_rru", ("通过", "不通过"))])
-def test_constrained_samples_start_with_exactly_one_verdict_line(engine, name, words):
-    """The random tiny model never writes the protocol by itself; constrained, every sample's
-    first line is exactly "Verdict: <word>\n" and the reason runs on freely after it."""
+def test_constrained_samples_follow_the_two_line_protocol(engine, name, words):
+    """The random tiny model never writes the protocol by itself; constrained, every sample is
+    exactly "Verdict: <word>" then "Reason: <one line>", ended by the end-of-turn token (or
+    cut by max_new_tokens), and the parser accepts every finished one."""
+    import re
+
+    from stageb_pool.engine.verdict_constraint import verdict_line_regex
+    from stageb_pool.stageb import verdicts
+
     profile = prompts.load_profile(name, mission=MISSION, domain="bbu" if name == "bbu_rru" else None)
-    grid = [msgspec.structs.replace(SAMPLED, max_new_tokens=24), msgspec.structs.replace(GREEDY, max_new_tokens=24)]
+    grid = [msgspec.structs.replace(SAMPLED, max_new_tokens=40), msgspec.structs.replace(GREEDY, max_new_tokens=40)]
     free = decoded(engine, rollout(engine, chunk(0, TICKETS[:4], grid, spd=2), profile))
     assert not any(text.startswith("Verdict") for text in free)
-    held = decoded(engine, rollout(engine, chunk(0, TICKETS[:4], grid, spd=2, constrain=True), profile))
-    assert len(held) == 16
-    lines = [next((f"Verdict: {w}\n" for w in words if text.startswith(f"Verdict: {w}\n")), text) for text in held]
-    assert set(lines) <= {f"Verdict: {w}\n" for w in words}, lines
-    assert all(len(text) > len(line) for text, line in zip(held, lines))  # the reason went on
-    assert len(set(held)) > 1
+    held = rollout(engine, chunk(0, TICKETS[:4], grid, spd=2, constrain=True), profile)
+    samples = [s for t in held.tickets for s in t.samples]
+    texts = decoded(engine, held)
+    assert len(texts) == 16 and len(set(texts)) > 1
+    two_lines = "|".join(f"Verdict: {w}\nReason: [^\n]*" for w in words)
+    assert all(re.fullmatch(two_lines, x) for x in texts), texts  # never a third line
+    assert all(verdicts.parse_verdict(s.text, profile.verdict).verdict in ("pass", "fail")
+               for s in samples if len(s.text) > len(texts[0].split("\n")[0]) + 10)
+
+
+def test_after_the_reason_line_only_the_end_of_turn_token_may_follow_a_newline(engine, profile):
+    """The random tiny model never picks eos by itself: check the mask at the end of a reason."""
+    from stageb_pool.engine.verdict_constraint import VerdictLineConstraint
+
+    tok = engine.tokenizer
+    width = engine.model.get_output_embeddings().weight.shape[0]
+    prompt = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    done = tok("Verdict: pass\nReason: the bolt is tight", add_special_tokens=False)["input_ids"]
+    processor = VerdictLineConstraint(tok, width).processor(profile.verdict, 1, len(prompt))
+    allowed = None
+    for n in range(len(done) + 1):
+        scores = torch.zeros(1, width)
+        processor(torch.tensor([prompt + done[:n]]), scores)
+        allowed = torch.isfinite(scores[0])
+        if n < len(done):
+            assert allowed[done[n]], tok.decode(done[: n + 1])
+    newline = tok("\n", add_special_tokens=False)["input_ids"][0]
+    assert allowed[tok.eos_token_id] and not allowed[newline] and allowed[tok(" and", add_special_tokens=False)["input_ids"][0]]
+    assert not processor.free[0]
+    processor(torch.tensor([prompt + done + [tok.eos_token_id]]), torch.zeros(1, width))
+    assert processor.free[0]  # finished: later pads are not fed to the matcher
 
 
 def test_constrained_rollouts_are_seeded_like_the_others(engine, profile):
@@ -444,6 +475,48 @@ def test_an_injected_model_generates_like_the_built_engine(engine, profile):
 def test_unknown_dtype_is_an_input_error():
     with pytest.raises(InputError, match="dtype"):
         build_engine(CPU, path="tiny", dtype="float13")
+
+
+# ---------------------------------------------------------------- engine choice (parent side)
+
+
+def test_the_vllm_engine_needs_vllm_installed_and_says_where_to_get_it(monkeypatch):
+    from stageb_pool.engine import models
+
+    assert models.check_engine("transformers") == "transformers"
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(InputError, match="bin/setup-vllm") as info:
+        models.check_engine("vllm")
+    assert "model.engine" in str(info.value)
+
+
+def test_a_run_with_mixed_engines_or_versions_is_refused_and_other_differences_warned(caplog):
+    import logging
+
+    from stageb_pool.app.job import warn_if_workers_differ
+
+    base = {"engine": "vllm", "vllm": "0.32.0", "torch": "2.13.0", "transformers": "5.19.0", "device": "A"}
+    log = logging.getLogger("test")
+    for key, other in [("engine", "transformers"), ("vllm", "0.32.1"), ("torch", "2.13.1")]:
+        with pytest.raises(InputError, match="another engine or version") as info:
+            warn_if_workers_differ([base, base, dict(base, **{key: other})], log)
+        assert "[2]" in str(info.value)
+    with caplog.at_level(logging.WARNING):
+        warn_if_workers_differ([base, dict(base, device="B")], log)
+    assert "different engine" in caplog.text
+
+
+def test_model_engine_is_a_checked_config_key():
+    from pathlib import Path
+
+    from stageb_pool.app.config import load_config
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    cfg = load_config(demo, ["model.engine=vllm", "model.vllm.kv_cache_gib=2"])
+    assert (cfg.model.engine, cfg.model.vllm.kv_cache_gib) == ("vllm", 2.0)
+    assert load_config(demo).model.engine == "transformers"
+    with pytest.raises(InputError, match="model.engine"):
+        load_config(demo, ["model.engine=tensorrt"])
 
 
 # ---------------------------------------------------------------- through the pool

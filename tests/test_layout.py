@@ -39,7 +39,7 @@ ALLOWED_INTERNAL = {
 ALLOWED_EXTERNAL = {
     "pool": {"msgspec"},
     "stageb": {"msgspec", "yaml"},
-    "engine": {"msgspec", "torch", "transformers", "tokenizers", "llguidance"},
+    "engine": {"msgspec", "torch", "transformers", "tokenizers", "llguidance", "vllm"},
     "search": {"msgspec"},
     "app": {"msgspec", "yaml", "tqdm"},
     "<root>": set(),

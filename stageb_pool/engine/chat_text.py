@@ -8,6 +8,8 @@ Stops follow upstream (behaviours 16): the end-of-turn strings are always there,
 
 from __future__ import annotations
 
+from ..stageb import prompts
+
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
 
 
@@ -55,3 +57,12 @@ def fit_examples(request, encode) -> tuple[int, list[int], bool]:
         if limit is None or len(row) <= limit:
             return k, row, True
     return lowest, row, False
+
+
+def chunk_prompts(tokenizer, chunk, guidance: dict[str, str], profile) -> tuple[list[list[int]], list[int]]:
+    """The prompt ids of every ticket of a ``RolloutChunk`` and the positions of the tickets
+    kept (prompt within ``chunk.max_prompt_tokens``; longer ones are dropped, never cut)."""
+    texts = [render(tokenizer, prompts.build_messages(profile, guidance, t)) for t in chunk.tickets]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    limit = chunk.max_prompt_tokens
+    return ids, [i for i, row in enumerate(ids) if limit is None or len(row) <= limit]

@@ -45,6 +45,19 @@ class SamplerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     constrain_verdict: bool = False
 
 
+ENGINES = ("transformers", "vllm")
+
+
+class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The vLLM engine's settings that change bytes (the config's ``model.vllm``); all are
+    pinned, none is derived from the machine, and all are recorded in run.json."""
+
+    kv_cache_gib: Annotated[float, Meta(gt=0)] = 1.0  # KV cache per worker, fixed (never profiled from free memory)
+    max_model_len: Annotated[int, Meta(ge=64)] = 8192  # longest prompt + completion of one request
+    max_num_seqs: Annotated[int, Meta(ge=1)] = 256  # requests scheduled together
+    block_size: Annotated[int, Meta(ge=1)] | None = None  # KV-cache block size; None: vLLM's default for the device
+
+
 class RolloutChunk(msgspec.Struct, frozen=True):
     """One unit of rollout work: ``chunk_size`` tickets, one generate batch per (decode, sample).
 

@@ -22,7 +22,6 @@ import time
 import torch
 
 from ..pool.devices import Device
-from ..stageb import prompts
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
 from . import chat_text
@@ -88,6 +87,7 @@ class Engine:
         import transformers
 
         facts = {
+            "engine": "transformers",
             "torch": str(torch.__version__),  # a TorchVersion, not JSON-encodable as is
             "transformers": transformers.__version__,
             "device": torch.cuda.get_device_name(0) if self.device.kind == "cuda" else "cpu",
@@ -113,10 +113,7 @@ class Engine:
         seeded, batched generate over the kept tickets in chunk order.
         """
         start = time.perf_counter()
-        texts = [self._render(prompts.build_messages(profile, guidance, t)) for t in chunk.tickets]
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        limit = chunk.max_prompt_tokens
-        kept = [i for i, row in enumerate(ids) if limit is None or len(row) <= limit]
+        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
         samples: list[list[Sample]] = [[] for _ in chunk.tickets]
         generated = 0
         verdict = profile.verdict if chunk.constrain_verdict else None

@@ -91,7 +91,8 @@ class RolloutRunner:
     ``save_rollouts`` (an addition to the contract) asks the engine for token ids too, for
     ``rollouts/*.jsonl``. ``progress`` is a ``progress.Progress`` (or None)."""
 
-    def __init__(self, pool, profile, *, chunk_size: int, progress=None, save_rollouts: bool = False):
+    def __init__(self, pool, profile, *, chunk_size: int, progress=None, save_rollouts: bool = False,
+                 engine_key: str = ""):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.pool = pool
@@ -100,6 +101,7 @@ class RolloutRunner:
         self.chunk_size = chunk_size
         self.progress = progress
         self.save_rollouts = save_rollouts
+        self.engine_key = engine_key  # hash of the engine's provenance (kind, versions, settings): part of every cache key
         self.generations_done = 0
         self.generations_saved = 0
         self.tickets_by_rank: dict[int, int] = {}  # tickets generated, by the worker that ran them
@@ -119,7 +121,7 @@ class RolloutRunner:
             tickets = spec.tickets[start : start + self.chunk_size]
             key = content_hash(
                 [[t.key for t in tickets], guidance_hash, self.profile_hash, sampler,
-                 spec.seed_key, index, self.save_rollouts]
+                 spec.seed_key, index, self.save_rollouts, self.engine_key]
             )
             owner = key not in self._cache and key not in self._inflight
             if owner:
