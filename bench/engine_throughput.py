@@ -65,7 +65,10 @@ def engine_factory(model: str, engine: str = "transformers"):
     def build(device):
         from stageb_pool.engine.build import build_engine
 
-        return build_engine(device, path=model, engine=engine)
+        from stageb_pool.engine.records import VllmSettings
+
+        # the same threads for both engines (the vLLM default pins CPU workers to one)
+        return build_engine(device, path=model, engine=engine, vllm=VllmSettings(cpu_threads=device.threads))
 
     return build
 

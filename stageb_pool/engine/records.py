@@ -56,6 +56,10 @@ class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     max_model_len: Annotated[int, Meta(ge=64)] = 8192  # longest prompt + completion of one request
     max_num_seqs: Annotated[int, Meta(ge=1)] = 256  # requests scheduled together
     block_size: Annotated[int, Meta(ge=1)] | None = None  # KV-cache block size; None: vLLM's default for the device
+    # Threads of a CPU worker, fixed whatever the worker count: vLLM's CPU kernels give other
+    # low bits with another thread count, so following the cores (as transformers does)
+    # would make cpu:1 and cpu:2 differ. None: the cores / workers share, as transformers.
+    cpu_threads: Annotated[int, Meta(ge=1)] | None = 1
 
 
 class RolloutChunk(msgspec.Struct, frozen=True):

@@ -37,7 +37,7 @@ from .verdict_constraint import verdict_line_regex
 GIB = 1 << 30
 
 
-def prepare_environment(device: Device) -> None:
+def prepare_environment(device: Device, threads: int) -> None:
     """What vLLM reads from the environment, set before vllm (or torch) is imported."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: no grandchild
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -46,7 +46,7 @@ def prepare_environment(device: Device) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM's CPU worker turns torch.set_num_threads into a no-op after start-up: the thread
     # count must come from OMP_NUM_THREADS, before torch is imported.
-    os.environ["OMP_NUM_THREADS"] = str(max(1, device.threads))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, threads))
     # VLLM_CPU_KVCACHE_SPACE would override the pinned KV-cache size (and "" crashes vLLM).
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
@@ -54,7 +54,8 @@ def prepare_environment(device: Device) -> None:
 def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, stop: list[str] | None = None,
                       trust_remote_code: bool = False, settings: VllmSettings = VllmSettings()) -> VllmEngine:
     """Load ``path`` into an in-process vLLM engine on ``device`` (called in the worker)."""
-    prepare_environment(device)
+    threads = (settings.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
+    prepare_environment(device, threads)
     folder = models.checkpoint_dir(path)
     tokenizer = models.load_tokenizer(folder, trust_remote_code)
     if not tokenizer.chat_template:
@@ -81,7 +82,7 @@ def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, st
                                 path) from err
     name = {"embedded": models.EMBEDDED_NAME, "tiny": "tiny-qwen2-h32"}.get(path, folder.name)
     return VllmEngine(llm, tokenizer, device, stop=stop, model_path=models.check_model_path(path),
-                      model_name=name, settings=dict(args, kv_cache_gib=settings.kv_cache_gib))
+                      model_name=name, settings=dict(args, kv_cache_gib=settings.kv_cache_gib, threads=threads))
 
 
 class VllmEngine:
@@ -100,6 +101,7 @@ class VllmEngine:
         self.stop_strings = chat_text.stop_strings(tokenizer, stop)
         self.stop_ids = [vocab[s] for s in self.stop_strings if s in vocab]
         self._multi_token_stops = [s for s in self.stop_strings if s not in vocab]
+        self._broken = ""
 
     def info(self) -> dict:
         """Provenance that bit-identical results depend on (recorded in run.json)."""
@@ -193,9 +195,17 @@ class VllmEngine:
         if longest > self.max_model_len:
             raise ValueError(f"a prompt plus max_new_tokens needs {longest} tokens, over model.vllm.max_model_len "
                              f"{self.max_model_len}: lower the sampler's max_prompt_tokens or raise max_model_len")
+        if self._broken:
+            raise RuntimeError(f"the vLLM engine failed earlier ({self._broken}); the worker must be replaced")
         self.llm.reset_prefix_cache()  # nothing carried over from the previous chunk
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p, _ in requests],
-                                 [sp for _, sp in requests], use_tqdm=False)
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p, _ in requests],
+                                     [sp for _, sp in requests], use_tqdm=False)
+        except Exception as err:
+            # A request that failed inside the in-process engine can stay queued and hang the
+            # next generate forever: refuse further work instead (the pool reports it).
+            self._broken = f"{type(err).__name__}: {models.one_line(err)}"
+            raise
         return [(list(o.outputs[0].token_ids), "stop" if o.outputs[0].finish_reason == "stop" else "length")
                 for o in outs]
 
