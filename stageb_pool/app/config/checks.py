@@ -15,6 +15,7 @@ from typing import Any, get_args
 
 import msgspec
 
+from ...search.rundir import run_name_problem
 from ...stageb.errors import InputError
 from .schema import (
     Config,
@@ -40,9 +41,8 @@ def validate(raw: dict, where: str) -> Config:
     except msgspec.ValidationError as e:
         raise translate(e, raw, where) from None
     check_decodes(cfg, where)
-    run_name = cfg.output.run_name
-    require("/" not in run_name and "\\" not in run_name and run_name not in (".", ".."), "output.run_name",
-            f"must be a plain directory name, got {run_name!r}", where)
+    problem = run_name_problem(cfg.output.run_name)
+    require(problem is None, "output.run_name", f"{problem}, got {cfg.output.run_name!r}", where)
     return cfg
 
 

@@ -13,7 +13,6 @@ import os
 import msgspec
 
 from ...stageb.errors import InputError
-from ...stageb.hashing import content_hash
 from .checks import validate
 from .schema import Config
 from .source import apply_override, read_yaml
@@ -34,7 +33,7 @@ def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = Tr
         raise InputError(f"the config must be a YAML mapping of keys, not a {type(raw).__name__}", where)
     overridden = [apply_override(raw, assignment) for assignment in overrides]
     try:
-        cfg = validate(raw, where)
+        cfg = _resolve_distillation(validate(raw, where), where)
     except InputError as e:
         key = (e.location or "").partition(": ")[2]
         if any(key == k or key.startswith((k + ".", k + "[")) for k in overridden):
@@ -64,12 +63,33 @@ def to_dict(cfg: Config) -> dict:
     return msgspec.to_builtins(cfg)
 
 
-def config_hash(cfg: Config) -> str:
-    """Content hash of the resolved config without ``output`` (where a run is written does not
-    change what it computes): ``--resume`` refuses a run directory whose hash differs."""
+def config_document(cfg: Config) -> dict:
+    """The resolved config without ``output`` (where a run is written does not change what
+    it computes), as plain data (``app/identity.py`` builds a resume's identity from it)."""
     data = to_dict(cfg)
     data.pop("output", None)
-    return content_hash(data)
+    return data
+
+
+_DISTILL_KEYS = ("distill_size", "distill_seed", "distill_temperature", "log_chatml_path")
+
+
+def _resolve_distillation(cfg: Config, where: str) -> Config:
+    """``stage_b_distillation.enabled`` as a bool: unset means on when ``distill_size`` is set
+    (upstream's default is on). No distillation setting is ignored: ``enabled: true`` needs a
+    ``distill_size``, and a setting of an export that is off is an error."""
+    dist = cfg.stage_b_distillation
+    if dist.enabled and dist.distill_size is None:
+        raise InputError("required when stage_b_distillation.enabled is true (the number of tickets to export)",
+                         f"{where}: stage_b_distillation.distill_size")
+    exporting = dist.distill_size is not None and dist.enabled is not False
+    if not exporting:
+        why = "enabled is false" if dist.enabled is False else "no distill_size is set"
+        for key in _DISTILL_KEYS:
+            if getattr(dist, key) is not None:
+                raise InputError(f"has no effect: the distillation export is off ({why}); remove it or turn "
+                                 "the export on", f"{where}: stage_b_distillation.{key}")
+    return replace_at(cfg, "stage_b_distillation.enabled", exporting)
 
 
 def _resolve_seeds(cfg: Config) -> Config:
