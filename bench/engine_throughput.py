@@ -15,6 +15,13 @@ machine; (c) runs in a second fresh process. Every layout gets a warm-up chunk f
 only the rollouts are timed; the median of ``--repeats`` is reported. The pool's overhead
 is ``time(a) / time(b)`` (= tickets/s of b over a): 1.0 means free, the target is >= 0.98.
 The script also checks that all layouts produced the same bytes.
+
+    .venv/bin/python bench/engine_throughput.py --engines [--tickets 64] [--chunks 16,64]
+
+compares the engines instead: the transformers engine (in .venv) and the vLLM engine (in
+.venv-vllm, made by bin/setup-vllm), each in-process in its own fresh process, on the same
+tickets, decode and model, for each chunk size; it reports tickets/s, generated tokens/s and
+the vLLM / transformers ratio of both. Each engine's bytes are checked across repeats.
 """
 
 from __future__ import annotations
@@ -54,13 +61,65 @@ def workload(args):
     return chunks, warmup, dict(guidance=guidance, profile=profile)
 
 
-def engine_factory(model: str):
+def engine_factory(model: str, engine: str = "transformers"):
     def build(device):
         from stageb_pool.engine.build import build_engine
 
-        return build_engine(device, path=model)
+        from stageb_pool.engine.records import VllmSettings
+
+        # the same threads for both engines (the vLLM default pins CPU workers to one)
+        return build_engine(device, path=model, engine=engine, vllm=VllmSettings(cpu_threads=device.threads))
 
     return build
+
+
+def measure_engine(args) -> list[dict]:
+    """One engine in this fresh process, all cores, each chunk size in turn."""
+    from stageb_pool.pool.devices import parse_gpus
+
+    engine = engine_factory(args.model, args.child_engine)(parse_gpus("cpu:1")[0])
+    rows = []
+    for size in [int(c) for c in args.chunks.split(",")]:
+        args.chunk = size
+        chunks, warmup, shared = workload(args)
+        for ch in warmup:
+            engine.rollout(ch, **shared)
+        for _ in range(args.repeats):
+            seconds, results = timed(lambda: [engine.rollout(ch, **shared) for ch in chunks])
+            rows.append(dict(summary(args.child_engine, seconds, results), chunk=size))
+    return rows
+
+
+def compare_engines(args) -> None:
+    venvs = {"transformers": ROOT / ".venv", "vllm": ROOT / ".venv-vllm"}
+    rows = []
+    for engine, venv in venvs.items():
+        python = venv / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(f"{python} is missing (the vLLM environment comes from bin/setup-vllm)")
+        cmd = [str(python), __file__, "--child", "engine", "--child-engine", engine, "--tickets", str(args.tickets),
+               "--chunks", args.chunks, "--max-new-tokens", str(args.max_new_tokens), "--model", args.model,
+               "--repeats", str(args.repeats)]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        if out.returncode != 0:
+            raise SystemExit(f"{engine} failed:\n{out.stderr[-4000:]}")
+        rows += json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"workload: {args.tickets} tickets, max_new_tokens {args.max_new_tokens}, model {args.model}, "
+          f"{os.cpu_count()} CPUs, one in-process engine per engine; median of {args.repeats} runs")
+    print("| chunk | engine | wall s (median) | tickets/s | generated tokens | generated tokens/s |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for size in [int(c) for c in args.chunks.split(",")]:
+        rate = {}
+        for engine in venvs:
+            runs = [r for r in rows if r["chunk"] == size and r["layout"] == engine]
+            med = statistics.median(r["seconds"] for r in runs)
+            tokens = runs[0]["tokens"]
+            rate[engine] = (runs[0]["tickets"] / med, tokens / med)
+            same = "" if len({r["digest"] for r in runs}) == 1 else " (repeats DIFFER)"
+            print(f"| {size} | {engine}{same} | {med:.2f} | {rate[engine][0]:.2f} | {tokens} | {rate[engine][1]:.1f} |")
+        print(f"| {size} | vllm / transformers | | {rate['vllm'][0] / rate['transformers'][0]:.2f}x | | "
+              f"{rate['vllm'][1] / rate['transformers'][1]:.2f}x |")
 
 
 def summary(layout: str, seconds: float, results) -> dict:
@@ -135,16 +194,23 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--child", choices=["ab", "c"], help=argparse.SUPPRESS)
+    ap.add_argument("--engines", action="store_true", help="compare the transformers and vLLM engines")
+    ap.add_argument("--chunks", default="16,64", help="chunk sizes of --engines")
+    ap.add_argument("--child", choices=["ab", "c", "engine"], help=argparse.SUPPRESS)
+    ap.add_argument("--child-engine", default="transformers", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     if args.child:
-        print(json.dumps(measure_pair(args) if args.child == "ab" else measure_two_workers(args)))
+        part = {"ab": measure_pair, "c": measure_two_workers, "engine": measure_engine}[args.child]
+        print(json.dumps(part(args)))
         return
     from stageb_pool.engine import models
 
     if args.model == "embedded":
         models.ensure_embedded()  # convert once, outside the timings
+    if args.engines:
+        compare_engines(args)
+        return
     rows = run_child("ab", args) + run_child("c", args)
     runs = {k: [r for r in rows if r["layout"] == k] for k in LAYOUTS}
     first = runs["a"][0]

@@ -39,8 +39,9 @@ def ticket(i: int, extra: int = 0) -> TicketText:
 TICKETS = [ticket(i) for i in range(10)]
 
 
-def chunk(index, tickets, grid=(SAMPLED,), *, seed_key="7/train", spd=1, limit=None, ids=True) -> RolloutChunk:
-    return RolloutChunk(seed_key, index, list(tickets), list(grid), spd, limit, ids)
+def chunk(index, tickets, grid=(SAMPLED,), *, seed_key="7/train", spd=1, limit=None, ids=True,
+          constrain=False) -> RolloutChunk:
+    return RolloutChunk(seed_key, index, list(tickets), list(grid), spd, limit, ids, constrain)
 
 
 def chunks_of(tickets, size=4, **kw) -> list[RolloutChunk]:
@@ -172,6 +173,35 @@ def test_a_chunk_with_only_overlength_tickets_never_calls_generate(engine, profi
     assert result.generated_tokens == 0
 
 
+def test_samplers_cap_prompts_at_4096_tokens_unless_told_otherwise():
+    """Upstream's rollout fell back to 4096: without a cap a long ticket can exhaust GPU memory."""
+    from stageb_pool.engine.records import SamplerConfig
+
+    assert msgspec.convert({"grid": [{"temperature": 0.5}]}, SamplerConfig).max_prompt_tokens == 4096
+    assert msgspec.convert({"grid": [{"temperature": 0.5}], "max_prompt_tokens": None},
+                           SamplerConfig).max_prompt_tokens is None
+
+
+def test_out_of_memory_on_a_chunk_names_the_chunk_its_tickets_and_prompt_lengths(engine, profile, monkeypatch):
+    from stageb_pool.engine.transformers_engine import ChunkOutOfMemory
+
+    def exhausted(**kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(engine.model, "generate", exhausted)
+    counts = [len(engine.tokenizer(engine._render(prompts.build_messages(profile, GUIDANCE, t)))["input_ids"])
+              for t in TICKETS[:3]]
+    with pytest.raises(ChunkOutOfMemory) as info:
+        rollout(engine, chunk(5, TICKETS[:3], seed_key="7/eval"), profile)
+    text = str(info.value)
+    assert "\n" not in text and "chunk 5" in text and "7/eval" in text and "20.00 GiB" in text
+    for t, n in zip(TICKETS[:3], counts):
+        assert f"{t.key} ({n} prompt tokens)" in text
+    assert "max_prompt_tokens" in text and "chunk_size" in text
+    with pytest.raises(ChunkOutOfMemory, match="proposer chat .*7/proposer/it1.* prompt tokens"):
+        engine.chat(chat_request(EXAMPLES))
+
+
 def test_prompt_of_exactly_the_limit_is_kept(engine, profile):
     count = rollout(engine, chunk(0, TICKETS[:1], limit=None), profile).tickets[0].prompt_tokens
     assert not rollout(engine, chunk(0, TICKETS[:1], limit=count), profile).tickets[0].dropped
@@ -187,7 +217,7 @@ def test_a_configured_stop_token_ends_the_sample_and_the_text(profile):
     assert greedy.finish_reason == "length"
     stop_token = plain.tokenizer.convert_ids_to_tokens(greedy.token_ids[4])
     stopping = build_engine(CPU, path="tiny", stop=[stop_token])
-    assert stopping.stop_strings == [stop_token]
+    assert stopping.stop_strings == ["<|im_end|>", "<|endoftext|>", stop_token]
     s = rollout(stopping, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
     first = greedy.token_ids.index(greedy.token_ids[4])
     assert s.finish_reason == "stop"
@@ -208,11 +238,18 @@ def test_a_multi_token_stop_string_ends_the_sample_and_cuts_the_text(engine, pro
     assert s.text == tok.decode(ids[:a], skip_special_tokens=True).strip()
 
 
-def test_no_stop_strings_means_every_sample_runs_to_max_new_tokens(profile):
-    never = build_engine(CPU, path="tiny", stop=[])
-    result = rollout(never, chunk(0, TICKETS[:4], [GREEDY]), profile)
-    assert all(s.finish_reason == "length" and s.completion_tokens == GREEDY.max_new_tokens
-               for t in result.tickets for s in t.samples)
+@pytest.mark.parametrize("extra", [[], ["\n\n"], ["<|im_end|>", "Reason:"]], ids=["none", "newlines", "repeat"])
+def test_configured_stops_add_to_the_end_of_turn_tokens(engine, profile, monkeypatch, extra):
+    """model.stop adds stops (upstream): the end-of-turn tokens always stop generation."""
+    stopping = build_engine(CPU, path="tiny", stop=extra)
+    defaults = ["<|im_end|>", "<|endoftext|>"]
+    assert stopping.stop_strings == list(dict.fromkeys(defaults + extra))
+    seen = []
+    real = stopping.model.generate
+    monkeypatch.setattr(stopping.model, "generate", lambda **kw: seen.append(kw["eos_token_id"]) or real(**kw))
+    rollout(stopping, chunk(0, TICKETS[:1], [GREEDY]), profile)
+    eos = engine.tokenizer.convert_tokens_to_ids(defaults)
+    assert seen and set(eos) <= set(seen[0])
 
 
 def test_default_stops_are_eos_im_end_and_endoftext(engine):
@@ -252,6 +289,89 @@ def test_templates_without_enable_thinking_are_retried(engine, profile, monkeypa
     assert stable(rollout(engine, chunk(0, TICKETS[:2]), profile)) == expected
 
 
+# ---------------------------------------------------------------- constrained verdict line
+
+
+def decoded(engine, result: ChunkResult) -> list[str]:
+    return [engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for t in result.tickets for s in t.samples]
+
+
+@pytest.mark.parametrize("name, words", [("generic", ("pass", "fail")), ("bbu_rru", ("通过", "不通过"))])
+def test_constrained_samples_follow_the_two_line_protocol(engine, name, words):
+    """The random tiny model never writes the protocol by itself; constrained, every sample is
+    exactly "Verdict: <word>" then "Reason: <one line>", ended by the end-of-turn token (or
+    cut by max_new_tokens), and the parser accepts every finished one."""
+    import re
+
+    from stageb_pool.engine.verdict_constraint import verdict_line_regex
+    from stageb_pool.stageb import verdicts
+
+    profile = prompts.load_profile(name, mission=MISSION, domain="bbu" if name == "bbu_rru" else None)
+    grid = [msgspec.structs.replace(SAMPLED, max_new_tokens=40), msgspec.structs.replace(GREEDY, max_new_tokens=40)]
+    free = decoded(engine, rollout(engine, chunk(0, TICKETS[:4], grid, spd=2), profile))
+    assert not any(text.startswith("Verdict") for text in free)
+    held = rollout(engine, chunk(0, TICKETS[:4], grid, spd=2, constrain=True), profile)
+    samples = [s for t in held.tickets for s in t.samples]
+    texts = decoded(engine, held)
+    assert len(texts) == 16 and len(set(texts)) > 1
+    two_lines = "|".join(f"Verdict: {w}\nReason: [^\n]*" for w in words)
+    assert all(re.fullmatch(two_lines, x) for x in texts), texts  # never a third line
+    assert all(verdicts.parse_verdict(s.text, profile.verdict).verdict in ("pass", "fail")
+               for s in samples if len(s.text) > len(texts[0].split("\n")[0]) + 10)
+
+
+def test_after_the_reason_line_only_the_end_of_turn_token_may_follow_a_newline(engine, profile):
+    """The random tiny model never picks eos by itself: check the mask at the end of a reason."""
+    from stageb_pool.engine.verdict_constraint import VerdictLineConstraint
+
+    tok = engine.tokenizer
+    width = engine.model.get_output_embeddings().weight.shape[0]
+    prompt = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    done = tok("Verdict: pass\nReason: the bolt is tight", add_special_tokens=False)["input_ids"]
+    processor = VerdictLineConstraint(tok, width).processor(profile.verdict, 1, len(prompt))
+    allowed = None
+    for n in range(len(done) + 1):
+        scores = torch.zeros(1, width)
+        processor(torch.tensor([prompt + done[:n]]), scores)
+        allowed = torch.isfinite(scores[0])
+        if n < len(done):
+            assert allowed[done[n]], tok.decode(done[: n + 1])
+    newline = tok("\n", add_special_tokens=False)["input_ids"][0]
+    assert allowed[tok.eos_token_id] and not allowed[newline] and allowed[tok(" and", add_special_tokens=False)["input_ids"][0]]
+    assert not processor.free[0]
+    processor(torch.tensor([prompt + done + [tok.eos_token_id]]), torch.zeros(1, width))
+    assert processor.free[0]  # finished: later pads are not fed to the matcher
+
+
+def test_constrained_rollouts_are_seeded_like_the_others(engine, profile):
+    a = rollout(engine, chunk(0, TICKETS[:4], constrain=True), profile)
+    assert stable(rollout(engine, chunk(0, TICKETS[:4], constrain=True), profile)) == stable(a)
+    assert ids_of(rollout(engine, chunk(1, TICKETS[:4], constrain=True), profile)) != ids_of(a)
+
+
+def test_the_constraint_option_is_in_the_config_hash_and_the_rollout_cache_key(profile):
+    """A rollout with the option on is never served from one made with it off, and a run
+    resumed with the other setting is refused (config hash)."""
+    from pathlib import Path
+
+    from stageb_pool import Pool
+    from stageb_pool.app.config import config_hash, load_config
+    from stageb_pool.search.rollout import RolloutRunner, RolloutSpec
+    from stageb_pool.stageb.tickets import Ticket
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    key = "rule_search.train_sampler.constrain_verdict"
+    assert len({config_hash(load_config(demo, [f"{key}={v}"])) for v in ("false", "true")}) == 2
+    sampler = load_config(demo, [f"{key}=false"]).rule_search.train_sampler
+    tickets = [Ticket(t.key, t.key, t.mission, "pass", t.per_image) for t in TICKETS[:2]]
+    with Pool(tiny_factory, gpus="cpu:1", inline=True) as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=2)
+        for on in (False, True, False):
+            runner.run(RolloutSpec("r", "7/train", tickets, GUIDANCE,
+                                   msgspec.structs.replace(sampler, constrain_verdict=on)))
+        assert pool.stats.items[0] == 2  # off, then on; the second "off" came from the cache
+
+
 # ---------------------------------------------------------------- chat
 
 
@@ -276,9 +396,27 @@ def test_chat_drops_examples_from_the_end_until_the_prompt_fits(engine):
     fitted = engine.chat(chat_request(EXAMPLES, limit=sizes[2] + 1, decode=GREEDY))
     assert (fitted.examples_used, fitted.prompt_tokens) == (2, sizes[2])
     assert fitted == engine.chat(chat_request(EXAMPLES[:2], decode=GREEDY))  # same prompt, same answer
-    none_fit = engine.chat(chat_request(EXAMPLES, limit=sizes[0] - 1))
-    assert none_fit.text is None and none_fit.examples_used == 0 and none_fit.prompt_tokens == sizes[0]
-    assert none_fit.completion_tokens == 0
+
+
+def test_chat_stops_at_one_example_and_returns_no_text_when_that_does_not_fit(engine, monkeypatch):
+    """Upstream never asks the proposer without an example: when even one does not fit, the
+    call fails (the search logs prompt_overlength) with the one-example count."""
+    sizes = [engine.chat(chat_request(EXAMPLES[:k], decode=GREEDY)).prompt_tokens for k in (0, 1)]
+    spy = GenerateSpy(engine, monkeypatch)
+    for limit in (sizes[1] - 1, sizes[0] - 1):  # the head alone fits / nothing fits
+        none_fit = engine.chat(chat_request(EXAMPLES, limit=limit))
+        assert none_fit.text is None and none_fit.completion_tokens == 0
+        assert (none_fit.examples_used, none_fit.prompt_tokens) == (1, sizes[1])
+    assert spy.batches == []
+    one = engine.chat(chat_request(EXAMPLES, limit=sizes[1], decode=GREEDY))
+    assert (one.examples_used, one.prompt_tokens) == (1, sizes[1]) and one.text is not None
+
+
+def test_chat_without_examples_is_one_prompt(engine):
+    size = engine.chat(chat_request([], decode=GREEDY)).prompt_tokens
+    assert engine.chat(chat_request([], limit=size, decode=GREEDY)).text is not None
+    refused = engine.chat(chat_request([], limit=size - 1))
+    assert (refused.text, refused.examples_used, refused.prompt_tokens) == (None, 0, size)
 
 
 # ---------------------------------------------------------------- loading and provenance
@@ -339,6 +477,48 @@ def test_unknown_dtype_is_an_input_error():
         build_engine(CPU, path="tiny", dtype="float13")
 
 
+# ---------------------------------------------------------------- engine choice (parent side)
+
+
+def test_the_vllm_engine_needs_vllm_installed_and_says_where_to_get_it(monkeypatch):
+    from stageb_pool.engine import models
+
+    assert models.check_engine("transformers") == "transformers"
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(InputError, match="bin/setup-vllm") as info:
+        models.check_engine("vllm")
+    assert "model.engine" in str(info.value)
+
+
+def test_a_run_with_mixed_engines_or_versions_is_refused_and_other_differences_warned(caplog):
+    import logging
+
+    from stageb_pool.app.job import warn_if_workers_differ
+
+    base = {"engine": "vllm", "vllm": "0.32.0", "torch": "2.13.0", "transformers": "5.19.0", "device": "A"}
+    log = logging.getLogger("test")
+    for key, other in [("engine", "transformers"), ("vllm", "0.32.1"), ("torch", "2.13.1")]:
+        with pytest.raises(InputError, match="another engine or version") as info:
+            warn_if_workers_differ([base, base, dict(base, **{key: other})], log)
+        assert "[2]" in str(info.value)
+    with caplog.at_level(logging.WARNING):
+        warn_if_workers_differ([base, dict(base, device="B")], log)
+    assert "different engine" in caplog.text
+
+
+def test_model_engine_is_a_checked_config_key():
+    from pathlib import Path
+
+    from stageb_pool.app.config import load_config
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    cfg = load_config(demo, ["model.engine=vllm", "model.vllm.kv_cache_gib=2"])
+    assert (cfg.model.engine, cfg.model.vllm.kv_cache_gib) == ("vllm", 2.0)
+    assert load_config(demo).model.engine == "transformers"
+    with pytest.raises(InputError, match="model.engine"):
+        load_config(demo, ["model.engine=tensorrt"])
+
+
 # ---------------------------------------------------------------- through the pool
 
 
@@ -361,6 +541,7 @@ def pool_rollout(gpus, chunks, profile, *, inline=False) -> list[bytes]:
 def test_rollouts_are_byte_identical_on_1_2_3_workers_and_inline(engine, profile):
     tickets = [ticket(i, extra=i % 4) for i in range(14)]
     chunks = chunks_of(tickets, 4, grid=[SAMPLED, GREEDY], spd=2, limit=10_000)
+    chunks[1] = msgspec.structs.replace(chunks[1], constrain_verdict=True)  # the constraint too
     direct = [stable(rollout(engine, c, profile)) for c in chunks]
     runs = {
         "cpu:1": pool_rollout("cpu:1", chunks, profile),

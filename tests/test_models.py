@@ -173,3 +173,20 @@ def test_failed_conversion_leaves_no_model_behind(tmp_path, monkeypatch):
     target = models.embedded_cache_dir()
     assert not target.exists()
     assert [p for p in target.parent.iterdir() if p.is_dir()] == []
+
+
+def test_the_tiny_checkpoint_on_disk_has_head_size_32_and_the_tiny_tokenizer(model_cache, tmp_path):
+    """Engines that load from disk (vLLM) get the tiny model as a checkpoint directory, with
+    the head size vLLM's CPU attention accepts, saved once into the cache."""
+    from stageb_pool.engine import tiny
+
+    folder = models.checkpoint_dir("tiny")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] == 32
+    assert folder.parent == model_cache and models.checkpoint_dir("tiny") == folder
+    text = "Verdict: pass\nReason: the mounting bolt is tight."
+    assert models.load_tokenizer(folder)(text)["input_ids"] == tiny.build_tokenizer()(text)["input_ids"]
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 16)
+    with pytest.raises(InputError, match="not .gguf"):
+        models.checkpoint_dir(str(gguf))

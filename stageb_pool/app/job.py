@@ -63,6 +63,7 @@ def load_inputs(config) -> _Inputs:
     if profile.options.bbu_cleanup:
         ingest = msgspec.structs.replace(ingest, tickets=tickets_mod.bbu_clean_tickets(ingest.tickets))
     model_path = models.check_model_path(config.model.path)
+    models.check_engine(config.model.engine)
     seed_guidance = guidance_mod.load_guidance(config.guidance.path, mission)
     proposer_system = None
     if config.mode == "search":
@@ -99,6 +100,8 @@ def engine_factory_for(model_config, model_path: str):
             attn_implementation=model_config.attn_implementation,
             trust_remote_code=model_config.trust_remote_code,
             stop=model_config.stop,
+            engine=model_config.engine,
+            vllm=model_config.vllm,
         )
 
     return build
@@ -161,10 +164,11 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     try:
         run_json["devices"] = devices = pool.devices  # under Ray: the threads its plan gave each worker
         progress = Progress(log=log, stats_fn=pool_items_per_rank(pool))
-        runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
-                               progress=progress, save_rollouts=config.output.save_rollouts)
         info = pool.worker_info[0] if pool.worker_info else {}
         warn_if_workers_differ(pool.worker_info, log)
+        runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
+                               progress=progress, save_rollouts=config.output.save_rollouts,
+                               engine_key=content_hash(msgspec.to_builtins(info, enc_hook=str)))
         write_json(run_dir / rundir.RUN_JSON, rundir.run_json_document(
             workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov), **run_json))
         log.info("%s run of %d tickets (mission %s) on %d worker(s) -> %s",
@@ -201,11 +205,19 @@ def audit_settings(config, inputs: _Inputs) -> AuditSettings:
                          distill=config.stage_b_distillation)
 
 
+ENGINE_IDENTITY = ("engine", "vllm", "torch", "transformers")  # must agree across workers
+
+
 def warn_if_workers_differ(worker_info: list[dict], log: logging.Logger) -> None:
     """Byte-identical results need every worker on the same software, device model and
     dtype (docs/architecture.md); run.json records rank 0's facts, so say loudly if the
     others differ (e.g. a node that mixes GPU models)."""
     facts = [msgspec.to_builtins(info, enc_hook=str) for info in worker_info]
+    engines = [{k: f.get(k) for k in ENGINE_IDENTITY} for f in facts]
+    mixed = [rank for rank, e in enumerate(engines) if e != engines[0]]
+    if mixed:  # another engine or version gives other bytes by construction: refuse, not warn
+        raise InputError(f"workers {mixed} run another engine or version than worker 0 ({engines[mixed[0]]} vs "
+                         f"{engines[0]}): results would depend on which worker ran which chunk", "--gpus")
     odd = [rank for rank, f in enumerate(facts) if f != facts[0]]
     if odd:
         log.warning("workers %s report a different engine than worker 0 (%s vs %s): results may "

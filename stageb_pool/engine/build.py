@@ -1,8 +1,9 @@
-"""Building a worker's engine: prepare the device, load the model, wrap it in an ``Engine``.
+"""Building a worker's engine: prepare the device, load the model, wrap it in an engine.
 
-The engine itself takes a loaded model and tokenizer (as nanochat's ``Engine(model,
-tokenizer)``), so tests and benchmarks can hand it any model; ``build_engine`` is what the
-pool's engine factory calls inside each worker, after the fork.
+The engines take a loaded model and tokenizer (as nanochat's ``Engine(model, tokenizer)``),
+so tests and benchmarks can hand them any model; ``build_engine`` is what the pool's engine
+factory calls inside each worker, after the fork. torch and vllm are imported only here,
+inside the functions: vLLM reads its settings from the environment before torch starts.
 """
 
 from __future__ import annotations
@@ -10,25 +11,40 @@ from __future__ import annotations
 import os
 
 import msgspec
-import torch
 
 from ..pool.devices import Device
-from . import models
-from .transformers_engine import Engine
+from .records import ENGINES, VllmSettings
 
 _DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 
 
-def build_engine(device, *, path: str = "embedded", dtype: str | None = None,
+def build_engine(device, *, engine: str = "transformers", path: str = "embedded", dtype: str | None = None,
                  attn_implementation: str | None = None, trust_remote_code: bool = False,
-                 stop: list[str] | None = None) -> Engine:
-    """The transformers engine for ``device``, with the model at ``path``.
+                 stop: list[str] | None = None, vllm: VllmSettings = VllmSettings()):
+    """The ``engine`` ("transformers" or "vllm") for ``device``, with the model at ``path``.
 
-    ``path``: ``"embedded"``, ``"tiny"``, a checkpoint directory or a ``.gguf`` file.
-    ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU; ``attn_implementation`` to
-    flash_attention_2 when installed, on CUDA with a 16-bit dtype, else sdpa.
+    ``path``: ``"embedded"``, ``"tiny"``, a checkpoint directory or (transformers only) a
+    ``.gguf`` file. ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU;
+    ``attn_implementation`` (transformers) to flash_attention_2 when installed, on CUDA with
+    a 16-bit dtype, else sdpa. ``vllm``: the vLLM engine's pinned settings.
     """
     device = device if isinstance(device, Device) else msgspec.convert(device, Device)
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
+    if device.kind == "cuda":
+        _pin_cuda_environment()
+    if engine == "vllm":
+        from .vllm_engine import build_vllm_engine
+
+        return build_vllm_engine(device, path=path, dtype=dtype, stop=stop, trust_remote_code=trust_remote_code,
+                                 settings=vllm)
+    return _build_transformers(device, path, dtype, attn_implementation, trust_remote_code, stop)
+
+
+def _build_transformers(device: Device, path, dtype, attn_implementation, trust_remote_code, stop):
+    from . import models
+    from .transformers_engine import Engine
+
     prepare_device(device)
     dtype = dtype or models.default_dtype(device.kind)
     attn = attn_implementation or models.default_attn_implementation(device.kind, dtype)
@@ -40,17 +56,18 @@ def build_engine(device, *, path: str = "embedded", dtype: str | None = None,
 def prepare_device(device: Device) -> None:
     """What must happen before the first torch op of a worker: its thread count (fork rule)
     and, on a GPU, the deterministic settings that must precede the CUDA context."""
+    import torch
+
     torch.set_num_threads(max(1, device.threads))
     if device.kind == "cuda":
-        _pin_cuda_determinism()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        # TF32 pinned off, so a run does not depend on a default that differs between versions.
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.fp32_precision = "ieee"
 
 
-def _pin_cuda_determinism() -> None:
+def _pin_cuda_environment() -> None:
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in _DETERMINISTIC_CUBLAS:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    # TF32 pinned off, so a run does not depend on a default that differs between versions.
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
-    torch.backends.cudnn.fp32_precision = "ieee"

@@ -71,6 +71,14 @@ def check_model_path(path: str) -> str:
     return str(p.resolve())
 
 
+def check_engine(kind: str) -> str:
+    """``model.engine`` without importing it: the vllm engine needs vllm installed here."""
+    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise InputError("vllm is not installed in this environment: create the vLLM environment with "
+                         "bin/setup-vllm and run .venv-vllm/bin/stageb-pool", "model.engine: vllm")
+    return kind
+
+
 def _check_checkpoint_dir(p: Path, shown: str) -> None:
     config = p / "config.json"
     if not config.is_file():
@@ -78,7 +86,7 @@ def _check_checkpoint_dir(p: Path, shown: str) -> None:
     try:
         data = json.loads(config.read_bytes())
     except (OSError, ValueError) as err:
-        raise InputError(f"config.json cannot be read: {_one_line(err)}", shown) from None
+        raise InputError(f"config.json cannot be read: {one_line(err)}", shown) from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise InputError("config.json has no model_type: not a Hugging Face model config", shown)
 
@@ -88,12 +96,13 @@ def _check_gguf_file(p: Path, shown: str) -> None:
         with open(p, "rb") as f:
             magic = f.read(4)
     except OSError as err:
-        raise InputError(f"cannot read the GGUF file: {_one_line(err)}", shown) from None
+        raise InputError(f"cannot read the GGUF file: {one_line(err)}", shown) from None
     if magic != b"GGUF":
         raise InputError("not a GGUF file (it does not start with the GGUF magic bytes)", shown)
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
+    """The first line of an error's message (located errors are one line)."""
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
 
@@ -172,6 +181,60 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def ensure_tiny_checkpoint(heads: int = 2) -> Path:
+    """The tiny test model saved as a checkpoint directory in the user cache (engines that
+    load from disk, such as vLLM, need one), built and renamed into place under the same lock
+    as the embedded conversion. ``heads=2`` gives head size 32, which vLLM's CPU attention
+    accepts (the in-code default, 16, it does not)."""
+    import tokenizers
+
+    target = cache_root() / f"tiny-qwen2-h{64 // heads}-tokenizers{tokenizers.__version__}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file():
+            return target
+        from . import tiny
+
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        os.chmod(tmp, 0o755)
+        try:
+            tokenizer = tiny.build_tokenizer()
+            tiny.build_model(tokenizer, heads=heads).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def checkpoint_dir(path: str) -> Path:
+    """The checkpoint directory of a model path, for engines that load from disk: the
+    converted embedded model, the tiny model saved with head size 32, or the directory
+    itself. A .gguf file has none (InputError)."""
+    resolved = check_model_path(path)
+    if resolved == "embedded":
+        return ensure_embedded()
+    if resolved == "tiny":
+        return ensure_tiny_checkpoint()
+    if resolved.lower().endswith(".gguf"):
+        raise InputError("the vllm engine loads checkpoint directories, not .gguf files", path)
+    return Path(resolved)
+
+
+def load_tokenizer(folder: Path, trust_remote_code: bool = False):
+    """The tokenizer of a checkpoint directory, loaded as the transformers engine loads it (so
+    both engines see the same token ids), with the processor's chat template for VL models."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _tokenizer_class(folder, AutoTokenizer).from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = _processor_chat_template(folder)
+    return tokenizer
+
+
 def default_dtype(device_kind: str) -> str:
     return "bfloat16" if device_kind == "cuda" else "float32"
 
@@ -191,6 +254,10 @@ def torch_dtype(name: str):
     if not isinstance(value, torch.dtype):
         raise InputError(f"unknown dtype {name!r} (use e.g. bfloat16, float16 or float32)", "model.dtype")
     return value
+
+
+def read_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_bytes())
 
 
 def is_vision_language(config: dict) -> bool:
@@ -226,7 +293,7 @@ def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: 
     except InputError:
         raise
     except Exception as err:
-        raise InputError(f"cannot load the model: {type(err).__name__}: {_one_line(err)}", path) from err
+        raise InputError(f"cannot load the model: {type(err).__name__}: {one_line(err)}", path) from err
 
 
 def _require_chat_template(tokenizer, path: str) -> None:
@@ -244,13 +311,9 @@ def _quiet_transformers() -> None:
 
 
 def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_code: bool, device: str):
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoTokenizer,
-    )
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = json.loads((folder / "config.json").read_bytes())
+    config = read_config(folder)
     cls = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     model = cls.from_pretrained(
         folder,
@@ -259,10 +322,7 @@ def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_c
         trust_remote_code=trust_remote_code,
         device_map=device,
     )
-    tokenizer = _tokenizer_class(folder, AutoTokenizer).from_pretrained(folder, trust_remote_code=trust_remote_code)
-    if tokenizer.chat_template is None:
-        tokenizer.chat_template = _processor_chat_template(folder)
-    return model.eval(), tokenizer
+    return model.eval(), load_tokenizer(folder, trust_remote_code)
 
 
 def _tokenizer_class(folder: Path, auto):

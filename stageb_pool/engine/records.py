@@ -15,6 +15,9 @@ from msgspec import Meta
 from ..stageb.tickets import TicketText  # what a worker needs of a ticket (no label)
 
 
+DEFAULT_MAX_PROMPT_TOKENS = 4096
+
+
 class Decode(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One entry of a sampling grid. ``temperature <= 0`` means greedy decoding.
 
@@ -34,7 +37,29 @@ class SamplerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     grid: Annotated[list[Decode], Meta(min_length=1)]  # decodes; each ticket gets len(grid) * samples_per_decode samples
     samples_per_decode: Annotated[int, Meta(ge=1)] = 1  # samples drawn per grid entry
-    max_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None  # tickets whose prompt is longer are dropped (never truncated); None: no limit
+    # Tickets whose prompt is longer are dropped (never truncated). 4096 as upstream's rollout
+    # fallback: without a cap one long ticket can exhaust GPU memory. None: no limit.
+    max_prompt_tokens: Annotated[int, Meta(ge=1)] | None = DEFAULT_MAX_PROMPT_TOKENS
+    # Hold each sample's first line to "Verdict: <pass_text|fail_text>" of the prompt profile
+    # (constrained decoding); the reason stays free. Off: upstream's unconstrained protocol.
+    constrain_verdict: bool = False
+
+
+ENGINES = ("transformers", "vllm")
+
+
+class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The vLLM engine's settings that change bytes (the config's ``model.vllm``); all are
+    pinned, none is derived from the machine, and all are recorded in run.json."""
+
+    kv_cache_gib: Annotated[float, Meta(gt=0)] = 1.0  # KV cache per worker, fixed (never profiled from free memory)
+    max_model_len: Annotated[int, Meta(ge=64)] = 8192  # longest prompt + completion of one request
+    max_num_seqs: Annotated[int, Meta(ge=1)] = 256  # requests scheduled together
+    block_size: Annotated[int, Meta(ge=1)] | None = None  # KV-cache block size; None: vLLM's default for the device
+    # Threads of a CPU worker, fixed whatever the worker count: vLLM's CPU kernels give other
+    # low bits with another thread count, so following the cores (as transformers does)
+    # would make cpu:1 and cpu:2 differ. None: the cores / workers share, as transformers.
+    cpu_threads: Annotated[int, Meta(ge=1)] | None = 1
 
 
 class RolloutChunk(msgspec.Struct, frozen=True):
@@ -53,6 +78,7 @@ class RolloutChunk(msgspec.Struct, frozen=True):
     samples_per_decode: int = 1
     max_prompt_tokens: int | None = None
     return_token_ids: bool = False
+    constrain_verdict: bool = False  # first line held to the profile's verdict words
 
 
 class Sample(msgspec.Struct, frozen=True):
@@ -87,8 +113,8 @@ class ChatRequest(msgspec.Struct, frozen=True):
     """A free-form generation (the rule proposer).
 
     The user message is ``user_head + examples[:k] + user_tail`` (joined with blank
-    lines) for the largest ``k`` whose rendered prompt fits ``max_prompt_tokens``;
-    examples are dropped from the end, the text is never truncated.
+    lines) for the largest ``k >= 1`` whose rendered prompt fits ``max_prompt_tokens``;
+    examples are dropped from the end down to one (as upstream), the text is never truncated.
     """
 
     system: str
@@ -101,8 +127,9 @@ class ChatRequest(msgspec.Struct, frozen=True):
 
 
 class ChatResult(msgspec.Struct, frozen=True):
-    """``text`` is None (and ``examples_used`` 0) when the prompt does not fit
-    ``max_prompt_tokens`` even with every example dropped."""
+    """``text`` is None when the prompt does not fit ``max_prompt_tokens`` even with one
+    example; ``examples_used`` and ``prompt_tokens`` then describe that last try (1, or 0
+    for a request without examples)."""
 
     text: str | None
     examples_used: int

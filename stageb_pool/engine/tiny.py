@@ -75,8 +75,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer, *, seed: int = 0, attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
-    """A 2-layer, hidden-64 Qwen2 whose weights depend only on ``seed``.
+def build_model(tokenizer, *, seed: int = 0, attn_implementation: str = "sdpa", heads: int = 4) -> Qwen2ForCausalLM:
+    """A 2-layer, hidden-64 Qwen2 whose weights depend only on ``seed``. ``heads`` sets the
+    head size (64 / heads): 4 gives 16; vLLM's CPU attention needs 32 (``heads=2``).
 
     The global torch RNG is saved and restored around construction, so building the model
     never shifts the random numbers of the caller (the rollout seeds).
@@ -86,8 +87,8 @@ def build_model(tokenizer, *, seed: int = 0, attn_implementation: str = "sdpa") 
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=8192,
         initializer_range=0.3,
         tie_word_embeddings=True,

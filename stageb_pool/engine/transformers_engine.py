@@ -15,15 +15,17 @@ the software, hardware, dtype and chunk size stay the same (docs/architecture.md
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import time
 
 import torch
 
 from ..pool.devices import Device
-from ..stageb import prompts
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
 from . import chat_text
+from .verdict_constraint import VerdictLineConstraint
 from .records import (
     ChatRequest,
     ChatResult,
@@ -33,6 +35,11 @@ from .records import (
     Sample,
     TicketRollout,
 )
+
+
+class ChunkOutOfMemory(RuntimeError):
+    """A generate call ran out of device memory; the message names the work and its prompt
+    lengths, so the run's error says which tickets to cap or drop."""
 
 
 class Engine:
@@ -53,6 +60,7 @@ class Engine:
         self.dtype = str(model.dtype).removeprefix("torch.")
         self.attn_implementation = getattr(model.config, "_attn_implementation", None)
         self._setup_tokens(stop)
+        self._constraint: VerdictLineConstraint | None = None
 
     # ------------------------------------------------------------ set-up
 
@@ -79,6 +87,7 @@ class Engine:
         import transformers
 
         facts = {
+            "engine": "transformers",
             "torch": str(torch.__version__),  # a TorchVersion, not JSON-encodable as is
             "transformers": transformers.__version__,
             "device": torch.cuda.get_device_name(0) if self.device.kind == "cuda" else "cpu",
@@ -87,6 +96,7 @@ class Engine:
             "model": self.model_name,
             "attn_implementation": self.attn_implementation,
             "stop": self.stop_strings,
+            "llguidance": importlib.metadata.version("llguidance"),  # the verdict-line constraint
         }
         if self.device.kind == "cuda":
             facts["cuda"] = str(torch.version.cuda)
@@ -103,18 +113,17 @@ class Engine:
         seeded, batched generate over the kept tickets in chunk order.
         """
         start = time.perf_counter()
-        texts = [self._render(prompts.build_messages(profile, guidance, t)) for t in chunk.tickets]
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        limit = chunk.max_prompt_tokens
-        kept = [i for i, row in enumerate(ids) if limit is None or len(row) <= limit]
+        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
         samples: list[list[Sample]] = [[] for _ in chunk.tickets]
         generated = 0
+        verdict = profile.verdict if chunk.constrain_verdict else None
         if kept:
             batch = self._pad([ids[i] for i in kept])
             for d, decode in enumerate(chunk.grid):
                 for s in range(chunk.samples_per_decode):
                     seed = stable_seed(chunk.seed_key, chunk.chunk_index, d, decode.seed, s)
-                    outs = self._generate(batch, decode, seed)
+                    with _located_oom(lambda: _chunk_oom_message(chunk, kept, ids, d, s)):
+                        outs = self._generate(batch, decode, seed, verdict)
                     for i, (text, row, reason) in zip(kept, outs):
                         generated += len(row)
                         samples[i].append(Sample(d, s, text, len(row), reason,
@@ -130,18 +139,17 @@ class Engine:
 
     def chat(self, request: ChatRequest) -> ChatResult:
         """One free-form generation. Examples are dropped from the end until the rendered
-        prompt fits ``max_prompt_tokens``; ``text`` is None when even zero examples do not fit."""
-        limit = request.max_prompt_tokens
-        for k in range(len(request.examples), -1, -1):
-            user = "\n\n".join(p for p in [request.user_head, *request.examples[:k], request.user_tail] if p)
-            messages = [{"role": "system", "content": request.system}, {"role": "user", "content": user}]
-            row = self.tokenizer(self._render(messages), add_special_tokens=False)["input_ids"]
-            if limit is None or len(row) <= limit:
-                break
-        else:
-            return ChatResult(None, 0, len(row))
-        ((text, out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key))
+        prompt fits ``max_prompt_tokens``, never below one (upstream): ``text`` is None when
+        even one example does not fit."""
+        k, row, fits = chat_text.fit_examples(request, self._tokens)
+        if not fits:
+            return ChatResult(None, k, len(row))
+        with _located_oom(lambda: f"proposer chat {request.seed_key!r} ({len(row)} prompt tokens)"):
+            ((text, out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key))
         return ChatResult(text, k, len(row), len(out), reason)
+
+    def _tokens(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer(self._render(messages), add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------ shared steps
 
@@ -152,9 +160,10 @@ class Engine:
         batch = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
         return {k: v.to(self.device.torch_device) for k, v in batch.items()}
 
-    def _generate(self, batch: dict, decode: Decode, seed: int) -> list[tuple[str, list[int], str]]:
+    def _generate(self, batch: dict, decode: Decode, seed: int, verdict=None) -> list[tuple[str, list[int], str]]:
         """One seeded batched generate: ``(text, completion ids, finish reason)`` per row.
-        Completion ids run up to and including the stop token."""
+        Completion ids run up to and including the stop token. ``verdict`` (a VerdictVocab)
+        holds each row's first line to ``Verdict: <word>``."""
         sampling = decode.temperature > 0
         options = dict(
             do_sample=sampling,
@@ -167,6 +176,9 @@ class Engine:
             options.update(temperature=decode.temperature, top_p=decode.top_p, top_k=0)
         if self._multi_token_stops:
             options.update(stop_strings=self._multi_token_stops, tokenizer=self.tokenizer)
+        if verdict is not None:
+            rows, width = batch["input_ids"].shape
+            options["logits_processor"] = [self._verdict_constraint().processor(verdict, rows, width)]
         torch.manual_seed(seed)
         with torch.inference_mode():
             out = self.model.generate(**batch, **options)
@@ -178,6 +190,12 @@ class Engine:
             reasons.append(reason)
         texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         return [(self._clean(t), r, why) for t, r, why in zip(texts, rows, reasons)]
+
+    def _verdict_constraint(self) -> VerdictLineConstraint:
+        if self._constraint is None:  # built on first use: llguidance reads the whole vocabulary
+            width = self.model.get_output_embeddings().weight.shape[0]
+            self._constraint = VerdictLineConstraint(self.tokenizer, width)
+        return self._constraint
 
     def _cut(self, row: list[int]) -> tuple[list[int], str]:
         stops = self.stop_ids
@@ -196,3 +214,22 @@ class Engine:
 
     def _clean(self, text: str) -> str:
         return chat_text.clean(text, self.stop_strings)
+
+
+@contextlib.contextmanager
+def _located_oom(where):
+    """Turn a device out-of-memory error into one line naming the work (``where()``)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the worker may be asked for more work (or be replaced)
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
+        raise ChunkOutOfMemory(f"out of memory ({cause}) on {where()}") from None
+
+
+def _chunk_oom_message(chunk: RolloutChunk, kept: list[int], ids: list[list[int]], d: int, s: int) -> str:
+    tickets = ", ".join(f"{chunk.tickets[i].key} ({len(ids[i])} prompt tokens)" for i in kept)
+    return (f"chunk {chunk.chunk_index} of rollout {chunk.seed_key!r} (decode {d}, sample {s}; "
+            f"max_prompt_tokens {chunk.max_prompt_tokens}): {tickets}. Lower the sampler's "
+            f"max_prompt_tokens or runner.chunk_size")

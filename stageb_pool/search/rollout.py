@@ -99,7 +99,8 @@ class RolloutRunner:
     ``save_rollouts`` (an addition to the contract) asks the engine for token ids too, for
     ``rollouts/*.jsonl``. ``progress`` is a ``progress.Progress`` (or None)."""
 
-    def __init__(self, pool, profile, *, chunk_size: int, progress=None, save_rollouts: bool = False):
+    def __init__(self, pool, profile, *, chunk_size: int, progress=None, save_rollouts: bool = False,
+                 engine_key: str = ""):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.pool = pool
@@ -108,6 +109,7 @@ class RolloutRunner:
         self.chunk_size = chunk_size
         self.progress = progress
         self.save_rollouts = save_rollouts
+        self.engine_key = engine_key  # hash of the engine's provenance (kind, versions, settings): part of every cache key
         # This process's counts: generated here, or served by this process's cache.
         self.generations_done = 0
         self.generations_saved = 0
@@ -135,7 +137,7 @@ class RolloutRunner:
             tickets = spec.tickets[start : start + self.chunk_size]
             key = content_hash(
                 [[t.key for t in tickets], guidance_hash, self.profile_hash, sampler,
-                 spec.seed_key, index, self.save_rollouts]
+                 spec.seed_key, index, self.save_rollouts, self.engine_key]
             )
             owner = key not in self._cache and key not in self._inflight
             if owner:
@@ -147,6 +149,7 @@ class RolloutRunner:
                     samples_per_decode=spec.sampler.samples_per_decode,
                     max_prompt_tokens=spec.sampler.max_prompt_tokens,
                     return_token_ids=self.save_rollouts,
+                    constrain_verdict=spec.sampler.constrain_verdict,
                 )
                 self._inflight[key] = self.pool.submit(
                     "rollout", chunk, guidance=spec.guidance, profile=self.profile,

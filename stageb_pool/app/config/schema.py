@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
-from ...engine.records import SamplerConfig
+from ...engine.records import SamplerConfig, VllmSettings
 
 # Constrained scalar types: msgspec checks these while converting and reports the key path.
 PosInt = Annotated[int, Meta(ge=1)]
@@ -39,7 +39,9 @@ class ModelConfig(_Section, kw_only=True):
     dtype: str | None = None  # torch dtype name, e.g. "bfloat16"; None: the engine's default for the device
     attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None: transformers' default
     trust_remote_code: bool = False  # passed to transformers when loading a checkpoint
-    stop: list[str] | None = None  # extra stop strings; None: the tokenizer's end-of-turn tokens
+    stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
+    engine: Literal["transformers", "vllm"] = "transformers"  # the generation engine in each worker (vllm: bin/setup-vllm)
+    vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)  # the vllm engine's pinned settings
 
 
 class PromptConfig(_Section, kw_only=True):

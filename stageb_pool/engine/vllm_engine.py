@@ -1,0 +1,213 @@
+"""The vLLM generation engine (``model.engine: vllm``): the same ``rollout`` and ``chat`` as
+the transformers engine, with continuous batching, paged attention and prefix caching.
+
+It runs inside the pool worker: the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so a killed or timed-out worker leaves no grandchild holding the device, and vllm is imported
+only here, in the worker, after the fork.
+
+Determinism (docs/architecture.md, "Determinism contract"):
+- one ``generate`` per chunk with one request per (ticket, decode, sample), each with its own
+  seed ``stable_seed(seed_key, chunk_index, d, decode.seed, s, position)``, never a shared
+  seeded ``SamplingParams`` (every prompt would draw the same noise);
+- the prefix cache is reset before every chunk: a chunk's results never depend on what the
+  worker ran before, while the samples of one ticket still share their prompt's prefix
+  within the chunk (where the prefill saving comes from);
+- the KV cache has a pinned size (``kv_cache_gib``), never profiled from free memory (a
+  different block count changes preemption and so numerics); chunked prefill is off (on
+  CPU a seeded request whose prefill is split crashes vLLM 0.32);
+- prompts are rendered and tokenized with the same tokenizer as the transformers engine and
+  sent as token ids; texts are decoded with it too, so prompt lengths, drops and texts are
+  computed the same way in both engines.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import time
+
+from ..pool.devices import Device
+from ..stageb.errors import InputError
+from ..stageb.hashing import stable_seed
+from ..stageb.prompts import PromptProfile
+from . import chat_text, models
+from .records import ChatRequest, ChatResult, ChunkResult, Decode, RolloutChunk, Sample, TicketRollout, VllmSettings
+from .verdict_constraint import verdict_line_regex
+
+GIB = 1 << 30
+
+
+def prepare_environment(device: Device, threads: int) -> None:
+    """What vLLM reads from the environment, set before vllm (or torch) is imported."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: no grandchild
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM's CPU worker turns torch.set_num_threads into a no-op after start-up: the thread
+    # count must come from OMP_NUM_THREADS, before torch is imported.
+    os.environ["OMP_NUM_THREADS"] = str(max(1, threads))
+    # VLLM_CPU_KVCACHE_SPACE would override the pinned KV-cache size (and "" crashes vLLM).
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
+def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, stop: list[str] | None = None,
+                      trust_remote_code: bool = False, settings: VllmSettings = VllmSettings()) -> VllmEngine:
+    """Load ``path`` into an in-process vLLM engine on ``device`` (called in the worker)."""
+    threads = (settings.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
+    prepare_environment(device, threads)
+    folder = models.checkpoint_dir(path)
+    tokenizer = models.load_tokenizer(folder, trust_remote_code)
+    if not tokenizer.chat_template:
+        raise InputError("the tokenizer has no chat template (a base model, not an instruct/chat model?)", path)
+    dtype = dtype or models.default_dtype(device.kind)
+    args = dict(
+        dtype=dtype, enforce_eager=True, max_model_len=settings.max_model_len,
+        kv_cache_memory_bytes=int(settings.kv_cache_gib * GIB), enable_prefix_caching=True,
+        enable_chunked_prefill=False, max_num_seqs=settings.max_num_seqs, seed=0,
+        generation_config="vllm",  # the checkpoint's sampling defaults never apply
+    )
+    if settings.block_size is not None:
+        args["block_size"] = settings.block_size
+    config = models.read_config(folder)
+    if models.is_vision_language(config):
+        args["limit_mm_per_prompt"] = {"image": 0, "video": 0}  # Qwen-VL checkpoints, text only
+    from vllm import LLM
+
+    try:
+        llm = LLM(model=str(folder), tokenizer=str(folder), trust_remote_code=trust_remote_code,
+                  disable_log_stats=True, structured_outputs_config={"backend": "guidance"}, **args)
+    except Exception as err:
+        raise InputError(f"vLLM cannot load the model: {type(err).__name__}: {models.one_line(err)}",
+                                path) from err
+    name = {"embedded": models.EMBEDDED_NAME, "tiny": "tiny-qwen2-h32"}.get(path, folder.name)
+    return VllmEngine(llm, tokenizer, device, stop=stop, model_path=models.check_model_path(path),
+                      model_name=name, settings=dict(args, kv_cache_gib=settings.kv_cache_gib, threads=threads))
+
+
+class VllmEngine:
+    """An in-process ``vllm.LLM`` and the Hugging Face tokenizer of the same checkpoint."""
+
+    def __init__(self, llm, tokenizer, device: Device, *, stop: list[str] | None = None, model_path: str = "",
+                 model_name: str = "", settings: dict | None = None):
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.device = device
+        self.model_path = model_path
+        self.model_name = model_name
+        self.settings = dict(settings or {})
+        self.max_model_len = self.settings.get("max_model_len") or llm.llm_engine.model_config.max_model_len
+        vocab = tokenizer.get_vocab()
+        self.stop_strings = chat_text.stop_strings(tokenizer, stop)
+        self.stop_ids = [vocab[s] for s in self.stop_strings if s in vocab]
+        self._multi_token_stops = [s for s in self.stop_strings if s not in vocab]
+        self._broken = ""
+
+    def info(self) -> dict:
+        """Provenance that bit-identical results depend on (recorded in run.json)."""
+        import torch
+        import transformers
+        import vllm
+
+        return {
+            "engine": "vllm",
+            "vllm": vllm.__version__,
+            "torch": str(torch.__version__),
+            "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name(0) if self.device.kind == "cuda" else "cpu",
+            "dtype": self.settings.get("dtype"),
+            "model_path": self.model_path,
+            "model": self.model_name,
+            "stop": self.stop_strings,
+            "llguidance": importlib.metadata.version("llguidance"),
+            "vllm_settings": self.settings,
+        }
+
+    # ------------------------------------------------------------ rollout
+
+    def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: PromptProfile) -> ChunkResult:
+        """Every candidate of every ticket of ``chunk``: one ``generate`` with one seeded
+        request per (kept ticket, decode, sample)."""
+        start = time.perf_counter()
+        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
+        regex = verdict_line_regex(profile.verdict) if chunk.constrain_verdict else None
+        requests, where = [], []
+        for d, decode in enumerate(chunk.grid):
+            for s in range(chunk.samples_per_decode):
+                for i in kept:
+                    seed = stable_seed(chunk.seed_key, chunk.chunk_index, d, decode.seed, s, i)
+                    requests.append((ids[i], self._params(decode, seed, regex)))
+                    where.append((i, d, s))
+        samples: list[list[Sample]] = [[] for _ in chunk.tickets]
+        generated = 0
+        for (i, d, s), (row, reason) in zip(where, self._generate(requests)):
+            generated += len(row)
+            samples[i].append(Sample(d, s, self._text(row), len(row), reason, row if chunk.return_token_ids else None))
+        kept_set = set(kept)
+        tickets = [TicketRollout(t.key, len(ids[i]), dropped=i not in kept_set, samples=samples[i])
+                   for i, t in enumerate(chunk.tickets)]
+        return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - start)
+
+    # ------------------------------------------------------------ chat
+
+    def chat(self, request: ChatRequest) -> ChatResult:
+        """One free-form generation; examples are fitted as in the transformers engine."""
+        k, row, fits = chat_text.fit_examples(request, self._tokens)
+        if not fits:
+            return ChatResult(None, k, len(row))
+        ((out, reason),) = self._generate([(row, self._params(request.decode, stable_seed(request.seed_key)))])
+        return ChatResult(self._text(out), k, len(row), len(out), reason)
+
+    # ------------------------------------------------------------ shared steps
+
+    def _tokens(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer(chat_text.render(self.tokenizer, messages), add_special_tokens=False)["input_ids"]
+
+    def _params(self, decode: Decode, seed: int, regex: str | None = None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        common = dict(
+            max_tokens=decode.max_new_tokens,
+            repetition_penalty=decode.repetition_penalty,
+            # Stop where the transformers engine stops: on our stop ids and stop strings only.
+            ignore_eos=True,
+            stop_token_ids=list(self.stop_ids),
+            stop=list(self._multi_token_stops) or None,
+            include_stop_str_in_output=True,
+            detokenize=bool(self._multi_token_stops),  # stop strings need vLLM's detokenizer
+            skip_special_tokens=True,
+        )
+        if regex is not None:
+            common["structured_outputs"] = StructuredOutputsParams(regex=regex)
+        if decode.temperature > 0:
+            return SamplingParams(temperature=decode.temperature, top_p=decode.top_p, top_k=0, seed=seed, **common)
+        return SamplingParams(temperature=0.0, **common)
+
+    def _generate(self, requests: list[tuple[list[int], object]]) -> list[tuple[list[int], str]]:
+        """One ``generate`` for all requests, in order: ``(completion ids, finish reason)``.
+        Completion ids run up to and including the stop token."""
+        from vllm.inputs import TokensPrompt
+
+        if not requests:
+            return []
+        longest = max(len(p) + sp.max_tokens for p, sp in requests)
+        if longest > self.max_model_len:
+            raise ValueError(f"a prompt plus max_new_tokens needs {longest} tokens, over model.vllm.max_model_len "
+                             f"{self.max_model_len}: lower the sampler's max_prompt_tokens or raise max_model_len")
+        if self._broken:
+            raise RuntimeError(f"the vLLM engine failed earlier ({self._broken}); the worker must be replaced")
+        self.llm.reset_prefix_cache()  # nothing carried over from the previous chunk
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p, _ in requests],
+                                     [sp for _, sp in requests], use_tqdm=False)
+        except Exception as err:
+            # A request that failed inside the in-process engine can stay queued and hang the
+            # next generate forever: refuse further work instead (the pool reports it).
+            self._broken = f"{type(err).__name__}: {models.one_line(err)}"
+            raise
+        return [(list(o.outputs[0].token_ids), "stop" if o.outputs[0].finish_reason == "stop" else "length")
+                for o in outs]
+
+    def _text(self, row: list[int]) -> str:
+        return chat_text.clean(self.tokenizer.decode(row, skip_special_tokens=True), self.stop_strings)

@@ -1,0 +1,152 @@
+"""The vLLM engine (model.engine: vllm) under the determinism contract, on the tiny model
+saved with head size 32 (vLLM's CPU attention does not take the in-code tiny's 16).
+
+These tests need vllm: they run in the environment bin/setup-vllm makes
+(``.venv-vllm/bin/python -m pytest -m vllm``, as .ci/run does). Elsewhere the module is
+skipped with that reason in pytest's summary, never passed silently.
+
+Pool tests come first: the in-process engine at the end starts vLLM's threads in this
+process, after which no pool may fork from it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import msgspec
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="vllm is not installed here: bin/setup-vllm makes .venv-vllm, "
+                    "where `.venv-vllm/bin/python -m pytest -m vllm` runs these tests")
+
+from processes import descendants, gone  # noqa: E402
+from test_audit import run_audit_job, same_artifacts  # noqa: E402
+
+from stageb_pool import Pool  # noqa: E402
+from stageb_pool.engine.records import ChatRequest, ChunkResult, Decode, RolloutChunk, TicketText  # noqa: E402
+from stageb_pool.stageb import prompts  # noqa: E402
+
+MISSION = "Rooftop antenna mount inspection"
+GUIDANCE = {"G0": "Confirm that the antenna mount is installed securely.", "S1": "No photo of the mount: fail."}
+SAMPLED = Decode(temperature=0.8, top_p=0.9, max_new_tokens=12, repetition_penalty=1.05, seed=43)
+GREEDY = Decode(temperature=0.0, max_new_tokens=12)
+PROFILE = prompts.load_profile("generic", mission=MISSION)
+TICKETS = [TicketText(f"T{i:03d}", MISSION, {f"image_{n + 1}": f"mount bolt {i + n} tight, seal {n}"
+                                             for n in range(1 + i % 3)}) for i in range(10)]
+
+
+def chunks(tickets=TICKETS, size=4, *, seed_key="7/train", constrain=False) -> list[RolloutChunk]:
+    return [RolloutChunk(seed_key, i // size, tickets[i:i + size], [SAMPLED, GREEDY], 2, 4096, True, constrain)
+            for i in range(0, len(tickets), size)]
+
+
+def stable(result: ChunkResult) -> bytes:
+    return msgspec.json.encode(msgspec.structs.replace(result, elapsed_s=0.0))
+
+
+def vllm_factory(device):
+    from stageb_pool.engine.build import build_engine
+
+    return build_engine(device, engine="vllm", path="tiny")
+
+
+# ---------------------------------------------------------------- through the pool and the CLI job
+
+
+def test_audit_artifacts_and_rollouts_are_byte_identical_on_1_and_2_workers(tmp_path):
+    over = ["model.engine=vllm", "output.save_rollouts=true"]
+    one = run_audit_job(tmp_path, "cpu:1", run_name="one", overrides=over, n=12)
+    two = run_audit_job(tmp_path, "cpu:2", run_name="two", overrides=over, n=12)
+    assert same_artifacts(one, two) == []
+    assert sorted(p.name for p in (one / "rollouts").iterdir()) and all(
+        (one / "rollouts" / p.name).read_bytes() == p.read_bytes() for p in (two / "rollouts").iterdir())
+    run = msgspec.json.decode((one / "run.json").read_bytes())
+    engine = run["provenance"]["engine"]
+    assert engine["engine"] == "vllm" and engine["vllm"] == __import__("vllm").__version__
+    assert engine["vllm_settings"]["kv_cache_memory_bytes"] == 1 << 30
+
+
+def test_kill_9_mid_chunk_leaves_no_process_and_restarts_give_the_same_bytes():
+    work = chunks()
+    with Pool(vllm_factory, gpus="cpu:2", max_restarts=2, start_timeout=900) as pool:
+        reference = [stable(r) for r in pool.map("rollout", work, guidance=GUIDANCE, profile=PROFILE,
+                                                   result_type=ChunkResult)]
+        victims = list(pool.pids)
+        tasks = [pool.submit("rollout", c, guidance=GUIDANCE, profile=PROFILE, result_type=ChunkResult)
+                 for c in work]
+        killed = []
+
+        def kill_a_busy_worker(index, result):
+            if not killed:  # one chunk is done, the others are being generated
+                busy = next(t.ran_on for t in tasks if t is not tasks[index] and t.ran_on is not None)
+                killed.append(pool.pids[busy])
+                os.kill(pool.pids[busy], signal.SIGKILL)
+
+        again = [stable(r) for r in pool.gather(tasks, on_result=kill_a_busy_worker)]
+        assert killed and again == reference
+        everyone = [p for p in [*victims, *pool.pids] if p]
+    assert all(gone(p) for p in everyone)
+    assert descendants(os.getpid()) == []
+
+
+def test_proposer_chat_through_the_pool_fits_examples_and_is_seeded():
+    examples = [f"Example {i}: " + "mount bolt loose. " * (i + 1) for i in range(4)]
+    request = ChatRequest("You propose rules.", "Current rules: G0.", examples, "Answer with JSON.", SAMPLED,
+                          "7/proposer/it1", None)
+    with Pool(vllm_factory, gpus="cpu:1", start_timeout=900) as pool:
+        full = pool.call(0, "chat", request)
+        assert full["examples_used"] == 4 and full["text"] and full["completion_tokens"] > 0
+        assert pool.call(0, "chat", request) == full
+        one = pool.call(0, "chat", msgspec.structs.replace(request, max_prompt_tokens=full["prompt_tokens"] - 1))
+        assert one["examples_used"] < 4
+        none = pool.call(0, "chat", msgspec.structs.replace(request, max_prompt_tokens=10))
+        assert none["text"] is None and none["examples_used"] == 1
+
+
+# ---------------------------------------------------------------- the engine in this process (last)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from stageb_pool.engine.build import build_engine
+    from stageb_pool.pool.devices import Device
+
+    return build_engine(Device("cpu", 0, 0, threads=1), engine="vllm", path="tiny")
+
+
+def rollout(engine, chunk) -> ChunkResult:
+    return engine.rollout(chunk, guidance=GUIDANCE, profile=PROFILE)
+
+
+def test_a_chunk_does_not_depend_on_what_the_worker_ran_before(engine):
+    work = chunks()
+    first = stable(rollout(engine, work[1]))
+    for other in (work[2], work[0]):
+        rollout(engine, other)
+    engine.chat(ChatRequest("sys", "head", ["ex"], "tail", SAMPLED, "7/proposer/it1"))
+    assert stable(rollout(engine, work[1])) == first
+
+
+def test_two_seeds_give_different_samples_and_one_seed_the_same(engine):
+    a = rollout(engine, chunks(seed_key="7/train")[0])
+    b = rollout(engine, chunks(seed_key="8/train")[0])
+    ids = lambda r: [[s.token_ids for s in t.samples if s.decode_index == 0] for t in r.tickets]  # noqa: E731
+    assert ids(a) != ids(b)
+    assert stable(rollout(engine, chunks(seed_key="7/train")[0])) == stable(a)
+
+
+def test_a_seeded_request_is_unchanged_when_batched_with_others(engine):
+    rows = [engine._tokens(prompts.build_messages(PROFILE, GUIDANCE, t)) for t in TICKETS[:6]]
+    params = [engine._params(SAMPLED, 1000 + i) for i in range(6)]
+    alone = engine._generate([(rows[0], params[0])])
+    batched = engine._generate(list(zip(rows, params)))
+    assert batched[0] == alone[0]
+    assert len({tuple(r) for r, _ in batched}) > 1
+
+
+def test_constrained_verdict_lines_through_vllm(engine):
+    result = rollout(engine, chunks(constrain=True)[0])
+    texts = [engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for t in result.tickets for s in t.samples]
+    assert texts and all(x.startswith(("Verdict: pass\n", "Verdict: fail\n")) for x in texts)
