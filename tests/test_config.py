@@ -200,14 +200,13 @@ def test_missing_nested_required_key(cfgdir):
 
 
 LEGACY = [
-    ("model:\n  model_name_or_path: /m\n", "model.model_name_or_path", "model.path"),
     ("model:\n  torch_dtype: bfloat16\n", "model.torch_dtype", "model.dtype"),
     ("model:\n  device_map: auto\n", "model.device_map", "--gpus"),
     ("jump_reflection: true\n", "jump_reflection", "mode: audit"),
     ("runner:\n  per_rank_rollout_batch_size: 16\n", "runner.per_rank_rollout_batch_size", "runner.chunk_size"),
     ("reflection:\n  batch_size: 4\n", "reflection", "no longer used"),
-    ("default_domain: bbu\n", "default_domain", "prompt.domain"),
-    ("domain_map: {}\n", "domain_map", "prompt.domain"),
+    ("default_domain: bbu\n", "default_domain", "prompt.domain, with prompt.profile: bbu_rru"),
+    ("domain_map: {}\n", "domain_map", "prompt.domain_map, with prompt.profile: bbu_rru"),
     ("max_token_length: 12000\n", "max_token_length", "proposer_max_prompt_tokens"),
 ]
 
@@ -217,6 +216,30 @@ def test_legacy_keys_say_what_replaced_them(cfgdir, extra, key, words):
     err = error_of(cfgdir, BASE + extra)
     assert err.location.endswith(f"c.yaml: {key}")
     assert "legacy key" in err.message and words in err.message
+
+
+def test_model_name_or_path_marks_an_upstream_config(cfgdir, monkeypatch):
+    # upstream's required model key: the config is read in upstream's schema (translated), so
+    # it must hold upstream's other required keys too
+    monkeypatch.chdir(cfgdir)
+    err = error_of(cfgdir, BASE + "model:\n  model_name_or_path: /m\n")
+    assert err.location.endswith("c.yaml: runner") and "upstream's loader requires it too" in err.message
+
+
+@pytest.mark.parametrize("override,key", [("prompt.domain=bbu", "prompt.domain"),
+                                          ("prompt.domain_map={M: rru}", "prompt.domain_map")])
+def test_a_domain_with_the_generic_profile_is_an_error(cfgdir, override, key):
+    # the generic profile has one English prompt: a BBU mission would silently get it
+    err = error_of(cfgdir, BASE, [override])
+    assert err.location.endswith(f"c.yaml: {key}") and "prompt.profile: bbu_rru" in err.message
+    cfg = load(cfgdir, overrides=[override, "prompt.profile=bbu_rru"])
+    assert cfg.prompt.domain_for("M") in ("bbu", "rru")
+
+
+def test_domain_map_comes_before_domain(cfgdir):
+    cfg = load(cfgdir, overrides=["prompt.profile=bbu_rru", "prompt.domain=bbu", "prompt.domain_map={RRU线缆: rru}"])
+    assert (cfg.prompt.domain_for("RRU线缆"), cfg.prompt.domain_for("BBU接地线检查")) == ("rru", "bbu")
+    assert load(cfgdir).prompt.domain_for("RRU线缆") is None  # the profile decides
 
 
 def test_legacy_gate_min_changed_fraction(cfgdir):

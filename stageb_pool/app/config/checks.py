@@ -40,6 +40,7 @@ def validate(raw: dict, where: str) -> Config:
     except msgspec.ValidationError as e:
         raise translate(e, raw, where) from None
     check_decodes(cfg, where)
+    check_domain(cfg, where)
     run_name = cfg.output.run_name
     require("/" not in run_name and "\\" not in run_name and run_name not in (".", ".."), "output.run_name",
             f"must be a plain directory name, got {run_name!r}", where)
@@ -129,6 +130,15 @@ def check_decodes(cfg: Config, where: str) -> None:
             require(0 < d.top_p <= 1, f"{key}.top_p", f"must be in (0, 1], got {d.top_p!r}", where)
             require(d.max_new_tokens >= 1, f"{key}.max_new_tokens", f"must be >= 1, got {d.max_new_tokens!r}", where)
             require(d.repetition_penalty > 0, f"{key}.repetition_penalty", f"must be > 0, got {d.repetition_penalty!r}", where)
+
+
+def check_domain(cfg: Config, where: str) -> None:
+    """A domain needs a profile that has domains: the generic profile would silently use its
+    one English prompt for a BBU mission."""
+    if cfg.prompt.profile == "generic" and (cfg.prompt.domain is not None or cfg.prompt.domain_map):
+        key = "prompt.domain" if cfg.prompt.domain is not None else "prompt.domain_map"
+        raise InputError("the generic profile has no domains: set prompt.profile: bbu_rru (upstream's BBU/RRU "
+                         "prompts) or a profile directory of your own", f"{where}: {key}")
 
 
 def require(ok: bool, key: str, message: str, where: str) -> None:

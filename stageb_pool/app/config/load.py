@@ -1,49 +1,92 @@
 """``load_config``: a config file (plus ``--set`` overrides) -> the run's frozen, resolved Config.
 
 Resolution happens here and only here: every path is made absolute (relative to the config
-file), the seeds that default to the top-level seed (the bootstrap's, the distillation's)
-are filled in, and input files are checked to exist. Callees read plain values from the
-result and never resolve a default again.
+file, or for an upstream config to the launch directory), the seeds that default to the
+top-level seed (the bootstrap's, the distillation's) are filled in, and input files are
+checked to exist. Callees read plain values from the result and never resolve a default again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import msgspec
 
 from ...stageb.errors import InputError
 from ...stageb.hashing import content_hash
+from ..upstream_config import Translation, is_upstream, translate
 from .checks import validate
 from .schema import Config
 from .source import apply_override, read_yaml
 
+log = logging.getLogger("stageb_pool")
 
-def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True) -> Config:
-    """Read, validate and resolve a config file.
 
-    ``overrides`` are ``"a.b.c=value"`` strings (the CLI's ``--set``), applied to the YAML
-    mapping before validation. ``check_files=False`` skips the existence checks of input
-    files (for validating example configs on another machine). Raises ``InputError``.
-    """
+def read_config(path: str | os.PathLike, *, upstream_root: str | None = None) -> tuple[str, dict, Translation | None]:
+    """The config file as ``(absolute path, raw mapping in our schema, translation)``; an
+    upstream Stage-B config is translated (``translation`` says how), with its relative paths
+    resolved against ``upstream_root`` (default: the current directory, as upstream)."""
     where = os.path.abspath(os.fspath(path))
     raw = read_yaml(where)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise InputError(f"the config must be a YAML mapping of keys, not a {type(raw).__name__}", where)
+    if not is_upstream(raw):
+        if upstream_root is not None:
+            raise InputError(f"{where} is a stageb-pool config (its relative paths are relative to its own folder); "
+                             "the launch directory applies to upstream Stage-B configs only", "--upstream-root")
+        return where, raw, None
+    root = os.getcwd() if upstream_root is None else os.path.abspath(upstream_root)
+    if not os.path.isdir(root):
+        raise InputError(f"not a directory: {root}", "--upstream-root")
+    translation = translate(raw, where, root)
+    return where, translation.native, translation
+
+
+def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True,
+                upstream_root: str | None = None, announce: bool = True) -> Config:
+    """Read, validate and resolve a config file (ours, or upstream's Stage-B schema, which is
+    translated: see ``app.upstream_config``).
+
+    ``overrides`` are ``"a.b.c=value"`` strings (the CLI's ``--set``, always in our schema),
+    applied to the mapping before validation. ``check_files=False`` skips the existence checks
+    of input files (for validating example configs on another machine). ``announce`` logs the
+    one line that says an upstream config was translated. Raises ``InputError``.
+    """
+    where, raw, translation = read_config(path, upstream_root=upstream_root)
+    if translation is not None and announce:
+        log.info("%s", translation.summary(where))
+        for warning in translation.warnings:
+            log.warning("%s: %s", where, warning)
     overridden = [apply_override(raw, assignment) for assignment in overrides]
+    base = os.path.dirname(where) if translation is None else translation.root
     try:
-        cfg = validate(raw, where)
+        cfg = _resolve_paths(_resolve_seeds(validate(raw, where)), base)
+        if check_files:
+            _check_files(cfg, where)
     except InputError as e:
         key = (e.location or "").partition(": ")[2]
-        if any(key == k or key.startswith((k + ".", k + "[")) for k in overridden):
+        if any(_under(key, k) for k in overridden):
             e.message += " (value from --set)"
+        elif translation is not None:
+            _locate_upstream(e, key, translation, where)
         raise
-    cfg = _resolve_paths(_resolve_seeds(cfg), os.path.dirname(where))
-    if check_files:
-        _check_files(cfg, where)
     return cfg
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith((prefix + ".", prefix + "["))
+
+
+def _locate_upstream(err: InputError, key: str, translation: Translation, where: str) -> None:
+    """An error about a translated key names the upstream key it came from."""
+    ours = max((k for k in translation.origin if _under(key, k)), key=len, default=None)
+    if ours is None or translation.origin[ours] == ours:
+        return
+    err.location = f"{where}: {translation.origin[ours]}{key[len(ours):]}"
+    err.message += f" (read as {key})"
 
 
 def with_mode(cfg: Config, audit: bool) -> Config:

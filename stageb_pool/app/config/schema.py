@@ -45,6 +45,12 @@ class ModelConfig(_Section, kw_only=True):
 class PromptConfig(_Section, kw_only=True):
     profile: NonEmptyStr = "generic"  # a profile name under configs/prompts/ or a profile directory path
     domain: str | None = None  # domain hint for profiles that have one (bbu_rru: "bbu" | "rru"); None: from the mission
+    domain_map: dict[str, NonEmptyStr] = {}  # mission -> domain, before `domain` (upstream's domain_map)
+
+    def domain_for(self, mission: str) -> str | None:
+        """The domain a run of ``mission`` uses: ``domain_map[mission]``, else ``domain`` (None:
+        the profile derives it from the mission name)."""
+        return self.domain_map.get(mission, self.domain)
 
 
 class GuidanceConfig(_Section, kw_only=True):
@@ -146,8 +152,9 @@ LEGACY_KEYS: dict[str, str] = {
     "model.device_map": "no longer needed: each GPU runs its own worker with a full model (choose GPUs with --gpus)",
     "model.attn_impl": "replaced by model.attn_implementation",
     "jump_reflection": "replaced by mode: audit (or the --audit flag)",
-    "default_domain": "replaced by prompt.domain",
-    "domain_map": "replaced by prompt.domain (one mission per run)",
+    "default_domain": "replaced by prompt.domain, with prompt.profile: bbu_rru (the default profile, generic, "
+    "has no domains)",
+    "domain_map": "replaced by prompt.domain_map, with prompt.profile: bbu_rru",
     "max_token_length": "replaced by rule_search.train_sampler.max_prompt_tokens / "
     "rule_search.eval_sampler.max_prompt_tokens and rule_search.proposer_max_prompt_tokens",
     "reflection": "section no longer used: the proposer is configured by the rule_search.proposer_* keys",
