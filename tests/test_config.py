@@ -164,7 +164,7 @@ KEY_ERRORS = [
     ("negative fraction", BASE, ("rule_search.gate.max_changed_fraction=-0.1",), "rule_search.gate.max_changed_fraction", ">= 0"),
     ("top_p zero", BASE, ("rule_search.proposer_top_p=0",), "rule_search.proposer_top_p", "> 0"),
     ("negative decode temperature", BASE, ("rule_search.eval_sampler.grid.0.temperature=-0.5",),
-     "rule_search.eval_sampler.grid[0].temperature", ">= 0"),
+     "rule_search.eval_sampler.grid[0].temperature", "[0, 100]"),
     ("decode top_p above 1", BASE, ("rule_search.train_sampler.grid.0.top_p=1.5",), "rule_search.train_sampler.grid[0].top_p", "(0, 1]"),
     ("empty grid", BASE, ("rule_search.train_sampler.grid=[]",), "rule_search.train_sampler.grid", "length >= 1"),
     ("bad enum", BASE + "mode: jump\n", (), "mode", "'search', 'audit'"),
@@ -296,7 +296,7 @@ def test_non_utf8_config(cfgdir):
     path.write_bytes(b"seed: \xff\n")
     with pytest.raises(InputError) as info:
         load_config(path)
-    assert info.value.location == str(path) and "UTF-8" in info.value.message
+    assert info.value.location == f"{path}:1:7" and "UTF-8" in info.value.message
 
 
 @pytest.mark.parametrize("key,override", [
@@ -373,13 +373,14 @@ def test_bbu_line_config_is_valid():
 # --- schema <-> docs -------------------------------------------------------------------------
 
 
-def _doc_rows() -> dict[str, str]:
-    """``| `key` | type | default | meaning |`` rows of docs/usage.md: key -> default cell."""
+def _doc_rows(column: int = 2) -> dict[str, str]:
+    """``| `key` | type | default | meaning |`` rows of docs/usage.md: key -> the default cell
+    (``column`` 1: the type cell)."""
     rows = {}
     for line in (REPO / "docs" / "usage.md").read_text().splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         if len(cells) >= 4 and cells[0].startswith("`") and cells[0].endswith("`"):
-            rows[cells[0].strip("`")] = cells[2]
+            rows[cells[0].strip("`")] = cells[column]
     return rows
 
 
@@ -403,6 +404,17 @@ def test_every_config_key_is_documented_with_its_default():
             assert cell == "required", f"{doc}: docs say {cell!r}, schema: required"
         else:
             assert yaml.safe_load(cell) == default, f"{doc}: docs say {cell!r}, schema default {default!r}"
+
+
+def test_every_numeric_key_has_its_range_documented():
+    from stageb_pool.app.config.checks import range_text
+    from stageb_pool.app.config.schema import range_of
+
+    types = _doc_rows(column=1)
+    numeric = [(key, range_of(key)) for key, _ in config_keys() if range_of(key) is not None]
+    assert len(numeric) > 30
+    for key, meta in numeric:
+        assert f"in {range_text(meta)}" in types[_doc_key(key)], f"{key}: docs say {types[_doc_key(key)]!r}"
 
 
 def test_docs_list_no_keys_the_schema_lacks():

@@ -12,7 +12,8 @@ flags of upstream's launcher work too: ``--config FILE``, ``--jump-reflection`` 
 ``--log-level logging`` (= ``info``), ``--step all``.
 
 Exit codes: 0 done, 1 run failed (a worker error; for diff: the runs differ), 2 bad input
-(config, tickets, guidance, arguments), 130 interrupted. Errors are one line on stderr.
+(config, tickets, guidance, arguments), 130 interrupted. Errors are one line on stderr, at
+most ``MAX_ERROR_CHARS`` long.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 COMMANDS = ("run", "check", "diff", "import-config")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UPSTREAM_LOG_LEVELS = {"logging": "info"}  # upstream's launcher spells info "logging"
+MAX_ERROR_CHARS = 2000  # an error quoting a huge value must not flood the terminal
 log = logging.getLogger("stageb_pool")
 
 
@@ -45,6 +47,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
+
+
+def capped(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -172,7 +179,10 @@ def cmd_import_config(args) -> int:
     out = os.path.abspath(args.output)
     if os.path.lexists(out):
         raise InputError("exists; import-config writes a new file (remove it first)", out)
-    atomic_write_bytes(out, native_yaml(translation, where, out_dir=os.path.dirname(out)).encode())
+    try:
+        atomic_write_bytes(out, native_yaml(translation, where, out_dir=os.path.dirname(out)).encode())
+    except OSError as err:
+        raise InputError(f"cannot write it: {err.strerror or err}", out) from None
     print(f"wrote {out}", file=sys.stderr)
     return EXIT_OK
 
@@ -272,6 +282,9 @@ def cmd_diff(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     level = "info"
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 must print, not crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         parser = build_parser()
         args = parser.parse_args(_with_default_command(argv))
@@ -284,10 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "import-config": cmd_import_config}
         return commands[args.command](args)
     except UsageError as err:
-        print(err, file=sys.stderr)
+        print(capped(str(err)), file=sys.stderr)
         return EXIT_INPUT
     except InputError as err:
-        print(f"stageb-pool: error: {err}", file=sys.stderr)
+        print(capped(f"stageb-pool: error: {err}"), file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:
         print("stageb-pool: interrupted", file=sys.stderr)

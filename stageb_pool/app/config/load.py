@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 
 import msgspec
 
+from ...engine import models
 from ...stageb.errors import InputError
 from ...stageb.hashing import content_hash
 from ..upstream_config import Translation, is_upstream, translate
@@ -159,7 +161,8 @@ def _resolve_paths(cfg: Config, base: str) -> Config:
 
 
 def _check_files(cfg: Config, where: str) -> None:
-    """Input files must exist before a run starts (nothing is created for a missing input)."""
+    """Input files must be regular files before a run starts (nothing is created for a missing
+    input, and a FIFO is never opened: it would block the run forever)."""
     wanted = [(f"stage_a_paths[{i}]", p) for i, p in enumerate(cfg.stage_a_paths)]
     wanted.append(("guidance.path", cfg.guidance.path))
     if cfg.rule_search.proposer_prompt_path is not None:
@@ -167,8 +170,25 @@ def _check_files(cfg: Config, where: str) -> None:
     if cfg.ticket_filter.exclude_ticket_keys_path is not None:
         wanted.append(("ticket_filter.exclude_ticket_keys_path", cfg.ticket_filter.exclude_ticket_keys_path))
     for key, path in wanted:
-        if not os.path.isfile(path):
-            what = "is a directory, not a file" if os.path.isdir(path) else "file not found"
-            raise InputError(f"{what}: {path}", f"{where}: {key}")
+        problem = _not_a_regular_file(path)
+        if problem:
+            raise InputError(f"{problem}: {path}", f"{where}: {key}")
     if os.path.isabs(cfg.prompt.profile) and not os.path.isdir(cfg.prompt.profile):
         raise InputError(f"prompt profile directory not found: {cfg.prompt.profile}", f"{where}: prompt.profile")
+    try:
+        models.check_model_path(cfg.model.path)
+    except InputError as err:
+        raise InputError(f"{err.message}: {cfg.model.path}", f"{where}: model.path") from None
+
+
+def _not_a_regular_file(path: str) -> str | None:
+    """Why ``path`` cannot be read as an input file (None: it can), from ``os.stat`` alone."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "file not found"
+    except OSError as err:
+        return f"cannot read it ({err.strerror or err})"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    return None if stat.S_ISREG(mode) else "not a regular file (a FIFO, socket or device would block or fail)"
