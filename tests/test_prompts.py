@@ -231,6 +231,8 @@ def test_missing_domain_system_file(tmp_path):
     ("verdict: {pass_words: [], fail_words: [b], pass_text: a, fail_text: b}\n", "verdict", "pass_words and fail_words must be non-empty"),
     ("verdict: {pass_words: [a], fail_words: [b], pass_text: a, fail_text: b}\noptions: {rules_order: random}\n", "options.rules_order", "must be one of key, g0_first"),
     ("language: en\n", "", "Object missing required field `verdict`"),
+    ("verdict: {pass_words: [pass, OK], fail_words: [fail, ' o k'], pass_text: a, fail_text: b}\n",
+     "verdict.fail_words", "' o k' is both a pass word and a fail word"),
 ])
 def test_bad_profile_yaml_is_located(profile_dir, yaml_text, location, message):
     path = profile_dir / "profile.yaml"
@@ -247,6 +249,38 @@ def test_invalid_yaml_names_the_line(profile_dir):
     with pytest.raises(InputError, match="invalid YAML") as err:
         load_profile(str(profile_dir), mission="m")
     assert err.value.location.startswith(f"{path}:")
+
+
+VOCAB_YAML = "verdict: {pass_words: [a], fail_words: [b], pass_text: a, fail_text: b}\n"
+
+
+@pytest.mark.parametrize("yaml_text, line, message", [
+    # a key given twice keeps the last value silently in PyYAML: refused with both lines
+    ("language: en\n" + VOCAB_YAML + "language: zh\n", 3, "key 'language' is given twice (first on line 1)"),
+    (VOCAB_YAML + "options:\n  object_stats: true\n  object_stats: false\n", 4, "key 'object_stats' is given twice"),
+    # nesting 1,000 deep: a located error, never RecursionError
+    (VOCAB_YAML + "labels: " + "[" * 1000 + "]" * 1000 + "\n", 2, "nested deeper than 100 levels"),
+    (VOCAB_YAML + "x:\n" + "".join("  " * i + "- \n" for i in range(1, 400)), None, "nested deeper than 100 levels"),
+])
+def test_hostile_profile_yaml_is_located(profile_dir, yaml_text, line, message):
+    path = profile_dir / "profile.yaml"
+    path.write_text(yaml_text, encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        load_profile(str(profile_dir), mission="m")
+    assert err.value.location.startswith(f"{path}:" if line is None else f"{path}:{line}")
+    assert message in err.value.message
+
+
+def test_profile_files_accept_a_bom_and_refuse_a_fifo(profile_dir):
+    path = profile_dir / "profile.yaml"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    system = profile_dir / "system.txt"
+    system.write_bytes(b"\xef\xbb\xbfSystem text.\r\n")
+    assert load_profile(str(profile_dir), mission="m").system == "System text.\n"
+    (profile_dir / "user.txt").unlink()
+    os.mkfifo(profile_dir / "user.txt")
+    with pytest.raises(InputError, match="profile file is not a regular file"):
+        load_profile(str(profile_dir), mission="m")
 
 
 def test_unknown_placeholder_is_located(profile_dir):

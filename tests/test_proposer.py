@@ -16,12 +16,12 @@ from stageb_pool.stageb.proposer import (
     confidently_wrong,
     extract_json,
     normalize_signature,
-    normalize_spaces,
     parse_candidates,
     proposer_language,
     reflection_id,
     select_examples,
 )
+from stageb_pool.stageb.text import normalize_spaces
 from stageb_pool.stageb.tickets import Ticket
 from stageb_pool.stageb.verdicts import TicketStats
 

@@ -14,7 +14,6 @@ and the blank line after it, so optional blocks leave no gap.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 

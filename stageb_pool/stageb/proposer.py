@@ -4,56 +4,28 @@
 * :func:`build_proposer_prompt` turns them into a :class:`ProposerPrompt` (system text,
   user head, examples, user tail), sent as a chat request whose examples the worker drops
   from the end until the prompt fits its token budget;
-* :func:`extract_json` finds the first parseable JSON in the answer;
-* :func:`parse_candidates` applies every validation filter and names the reason of each
-  rejection; :func:`ablation_candidates` fills up with ``remove`` candidates.
+* :func:`extract_json` (``answer_json``) finds the first parseable JSON in the answer;
+* :func:`parse_candidates` applies every validation filter (``rule_text``) and names the
+  reason of each rejection; :func:`ablation_candidates` fills up with ``remove`` candidates.
 
-Differences from upstream, on purpose:
+Differences from upstream, on purpose (the filters' own are in ``rule_text``):
 
-* Traditional -> Simplified Chinese conversion is skipped (``zhconv`` is not a
-  dependency; upstream also ran without it when it was not installed).
-* The Stage-A leak filter catches ``image1``-style text (upstream's ``image\\d`` pattern
-  was a raw string matching a literal backslash) and ``复核`` in object chains.
 * Target resolution (update/remove/merge) happens here with a logged reason instead of
   a silent skip during evaluation; every rejection is returned as a row.
-* English word lists sit next to the Chinese ones so the generic profile is filtered too;
-  the binary-outcome check uses the verdict words of the profile's vocabulary.
 * Reflection ids are a hash of their inputs, not ``uuid4``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from typing import Iterable, Mapping, Sequence
 
 import msgspec
 
+from .answer_json import extract_json, json_candidates  # noqa: F401 - the proposer's API: callers parse answers here
 from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
-from .summaries import extract_summary_json
-from .text import CJK_CHAR, normalize_spaces
-
-# --------------------------------------------------------------------------- text normalisation
-
-_SIGNATURE_PUNCT = re.compile(r"[，,。.!！？;；:：\-—_()（）\[\]{}<>《》“”\"'·~]")
-
-
-def normalize_signature(text: str | None) -> str:
-    """The identity of a rule text for de-duplication and targeting (upstream 3.5):
-    spaces normalised, lower-cased, 如果/当 -> 若, 就 -> 则, punctuation -> space,
-    spaces normalised again, stripped."""
-    value = normalize_spaces(text or "").lower()
-    value = value.replace("如果", "若").replace("当", "若").replace("就", "则")
-    value = _SIGNATURE_PUNCT.sub(" ", value)
-    return normalize_spaces(value).strip()
-
-
-def _check_form(text: str) -> str:
-    """Form used by the word-list filters: spaces normalised, lower-cased, ``_``/``-`` as spaces."""
-    value = normalize_spaces(text or "").lower().replace("_", " ").replace("-", " ")
-    return normalize_spaces(value)
-
+from .rule_text import normalize_signature, text_problem
+from .text import CJK_CHAR
 
 # --------------------------------------------------------------------------- example selection
 
@@ -162,213 +134,6 @@ def build_proposer_prompt(system_prompt: str, mission: str, guidance, examples: 
     blocks = [render_example(i, *_pair(ex), lang=lang) for i, ex in enumerate(examples, start=1)]
     return ProposerPrompt(system=system_prompt, user_head=render_head(mission, guidance, lang), examples=blocks,
                           user_tail=_TEXTS[lang]["close"])
-
-
-# --------------------------------------------------------------------------- JSON extraction
-
-_FENCE = re.compile(r"```(?:json)?\s*([\s\S]*?)\s*```", re.IGNORECASE)
-
-
-def _balanced_span(text: str, start: int) -> str | None:
-    """The bracket-balanced span opening at ``start`` (strings and escapes respected)."""
-    stack = [text[start]]
-    in_string = escape = False
-    for i in range(start + 1, len(text)):
-        ch = text[i]
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            stack.append(ch)
-        elif ch in "}]":
-            if (stack[-1] == "{") != (ch == "}"):
-                return None
-            stack.pop()
-            if not stack:
-                return text[start:i + 1]
-    return None
-
-
-def _openers(text: str, limit: int) -> list[int]:
-    return [i for i, ch in enumerate(text) if ch in "{["][:limit]
-
-
-def json_candidates(text: str) -> list[str]:
-    """Upstream's candidate spans in order: fenced blocks, balanced spans from the first six
-    openers, the widest ``{...}`` and ``[...]`` spans, the whole text; de-duplicated."""
-    raw = normalize_spaces(text or "").strip()
-    spans: list[str] = []
-    for m in _FENCE.finditer(raw):
-        block = m.group(1).strip()
-        if not block:
-            continue
-        found = next((s for s in (_balanced_span(block, i) for i in _openers(block, 3)) if s), None)
-        spans.append(found or block)
-    spans += [s for s in (_balanced_span(raw, i) for i in _openers(raw, 6)) if s]
-    for open_, close in ("{}", "[]"):
-        if open_ in raw and close in raw and raw.find(open_) < raw.rfind(close):
-            spans.append(raw[raw.find(open_):raw.rfind(close) + 1])
-    if raw[:1] + raw[-1:] in ("{}", "[]"):
-        spans.append(raw)
-    return list(dict.fromkeys(s.strip() for s in spans if s.strip()))
-
-
-def extract_json(text: str | None) -> object:
-    """The first candidate span that ``json.loads`` accepts; ValueError says why none did."""
-    if not text or not text.strip():
-        raise ValueError("empty response")
-    spans = json_candidates(text)
-    if not spans:
-        raise ValueError("no JSON object or array in the response")
-    last = None
-    for span in spans:
-        try:
-            return json.loads(span)
-        except ValueError as err:
-            last = err
-    raise ValueError(f"no valid JSON in the response ({len(spans)} candidate spans; last error: {last})")
-
-
-# --------------------------------------------------------------------------- validation filters
-
-THIRD_STATE = (
-    "复核", "人工复核", "第三态", "待定", "证据不足", "不应直接", "不建议直接", "不得直接", "佐证",
-    "需进一步", "需要进一步", "进一步确认", "不写不通过", "通过但",
-    "review needed", "needs review", "need review", "manual review", "human review", "further confirmation",
-    "further verification", "further review", "uncertain", "undetermined", "to be determined", "third state",
-    "insufficient evidence", "pass but", "should not directly",
-)
-HEDGED_NEGATION = (
-    "不应判定为", "不应判断为", "不应判为", "不建议判定为", "不建议判断为", "不建议判为",
-    "不要判定为", "不要判断为", "不得判定为", "不得判断为",
-    "should not be judged", "should not be determined", "should not be marked", "should not be rated",
-    "should not judge", "not recommended to judge", "do not judge", "must not be judged", "must not judge",
-    "do not directly",
-)
-_LEAK_MARKERS = ("image_", "备注:", "标签/", "类别=", "remark:", "label/", "category=")
-_OBJECT_CHAIN = (
-    "显示完整", "只显示部分", "完整", "部分", "符合要求", "不符合要求", "符合", "不符合", "合格", "不合格",
-    "无法判断", "复核", "complete", "partial", "compliant", "non compliant", "qualified", "unqualified",
-    "cannot judge",
-)
-_IMAGE_REF = re.compile(r"image\s*_?\s*\d")
-SCAFFOLD_ANCHORS = (
-    "全局图", "局部图", "证据", "覆盖", "缺失", "必须", "不得", "禁止", "无法确认", "只显示部分", "显示完整",
-    "可见性=部分", "可见性=完整", "关键点",
-    "global view", "close up", "evidence", "coverage", "missing", "must", "forbidden", "cannot confirm",
-    "partially visible", "fully visible", "key point",
-)
-_BRAND = ("brand", "品牌")
-_EXTRA_FAIL = ("判不通过", "不能通过", "cannot pass", "not pass", "does not pass")
-
-
-def _is_json_object(text: str) -> bool:
-    if not text.startswith("{"):
-        return False
-    try:
-        return isinstance(json.loads(text), dict)
-    except (ValueError, RecursionError):
-        return False
-
-
-def is_stage_a_leak(text: str) -> bool:
-    """Pasted Stage-A summary text: a summary object anywhere in the text (a header line
-    before it, inside a sentence, on the last line, or a ``统计=[...]`` assignment: what the
-    prompt's summary parser would read as one), any JSON object, ``标签/``, an image
-    reference (``image_3``, ``image3``, ``Image 3``), or ``/``-joined object chains."""
-    stripped = (text or "").strip()
-    if extract_summary_json(stripped) is not None or _is_json_object(stripped):
-        return True
-    lowered = stripped.lower()
-    if "标签/" in lowered or "image_" in lowered or _IMAGE_REF.search(lowered):
-        return True
-    slashes = lowered.count("/")
-    chain = any(word in lowered.replace("-", " ") for word in _OBJECT_CHAIN)
-    marked = any(marker in lowered for marker in _LEAK_MARKERS)
-    return (slashes >= 2 and chain) or (marked and slashes >= 1 and chain)
-
-
-def _first_hit(text: str, words: Iterable[str]) -> str | None:
-    form = _check_form(text)
-    return next((w for w in words if w in form), None)
-
-
-def _has_word(form: str, word: str) -> bool:
-    """Substring for CJK words; for Latin words the match must start a word (pass, passes)."""
-    word = word.lower()
-    if CJK_CHAR.search(word):
-        return word in form
-    return re.search(rf"(?<![a-z]){re.escape(word)}", form) is not None
-
-
-def _verdict_words(vocab) -> tuple[list[str], list[str]]:
-    if vocab is None:  # no profile given: accept either language
-        return ["通过", "pass"], ["不通过", "fail"]
-    return [vocab.pass_text], [vocab.fail_text]
-
-
-def _polarity(text: str, vocab) -> tuple[bool, bool]:
-    """(concludes fail, concludes pass) of a rule text."""
-    form = _check_form(text)
-    pass_words, fail_words = _verdict_words(vocab)
-    fail_terms = [w.lower() for w in fail_words] + list(_EXTRA_FAIL)
-    says_fail = any(_has_word(form, w) for w in fail_terms)
-    for term in sorted(fail_terms, key=len, reverse=True):
-        form = form.replace(term, " ")
-    says_pass = any(_has_word(form, w) for w in pass_words)
-    return says_fail, says_pass
-
-
-def is_binary(text: str, vocab=None) -> bool:
-    """The rule concludes with a verdict word of the profile (通过/不通过 or pass/fail)."""
-    form = _check_form(text)
-    pass_words, fail_words = _verdict_words(vocab)
-    return any(_has_word(form, w) for w in pass_words + fail_words)
-
-
-def scaffold_conflict(text: str, scaffold: Mapping[str, str], vocab=None) -> str | None:
-    """The key of a scaffold rule that shares an anchor word with ``text`` but concludes
-    only the opposite verdict (scaffold fail vs candidate pass-only, or the reverse)."""
-    form = _check_form(text)
-    anchors = {a for a in SCAFFOLD_ANCHORS if a in form}
-    if not anchors:
-        return None
-    c_fail, c_pass = _polarity(text, vocab)
-    for key, s_text in sorted(scaffold.items()):
-        s_form = _check_form(s_text)
-        if not any(a in s_form for a in anchors):
-            continue
-        s_fail, s_pass = _polarity(s_text, vocab)
-        if (s_fail and c_pass and not c_fail) or (s_pass and c_fail and not c_pass):
-            return key
-    return None
-
-
-def text_problem(text: str, *, scaffold: Mapping[str, str], vocab=None, dimension: str | None = None) -> str | None:
-    """The first filter a rule text fails (upstream order), or None."""
-    if is_stage_a_leak(text):
-        return "Stage-A summary leak"
-    hit = _first_hit(text, THIRD_STATE)
-    if hit:
-        return f"third-state wording {hit!r}"
-    hit = _first_hit(text, HEDGED_NEGATION)
-    if hit:
-        return f"hedged negation {hit!r}"
-    if not is_binary(text, vocab):
-        pass_words, fail_words = _verdict_words(vocab)
-        return f"no binary outcome (needs {'/'.join(pass_words + fail_words)})"
-    key = scaffold_conflict(text, scaffold, vocab)
-    if key:
-        return f"conflicts with scaffold {key}"
-    if dimension and any(b in _check_form(dimension) for b in _BRAND):
-        return "brand dimension"
-    return None
 
 
 # --------------------------------------------------------------------------- candidates

@@ -24,8 +24,8 @@ STATS = "统计"
 HEADER_LINE = re.compile(r"^<DOMAIN=.*>\s*,\s*<TASK=.*>$")
 
 
-def _loads(text: str):
-    """``json.loads`` or None: never an exception, whatever the text."""
+def loads_or_none(text: str):
+    """``json.loads`` or None: never an exception, whatever the text (nesting bounded)."""
     if nesting_exceeds(text, MAX_DEPTH) is not None:
         return None
     try:
@@ -38,7 +38,7 @@ def _object(candidate: str) -> dict | None:
     c = candidate.strip()
     if not (c.startswith("{") and c.endswith("}")):
         return None
-    parsed = _loads(c)
+    parsed = loads_or_none(c)
     return parsed if isinstance(parsed, dict) else None
 
 
@@ -86,7 +86,7 @@ def _list_assignment(text: str, key: str) -> list | None:
             continue
         bracket = text.find("[", pos + len(key) + 1)
         span = _balanced_list(text, bracket) if bracket >= 0 else None
-        parsed = _loads(span) if span else None
+        parsed = loads_or_none(span) if span else None
         if isinstance(parsed, list):
             return parsed
     return None
@@ -162,12 +162,13 @@ def _entry_objects(entry: dict) -> int:
 
 def estimate_objects(summary: str) -> int:
     """Upstream's ``obj`` estimate for one photo summary (docs/formats.md section 3)."""
-    text = normalize_spaces(summary or "").strip()
-    if text == IRRELEVANT:
+    summary = summary or ""
+    if IRRELEVANT in summary and normalize_spaces(summary).strip() == IRRELEVANT:
         return 0
     obj = extract_summary_json(summary)
     if obj is not None:
         return sum(_entry_objects(e) for e in summary_entries(obj))
+    text = normalize_spaces(summary).strip()
     segments = [s for s in text.split("，") if s.strip()]
     return len(segments) if segments else (1 if text else 0)
 
@@ -256,7 +257,7 @@ def _drop_station_keys(text: str) -> str:
 
 def _parse_for_cleanup(text: str):
     if text.startswith("{") and text.endswith("}"):
-        return _loads(text)
+        return loads_or_none(text)
     start, end = text.find("{"), text.rfind("}")
     if start >= 0 and end > start:
         return _object(text[start:end + 1])

@@ -17,20 +17,27 @@ MAX_INDEX_DIGITS = 18
 _TRAILING_DIGITS = re.compile(r"(\d+)$")
 
 
+_SPACE_RULES = [(re.compile(pattern), repl) for pattern, repl in (
+    (r" +", " "),
+    (rf"([{_CJK}])\s+([{_CJK}])", r"\1\2"),
+    (rf"([{_CJK}])\s+([{_CJK_PUNCT}])", r"\1\2"),
+    (rf"([{_CJK_PUNCT}])\s+([{_CJK}])", r"\1\2"),
+    (rf"([{_CJK}])\s+([a-zA-Z]+)\s+([{_CJK}])", r"\1\2\3"),  # 挡 wind 板 -> 挡wind板
+    (rf"([{_CJK}])([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3\4"),  # 设备BB U设备
+    (rf"^([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3"),  # BB U设备
+)]
+_SPACE_RUN = re.compile(r" +")
+
+
 def normalize_spaces(text: str) -> str:
     """Upstream's space normalisation: runs of ASCII spaces collapsed, whitespace between
     CJK characters (and between CJK and CJK punctuation) dropped, a Latin word or a split
     upper-case/digit token wedged between CJK characters glued on, stripped."""
     if not text:
         return text
-    text = re.sub(r" +", " ", text)
-    text = re.sub(rf"([{_CJK}])\s+([{_CJK}])", r"\1\2", text)
-    text = re.sub(rf"([{_CJK}])\s+([{_CJK_PUNCT}])", r"\1\2", text)
-    text = re.sub(rf"([{_CJK_PUNCT}])\s+([{_CJK}])", r"\1\2", text)
-    text = re.sub(rf"([{_CJK}])\s+([a-zA-Z]+)\s+([{_CJK}])", r"\1\2\3", text)  # 挡 wind 板 -> 挡wind板
-    text = re.sub(rf"([{_CJK}])([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3\4", text)  # 设备BB U设备
-    text = re.sub(rf"^([A-Z0-9]+)\s+([A-Z0-9]+)([{_CJK}])", r"\1\2\3", text)  # BB U设备
-    return re.sub(r" +", " ", text.strip())
+    for pattern, repl in _SPACE_RULES:
+        text = pattern.sub(repl, text)
+    return _SPACE_RUN.sub(" ", text.strip())
 
 
 _WHITESPACE = re.compile(r"\s+")

@@ -102,7 +102,7 @@ def _summary_text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def normalize_per_image(per_image: dict) -> dict[str, str]:
+def normalize_per_image(per_image: dict, notes: list[str] | None = None) -> dict[str, str]:
     """Keys -> ``image_{n}`` by trailing integer (no digits: 1-based position), sorted by n;
     a non-string value becomes its compact JSON text; JSON-string values unwrapped; the text
     otherwise as given (the BBU clean-up and the prompt read headers away)."""
@@ -115,6 +115,8 @@ def normalize_per_image(per_image: dict) -> dict[str, str]:
         n = position if n is None else n
         if n in by_index:
             raise _BadLine(f"per_image keys {by_index[n][0]!r} and {key!r} both map to image_{n}")
+        if type(value) is not str and notes is not None:
+            notes.append("converted per_image")
         by_index[n] = (key, _unwrap(_summary_text(value)))
     return {f"image_{n}": by_index[n][1] for n in sorted(by_index)}
 
@@ -136,20 +138,20 @@ def _text_field(record: dict, name: str) -> str:
     return value
 
 
-def _group_id(record: dict, notes: Counter) -> str:
+def _group_id(record: dict, notes: list[str]) -> str:
     value = _field(record, "group_id")
     if type(value) is int:  # upstream str()-ed it: 15502 -> "15502"
-        notes["converted group_id"] += 1
+        notes.append("converted group_id")
         return str(value)
     if not isinstance(value, str):
         raise _BadLine(f"field 'group_id' must be a string or an integer, got {_type_name(value)}")
     return value  # verbatim, empty allowed (upstream's key "::fail")
 
 
-def _optional_text(record: dict, name: str, notes: Counter) -> str | None:
+def _optional_text(record: dict, name: str, notes: list[str]) -> str | None:
     value = record.get(name)
     if value is not None and not isinstance(value, str):
-        notes[f"ignored {name}"] += 1  # upstream ignored a non-string value
+        notes.append(f"ignored {name}")  # upstream ignored a non-string value
         return None
     return value
 
@@ -177,8 +179,9 @@ def _decode_record(line: str) -> dict:
     return record
 
 
-def _parse_record(record: dict, bbu_cleanup: bool) -> tuple[Ticket, Counter]:
-    notes: Counter = Counter()
+def _parse_record(record: dict, bbu_cleanup: bool) -> tuple[Ticket, list[str]]:
+    """The ticket and what was converted or ignored on the way (``"converted per_image"``, ...)."""
+    notes: list[str] = []
     mission = _text_field(record, "mission")
     if "\x00" in mission:
         raise _BadLine("field 'mission' contains a NUL character")
@@ -191,8 +194,7 @@ def _parse_record(record: dict, bbu_cleanup: bool) -> tuple[Ticket, Counter]:
         raise _BadLine(f"field 'per_image' must be an object, got {_type_name(per_image)}")
     if not per_image:
         raise _BadLine("field 'per_image' is empty")
-    summaries = normalize_per_image(per_image)
-    notes["converted per_image"] += sum(not isinstance(v, str) for v in per_image.values())
+    summaries = normalize_per_image(per_image, notes)
     if bbu_cleanup:
         summaries = _bbu_cleaned(mission, summaries)
     source = _optional_text(record, "label_source", notes)
@@ -205,7 +207,7 @@ def _parse_record(record: dict, bbu_cleanup: bool) -> tuple[Ticket, Counter]:
         label_source=source.strip() if source and source.strip() else "human",
         label_timestamp=_timestamp(_optional_text(record, "label_timestamp", notes)),
     )
-    return ticket, +notes
+    return ticket, notes
 
 
 def parse_ticket_line(line: str, *, bbu_cleanup: bool = False) -> Ticket:
