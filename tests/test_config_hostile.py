@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_config import BASE, cfgdir, error_of, load, write  # noqa: F401 - cfgdir is a fixture
 
 from stageb_pool.app import cli
 from stageb_pool.app.config import load_config
 from stageb_pool.stageb.errors import InputError
-
-from test_config import BASE, cfgdir, error_of, load, write  # noqa: F401 - cfgdir is a fixture
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -230,3 +229,10 @@ def test_set_into_a_list_item_that_is_not_a_section(cfgdir):
 def test_model_path_errors_name_the_key(cfgdir, override):
     err = error_of(cfgdir, BASE, [override])
     assert err.location.endswith("c.yaml: model.path") and "does not exist" in err.message
+
+
+def test_an_error_about_a_key_with_a_line_break_stays_one_line(cfgdir):
+    # found by the fuzz suite: the key path of the location held a raw U+2028 (a line separator)
+    path = write(cfgdir, BASE + "? \"x\\u2028y\\nz\"\n: 1\n")
+    line = assert_located(run_cli("check", str(path)), f"{path}: x\\u2028y\\x0az")
+    assert "unknown key" in line

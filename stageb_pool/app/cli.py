@@ -22,6 +22,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import sys
 
 from .. import __version__
@@ -49,8 +50,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
 
 
+_LINE_BREAKING = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 def capped(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    """``text`` as one printable line: control and line-break characters (a key or path may hold
+    them) escaped, cut to ``limit`` characters saying how much was left out."""
+    text = _LINE_BREAKING.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                              else f"\\u{ord(m.group()):04x}", text)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 

@@ -41,8 +41,8 @@ class _Resolver(yaml.resolver.BaseResolver):
 for tag, pattern, first in (
     ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
     ("int", r"[-+]?(?:0|[1-9][0-9]*)", "-+0123456789"),
-    ("float", r"[-+]?(?:(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
-              r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)", "-+0123456789."),
+    ("float", (r"[-+]?(?:(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"), "-+0123456789."),
     ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
     ("merge", r"<<", "<"),
 ):
@@ -145,7 +145,7 @@ def _children(node) -> list:
 
 def load_yaml(text: str) -> Any:
     """One YAML document by the rules of this module (raises ``yaml.YAMLError``)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeConstructor loader
+    return yaml.load(text, Loader=_Loader)  # a SafeConstructor loader: no Python objects
 
 
 def read_yaml(path: str) -> Any:
