@@ -6,12 +6,17 @@ a ticket's ground truth is fail iff it shows rust or crack. The engine judges a 
 and the ticket shows that feature, else *pass*; then each sample flips with probability
 ``noise``, drawn from the chunk's work-derived seed and the ticket key (never from a rank,
 never from the guidance, so a baseline and its candidates see the same flips). A good rule
-(rust) really lowers the error, a harmful one (clean) really raises it.
+(rust) really lowers the error, a harmful one (clean) really raises it. With a sampler's
+``max_prompt_tokens`` a ticket whose text plus guidance (a token per 4 characters) is longer
+is dropped, so a longer guidance drops more tickets.
 
 ``chat`` answers the proposer with a script keyed by iteration (read from the request's
 seed key ``.../proposer/it<N>``), so the answer does not depend on which worker took the
-call. ``hang_at`` / ``raise_at`` make the proposer call of one iteration block (after
-touching ``marker``) or raise: the kill/resume tests use them to stop a run mid-iteration.
+call. ``hang_at`` / ``crash_at`` make the proposer call of one iteration block (after
+touching ``marker``) or end the run (``ScriptedCrash``, a BaseException that the inline pool
+does not turn into a worker error): the kill/resume tests use them to stop a run
+mid-iteration. ``raise_at`` makes the call raise an ordinary exception (a proposer failure,
+which the search survives).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from pathlib import Path
 
 import msgspec
 
-from stageb_pool.stageb.hashing import content_hash, stable_seed
 from stageb_pool.engine.records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, TicketRollout
+from stageb_pool.stageb.hashing import content_hash, stable_seed
 
 MISSION = "Cabinet inspection"
 FEATURES = ("rust", "crack", "dust", "clean")
@@ -58,6 +63,10 @@ DEFAULT_SCRIPT = {
 EMPTY = '{"operations": []}'
 
 
+class ScriptedCrash(BaseException):
+    """Ends the run from inside the engine (like a kill, but catchable by the test)."""
+
+
 class ScriptedEngine:
     """Engine double with the real engine's ``rollout`` / ``chat`` signatures.
 
@@ -65,12 +74,13 @@ class ScriptedEngine:
     (visible to tests with an inline pool, where the engine lives in the parent)."""
 
     def __init__(self, device=None, *, script=None, noise: float = 0.05, hang_at: int | None = None,
-                 raise_at: int | None = None, marker: str | None = None):
+                 raise_at: int | None = None, crash_at: int | None = None, marker: str | None = None):
         self.device = device
         self.script = DEFAULT_SCRIPT if script is None else script
         self.noise = noise
         self.hang_at = hang_at
         self.raise_at = raise_at
+        self.crash_at = crash_at
         self.marker = marker
         self.calls: list[tuple[str, int, str]] = []
         self.generations = 0
@@ -84,9 +94,15 @@ class ScriptedEngine:
         self.calls.append((chunk.seed_key, chunk.chunk_index, content_hash(guidance)))
         self.generations += len(chunk.tickets) * len(chunk.grid) * chunk.samples_per_decode
         fail_features = {m.lower() for text in guidance.values() for m in _RULE.findall(text)}
+        guidance_tokens = sum(len(text) for text in guidance.values()) // 4
         out = []
         for ticket in chunk.tickets:
             text = " ".join(ticket.per_image.values()).lower()
+            if chunk.max_prompt_tokens is not None:  # the prompt is the ticket plus the guidance
+                tokens = 20 + len(text) // 4 + guidance_tokens
+                if tokens > chunk.max_prompt_tokens:
+                    out.append(TicketRollout(key=ticket.key, prompt_tokens=tokens, dropped=True))
+                    continue
             hit = sorted(f for f in fail_features if re.search(rf"\b{re.escape(f)}\b", text))
             samples = []
             for d, decode in enumerate(chunk.grid):
@@ -109,6 +125,8 @@ class ScriptedEngine:
         self.chats.append(it)
         if it == self.raise_at:
             raise RuntimeError(f"scripted failure in the proposer call of iteration {it}")
+        if it == self.crash_at:
+            raise ScriptedCrash(f"scripted crash in the proposer call of iteration {it}")
         if it == self.hang_at:
             if self.marker:
                 Path(self.marker).write_text(str(it))

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-
 from fake_engines import MISSION, fake_factory, write_run_inputs
+
 from stageb_pool.app.config import load_config
 from stageb_pool.app.diff import diff_runs
-from stageb_pool.search.fileio import read_json, read_jsonl
 from stageb_pool.app.job import run_job
+from stageb_pool.search.fileio import read_json, read_jsonl
 
 ARTIFACTS = [
     "baseline_metrics.json",
@@ -97,8 +96,9 @@ def test_fake_audit_metrics_and_case_split(tmp_path):
 def test_metrics_steps_are_prefixes_of_the_run_order(tmp_path):
     run = fake_audit(tmp_path, n=24)
     steps = read_jsonl(run / "baseline_metrics_steps.jsonl")
-    # logging_steps 5 over 24 tickets: 5, 10, 15, 20, 24
-    assert [r["n_total"] for r in steps] == [5, 10, 15, 20, 24]
+    # logging_steps 5 over 24 tickets: 5, 10, 15, 20, 24; n_total and label as upstream
+    assert [r["n_done"] for r in steps] == [5, 10, 15, 20, 24]
+    assert {r["n_total"] for r in steps} == {24} and {r["label"] for r in steps} == {"jump_reflection baseline"}
     assert [r["batch_index"] for r in steps] == [1, 2, 3, 4, 5]
     assert {r["total_batches"] for r in steps} == {5}
     final = read_json(run / "baseline_metrics.json")
@@ -161,3 +161,28 @@ def test_tiny_model_audit_identical_on_one_and_three_workers(tmp_path):
     assert run_json["provenance"]["model_path"] == "tiny"
     assert run_json["invocation"]["workers"] == 1 and read_json(b / "run.json")["invocation"]["workers"] == 3
     assert run_json["provenance"] == read_json(b / "run.json")["provenance"]
+
+
+def test_the_audit_exports_the_distillation_with_its_guidance(tmp_path, caplog):
+    """Upstream's production runs (audit plus distillation) exported it after the baseline; a
+    distill_size alone turns the export on, as upstream's default."""
+    caplog.set_level("INFO", logger="stageb_pool")
+    run = fake_audit(tmp_path, n=12, overrides=["stage_b_distillation.distill_size=8"])
+    rows = read_jsonl(run / "distill_chatml.jsonl")
+    assert 0 < len(rows) <= 8 and len({r["ticket_key"] for r in rows}) == len(rows)
+    guidance = read_json(run / "guidance.json")[MISSION]["experiences"]
+    for row in rows:
+        assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant"]
+        assert guidance["G0"] in row["messages"][1]["content"]
+        assert row["messages"][2]["content"].startswith("Verdict: ")
+    summary = read_json(run / "summary.json")
+    assert summary["distillation"] == {"path": "distill_chatml.jsonl", "tickets": 8, "rows": len(rows),
+                                       "guidance_hash": summary["guidance_hash"]}
+    assert f"distillation: {len(rows)} of 8 tickets exported to {run / 'distill_chatml.jsonl'}" in caplog.text
+
+
+def test_without_a_distill_size_the_log_says_the_export_is_off(tmp_path, caplog):
+    caplog.set_level("INFO", logger="stageb_pool")
+    run = fake_audit(tmp_path, n=6)
+    assert not (run / "distill_chatml.jsonl").exists() and read_json(run / "summary.json")["distillation"] is None
+    assert "distillation: off" in caplog.text

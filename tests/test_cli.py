@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from stageb_pool.app import cli
-from stageb_pool.stageb.errors import InputError
 from stageb_pool.pool import WorkerError
+from stageb_pool.stageb.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"
@@ -131,6 +131,13 @@ def test_check_demo_prints_the_plan():
     # 40 train baseline + 2 candidates x 40 + 24 eval, K = 1
     assert "up to 144 generations" in out
     assert "embedded" in out and "generic" in out
+    assert "distill        off" in out
+
+
+def test_check_names_the_distillation_export():
+    proc = run_cli("check", "configs/demo.yaml", "--audit", "--set", "stage_b_distillation.distill_size=5")
+    assert proc.returncode == 0, proc.stderr
+    assert "distill   5 tickets after the audit -> " in proc.stdout and "distill_chatml.jsonl" in proc.stdout
 
 
 def test_check_audit_mode_counts_every_ticket():
@@ -245,7 +252,8 @@ def test_run_passes_flags_to_run_job(fake_job, project):
     assert code == 0
     [(config, devices, kwargs)] = calls
     assert config.runner.epochs == 1 and [d.name for d in devices] == ["cpu:0", "cpu:1"]
-    assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False}
+    assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False,
+                      "config_path": str(project / "c.yaml")}
 
 
 def test_run_word_is_optional(fake_job, project):

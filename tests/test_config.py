@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from stageb_pool.app import config as cfgmod
-from stageb_pool.app.config import Config, config_hash, config_keys, load_config
+from stageb_pool.app.config import Config, config_document, config_keys, load_config
 from stageb_pool.stageb.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_minimal_config_gets_documented_defaults(cfgdir):
     assert cfg.rule_search.gate.max_changed_fraction == 0.05
     assert cfg.pool.task_timeout == 600.0 and cfg.pool.max_restarts == 0
     assert cfg.rule_search.train_sampler.grid[0].temperature == 0.3
-    assert cfg.stage_b_distillation.enabled is False
+    assert cfg.stage_b_distillation.enabled is False  # resolved: no distill_size, no export
 
 
 def test_relative_paths_resolve_against_the_config_directory(cfgdir, monkeypatch):
@@ -97,7 +97,30 @@ def test_bootstrap_seed_defaults_to_the_top_level_seed(cfgdir):
     assert load(cfgdir).rule_search.gate.bootstrap.seed == 7
     assert load(cfgdir, overrides=["rule_search.gate.bootstrap.seed=99"]).rule_search.gate.bootstrap.seed == 99
     assert load(cfgdir).stage_b_distillation.distill_seed == 7
-    assert load(cfgdir, overrides=["stage_b_distillation.distill_seed=0"]).stage_b_distillation.distill_seed == 0
+    size = "stage_b_distillation.distill_size=5"
+    assert load(cfgdir, overrides=[size, "stage_b_distillation.distill_seed=0"]).stage_b_distillation.distill_seed == 0
+
+
+@pytest.mark.parametrize("overrides, enabled", [
+    ((), False),
+    (("stage_b_distillation.distill_size=5",), True),  # upstream: enabled unless switched off
+    (("stage_b_distillation.enabled=true", "stage_b_distillation.distill_size=5"), True),
+    (("stage_b_distillation.enabled=false",), False),
+])
+def test_the_distillation_export_is_on_when_it_has_a_size(cfgdir, overrides, enabled):
+    assert load(cfgdir, overrides=overrides).stage_b_distillation.enabled is enabled
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (("stage_b_distillation.enabled=true",), "stage_b_distillation.distill_size"),
+    (("stage_b_distillation.enabled=false", "stage_b_distillation.distill_size=5"), "stage_b_distillation.distill_size"),
+    (("stage_b_distillation.distill_temperature=0.1",), "stage_b_distillation.distill_temperature"),
+    (("stage_b_distillation.distill_seed=3",), "stage_b_distillation.distill_seed"),
+    (("stage_b_distillation.log_chatml_path=x.jsonl",), "stage_b_distillation.log_chatml_path"),
+])
+def test_no_distillation_setting_is_ignored(cfgdir, overrides, key):
+    err = error_of(cfgdir, overrides=overrides)
+    assert err.location.endswith(f"c.yaml: {key}")
 
 
 def test_a_loaded_config_is_a_frozen_value(cfgdir):
@@ -135,12 +158,12 @@ def test_empty_section_means_defaults(cfgdir):
     assert load(cfgdir, BASE + "ticket_filter:\n").ticket_filter.exclude_ticket_keys == []
 
 
-def test_config_hash_ignores_output_only(cfgdir):
+def test_config_document_leaves_out_output_only(cfgdir):
     a = load(cfgdir)
     b = load(cfgdir, overrides=["output.run_name=other", "output.root=elsewhere"])
     c = load(cfgdir, overrides=["runner.chunk_size=4"])
-    assert config_hash(a) == config_hash(b)
-    assert config_hash(a) != config_hash(c)
+    assert config_document(a) == config_document(b) and "output" not in config_document(a)
+    assert config_document(a) != config_document(c)
 
 
 def test_check_files_false_skips_existence_checks(cfgdir):

@@ -41,7 +41,10 @@ def make_run(root: Path, **changes) -> Path:
 
 def test_volatile_lists_match_the_contract():
     assert VOLATILE_KEYS == {"timestamp", "updated_at", "started_at", "finished_at", "elapsed_s", "elapsed_sec"}
-    assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output"), "summary.json": ("timing", "workers")}
+    inputs = ("config.stage_a_paths", "config.guidance.path", "config.prompt.profile",
+              "config.rule_search.proposer_prompt_path", "config.ticket_filter.exclude_ticket_keys_path",
+              "config.stage_b_distillation.log_chatml_path")
+    assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output", *inputs), "summary.json": ("timing", "workers")}
 
 
 def test_identical_runs(tmp_path):

@@ -138,7 +138,6 @@ def test_the_parent_side_never_imports_torch():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9: config, prompts, proposer, pool and rule_search are split next")
 def test_no_module_over_400_lines_without_a_reason_in_its_docstring():
     long = []
     for path in _modules():

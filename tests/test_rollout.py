@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 
 import msgspec
 import pytest
 import tqdm
-
 from fake_engines import MISSION, FakeEngine, demo_ticket_records, fake_factory
+
 from stageb_pool import Pool
 from stageb_pool.app.config import SamplerConfig
-from stageb_pool.stageb.prompts import load_profile
+from stageb_pool.app.progress import Progress
 from stageb_pool.engine.records import ChatRequest, ChatResult, Decode
 from stageb_pool.search.rollout import RolloutRunner, RolloutSpec
+from stageb_pool.stageb.prompts import load_profile
 from stageb_pool.stageb.tickets import parse_ticket_line
-from stageb_pool.app.progress import Progress
-
-import json
 
 SAMPLER = SamplerConfig(grid=[Decode(temperature=0.7, seed=3), Decode(temperature=0.3)], samples_per_decode=2)
 K = 4  # samples per ticket
@@ -255,3 +254,19 @@ def test_progress_final_line_when_last_chunk_was_not_logged(caplog):
         progress.finish()
         progress.finish()  # idempotent: nothing more
     assert [r.getMessage()[:16] for r in caplog.records] == ["eval: 5/5 ticket"]
+
+
+def test_the_runs_counts_continue_across_processes_while_the_process_counts_start_over(tickets, profile):
+    """A resumed run continues the run's counts from state.json: a chunk the interrupted
+    process already used counts as saved, though this process generates it again."""
+    with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+        first = RolloutRunner(pool, profile, chunk_size=4)
+        first.run(spec(tickets))
+        first.run(spec(tickets))
+        resumed = RolloutRunner(pool, profile, chunk_size=4)
+        resumed.continue_counts(first.chunks_used, first.run_done, first.run_saved)
+        resumed.run(spec(tickets))
+    n = len(tickets) * K
+    assert (first.run_done, first.run_saved) == (first.generations_done, first.generations_saved) == (n, n)
+    assert (resumed.generations_done, resumed.generations_saved) == (n, 0)  # generated again here
+    assert (resumed.run_done, resumed.run_saved) == (n, 2 * n)  # as one uninterrupted process would count

@@ -3,22 +3,30 @@ disk write or fork."""
 
 from __future__ import annotations
 
-import logging
 import hashlib
 import json
+import logging
+import os
 from pathlib import Path
 
 import pytest
+from fake_engines import MISSION, demo_ticket_records, fake_factory, write_run_inputs
 
-from fake_engines import MISSION, fake_factory, write_run_inputs
 from stageb_pool import PoolError, __version__
+from stageb_pool.app.cli import describe
 from stageb_pool.app.config import load_config
-from stageb_pool.stageb.errors import InputError
-from stageb_pool.search.fileio import read_json
-from stageb_pool.stageb.hashing import tickets_hash
 from stageb_pool.app.job import load_inputs, run_job
-from stageb_pool.search.rundir import gpus_spec, prepare_run_dir, rollouts_path
 from stageb_pool.pool.devices import parse_gpus
+from stageb_pool.search.fileio import read_json
+from stageb_pool.search.rundir import (
+    NAME_MAX_BYTES,
+    gpus_spec,
+    prepare_run_dir,
+    rollouts_path,
+    safe_name,
+)
+from stageb_pool.stageb.errors import InputError
+from stageb_pool.stageb.hashing import tickets_hash
 
 
 def tree_digest(root: Path) -> dict:
@@ -227,3 +235,166 @@ def test_run_json_hashes_the_ticket_set_and_state_json_the_run_order(tmp_path):
         hashes.append((prov, state))
     (prov_a, state_a), (prov_b, state_b) = hashes
     assert prov_a == prov_b and state_a != state_b
+
+
+# ------------------------------------------------------------------------------ run directory names
+
+
+@pytest.mark.parametrize("mission, name", [
+    ("BBU安装方式检查（正装）", "BBU安装方式检查（正装）"),
+    ("Rooftop antenna mount inspection", "Rooftop antenna mount inspection"),
+    ("../../escaped_mission", "..%2F..%2Fescaped_mission"),
+    ("..", "%2E%2E"),
+    (".", "%2E"),
+    ("/etc/passwd", "%2Fetc%2Fpasswd"),
+    ("a\\b", "a%5Cb"),
+    ("50% off", "50%25 off"),
+    ("tab\there\nnew", "tab%09here%0Anew"),
+    ("bell\x07\x00", "bell%07%00"),
+    ("zero\u200bwidth", "zero%E2%80%8Bwidth"),
+    ("\ud800", "%ED%A0%80"),
+    ("", "%"),
+])
+def test_safe_name_escapes_what_could_leave_or_break_the_directory(mission, name):
+    assert safe_name(mission) == name
+
+
+def test_safe_name_bounds_long_missions_and_keeps_them_apart():
+    a, b = "x" * 4096, "x" * 4095 + "y"
+    for long in (a, b, "检" * 3000, "/" * 1000):
+        name = safe_name(long)
+        assert len(name.encode()) <= NAME_MAX_BYTES and "/" not in name
+        assert name.rsplit("~", 1)[1] == hashlib.sha256(long.encode()).hexdigest()[:12]
+    assert safe_name(a) != safe_name(b)
+    assert safe_name("检" * 3000).startswith("检" * 62)  # cut at a character boundary
+
+
+@pytest.mark.parametrize("mission", ["../../escaped_mission", "..", "/tmp/abs_mission", "m" * 4096])
+def test_ticket_data_cannot_move_the_run_outside_output_root(tmp_path, mission):
+    records = [dict(r, mission=mission) for r in demo_ticket_records(6)]
+    cfg_path = write_run_inputs(tmp_path / "in", n_tickets=6, records=records)
+    guidance = tmp_path / "in" / "guidance.json"
+    guidance.write_text(json.dumps({mission: json.loads(guidance.read_text())[MISSION]}))
+    root = tmp_path / "in" / "out"
+    naive = Path(os.path.normpath(root / mission / "run1"))  # where the raw mission would lead
+    escapes = len(mission) < 255 and root not in naive.parents
+    before = {p for p in tmp_path.rglob("*")}
+    assert audit(cfg_path, engine_factory=fake_factory(), debug=True) == 0
+    [run] = [p.parent for p in root.rglob("run.json")]
+    assert run.parent.parent == root and run.parent.name == safe_name(mission)
+    created = {p for p in tmp_path.rglob("*")} - before
+    assert all(root in p.parents or p == root for p in created), sorted(created)
+    assert not (escapes and naive.exists()), naive
+    assert str(run) in describe(cfg_path, audit=True)
+
+
+def test_a_run_directory_behind_a_symlink_out_of_output_root_is_refused(tmp_path):
+    cfg_path = write_run_inputs(tmp_path / "in", n_tickets=6)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "in" / "out").mkdir()
+    (tmp_path / "in" / "out" / MISSION).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(InputError, match="outside output.root"):
+        audit(cfg_path, engine_factory=never_called, debug=True)
+    assert list(elsewhere.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ outputs never overwrite inputs
+
+SEARCH = ["mode=search", "rule_search.eval_pool_size=4", "rule_search.train_pool_size=4", "runner.epochs=1",
+          "stage_b_distillation.enabled=true", "stage_b_distillation.distill_size=5"]
+
+
+def _link(root: Path, kind: str) -> str:
+    if kind == "hardlink":
+        (root / "tickets-link.jsonl").hardlink_to(root / "tickets.jsonl")
+        return "tickets-link.jsonl"
+    (root / "tickets-sym.jsonl").symlink_to(root / "tickets.jsonl")
+    return "tickets-sym.jsonl"
+
+
+@pytest.mark.parametrize("target, message", [
+    ("tickets.jsonl", "the export would overwrite it"),
+    ("guidance.json", "the export would overwrite it"),
+    ("proposer.txt", "the export would overwrite it"),
+    ("config.yaml", "the export would overwrite it"),
+    ("hardlink", "the export would overwrite it"),
+    ("symlink", "the export would overwrite it"),
+    ("out/Demo mission/run1/state.json", "a file the run itself writes"),
+    (".", "is a directory"),
+])
+def test_the_distillation_file_may_not_be_an_input_or_a_run_file(tmp_path, target, message):
+    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    if target in ("hardlink", "symlink"):
+        target = _link(tmp_path, target)
+    before = tree_digest(tmp_path)
+    with pytest.raises(InputError, match=message) as err:
+        run_job(load_config(cfg, SEARCH + [f"stage_b_distillation.log_chatml_path={target}"]), "cpu:1",
+                engine_factory=never_called, debug=True, config_path=cfg)
+    assert err.value.location == "stage_b_distillation.log_chatml_path"
+    assert tree_digest(tmp_path) == before  # nothing created, nothing changed
+
+
+def test_the_distillation_file_may_be_written_outside_the_run_directory(tmp_path):
+    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    over = SEARCH + [f"stage_b_distillation.log_chatml_path={tmp_path / 'exports' / 'chatml.jsonl'}"]
+    assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True, config_path=cfg) == 0
+    assert (tmp_path / "exports" / "chatml.jsonl").read_text().count("\n") > 0
+
+
+@pytest.mark.parametrize("flag", ["overwrite", "resume"])
+def test_an_input_inside_the_run_directory_is_refused(tmp_path, flag):
+    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    assert audit(cfg, engine_factory=fake_factory()) == 0
+    run = tmp_path / "out" / MISSION / "run1"
+    (run / "seed.json").write_text((tmp_path / "guidance.json").read_text())
+    before = tree_digest(tmp_path)
+    with pytest.raises(InputError, match="lies inside the run directory"):
+        run_job(load_config(cfg, ["guidance.path=out/Demo mission/run1/seed.json"]), "cpu:1", audit=True,
+                engine_factory=never_called, debug=True, **{flag: True})
+    assert tree_digest(tmp_path) == before
+
+
+def test_resume_cuts_artifacts_back_through_a_new_file_never_in_place(tmp_path):
+    from stageb_pool.search.state import truncate_artifacts
+
+    path = tmp_path / "rule_candidates.jsonl"
+    path.write_bytes(b"row 1\nrow 2\ntorn")
+    (tmp_path / "elsewhere.jsonl").hardlink_to(path)  # e.g. a backup made with cp -l
+    assert truncate_artifacts(tmp_path, {"rule_candidates.jsonl": 6}) == {"rule_candidates.jsonl": 10}
+    assert path.read_bytes() == b"row 1\n"
+    assert (tmp_path / "elsewhere.jsonl").read_bytes() == b"row 1\nrow 2\ntorn"
+
+
+# ------------------------------------------------------------------------------ a failed start never blocks a rerun
+
+
+def test_a_value_that_cannot_be_written_is_refused_before_the_run_directory_exists(tmp_path):
+    """A lone surrogate (valid in Python, not in UTF-8) in a config value: before, the run
+    created its directory and guidance.json, then died on run.json, and neither a rerun nor
+    --overwrite nor --resume could get past the half-made directory."""
+    cfg = write_run_inputs(tmp_path, n_tickets=6)
+    bad = load_config(cfg, ['model.stop=["\\ud800"]'])
+    for flags in ({}, {"overwrite": True}, {"resume": True}):
+        with pytest.raises(InputError):
+            run_job(bad, "cpu:1", audit=True, engine_factory=never_called, debug=True, **flags)
+        assert not (tmp_path / "out").exists()
+    assert audit(cfg, engine_factory=fake_factory()) == 0  # the fixed config runs
+
+
+def test_a_run_whose_workers_fail_to_start_can_be_overwritten_and_resumed(tmp_path):
+    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    over = ["mode=search", "rule_search.eval_pool_size=4", "rule_search.train_pool_size=4", "runner.epochs=1"]
+
+    def broken(device):
+        raise RuntimeError("no such GPU")
+
+    with pytest.raises(PoolError, match="no such GPU"):
+        run_job(load_config(cfg, over), "cpu:1", engine_factory=broken, debug=True)
+    run = tmp_path / "out" / MISSION / "run1"
+    assert sorted(p.name for p in run.iterdir()) == ["guidance.json", "run.json"]
+    with pytest.raises(InputError, match="already exists"):
+        run_job(load_config(cfg, over), "cpu:1", engine_factory=never_called, debug=True)
+    assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True, resume=True) == 0
+    assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True, overwrite=True) == 0
+    assert (run / "summary.json").is_file()

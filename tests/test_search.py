@@ -24,21 +24,20 @@ import time
 from pathlib import Path
 
 import pytest
-
 import scripted_engine as se
+
 from stageb_pool.app import config as config_mod
 from stageb_pool.app import job
-from stageb_pool.search import rule_search as search
-from stageb_pool.search import state as state_mod
 from stageb_pool.app.diff import diff_runs, format_differences
+from stageb_pool.app.identity import run_identity
+from stageb_pool.search import state as state_mod
+from stageb_pool.search.distill import distill_sampler
 from stageb_pool.stageb.errors import InputError
 from stageb_pool.stageb.hashing import content_hash
 from stageb_pool.stageb.ticket_pools import split_eval_pool
 
 TESTS = Path(__file__).resolve().parent
 SEED = 11
-# Counted per process: a resumed run regenerates what the killed run's cache held.
-PROCESS_FACTS = {"generations_done", "generations_saved"}
 
 
 def run(tmp_path, name="run", *, gpus="cpu:1", overrides=(), engine=None, resume=False, **inputs):
@@ -64,9 +63,8 @@ def experiences(run_dir):
     return doc(run_dir, "guidance.json")[se.MISSION]["experiences"]
 
 
-def assert_same_run(a, b, *, ignore=frozenset()):
-    diffs = [d for d in diff_runs(a, b, limit=None)
-             if not (d.file == "summary.json" and d.key.split(".")[0] in ignore)]
+def assert_same_run(a, b):
+    diffs = diff_runs(a, b, limit=None)
     assert not diffs, format_differences(diffs, str(a), str(b))
 
 
@@ -149,6 +147,19 @@ def test_candidate_rows_carry_gate_statistics_and_decisions(reference):
         assert len(r["regressions"]) == min(50, r["regression_count"])
 
 
+def test_target_signatures_are_null_unless_a_merge_as_upstream(reference):
+    """Downstream scripts read upstream's rows: target_signatures is null for every non-merge
+    candidate in rule_candidates and the regressions, and the stored list ([]) in benchmarks."""
+    run_dir, _ = reference
+    for name in ("rule_candidates.jsonl", "rule_search_candidate_regressions.jsonl"):
+        found = rows(run_dir, name)
+        assert found and all(r["op"] != "merge" for r in found)
+        assert all(r["target_signatures"] is None for r in found), name
+    removes = [r for r in rows(run_dir, "rule_candidates.jsonl") if r["op"] == "remove"]
+    assert removes and all(r["target_signature"] and r["text"] is None for r in removes)
+    assert all(b["target_signatures"] == [] for b in rows(run_dir, "benchmarks.jsonl"))
+
+
 def test_rejected_candidates_are_remembered_for_the_rest_of_the_run(reference):
     run_dir, _ = reference
     cands = rows(run_dir, "rule_candidates.jsonl")
@@ -170,6 +181,24 @@ def test_proposer_failures_are_logged_with_their_reason(reference):
     assert parse[0]["raw_response_prefix"].startswith("Sure! Here are my rules")
     assert len(parse[0]["raw_response_prefix"]) <= 400 and parse[0]["examples"] == 4
     assert parse[0]["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("gpus", ["cpu:1", "cpu:2"])
+def test_a_raising_proposer_call_leaves_the_iteration_its_ablation_candidates(tmp_path, gpus):
+    """Upstream catches a failed proposer call: no proposer candidates, the ablation fill,
+    the gate and the no-gain count go on. The eval baseline shares the call's gather and
+    must still be complete."""
+    run_dir, _ = run(tmp_path, gpus=gpus, engine={"raise_at": 1})
+    failures = rows(run_dir, "reflection_cache/rule_search_proposer_failures.jsonl")
+    (generate,) = [f for f in failures if f["stage"] == "generate"]
+    assert generate["iteration"] == 1 and generate["examples"] == 4 and generate["prompt_tokens"] is None
+    assert "in chat()" in generate["error"] and "scripted failure" in generate["error"]
+    first = [c for c in rows(run_dir, "rule_candidates.jsonl") if c["iteration"] == 1]
+    assert [(c["source"], c["op"]) for c in first] == [("ablation", "remove")]
+    assert first[0]["eval_n"] == 20 and first[0]["eval_base_acc"] is not None
+    summary = doc(run_dir, "summary.json")
+    assert summary["baseline"]["eval"]["n"] == 20
+    assert summary["iterations"] == 2 and summary["stop_reason"] == "early_stop"  # two no-gain rounds
 
 
 def test_hard_cases_are_written_for_every_train_baseline(reference):
@@ -235,14 +264,14 @@ def _wait_for(predicate, deadline_s=60.0):
 
 def test_resume_after_an_exception_mid_iteration_matches_uninterrupted(reference):
     ref_dir, _ = reference
-    with pytest.raises(Exception, match="scripted failure"):
-        run(reference.root, "exc", engine={"raise_at": 2})
+    with pytest.raises(se.ScriptedCrash):
+        run(reference.root, "exc", engine={"crash_at": 2})
     run_dir = reference.root / "out" / se.MISSION / "exc"
     assert doc(run_dir, "state.json")["iteration"] == 1
     committed = doc(run_dir, "state.json")["artifacts"]["rule_search_hard_cases.jsonl"]
     assert (run_dir / "rule_search_hard_cases.jsonl").stat().st_size > committed  # it2 rows, uncommitted
     run(reference.root, "exc", resume=True)
-    assert_same_run(ref_dir, run_dir, ignore=PROCESS_FACTS)
+    assert_same_run(ref_dir, run_dir)
 
 
 @pytest.mark.parametrize("fail_at_commit", [1, 3])
@@ -267,7 +296,7 @@ def test_resume_after_ctrl_c_between_guidance_and_state_write(monkeypatch, refer
     run_dir = reference.root / "out" / se.MISSION / name
     assert len(rows(run_dir, "benchmarks.jsonl")) == (1 if fail_at_commit == 1 else 2)  # ahead of the commit
     run(reference.root, name, resume=True)
-    assert_same_run(ref_dir, run_dir, ignore=PROCESS_FACTS)
+    assert_same_run(ref_dir, run_dir)
 
 
 def test_resume_after_sigkill_with_rolling_train_pools(tmp_path):
@@ -302,7 +331,7 @@ def test_resume_after_sigkill_with_rolling_train_pools(tmp_path):
         doc(run_dir, "state.json")["artifacts"]["rule_search_hard_cases.jsonl"]
     cfg = config_mod.load_config(cfg_path)
     job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
-    assert_same_run(ref_dir, run_dir, ignore=PROCESS_FACTS)
+    assert_same_run(ref_dir, run_dir)
     pools = doc(run_dir, "state.json")["sampler"]
     assert pools["size"] == 25
 
@@ -317,8 +346,8 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path):
 
 
 def test_resume_with_a_changed_config_is_refused_naming_the_key(tmp_path):
-    with pytest.raises(Exception, match="scripted failure"):
-        run(tmp_path, engine={"raise_at": 2})
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path, engine={"crash_at": 2})
     run_dir = tmp_path / "out" / se.MISSION / "run"
     before = (run_dir / "state.json").read_bytes()
     with pytest.raises(InputError, match=r"rule_search\.reflect_size"):
@@ -329,13 +358,47 @@ def test_resume_with_a_changed_config_is_refused_naming_the_key(tmp_path):
 
 
 def test_resume_with_changed_tickets_is_refused(tmp_path):
-    with pytest.raises(Exception, match="scripted failure"):
-        run(tmp_path, engine={"raise_at": 2})
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path, engine={"crash_at": 2})
     tickets = tmp_path / "in" / "tickets.jsonl"
     cfg = config_mod.load_config(se.write_inputs(tmp_path / "in", out=str(tmp_path / "out")))
     tickets.write_text(tickets.read_text().replace("cabinet 3 front", "cabinet 3 top"))
     with pytest.raises(InputError, match="tickets differ"):
         job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
+
+
+def test_a_finished_run_is_extended_by_raising_the_epochs(tmp_path):
+    ref_dir, _ = run(tmp_path, "four", epochs=4)
+    run_dir, _ = run(tmp_path, "two", epochs=2)
+    assert doc(run_dir, "summary.json")["stop_reason"] == "epochs"
+    extended, engines = run(tmp_path, "two", epochs=4, resume=True)
+    assert doc(extended, "summary.json")["iterations"] == 4
+    assert engines[0].chats == [3, 4]  # only the new iterations were run
+    assert_same_run(ref_dir, extended)
+
+
+def test_resume_accepts_other_pool_settings_and_a_moved_data_folder(tmp_path):
+    ref_dir, _ = run(tmp_path / "a", "ref")
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path / "a", engine={"crash_at": 2})
+    (tmp_path / "a" / "in").rename(tmp_path / "moved")  # the data folder moves; same content
+    cfg_path = se.write_inputs(tmp_path / "moved", out=str(tmp_path / "a" / "out"))
+    cfg = config_mod.load_config(cfg_path, ["pool.task_timeout=99", "pool.max_restarts=2"])
+    job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
+    diffs = diff_runs(ref_dir, tmp_path / "a" / "out" / se.MISSION / "run", limit=None)
+    # run.json records the pool settings the resumed process ran with; nothing else differs
+    assert [(d.file, d.key) for d in diffs] == [("run.json", "config.pool.task_timeout"),
+                                                ("run.json", "config.pool.max_restarts")]
+
+
+def test_resume_with_a_changed_seed_guidance_is_refused(tmp_path):
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path, engine={"crash_at": 2})
+    guidance = tmp_path / "in" / "guidance.json"
+    guidance.write_text(guidance.read_text().replace("Check the cabinet", "Inspect the cabinet"))
+    with pytest.raises(InputError, match=r"differs from the interrupted run's at guidance\.path \(input files are"):
+        job.run_job(config_mod.load_config(tmp_path / "in" / "config.yaml"), "cpu:1", debug=True,
+                    engine_factory=se.scripted_factory(), resume=True)
 
 
 def test_differing_keys_names_nested_paths():
@@ -381,6 +444,21 @@ def test_eval_veto(tmp_path, monkeypatch, max_drop, decision):
     assert ("moss" in json.dumps(experiences(run_dir))) == (decision == "promoted")
 
 
+def test_eval_columns_compare_baseline_and_candidate_on_the_same_tickets(tmp_path):
+    """The rust rule lengthens the prompt past the eval sampler's max_prompt_tokens for the 6
+    longest eval tickets: baseline and candidate are compared on the 14 both judged."""
+    run_dir, _ = run(tmp_path, overrides=["rule_search.eval_sampler.max_prompt_tokens=62"], epochs=1)
+    cands = {c["candidate_id"].split()[4]: c for c in rows(run_dir, "rule_candidates.jsonl")
+             if c["op"] == "upsert"}
+    rust, clean = cands["rust"], cands["clean"]
+    assert rust["decision"] == "promoted" and rust["eval_n"] == 14
+    assert rust["eval_acc_drop"] == pytest.approx(rust["eval_base_acc"] - rust["eval_cand_acc"], abs=1e-12)
+    assert clean["eval_cand_acc"] is None and clean["eval_n"] == 20  # no eval rollout: the whole baseline
+    (bench,) = rows(run_dir, "benchmarks.jsonl")
+    assert (bench["eval_n"], bench["eval_base_acc"], bench["eval_after_acc"]) == (
+        14, rust["eval_base_acc"], rust["eval_cand_acc"])
+
+
 def test_empty_eval_pool_runs(tmp_path):
     run_dir, engines = run(tmp_path, overrides=["rule_search.eval_pool_size=0"])
     summary = doc(run_dir, "summary.json")
@@ -396,9 +474,9 @@ def test_epochs_cap_the_iterations(tmp_path):
     assert summary["iterations"] == 2 and summary["stop_reason"] == "epochs"
 
 
-def test_distillation_runs_once_after_the_loop_with_the_final_guidance(tmp_path):
-    overrides = ["stage_b_distillation.enabled=true", "stage_b_distillation.distill_size=12",
-                 "stage_b_distillation.distill_temperature=0.1"]
+@pytest.mark.parametrize("enabled", [["stage_b_distillation.enabled=true"], []])  # on by default, as upstream
+def test_distillation_runs_once_after_the_loop_with_the_final_guidance(tmp_path, enabled):
+    overrides = [*enabled, "stage_b_distillation.distill_size=12", "stage_b_distillation.distill_temperature=0.1"]
     run_dir, engines = run(tmp_path, overrides=overrides)
     distill = rows(run_dir, "distill_chatml.jsonl")
     assert 0 < len(distill) <= 12
@@ -419,9 +497,9 @@ def test_distill_sampler_picks_or_derives_the_decode():
     from stageb_pool.engine.records import Decode
 
     sampler = SamplerConfig(grid=[Decode(temperature=0.3, seed=43), Decode(temperature=0.7)], samples_per_decode=3)
-    assert search.distill_sampler(sampler, None).grid == [Decode(temperature=0.3, seed=43)]
-    assert search.distill_sampler(sampler, 0.7).grid == [Decode(temperature=0.7)]
-    derived = search.distill_sampler(sampler, 0.1)
+    assert distill_sampler(sampler, None).grid == [Decode(temperature=0.3, seed=43)]
+    assert distill_sampler(sampler, 0.7).grid == [Decode(temperature=0.7)]
+    derived = distill_sampler(sampler, 0.1)
     assert derived.grid == [Decode(temperature=0.1, seed=43)] and derived.samples_per_decode == 1
 
 
@@ -444,13 +522,13 @@ def test_save_rollouts_writes_every_rollout_once_named_by_spec(tmp_path):
 
 
 def test_preflight_resume_checks_without_touching_anything(tmp_path):
-    with pytest.raises(Exception, match="scripted failure"):
-        run(tmp_path, engine={"raise_at": 2})
+    with pytest.raises(se.ScriptedCrash):
+        run(tmp_path, engine={"crash_at": 2})
     run_dir = tmp_path / "out" / se.MISSION / "run"
     cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
-    tickets = job.load_inputs(config_mod.load_config(cfg_path)).tickets
-    state_mod.preflight_resume(run_dir, config=config_mod.load_config(cfg_path), tickets=tickets)
-    changed = config_mod.load_config(cfg_path, ["seed=12"])
+    inputs = job.load_inputs(config_mod.load_config(cfg_path))
+    state_mod.preflight_resume(run_dir, run_identity(config_mod.load_config(cfg_path), inputs))
+    changed = run_identity(config_mod.load_config(cfg_path, ["seed=12"]), inputs)
     with pytest.raises(InputError, match=r"differs from the interrupted run's at rule_search.gate.bootstrap.seed, seed, "):
-        state_mod.preflight_resume(run_dir, config=changed, tickets=tickets)
-    state_mod.preflight_resume(tmp_path / "nothing-here", config=changed, tickets=tickets)  # no state: no check
+        state_mod.preflight_resume(run_dir, changed)
+    state_mod.preflight_resume(tmp_path / "nothing-here", changed)  # no state: no check

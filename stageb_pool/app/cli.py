@@ -26,6 +26,7 @@ import re
 import sys
 
 from .. import __version__
+from ..search.fileio import OutputError
 from ..stageb.errors import InputError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -159,7 +160,8 @@ def cmd_run(args) -> int:
         log.info("--debug: one worker, inline in this process (upstream's --debug, the log level alone, "
                  "is --log-level debug)")
 
-    return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug)
+    return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug,
+                   config_path=args.config)
 
 
 def cmd_check(args) -> int:
@@ -197,18 +199,23 @@ def cmd_import_config(args) -> int:
 def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_root: str | None = None) -> str:
     """Validate the config and every input a run reads (without loading a model) and
     describe what the run would do. Raises InputError like the run itself would."""
-    from ..search.rundir import run_dir_path
+    from ..search.distill import DISTILL_DEFAULT
+    from ..search.rundir import check_inside, run_dir_exists, run_dir_path
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
-    from .config import config_hash, load_config, with_mode
+    from .config import load_config, with_mode
+    from .identity import run_identity
     from .job import load_inputs
+    from .outputs import check_outputs
 
     cfg = with_mode(load_config(config_path, overrides, upstream_root=upstream_root), audit)
     inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
     tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
     run_dir = run_dir_path(cfg, inputs.mission)
+    check_inside(run_dir, cfg.output.root)
+    check_outputs(cfg, run_dir, config_path=config_path)
     lines = [
-        ("config", f"{os.path.abspath(config_path)} (hash {config_hash(cfg)})"),
+        ("config", f"{os.path.abspath(config_path)} (hash {run_identity(cfg, inputs).config_hash})"),
         ("mode", cfg.mode),
         ("mission", inputs.mission),
         ("tickets", f"{len(tickets)} ({_by_label(tickets)}); {len(ingest.skipped)} bad lines skipped; "
@@ -221,8 +228,12 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
         ("model", inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}"),
         ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),
         ("guidance", f"{cfg.guidance.path}: step {g.step}, rules {', '.join(g.experiences)}"),
-        ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir.exists() else "")),
+        ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir_exists(run_dir) else "")),
     ]
+    dist = cfg.stage_b_distillation
+    when = "after the audit" if cfg.mode == "audit" else "after the loop, with the final guidance"
+    lines.append(("distill", f"{dist.distill_size} tickets {when} -> "
+                  f"{dist.log_chatml_path or run_dir / DISTILL_DEFAULT}" if dist.enabled else "off"))
     k_train = len(rs.train_sampler.grid) * rs.train_sampler.samples_per_decode
     k_eval = len(rs.eval_sampler.grid) * rs.eval_sampler.samples_per_decode
     if cfg.mode == "audit":
@@ -312,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stageb-pool: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OutputError as err:  # disk full, a file size limit: the run directory stays resumable
+        print(f"stageb-pool: run failed: {err} (the run can be continued with --resume once fixed)",
+              file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:  # e.g. `stageb-pool diff a b | head`
         return EXIT_FAILED
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1

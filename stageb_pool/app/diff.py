@@ -23,7 +23,11 @@ VOLATILE_KEYS = frozenset({"timestamp", "updated_at", "started_at", "finished_at
 
 # Whole subtrees of particular files (path relative to the run directory -> dotted key paths).
 VOLATILE_PATHS: dict[str, tuple[str, ...]] = {
-    "run.json": ("invocation", "config.output"),  # gpus, workers, threads, argv, hostname; where the run was written
+    # gpus, workers, threads, argv, hostname; where the run was written; where its input files
+    # were read from (inputs are identified by content: provenance and state.json hold hashes)
+    "run.json": ("invocation", "config.output", "config.stage_a_paths", "config.guidance.path",
+                 "config.prompt.profile", "config.rule_search.proposer_prompt_path",
+                 "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path"),
     "summary.json": ("timing", "workers"),  # wall time per phase; throughput per worker
 }
 

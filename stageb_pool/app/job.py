@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -20,42 +19,23 @@ from ..engine import models
 from ..pool import Device, DeviceSpecError, Pool, parse_gpus
 from ..search import rundir
 from ..search import state as state_mod
-from ..search.fileio import write_json
-from ..search.guidance_store import GuidanceRepository
+from ..search.audit import AuditSettings, run_audit
+from ..search.fileio import atomic_write_bytes, write_json
+from ..search.guidance_store import GUIDANCE_FILE, GuidanceRepository
 from ..search.rollout import RolloutRunner
+from ..search.rule_search import run_search
+from ..search.settings import SearchSettings
 from ..stageb import guidance as guidance_mod
 from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
 from .config import with_mode
+from .identity import run_identity
+from .outputs import check_outputs
 from .progress import Progress, pool_items_per_rank
 
 log = logging.getLogger("stageb_pool")
-
-
-@dataclass
-class RunContext:
-    """Everything the audit and the rule search need; the parent owns all of it.
-
-    Beyond the contract: ``ingest`` (the IngestReport: skipped lines, exclusions),
-    ``devices``, ``debug`` and ``started`` (monotonic start time)."""
-
-    config: object
-    mission: str
-    tickets: list  # after the filter, in run order (shuffled with random.Random(seed))
-    profile: object
-    guidance_repo: object
-    run_dir: Path
-    runner: RolloutRunner
-    pool: object
-    log: logging.Logger
-    resume: bool = False
-    ingest: object = None
-    devices: list = field(default_factory=list)
-    debug: bool = False
-    started: float = 0.0
-    proposer_system: str | None = None
 
 
 class _Inputs(msgspec.Struct):
@@ -120,12 +100,14 @@ def engine_factory_for(model_config, model_path: str):
 
 
 def run_job(config, devices, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
-            debug: bool = False, engine_factory=None, argv: list[str] | None = None) -> int:
+            debug: bool = False, engine_factory=None, argv: list[str] | None = None,
+            config_path: str | None = None) -> int:
     """Run one audit or rule search; return 0 on success. Exceptions propagate (the CLI
     maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
 
     ``devices`` is a list of Device or a ``--gpus`` spec. ``engine_factory`` (a test seam)
-    replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv)."""
+    replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv);
+    ``config_path`` (the config file) is one of the inputs no output may overwrite."""
     started = time.monotonic()
     started_at = rundir.utc_now()
     config = with_mode(config, audit)
@@ -136,22 +118,31 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
 
     inputs = load_inputs(config)
     run_dir = rundir.run_dir_path(config, inputs.mission)
-    rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
-    if resume and config.mode == "search":
-        # before run.json or guidance.json is rewritten or a worker forked
-        state_mod.preflight_resume(run_dir, config=config, tickets=inputs.tickets)
-
+    rundir.check_inside(run_dir, config.output.root)
+    check_outputs(config, run_dir, config_path=config_path)
+    identity = run_identity(config, inputs) if config.mode == "search" else None
     repo = GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
-    if not (resume and repo.exists()):
-        repo.write(inputs.seed_guidance)
-
     run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
     prov = dict(model_path=config.model.path, chunk_size=config.runner.chunk_size,
-                profile_hash=content_hash(inputs.profile), tickets_hash=tickets_hash(sorted(inputs.tickets, key=lambda t: t.key)))
-    # A first run.json before the workers start marks the directory as a stageb-pool run
-    # even if the start fails (so --overwrite may replace it); rewritten with rank 0's info.
-    rundir.write_run_json(run_dir, workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov),
-                          **run_json)
+                profile_hash=content_hash(inputs.profile),
+                tickets_hash=tickets_hash(sorted(inputs.tickets, key=lambda t: t.key)))  # the judged set
+    # Every document of the start is encoded before the run directory exists: a value that
+    # cannot be written is a located error that leaves nothing behind.
+    first_run_json = rundir.encoded(rundir.run_json_document(
+        workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov), **run_json), rundir.RUN_JSON)
+    seed_guidance = rundir.encoded(repo.document(inputs.seed_guidance), GUIDANCE_FILE)
+    if resume and identity is not None:
+        state_mod.preflight_resume(run_dir, identity)  # reads state.json, writes nothing
+
+    rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
+    if resume:
+        for stale in rundir.remove_temporaries(run_dir):
+            log.info("resume: removed %s (a write the interrupted run did not finish)", stale)
+    # run.json first: it marks the directory as a stageb-pool run even if the start fails
+    # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
+    atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)
+    if not (resume and repo.exists()):
+        atomic_write_bytes(repo.path, seed_guidance)
 
     factory = engine_factory or engine_factory_for(config.model, inputs.model_path)
     pool = Pool(
@@ -164,28 +155,37 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
                                progress=progress, save_rollouts=config.output.save_rollouts)
         info = pool.worker_info[0] if pool.worker_info else {}
         warn_if_workers_differ(pool.worker_info, log)
-        rundir.write_run_json(run_dir, workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov),
-                              **run_json)
-        ctx = RunContext(
-            config=config, mission=inputs.mission, tickets=inputs.tickets, profile=inputs.profile,
-            guidance_repo=repo, run_dir=Path(run_dir), runner=runner, pool=pool, log=log,
-            resume=resume, ingest=inputs.ingest, devices=devices, debug=debug, started=started,
-            proposer_system=inputs.proposer_system,
-        )
+        write_json(run_dir / rundir.RUN_JSON, rundir.run_json_document(
+            workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov), **run_json))
         log.info("%s run of %d tickets (mission %s) on %d worker(s) -> %s",
                  config.mode, len(inputs.tickets), inputs.mission, pool.size, run_dir)
         if config.mode == "audit":
-            from ..search.audit import run_audit
-
-            summary = run_audit(ctx)
+            summary = run_audit(runner, tickets=inputs.tickets, guidance=repo.load(),
+                                settings=audit_settings(config, inputs), run_dir=run_dir, log=log)
         else:
-            from ..search.rule_search import run_search
-
-            summary = run_search(ctx)
-        write_summary(ctx, summary)
+            summary = run_search(runner=runner, store=repo, run_dir=run_dir, tickets=inputs.tickets,
+                                 seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
+                                 identity=identity, resume=resume, log=log)
+        write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
     finally:
         pool.close()
     return 0
+
+
+def search_settings(config, inputs: _Inputs) -> SearchSettings:
+    """The plain values the rule search reads, from the resolved config."""
+    return SearchSettings(seed=config.seed, mission=inputs.mission, epochs=config.runner.epochs,
+                          rule_search=config.rule_search, distill=config.stage_b_distillation,
+                          proposer_system=inputs.proposer_system)
+
+
+def audit_settings(config, inputs: _Inputs) -> AuditSettings:
+    """The plain values the audit reads, from the resolved config and the ingest report."""
+    return AuditSettings(seed=config.seed, mission=inputs.mission, sampler=config.rule_search.train_sampler,
+                         logging_steps=config.runner.logging_steps,
+                         hard_case_limit=max(200, 8 * config.rule_search.reflect_size),
+                         n_skipped_lines=len(inputs.ingest.skipped), n_excluded=inputs.ingest.excluded,
+                         distill=config.stage_b_distillation)
 
 
 def warn_if_workers_differ(worker_info: list[dict], log: logging.Logger) -> None:
@@ -199,19 +199,17 @@ def warn_if_workers_differ(worker_info: list[dict], log: logging.Logger) -> None
                     "depend on which worker ran which chunk", odd, facts[odd[0]], facts[0])
 
 
-def write_summary(ctx: RunContext, summary: dict) -> dict:
+def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> dict:
     """Add the volatile ``timing`` and ``workers`` objects and write ``summary.json``."""
     summary = dict(summary)
     timing = dict(summary.get("timing") or {})
-    timing.setdefault("wall_s", round(time.monotonic() - ctx.started, 3))
-    timing.setdefault("rollout_s", round(ctx.runner.rollout_seconds, 3))
+    timing.setdefault("wall_s", round(time.monotonic() - started, 3))
+    timing.setdefault("rollout_s", round(runner.rollout_seconds, 3))
     summary["timing"] = timing
-    summary.setdefault("generations_done", ctx.runner.generations_done)
-    summary.setdefault("generations_saved", ctx.runner.generations_saved)
-    summary["workers"] = worker_throughput(ctx.pool, ctx.runner.tickets_by_rank)
-    path = ctx.run_dir / rundir.SUMMARY_JSON
+    summary["workers"] = worker_throughput(pool, runner.tickets_by_rank)
+    path = Path(run_dir) / rundir.SUMMARY_JSON
     write_json(path, summary)
-    ctx.log.info("summary written to %s", path)
+    log.info("summary written to %s", path)
     return summary
 
 

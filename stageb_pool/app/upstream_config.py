@@ -44,9 +44,8 @@ SAME_KEYS = (
     "rule_search.eval_pool_size", "rule_search.gate.min_relative_error_reduction",
     "rule_search.gate.max_fp_rate_increase", "rule_search.gate.bootstrap.iterations",
     "rule_search.gate.bootstrap.min_prob", "rule_search.gate.bootstrap.seed", "rule_search.early_stop.patience",
-    "stage_b_distillation.distill_size", "stage_b_distillation.distill_seed",
-    "stage_b_distillation.distill_temperature",
 )
+DISTILL_KEYS = ("distill_size", "distill_seed", "distill_temperature")
 # Upstream keys with no effect in a rule search or here, and why (an import comment each).
 NO_EFFECT = {
     "model.device_map": "each GPU runs its own worker with a whole model (choose GPUs with --gpus)",
@@ -82,7 +81,6 @@ class Translation:
     dropped: dict[str, str] = field(default_factory=dict)  # upstream key -> why it has no effect here
     ignored: list[str] = field(default_factory=list)  # keys upstream's loader never reads
     relative: dict[str, str] = field(default_factory=dict)  # our key -> the relative path written upstream
-    warnings: list[str] = field(default_factory=list)  # differences a run of this config will show
 
     def summary(self, where: str) -> str:
         """The one log line naming the translation."""
@@ -347,18 +345,24 @@ class _Translator:
                      f"upstream drops a ticket whose prompt exceeds {ROLLOUT_GUARD} tokens when no budget is set")
 
     def distillation(self) -> None:
+        """Upstream exports when ``enabled`` (default true, even with the section absent) and
+        ``distill_size`` are both set; otherwise every distillation key has no effect, and is
+        left out (ours refuses a setting of an export that is off)."""
         section = self.section("stage_b_distillation")
-        enabled = section.get("enabled", True)  # upstream: on by default, even with the section absent
+        enabled = section.get("enabled", True)
         if enabled is not None and not isinstance(enabled, bool):
             raise self.error("stage_b_distillation.enabled", f"expected true or false, got {enabled!r} (upstream "
                                                              "reads any non-empty text, 'false' too, as true)")
-        self.put("stage_b_distillation.enabled", bool(enabled),
-                 "stage_b_distillation.enabled" if "enabled" in section else None,
-                 None if "enabled" in section else "upstream's default: on (nothing is exported without distill_size)")
-        self.path("stage_b_distillation.log_chatml_path")
-        if enabled and section.get("distill_size") and self.out.native["mode"] == "audit":
-            self.out.warnings.append("stage_b_distillation: an audit does not export distillation data here "
-                                     "(upstream's jump_reflection run exports it once after the baseline)")
+        if enabled and section.get("distill_size") is not None:
+            self.put("stage_b_distillation.enabled", True, "stage_b_distillation.enabled" if "enabled" in section
+                     else None, None if "enabled" in section else "upstream's default: on")
+            for key in DISTILL_KEYS:
+                self.copy(f"stage_b_distillation.{key}")
+            self.path("stage_b_distillation.log_chatml_path")
+            return
+        why = "enabled is false" if enabled is False or enabled is None else "no distill_size"
+        for key in section:
+            self.out.dropped[f"stage_b_distillation.{key}"] = f"the export is off upstream ({why})"
 
 
 def _type(value) -> str:

@@ -1,7 +1,8 @@
 """The baseline audit (upstream "jump reflection"): every ticket once under the current
 guidance with the train sampler, no learning. Writes the ``baseline_*`` artifacts, the
-hard cases (``sampler="baseline"``, iteration 1) and, with ``output.save_rollouts``, every
-candidate text. Only the parent writes; every row carries the guidance hash.
+hard cases (``sampler="baseline"``, iteration 1), with ``output.save_rollouts`` every
+candidate text, and, when configured, the distillation export with the same guidance (as
+upstream's jump mode). Only the parent writes; every row carries the guidance hash.
 
 Every artifact is computed from the final results in ticket order, never from arrival
 order, so it is byte-identical for any worker count (``timestamp``/``elapsed_sec`` aside).
@@ -10,11 +11,16 @@ order, so it is byte-identical for any worker count (``timestamp``/``elapsed_sec
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from ..stageb import verdicts
-from ..stageb.proposer import confidently_wrong
+from .distill import export_distillation
 from .fileio import write_json, write_jsonl
+from .recorder import Recorder
 from .rollout import RolloutResult, RolloutSpec
+from .rows import hard_case_rows, rollout_rows
 from .rundir import HARD_CASES, artifact, rollouts_path, utc_timestamp
 
 BASELINE_METRICS = "baseline_metrics.json"
@@ -23,52 +29,64 @@ BASELINE_WRONG = "baseline_wrong_cases.jsonl"
 BASELINE_NP = "baseline_np_cases.jsonl"
 BASELINE_NG = "baseline_ng_cases.jsonl"
 BASELINE_STEPS = "baseline_metrics_steps.jsonl"
+STEPS_LABEL = "jump_reflection baseline"  # upstream's label, which scripts may filter on
+AUDIT_FILES = (BASELINE_METRICS, BASELINE_TICKET_STATS, BASELINE_WRONG, BASELINE_NP, BASELINE_NG, BASELINE_STEPS)
 
 
-def run_audit(ctx) -> dict:
-    """Roll out every ticket once under the run's guidance and write the audit artifacts.
-    Returns the summary (what ``summary.json`` holds, timing aside)."""
-    config = ctx.config
-    guidance = ctx.guidance_repo.load()
-    spec = RolloutSpec(
-        name="audit",
-        seed_key=f"{config.seed}/audit",
-        tickets=list(ctx.tickets),
-        guidance=dict(guidance.experiences),
-        sampler=config.rule_search.train_sampler,
-    )
-    ctx.log.info("audit: %d tickets, guidance step %d (%s)", len(spec.tickets), guidance.step, guidance.hash)
-    result = ctx.runner.run(spec)
-    skipped = len(ctx.ingest.skipped) if ctx.ingest is not None else 0
-    excluded = ctx.ingest.excluded if ctx.ingest is not None else 0
+class AuditSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The plain values the audit reads (taken from the resolved config by ``app/job.py``)."""
+
+    seed: int
+    mission: str
+    sampler: Any  # rule_search.train_sampler
+    logging_steps: int
+    hard_case_limit: int  # max(200, 8 * reflect_size), as upstream
+    n_skipped_lines: int = 0  # counted by the ingest, reported as they are
+    n_excluded: int = 0
+    distill: Any = None  # the config's stage_b_distillation section (None: no export)
+
+
+def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_dir, log) -> dict:
+    """Roll out every ticket (``tickets``, in run order) once under ``guidance`` and write the
+    audit artifacts. Returns the summary (what ``summary.json`` holds, timing aside)."""
+    spec = RolloutSpec(name="audit", seed_key=f"{settings.seed}/audit", tickets=list(tickets),
+                       guidance=dict(guidance.experiences), sampler=settings.sampler)
+    log.info("audit: %d tickets, guidance step %d (%s)", len(spec.tickets), guidance.step, guidance.hash)
+    result = runner.run(spec)
     written = write_audit_artifacts(
-        ctx.run_dir, result, spec.tickets,
-        mission=ctx.mission,
-        logging_steps=config.runner.logging_steps,
-        chunk_size=ctx.runner.chunk_size,
-        hard_case_limit=max(200, 8 * config.rule_search.reflect_size),
-        n_skipped_lines=skipped,
-        n_excluded=excluded,
-        save_rollouts=ctx.runner.save_rollouts,
+        run_dir, result, spec.tickets,
+        mission=settings.mission,
+        logging_steps=settings.logging_steps,
+        chunk_size=runner.chunk_size,
+        hard_case_limit=settings.hard_case_limit,
+        n_skipped_lines=settings.n_skipped_lines,
+        n_excluded=settings.n_excluded,
+        save_rollouts=runner.save_rollouts,
     )
     metrics = written["metrics"]
-    ctx.log.info(
+    log.info(
         "audit: acc %.4f on %d tickets (%d dropped), fn %d, fp %d",
         metrics["acc"], metrics["n_used"], metrics["n_dropped_overlength"], metrics["fn"], metrics["fp"],
     )
+    distillation = None
+    if settings.distill is not None:
+        distillation = export_distillation(Recorder(run_dir, runner), tickets=spec.tickets, guidance=guidance,
+                                           settings=settings.distill, train_sampler=settings.sampler,
+                                           seed=settings.seed, log=log)
     return {
         "mode": "audit",
-        "mission": ctx.mission,
+        "mission": settings.mission,
         "guidance_hash": result.guidance_hash,
         "guidance_step": guidance.step,
         "n_total": metrics["n_total"],
         "n_used": metrics["n_used"],
         "n_dropped_overlength": metrics["n_dropped_overlength"],
-        "n_skipped_lines": skipped,
-        "n_excluded": excluded,
+        "n_skipped_lines": settings.n_skipped_lines,
+        "n_excluded": settings.n_excluded,
         "metrics": {k: metrics[k] for k in ("acc", "tp", "fp", "fn", "tn", "fn_rate", "fp_rate")},
-        "generations_done": ctx.runner.generations_done,
-        "generations_saved": ctx.runner.generations_saved,
+        "distillation": distillation,
+        "generations_done": runner.run_done,
+        "generations_saved": runner.run_saved,
         "artifacts": written["files"],
     }
 
@@ -118,7 +136,7 @@ def write_audit_artifacts(run_dir, result: RolloutResult, tickets, *, mission: s
     put(BASELINE_NP, [case_row(s, by_key[s.key], mission, ghash, reasons=5) for s in wrong if s.gt_label == "pass"])
     put(BASELINE_NG, [case_row(s, by_key[s.key], mission, ghash, reasons=5) for s in wrong if s.gt_label == "fail"])
     put(BASELINE_STEPS, step_rows(result, tickets, logging_steps=logging_steps, chunk_size=chunk_size,
-                                  label="audit", now=now))
+                                  label=STEPS_LABEL, now=now))
     put(HARD_CASES, hard_case_rows(stats, iteration=1, sampler="baseline", limit=hard_case_limit,
                                    mission=mission, guidance_hash=ghash, now=now))
     if save_rollouts:
@@ -163,46 +181,12 @@ def case_row(s: verdicts.TicketStats, ticket, mission: str, guidance_hash: str, 
     }
 
 
-def hard_case_rows(stats: dict, *, iteration: int, sampler: str, limit: int, mission: str,
-                   guidance_hash: str, now: str | None = None, with_reasons: bool = True) -> list[dict]:
-    """``rule_search_hard_cases.jsonl`` rows: the confidently wrong tickets (valid majority
-    != GT, most confident first, ticket order on ties; ``proposer.confidently_wrong``), cut
-    to ``limit``, ranked from 1."""
-    now = utc_timestamp() if now is None else now
-    wrong = confidently_wrong(stats)
-    rows = []
-    for rank, s in enumerate(wrong[:limit], start=1):
-        rows.append({
-            "timestamp": now,
-            "iteration": iteration,
-            "mission": mission,
-            "sampler": sampler,
-            "ticket_key": s.key,
-            "gt_label": s.gt_label,
-            "majority_pred": s.majority,
-            "majority_reason": verdicts.majority_reason(s),
-            "pass_count": s.pass_count,
-            "fail_count": s.fail_count,
-            "invalid_count": s.invalid_count,
-            "total_samples": s.total_samples,
-            "agreement": s.agreement,
-            "difficulty": s.difficulty,
-            "hard_wrong": s.hard_wrong,
-            "verdict_samples": list(s.verdicts),
-            "reason_samples": list(s.reasons) if with_reasons else [],
-            "reason_counts": verdicts.reason_counts(s),
-            "rank": rank,
-            "guidance_hash": guidance_hash,
-        })
-    return rows
-
-
 def step_rows(result: RolloutResult, tickets, *, logging_steps: int, chunk_size: int, label: str,
               now: str) -> list[dict]:
-    """``baseline_metrics_steps.jsonl``: metrics over the first k tickets of the run order,
-    for k = logging_steps, 2*logging_steps, ..., n. Computed from the final results, so
-    deterministic; ``elapsed_sec`` (volatile) is when the chunks holding those k tickets
-    were all in."""
+    """``baseline_metrics_steps.jsonl``: metrics over the first k tickets of the run order
+    (``n_done``), for k = logging_steps, 2*logging_steps, ..., n; ``n_total`` is n in every
+    row, as upstream. Computed from the final results, so deterministic; ``elapsed_sec``
+    (volatile) is when the chunks holding those k tickets were all in."""
     n = len(tickets)
     step = max(1, logging_steps)
     bounds = list(range(step, n, step)) + [n] if n else []
@@ -217,7 +201,8 @@ def step_rows(result: RolloutResult, tickets, *, logging_steps: int, chunk_size:
             "label": label,
             "batch_index": index,
             "total_batches": len(bounds),
-            "n_total": k,
+            "n_total": n,
+            "n_done": k,
             "n_used": len(used),
             "n_dropped_overlength": k - len(used),
             "acc": m.acc,
@@ -229,25 +214,4 @@ def step_rows(result: RolloutResult, tickets, *, logging_steps: int, chunk_size:
             "elapsed_sec": round(max(chunks, default=0.0), 3),
             "guidance_hash": result.guidance_hash,
         })
-    return rows
-
-
-def rollout_rows(result: RolloutResult) -> list[dict]:
-    """``rollouts/<id>.jsonl``: one row per candidate, tickets sorted by key, then decode
-    and sample index."""
-    rows = []
-    for key in sorted(result.rollouts):
-        rollout = result.rollouts[key]
-        for sample in rollout.samples:
-            rows.append({
-                "ticket_key": key,
-                "decode_index": sample.decode_index,
-                "sample_index": sample.sample_index,
-                "text": sample.text,
-                "prompt_tokens": rollout.prompt_tokens,
-                "completion_tokens": sample.completion_tokens,
-                "finish_reason": sample.finish_reason,
-                "token_ids": sample.token_ids,
-                "guidance_hash": result.guidance_hash,
-            })
     return rows

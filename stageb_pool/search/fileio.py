@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
 
 _encoder = msgspec.json.Encoder()
+TMP_SUFFIX = ".tmp"  # temporary files are ".<name>.<random>.tmp" next to their target
 
 
 def to_json(value, *, indent: int = 0) -> bytes:
@@ -21,25 +23,50 @@ def to_json(value, *, indent: int = 0) -> bytes:
     return msgspec.json.format(data, indent=indent) if indent else data
 
 
+class OutputError(OSError):
+    """A file of the run could not be written (disk full, a file size limit, permissions):
+    the OSError, with a message that names the file. What is on disk stays as it was (whole
+    files are replaced atomically; a torn append is cut back by ``--resume``)."""
+
+    def __init__(self, path, err: OSError, action: str = "write"):
+        super().__init__(err.errno, f"cannot {action} {path}: {err.strerror or err}")
+        self.path = str(path)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+@contextmanager
+def _located(path, action: str = "write"):
+    """An OSError while writing ``path`` becomes an OutputError that names it."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as err:
+        raise OutputError(path, err, action) from err
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` so that ``path`` holds either the old or the new content, never a mix:
     temp file in the same directory, fsync, rename, fsync the directory."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+    with _located(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        _fsync_dir(path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -50,9 +77,14 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def json_document(value) -> bytes:
+    """The bytes ``write_json`` writes: pretty-printed (indent 2), a trailing newline."""
+    return to_json(value, indent=2) + b"\n"
+
+
 def write_json(path: str | os.PathLike, value) -> None:
     """Pretty-printed (indent 2) JSON document with a trailing newline, written atomically."""
-    atomic_write_bytes(path, to_json(value, indent=2) + b"\n")
+    atomic_write_bytes(path, json_document(value))
 
 
 def write_jsonl(path: str | os.PathLike, rows) -> None:
@@ -67,12 +99,25 @@ def append_jsonl(path: str | os.PathLike, rows) -> None:
     last completed iteration (see ``search``), so a torn last line never survives.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = b"".join(to_json(r) + b"\n" for r in rows)
-    with open(path, "ab") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    with _located(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Delete a file of the run (a pruned snapshot, a stale temporary file)."""
+    with _located(path, "delete"):
+        Path(path).unlink(missing_ok=True)
+
+
+def read_prefix(path: str | os.PathLike, size: int) -> bytes:
+    """The first ``size`` bytes of a file of the run."""
+    with _located(path, "read"), open(path, "rb") as f:
+        return f.read(size)
 
 
 def read_json(path: str | os.PathLike, type=None):

@@ -9,8 +9,9 @@ import re
 from pathlib import Path
 
 from ..stageb.guidance import Guidance, load_guidance, section_of
-from .fileio import atomic_write_bytes, write_json
+from .fileio import atomic_write_bytes, remove, write_json
 
+GUIDANCE_FILE = "guidance.json"
 _SNAPSHOT = re.compile(r"^guidance-step(\d+)\.json$")
 
 
@@ -23,7 +24,7 @@ class GuidanceRepository:
         self.run_dir = Path(run_dir)
         self.mission = mission
         self.retention = retention
-        self.path = self.run_dir / "guidance.json"
+        self.path = self.run_dir / GUIDANCE_FILE
         self.snapshot_dir = self.run_dir / "snapshots"
 
     def exists(self) -> bool:
@@ -32,9 +33,13 @@ class GuidanceRepository:
     def load(self) -> Guidance:
         return load_guidance(self.path, self.mission)
 
+    def document(self, g: Guidance) -> dict:
+        """The content of ``guidance.json`` for ``g``."""
+        return {self.mission: section_of(g)}
+
     def write(self, g: Guidance) -> None:
         """Atomic: the file holds the old or the new guidance, never a mix."""
-        write_json(self.path, {self.mission: section_of(g)})
+        write_json(self.path, self.document(g))
 
     def snapshots(self) -> list[Path]:
         """Snapshot files, oldest step first."""
@@ -59,4 +64,4 @@ class GuidanceRepository:
         keep = max(self.retention, 0)
         files = self.snapshots()
         for path in files[: len(files) - keep] if keep else files:
-            path.unlink()
+            remove(path)

@@ -27,6 +27,7 @@ from ..engine.records import (
     SamplerConfig,
     TicketRollout,
 )
+from ..pool import WorkerError
 from ..stageb import verdicts
 from ..stageb.hashing import content_hash
 from ..stageb.tickets import Ticket
@@ -62,6 +63,13 @@ class RolloutResult(msgspec.Struct):
     generations: int
     cached_generations: int
     chunk_done_s: list[float] = []
+
+
+class ChatFailure(msgspec.Struct, frozen=True):
+    """What ``wait`` returns for a chat call whose engine method raised: the worker's
+    one-line error. The proposer's failure, not the run's (upstream: zero candidates)."""
+
+    error: str
 
 
 class _Part(msgspec.Struct):
@@ -100,8 +108,16 @@ class RolloutRunner:
         self.chunk_size = chunk_size
         self.progress = progress
         self.save_rollouts = save_rollouts
+        # This process's counts: generated here, or served by this process's cache.
         self.generations_done = 0
         self.generations_saved = 0
+        # The run's counts, which a resumed run continues from state.json: a chunk counts as
+        # done the first time the run uses it and as saved every later time, whichever
+        # process generated it, so an interrupted and resumed run reports the same numbers
+        # as an uninterrupted one (docs/rule_search.md).
+        self.run_done = 0
+        self.run_saved = 0
+        self.chunks_used: set[str] = set()
         self.tickets_by_rank: dict[int, int] = {}  # tickets generated, by the worker that ran them
         self.rollout_seconds = 0.0  # wall time spent inside wait(): the rollout phase
         self._cache: dict[str, ChunkResult] = {}
@@ -148,7 +164,25 @@ class RolloutRunner:
 
     def wait(self, pendings: list[Pending]) -> list:
         """Gather everything the pendings still need in one ``pool.gather``; return, per
-        pending, a RolloutResult (rollout) or a ChatResult (chat), in the given order."""
+        pending, a RolloutResult (rollout) or a ChatResult (chat), in the given order.
+
+        A chat call whose engine method raises (``WorkerError``) gives a ``ChatFailure``
+        instead: the gather cancelled the other tasks, so the rollouts are submitted again
+        (chunks that finished before the error come from the cache). A worker's death or
+        timeout, and an error in a rollout, still end the wait."""
+        try:
+            return self._wait(pendings)
+        except WorkerError as err:
+            chats = [p for p in pendings if p.chat_task is not None]
+            if err.method != "chat" or len(chats) != 1:
+                raise
+            failure = ChatFailure(str(err.args[0] if err.args else err))
+        for pending in pendings:
+            pending.done = True
+        retried = iter(self._wait([self.submit(p.spec) for p in pendings if p.chat_task is None]))
+        return [failure if p.chat_task is not None else next(retried) for p in pendings]
+
+    def _wait(self, pendings: list[Pending]) -> list:
         keys, tasks, counts = [], [], []
         seen: set[str] = set()
         chat_slots = {}
@@ -202,6 +236,11 @@ class RolloutRunner:
                 out.append(self._assemble(pending))
         return out
 
+    def continue_counts(self, chunks_used, done: int, saved: int) -> None:
+        """Carry on the run's counts of an interrupted run (from its state.json)."""
+        self.chunks_used = set(chunks_used)
+        self.run_done, self.run_saved = int(done), int(saved)
+
     def run(self, spec: RolloutSpec) -> RolloutResult:
         """Submit and wait for one rollout."""
         return self.wait([self.submit(spec)])[0]
@@ -234,6 +273,11 @@ class RolloutRunner:
             else:
                 cached += n
                 done_s.append(0.0)
+            if part.key in self.chunks_used:
+                self.run_saved += n
+            else:
+                self.run_done += n
+                self.chunks_used.add(part.key)
         self.generations_done += generations
         self.generations_saved += cached
         return RolloutResult(
@@ -266,4 +310,4 @@ def _label(pendings: list[Pending]) -> str:
     return f"{names[0]} +{len(names) - 1} more"
 
 
-__all__ = ["RolloutSpec", "RolloutResult", "RolloutRunner", "Pending"]
+__all__ = ["ChatFailure", "RolloutSpec", "RolloutResult", "RolloutRunner", "Pending"]

@@ -9,7 +9,9 @@ on disk is touched.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
+import os
 import platform
 import shutil
 import sys
@@ -19,7 +21,7 @@ import msgspec
 
 from .. import __version__
 from ..stageb.errors import InputError
-from .fileio import write_json
+from .fileio import TMP_SUFFIX, json_document, remove
 
 RUN_JSON = "run.json"
 SUMMARY_JSON = "summary.json"
@@ -37,9 +39,64 @@ _WORKER_ONLY_INFO = {"rank", "pid", "index", "threads", "hostname", "load_s", "l
                      "elapsed_s", "started_at", "visible_devices", "device_index"}
 
 
+NAME_MAX_BYTES = 200  # a directory name's bytes; Linux allows 255, the margin is for our own suffixes
+ESCAPE = "%"
+
+
+def safe_name(text: str) -> str:
+    """``text`` as one directory name that stays where it is put (docs/usage.md).
+
+    The mission comes from ticket data, so it may hold anything: ``/``, ``\\``, ``%``,
+    control characters and every other non-printable character are escaped as ``%XX`` per
+    UTF-8 byte; ``.`` and ``..`` become ``%2E`` and ``%2E%2E``; a name over
+    ``NAME_MAX_BYTES`` bytes is cut at a character boundary and ends in ``~`` plus 12 hex
+    digits of the sha256 of ``text``, so two long missions never share a directory.
+    Printable text (Chinese included) is kept as it is; an empty text is ``%``."""
+    if not text:
+        return ESCAPE
+    pieces = [ch if ch.isprintable() and ch not in "/\\" + ESCAPE else _escaped(ch) for ch in text]
+    name = "".join(pieces)
+    if name in (".", ".."):
+        return _escaped(".") * len(name)
+    if len(name.encode("utf-8")) <= NAME_MAX_BYTES:
+        return name
+    suffix = "~" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    kept, size = [], len(suffix)
+    for piece in pieces:
+        size += len(piece.encode("utf-8"))
+        if size > NAME_MAX_BYTES:
+            break
+        kept.append(piece)
+    return "".join(kept) + suffix
+
+
+def _escaped(ch: str) -> str:
+    return "".join(f"{ESCAPE}{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why ``output.run_name`` (chosen by the user, so refused rather than escaped) is not a
+    plain directory name, or None."""
+    if name in (".", "..") or "/" in name or "\\" in name:
+        return "must be a plain directory name (no '/', '\\', '.' or '..')"
+    if not name.isprintable():
+        return "must be printable text (no control characters)"
+    if len(name.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
+        return f"must be at most {NAME_MAX_BYTES} bytes"
+    return None
+
+
 def run_dir_path(config, mission: str) -> Path:
-    """``{output.root}/{mission}/{output.run_name}``"""
-    return Path(config.output.root) / mission / config.output.run_name
+    """``{output.root}/{safe_name(mission)}/{output.run_name}``"""
+    return Path(config.output.root) / safe_name(mission) / config.output.run_name
+
+
+def check_inside(path: Path, root: str | Path) -> None:
+    """Refuse a run directory that resolves (through symbolic links) outside ``output.root``."""
+    resolved, top = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    if resolved != top and top not in resolved.parents:
+        raise InputError(f"the run directory resolves to {resolved}, outside output.root {top} "
+                         "(a symbolic link?)", str(path))
 
 
 def prepare_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool = False) -> Path:
@@ -47,10 +104,46 @@ def prepare_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool =
 
     Raises InputError, before touching anything, when the directory exists and neither
     ``overwrite`` nor ``resume`` is set, when both are set, when there is nothing to resume,
-    or when ``overwrite`` would delete a directory that is not a stageb-pool run."""
+    or when ``overwrite`` would delete a directory that is not a stageb-pool run; and, located
+    at the path, when the file system refuses (permissions, a name over the OS limit, a file
+    where a folder should be)."""
     path = Path(path)
     if overwrite and resume:
         raise InputError("--overwrite and --resume exclude each other: choose one", str(path))
+    try:
+        return _prepare(path, overwrite=overwrite, resume=resume)
+    except OSError as err:
+        raise InputError(f"cannot prepare the run directory (output.root): {err.strerror or err}", str(path)) from None
+
+
+def remove_temporaries(run_dir: Path) -> list[Path]:
+    """Delete the temporary files (``.<name>.<random>.tmp``) an atomic write leaves when the
+    process is killed in the middle of it; a resumed run is then file for file the same as an
+    uninterrupted one."""
+    stale = sorted(p for p in Path(run_dir).rglob(f".*{TMP_SUFFIX}") if p.is_file())
+    for p in stale:
+        remove(p)
+    return stale
+
+
+def run_dir_exists(path: Path) -> bool:
+    """For ``check``: whether the run directory exists, after making sure it could be made
+    (InputError, located at the path, when the file system would refuse it)."""
+    where = "cannot prepare the run directory (output.root)"
+    try:
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+    except OSError as err:
+        raise InputError(f"{where}: {err.strerror or err}", str(path)) from None
+    if not existing.is_dir():
+        raise InputError(f"{where}: {existing} is not a folder", str(path))
+    if existing != path and not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{where}: {existing} is not writable", str(path))
+    return existing == path
+
+
+def _prepare(path: Path, *, overwrite: bool, resume: bool) -> Path:
     if path.exists() and not path.is_dir():
         raise InputError("the run directory path exists and is not a directory", str(path))
     exists = path.is_dir()
@@ -70,10 +163,7 @@ def prepare_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool =
                 str(path),
             )
         shutil.rmtree(path)
-    try:
-        path.mkdir(parents=True)
-    except OSError as err:
-        raise InputError(f"cannot create the run directory: {err.strerror or err}", str(path)) from err
+    path.mkdir(parents=True)
     return path
 
 
@@ -124,11 +214,14 @@ def gpus_spec(devices) -> str:
     return ",".join(str(d.index) for d in devices)
 
 
-def write_run_json(run_dir: str | Path, *, config, provenance: dict, devices, workers: int,
-                   debug: bool, started_at: str, argv: list[str] | None = None) -> dict:
-    """Write ``run.json`` atomically and return its content. ``invocation`` is volatile
-    (differs between worker counts and reruns); ``config`` is the resolved config."""
-    doc = {
+def run_json_document(*, config, provenance: dict, devices, workers: int, debug: bool, started_at: str,
+                      argv: list[str] | None = None) -> dict:
+    """``run.json``'s content. ``invocation`` is volatile (differs between worker counts and
+    reruns); ``config`` is the resolved config; undecodable bytes of ``argv`` (Python keeps
+    them as lone surrogates) are shown as U+FFFD."""
+    argv = [arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            for arg in (sys.argv if argv is None else argv)]
+    return {
         "tool": {"name": "stageb_pool", "version": __version__},
         "config": msgspec.to_builtins(config),
         "provenance": provenance,
@@ -137,12 +230,20 @@ def write_run_json(run_dir: str | Path, *, config, provenance: dict, devices, wo
             "workers": workers,
             "threads": devices[0].threads if devices else None,
             "debug": debug,
-            "argv": list(sys.argv if argv is None else argv),
+            "argv": argv,
             "started_at": started_at,
         },
     }
-    write_json(Path(run_dir) / RUN_JSON, doc)
-    return doc
+
+
+def encoded(doc, name: str) -> bytes:
+    """The bytes of a JSON document the run is about to write, or an InputError naming it when
+    a value cannot be written (text with a lone surrogate is not UTF-8): encoded before the
+    run directory is created, so bad input never leaves a half-made directory behind."""
+    try:
+        return json_document(doc)
+    except (UnicodeEncodeError, msgspec.EncodeError) as err:
+        raise InputError(f"{name} cannot be written: a value is not valid text ({err})", name) from None
 
 
 def artifact(run_dir: str | Path, name: str) -> Path:

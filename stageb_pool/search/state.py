@@ -9,19 +9,18 @@ back to the byte length recorded there (so no partial iteration survives), and
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from ..stageb.errors import InputError
-from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import TrainPoolSampler
 from . import fileio, rundir
+from .settings import RunIdentity
 
 STATE_FILE = "state.json"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the identity compares inputs by content; the run's generation counts
 
 # Every append-only artifact of the search, relative to the run directory. Their byte
 # lengths go into state.json; a resume truncates them back to those lengths.
@@ -54,16 +53,23 @@ class SearchState(msgspec.Struct, forbid_unknown_fields=True):
     first_pool: list[str] = []
     baseline: dict[str, Any] = {}
     edits: list[dict[str, Any]] = []
+    # The run's generation counts at the commit and the chunks (cache keys) they cover, so a
+    # resumed run reports what an uninterrupted one would.
+    generations_done: int = 0
+    generations_saved: int = 0
+    chunks_used: list[str] = []
     version: int = STATE_VERSION
 
 
 def load_state(run_dir: Path) -> SearchState | None:
     """The committed state of ``run_dir``, or None when no iteration has completed."""
     path = Path(run_dir) / STATE_FILE
-    if not path.exists():
-        return None
     try:
         return fileio.read_json(path, type=SearchState)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise InputError(f"cannot resume: cannot read the search state ({err.strerror or err})", str(path)) from None
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise InputError(f"cannot resume: unreadable search state ({err})", str(path)) from err
 
@@ -97,26 +103,11 @@ def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]
                 f"cannot resume: {name} has {have} bytes but state.json committed {want}", str(path)
             )
         if have > want:
-            with open(path, "r+b") as f:
-                f.truncate(want)
-                f.flush()
-                os.fsync(f.fileno())
+            # Rewritten through a temporary file and a rename, never truncated in place: a
+            # crash here leaves the old or the cut file, and nothing a hard link shares changes.
+            fileio.atomic_write_bytes(path, fileio.read_prefix(path, want))
             removed[name] = have - want
     return removed
-
-
-def config_document(config) -> dict[str, Any]:
-    """The resolved config as plain data without ``output`` (where a run is written does
-    not change what it computes, so it is not part of the identity)."""
-    doc = msgspec.to_builtins(config)
-    doc.pop("output", None)
-    return doc
-
-
-def config_identity(config) -> str:
-    """The config hash used to refuse a resume with a different config (the hash of
-    :func:`config_document`)."""
-    return content_hash(config_document(config))  # == app.config.config_hash(config)
 
 
 def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -134,26 +125,28 @@ def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix or "<root>"]
 
 
-def preflight_resume(run_dir: Path, *, config, tickets) -> None:
+def preflight_resume(run_dir: Path, identity: RunIdentity) -> None:
     """For ``run_job``: refuse a ``--resume`` with a changed config or tickets before the
     pool starts or run.json is rewritten. The search checks again when it starts."""
     committed = load_state(run_dir)
     if committed is not None:
-        check_resumable(committed, config=config, tickets=tickets, run_dir=run_dir)
+        check_resumable(committed, identity, run_dir=run_dir)
 
 
-def check_resumable(state: SearchState, *, config, tickets, run_dir: Path) -> None:
+def check_resumable(state: SearchState, identity: RunIdentity, *, run_dir: Path) -> None:
     """Refuse (InputError) a resume whose config or tickets differ from the committed run."""
     location = str(Path(run_dir) / STATE_FILE)
     if state.version != STATE_VERSION:
-        raise InputError(f"cannot resume: state version {state.version}, expected {STATE_VERSION}", location)
-    current = config_document(config)
-    if config_identity(config) != state.config_hash:
-        keys = differing_keys(state.config, current) or ["<unknown>"]
+        raise InputError(f"cannot resume: state.json has version {state.version} (written by another stageb-pool "
+                         f"version), this one reads version {STATE_VERSION}: start the run again with --overwrite",
+                         location)
+    if identity.config_hash != state.config_hash:
+        keys = differing_keys(state.config, identity.config) or ["<unknown>"]
         raise InputError(
-            "cannot resume: the config differs from the interrupted run's at " + ", ".join(keys), location
+            "cannot resume: the config differs from the interrupted run's at " + ", ".join(keys)
+            + " (input files are compared by content)", location
         )
-    if tickets_hash(tickets) != state.tickets_hash:
+    if identity.tickets_hash != state.tickets_hash:
         raise InputError(
             "cannot resume: the tickets differ from the interrupted run's (stage_a_paths content or "
             "ticket_filter changed)",

@@ -5,11 +5,11 @@
 - ``source``: reading the YAML file and applying ``--set`` overrides (a raw mapping);
 - ``checks``: validating the raw mapping and translating errors into located InputErrors;
 - ``load``: ``load_config``, which resolves a config once (absolute paths, filled-in seeds)
-  into the frozen value the run uses, and the config hash.
+  into the frozen value the run uses.
 """
 
 from ...engine.records import SamplerConfig
-from .load import config_hash, load_config, replace_at, to_dict, with_mode
+from .load import config_document, load_config, replace_at, to_dict, with_mode
 from .schema import (
     LEGACY_KEYS,
     BootstrapConfig,
@@ -35,6 +35,6 @@ from .source import apply_override
 __all__ = [
     "LEGACY_KEYS", "BootstrapConfig", "Config", "DistillConfig", "EarlyStopConfig", "GateConfig", "GuidanceConfig",
     "IngestConfig", "ModelConfig", "OutputConfig", "PoolConfig", "PromptConfig", "RuleSearchConfig", "RunnerConfig",
-    "SamplerConfig", "TicketFilterConfig", "apply_override", "config_hash", "config_keys", "join_key",
+    "SamplerConfig", "TicketFilterConfig", "apply_override", "config_document", "config_keys", "join_key",
     "load_config", "replace_at", "struct_of", "to_dict", "with_mode",
 ]

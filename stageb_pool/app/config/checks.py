@@ -15,6 +15,7 @@ from typing import Any, get_args
 
 import msgspec
 
+from ...search.rundir import run_name_problem
 from ...stageb.errors import InputError
 from .schema import (
     DECODE_RANGES,
@@ -43,9 +44,8 @@ def validate(raw: dict, where: str) -> Config:
         raise translate(e, raw, where) from None
     check_samplers(cfg, where)
     check_domain(cfg, where)
-    run_name = cfg.output.run_name
-    require("/" not in run_name and "\\" not in run_name and run_name not in (".", ".."), "output.run_name",
-            f"must be a plain directory name, got {run_name!r}", where)
+    problem = run_name_problem(cfg.output.run_name)
+    require(problem is None, "output.run_name", f"{problem}, got {shown(cfg.output.run_name)}", where)
     return cfg
 
 

@@ -16,7 +16,6 @@ import msgspec
 
 from ...engine import models
 from ...stageb.errors import InputError
-from ...stageb.hashing import content_hash
 from ..upstream_config import Translation, is_upstream, translate
 from .checks import validate
 from .schema import Config
@@ -60,12 +59,10 @@ def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = Tr
     where, raw, translation = read_config(path, upstream_root=upstream_root)
     if translation is not None and announce:
         log.info("%s", translation.summary(where))
-        for warning in translation.warnings:
-            log.warning("%s: %s", where, warning)
     overridden = [apply_override(raw, assignment) for assignment in overrides]
     base = os.path.dirname(where) if translation is None else translation.root
     try:
-        cfg = _resolve_paths(_resolve_seeds(validate(raw, where)), base)
+        cfg = _resolve_paths(_resolve_seeds(_resolve_distillation(validate(raw, where), where)), base)
         if check_files:
             _check_files(cfg, where)
     except InputError as e:
@@ -109,12 +106,33 @@ def to_dict(cfg: Config) -> dict:
     return msgspec.to_builtins(cfg)
 
 
-def config_hash(cfg: Config) -> str:
-    """Content hash of the resolved config without ``output`` (where a run is written does not
-    change what it computes): ``--resume`` refuses a run directory whose hash differs."""
+def config_document(cfg: Config) -> dict:
+    """The resolved config without ``output`` (where a run is written does not change what
+    it computes), as plain data (``app/identity.py`` builds a resume's identity from it)."""
     data = to_dict(cfg)
     data.pop("output", None)
-    return content_hash(data)
+    return data
+
+
+_DISTILL_KEYS = ("distill_size", "distill_seed", "distill_temperature", "log_chatml_path")
+
+
+def _resolve_distillation(cfg: Config, where: str) -> Config:
+    """``stage_b_distillation.enabled`` as a bool: unset means on when ``distill_size`` is set
+    (upstream's default is on). No distillation setting is ignored: ``enabled: true`` needs a
+    ``distill_size``, and a setting of an export that is off is an error."""
+    dist = cfg.stage_b_distillation
+    if dist.enabled and dist.distill_size is None:
+        raise InputError("required when stage_b_distillation.enabled is true (the number of tickets to export)",
+                         f"{where}: stage_b_distillation.distill_size")
+    exporting = dist.distill_size is not None and dist.enabled is not False
+    if not exporting:
+        why = "enabled is false" if dist.enabled is False else "no distill_size is set"
+        for key in _DISTILL_KEYS:
+            if getattr(dist, key) is not None:
+                raise InputError(f"has no effect: the distillation export is off ({why}); remove it or turn "
+                                 "the export on", f"{where}: stage_b_distillation.{key}")
+    return replace_at(cfg, "stage_b_distillation.enabled", exporting)
 
 
 def _resolve_seeds(cfg: Config) -> Config:

@@ -144,7 +144,7 @@ class RuleSearchConfig(_Section, kw_only=True):
 
 
 class DistillConfig(_Section, kw_only=True):
-    enabled: bool = False  # export ChatML distillation data once, after the loop, with the final guidance
+    enabled: bool | None = None  # None: on when distill_size is set (upstream's default true); resolved to a bool
     log_chatml_path: str | None = None  # None: {run_dir}/distill_chatml.jsonl
     distill_size: Int(1, TICKETS) | None = None  # tickets to export; None: nothing is exported
     distill_seed: Seed | None = None  # ticket sampling seed; None: the top-level seed

@@ -1,0 +1,89 @@
+"""Where a run may write, checked before anything is written: never onto an input.
+
+A run writes inside its run directory, plus the distillation file when
+``stage_b_distillation.log_chatml_path`` puts it elsewhere (the one key documented to write
+outside). Before the run directory is touched, every input (tickets, guidance, the
+exclusion list, the proposer prompt, the prompt profile's folder, the config file) is
+resolved (symbolic links, hard links) and the run is refused, exit code 2, when
+
+- the distillation file would be one of those inputs, a directory, a file of the run
+  directory that the run writes itself, or inside the prompt profile's folder;
+- an input lies inside the run directory (``--overwrite`` deletes it, ``--resume`` may
+  rewrite it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..search import audit, rundir, state
+from ..search.distill import DISTILL_DEFAULT
+from ..search.guidance_store import GUIDANCE_FILE
+from ..stageb.errors import InputError
+from ..stageb.prompts import PROFILES_DIR
+
+# What a run writes inside its run directory besides the distillation file: files by name,
+# folders by name (anything below them).
+RUN_FILES = (rundir.RUN_JSON, rundir.SUMMARY_JSON, GUIDANCE_FILE, state.STATE_FILE, *state.APPEND_ARTIFACTS,
+             *audit.AUDIT_FILES)
+RUN_FOLDERS = ("snapshots", rundir.ROLLOUTS_DIR, "reflection_cache")
+
+
+def input_paths(config, config_path: str | None = None) -> list[tuple[str, str]]:
+    """``(key, path)`` of every input file or folder of the run."""
+    found = [(f"stage_a_paths[{i}]", p) for i, p in enumerate(config.stage_a_paths)]
+    found.append(("guidance.path", config.guidance.path))
+    if config.ticket_filter.exclude_ticket_keys_path is not None:
+        found.append(("ticket_filter.exclude_ticket_keys_path", config.ticket_filter.exclude_ticket_keys_path))
+    if config.rule_search.proposer_prompt_path is not None:
+        found.append(("rule_search.proposer_prompt_path", config.rule_search.proposer_prompt_path))
+    profile = config.prompt.profile
+    found.append(("prompt.profile", profile if os.path.isabs(profile) else str(Path(PROFILES_DIR) / profile)))
+    if config_path is not None:
+        found.append(("the config file", os.path.abspath(config_path)))
+    return found
+
+
+def check_outputs(config, run_dir: Path, *, config_path: str | None = None) -> None:
+    """Refuse (InputError) a run whose outputs could overwrite or delete an input."""
+    inputs = input_paths(config, config_path)
+    run_real = _real(run_dir)
+    for key, path in inputs:
+        if _inside(_real(path), run_real):
+            raise InputError(f"the input {path} ({key}) lies inside the run directory {run_dir}, which the run "
+                             "writes (and --overwrite deletes): move the input or choose another output.root/run_name",
+                             str(path))
+    chatml = config.stage_b_distillation.log_chatml_path
+    if chatml is None:
+        return
+    where = "stage_b_distillation.log_chatml_path"
+    real = _real(chatml)
+    if os.path.isdir(real):
+        raise InputError(f"{chatml} is a directory, not a file", where)
+    for key, path in inputs:
+        if _same(real, path) or (os.path.isdir(path) and _inside(real, _real(path))):
+            raise InputError(f"{chatml} is the input {path} ({key}): the export would overwrite it", where)
+    if _inside(real, run_real):
+        relative = os.path.relpath(real, run_real)
+        first = relative.split(os.sep)[0]
+        if relative != DISTILL_DEFAULT and (relative in RUN_FILES or first in RUN_FOLDERS):
+            raise InputError(f"{chatml} is a file the run itself writes ({relative})", where)
+
+
+def _real(path) -> str:
+    return os.path.realpath(os.fspath(path))
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _same(real: str, other: str) -> bool:
+    """The same file, also through a hard link (samefile compares device and inode)."""
+    if real == _real(other):
+        return True
+    try:
+        return os.path.samefile(real, other)
+    except OSError:  # one of them does not exist (yet)
+        return False

@@ -1,0 +1,85 @@
+"""The distillation export (upstream 3.9): tickets judged once under a guidance, written as
+ChatML conversations for fine-tuning, ``distill_chatml.jsonl`` by default.
+
+The rule search exports once, after the loop, with the final guidance (upstream exported
+after every non-stopping iteration); the audit exports after its rollout, with the run's
+guidance (as upstream's jump mode). Tickets: ``random.Random(distill_seed)``;
+``distill_size >= N`` shuffles them all, else ``rng.sample``. One sample per ticket from
+the train-grid entry at ``distill_temperature``; a ticket without a valid sample is
+skipped; whether the verdict matches the label is not checked (as upstream).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+
+from ..stageb.prompts import build_messages
+from .rollout import RolloutSpec
+from .rows import DistillRow
+
+DISTILL_DEFAULT = "distill_chatml.jsonl"
+
+
+def distill_sampler(train_sampler, temperature: float | None):
+    """The train-grid entry at ``temperature`` (None: the lowest train temperature), else the
+    closest entry with its temperature replaced; one sample."""
+    grid = list(train_sampler.grid)
+    if temperature is None:
+        temperature = min(d.temperature for d in grid)
+    exact = [d for d in grid if d.temperature == temperature]
+    if exact:
+        decode = exact[0]
+    else:
+        closest = min(grid, key=lambda d: abs(d.temperature - temperature))
+        decode = msgspec.structs.replace(closest, temperature=float(temperature))
+    return msgspec.structs.replace(train_sampler, grid=[decode], samples_per_decode=1)
+
+
+def distill_tickets(tickets: list, size: int, seed: int) -> list:
+    """The exported tickets, in export order."""
+    rng = random.Random(seed)
+    if size >= len(tickets):
+        tickets = list(tickets)
+        rng.shuffle(tickets)
+        return tickets
+    return rng.sample(tickets, size)
+
+
+def distill_rows(tickets: list, result, profile, guidance) -> list[DistillRow]:
+    """A conversation per ticket with a valid sample: the exact rollout system and user
+    messages plus ``Verdict: <word>\\nReason: <reason>``."""
+    rows = []
+    for t in tickets:
+        s = result.stats.get(t.key)
+        if s is None or not s.verdicts or s.verdicts[0] is None:
+            continue
+        word = profile.verdict.pass_text if s.verdicts[0] == "pass" else profile.verdict.fail_text
+        messages = build_messages(profile, guidance.experiences, t.text())
+        messages = [*messages, {"role": "assistant", "content": f"Verdict: {word}\nReason: {s.reasons[0]}"}]
+        rows.append(DistillRow(ticket_key=t.key, group_id=t.group_id, mission=t.mission, label=t.label,
+                               messages=messages))
+    return rows
+
+
+def export_distillation(recorder, *, tickets: list, guidance, settings, train_sampler, seed: int,
+                        log) -> dict | None:
+    """Run and write the export when ``settings`` (the stage_b_distillation section) asks for
+    it; returns the summary's ``distillation`` object (None when nothing was asked)."""
+    if not settings.enabled or not settings.distill_size:
+        log.info("distillation: off (stage_b_distillation.distill_size is not set, or enabled is false)")
+        return None
+    runner, run_dir = recorder.runner, recorder.run_dir
+    chosen = distill_tickets(list(tickets), settings.distill_size, settings.distill_seed)
+    spec = RolloutSpec(name="distill", seed_key=f"{seed}/distill", tickets=chosen,
+                       guidance=dict(guidance.experiences),
+                       sampler=distill_sampler(train_sampler, settings.distill_temperature))
+    result = recorder.wait([runner.submit(spec)])[0]
+    rows = distill_rows(chosen, result, runner.profile, guidance)
+    path = Path(settings.log_chatml_path) if settings.log_chatml_path else run_dir / DISTILL_DEFAULT
+    recorder.write_jsonl(path, rows)
+    log.info("distillation: %d of %d tickets exported to %s", len(rows), len(chosen), path)
+    return {"path": path.name if path.parent == run_dir else str(path), "tickets": len(chosen),
+            "rows": len(rows), "guidance_hash": guidance.hash}

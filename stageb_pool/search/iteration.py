@@ -1,0 +1,279 @@
+"""One rule-search iteration: ``run_iteration`` computes it and returns a frozen
+``IterationOutcome``; the loop (``rule_search.py``) writes its rows, applies its edit and
+commits. Every GPU is busy at each step:
+
+1. train baseline: the iteration's train pool under the current guidance;
+2. ONE gather: the proposer call (the ``reflect_size`` most confidently wrong tickets) and
+   the eval-pool baseline (served by the runner's cache while the guidance is unchanged);
+3. candidates: the proposer's answer extracted and validated (every rejection logged),
+   ablation ``remove`` candidates fill up to ``num_candidate_rules``, each previewed;
+   every candidate's train rollout in ONE gather;
+4. the gate on the tickets common to baseline and candidate; the passing candidates' eval
+   rollouts in ONE gather (optional eval veto);
+5. the choice: at most one edit, the largest RER (earliest on ties).
+
+A train pool's rollouts use a seed key that names the pool's tickets, never the guidance:
+baseline and candidates draw the same random numbers (common random numbers). The hard
+cases and the proposer failures are appended as they are found (a resume cuts them back).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..engine.records import ChatRequest, Decode
+from ..stageb import gate as gate_mod
+from ..stageb import proposer
+from ..stageb.gate import GateResult
+from ..stageb.guidance import Guidance, GuidanceError, apply_operation
+from ..stageb.hashing import content_hash
+from ..stageb.tickets import Ticket
+from ..stageb.verdicts import Metrics, compute_metrics
+from . import rows
+from .rollout import ChatFailure, RolloutResult, RolloutSpec
+from .rundir import HARD_CASES, PROPOSER_FAILURES, utc_timestamp
+
+
+class IterationInput(msgspec.Struct, frozen=True, kw_only=True):
+    iteration: int
+    guidance: Guidance  # the current guidance G
+    pool: list[Ticket]  # the train pool, in train-list order
+    eval_pool: list[Ticket]  # the fixed eval pool (may be empty)
+    rejected_ids: frozenset[str]  # candidates rejected earlier in the run
+
+
+class Evaluated(msgspec.Struct, frozen=True, kw_only=True):
+    """One candidate after its rollouts, the gate and the decision."""
+
+    index: int  # 1-based position in the iteration (upstream candidate_index)
+    candidate: proposer.Candidate
+    guidance: Guidance  # the previewed guidance after the edit
+    reflection_id: str
+    train: RolloutResult
+    gate: GateResult
+    train_metrics: Metrics  # the candidate on the train tickets common with the baseline
+    eval: RolloutResult | None = None  # gate passes only
+    # The eval baseline and the candidate on the eval tickets both judged (an overlength drop
+    # can differ between them): the eval columns and the eval veto compare these two.
+    eval_base_metrics: Metrics | None = None
+    eval_metrics: Metrics | None = None
+    eval_acc_drop: float | None = None
+    decision: str = "rejected"  # promoted | rejected | rejected_eval_veto
+    reason: str | None = None
+    applied: bool = False
+
+
+class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    iteration: int
+    guidance: Guidance  # the guidance the iteration started from
+    pool_keys: list[str]
+    base_metrics: Metrics  # the train baseline on the whole pool
+    eval_base_metrics: Metrics | None
+    example_keys: list[str]  # the tickets shown to the proposer
+    candidates: list[Evaluated]
+    applied: Evaluated | None  # the edit to apply (one of ``candidates``)
+    rejected_ids: list[str]  # this iteration's candidates that were not promoted
+
+    @property
+    def new_guidance(self) -> Guidance:
+        return self.applied.guidance if self.applied is not None else self.guidance
+
+
+def pool_seed_key(seed: int, tickets) -> str:
+    """A train pool's identity: run seed + the hash of its ticket keys (not the guidance)."""
+    return f"{seed}/train/{content_hash([t.key for t in tickets])}"
+
+
+def rollout_spec(name: str, seed_key: str, tickets, guidance: Guidance, sampler) -> RolloutSpec:
+    return RolloutSpec(name=name, seed_key=seed_key, tickets=list(tickets), guidance=dict(guidance.experiences),
+                       sampler=sampler)
+
+
+def eval_spec(name: str, settings, eval_pool, guidance: Guidance) -> RolloutSpec:
+    return rollout_spec(name, f"{settings.seed}/eval", eval_pool, guidance, settings.rule_search.eval_sampler)
+
+
+def common_metrics(base_stats: dict, cand_stats: dict) -> tuple[Metrics, Metrics]:
+    """Metrics of both rollouts on the tickets present in both (sorted keys)."""
+    keys = [k for k in base_stats if k in cand_stats]
+    return compute_metrics([base_stats[k] for k in keys]), compute_metrics([cand_stats[k] for k in keys])
+
+
+def run_iteration(inp: IterationInput, settings, recorder, log) -> IterationOutcome:
+    """Compute one iteration; append its hard cases and proposer failures on the way."""
+    rs, it, g, runner = settings.rule_search, inp.iteration, inp.guidance, recorder.runner
+    seed_key = pool_seed_key(settings.seed, inp.pool)
+    log.info("iteration %d: %d train tickets, guidance step %d (%s)", it, len(inp.pool), g.step, g.hash)
+    base = recorder.wait([runner.submit(
+        rollout_spec(f"train/it{it}/base", seed_key, inp.pool, g, rs.train_sampler))])[0]
+    recorder.append(HARD_CASES, rows.hard_case_rows(
+        base.stats, iteration=it, sampler="train", limit=max(100, 4 * rs.reflect_size),
+        mission=settings.mission, guidance_hash=g.hash, now=utc_timestamp()))
+    outcome = IterationOutcome(iteration=it, guidance=g, pool_keys=[t.key for t in inp.pool],
+                               base_metrics=compute_metrics(base.stats), eval_base_metrics=None,
+                               example_keys=[], candidates=[], applied=None, rejected_ids=[])
+    if not base.stats:
+        log.warning("iteration %d: every train ticket was dropped as overlength", it)
+        return outcome
+    examples = proposer.select_examples(base.stats, {t.key: t for t in inp.pool}, rs.reflect_size)
+    example_keys = [stats.key for stats, _ in examples]
+    chat, eval_base = _propose_and_eval_baseline(inp, settings, recorder, examples)
+    if isinstance(chat, ChatFailure):
+        log.warning("iteration %d: the proposer call failed (%s); no proposer candidates", it, chat.error)
+    failures = Failures(it, settings.mission, len(examples))
+    proposed = _parse_proposals(inp, settings, runner, chat, example_keys, failures)
+    previews = _previews(inp, settings, proposed, example_keys, failures)
+    recorder.append(PROPOSER_FAILURES, failures.rows)
+    evaluated = _evaluate(inp, settings, recorder, seed_key, base, eval_base, previews)
+    evaluated, applied = _choose(evaluated)
+    return msgspec.structs.replace(
+        outcome, eval_base_metrics=compute_metrics(eval_base.stats) if eval_base is not None else None,
+        example_keys=example_keys, candidates=evaluated, applied=applied,
+        rejected_ids=sorted({c.candidate.candidate_id for c in evaluated if c.decision != "promoted"}))
+
+
+# ----------------------------------------------------------------------------- proposer
+
+
+class Failures:
+    """The proposer failure rows of one iteration, in the order they are found."""
+
+    def __init__(self, iteration: int, mission: str, examples: int):
+        self.iteration, self.mission, self.examples = iteration, mission, examples
+        self.rows: list[rows.ProposerFailureRow] = []
+
+    def add(self, error: str, *, stage: str, chat=None, raw: str | None = None, **entry) -> None:
+        self.rows.append(rows.failure_row(
+            iteration=self.iteration, mission=self.mission,
+            examples=chat.examples_used if chat is not None else self.examples,
+            prompt_tokens=chat.prompt_tokens if chat is not None else None,
+            error=error, stage=stage, raw=raw, **entry))
+
+
+def _proposer_request(inp: IterationInput, settings, profile, examples) -> ChatRequest:
+    rs = settings.rule_search
+    decode = Decode(temperature=rs.proposer_temperature, top_p=rs.proposer_top_p,
+                    max_new_tokens=rs.proposer_max_new_tokens,
+                    repetition_penalty=rs.proposer_repetition_penalty, seed=settings.seed)
+    prompt = proposer.build_proposer_prompt(settings.proposer_system, settings.mission, inp.guidance, examples,
+                                            lang=proposer.proposer_language(profile.verdict))
+    return ChatRequest(**msgspec.structs.asdict(prompt), decode=decode,
+                       seed_key=f"{settings.seed}/proposer/it{inp.iteration}",
+                       max_prompt_tokens=rs.proposer_max_prompt_tokens)
+
+
+def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, examples):
+    """One gather: the proposer call and the eval baseline share the workers. The chat is
+    submitted first, so it starts at once on the first free worker. No examples (nothing
+    wrong): no proposer call."""
+    runner = recorder.runner
+    chat = runner.submit_chat(_proposer_request(inp, settings, runner.profile, examples)) if examples else None
+    ev = (runner.submit(eval_spec(f"eval/it{inp.iteration}/base", settings, inp.eval_pool, inp.guidance))
+          if inp.eval_pool else None)
+    pendings = [p for p in (chat, ev) if p is not None]
+    results = recorder.wait(pendings, "proposer") if pendings else []
+    return (results[0] if chat is not None else None), (results[-1] if ev is not None else None)
+
+
+def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str],
+                     failures: Failures) -> list[proposer.Candidate]:
+    """The proposer's valid candidates; every failure and rejection becomes a failure row.
+    A proposer call that raised leaves the iteration with no proposer candidates (the
+    ablation fill still runs), as upstream."""
+    if chat is None:
+        return []
+    if isinstance(chat, ChatFailure):
+        failures.add(chat.error, stage="generate")
+        return []
+    if chat.text is None:
+        failures.add("prompt_overlength", stage="prompt", chat=chat)
+        return []
+    try:
+        obj = proposer.extract_json(chat.text)
+        accepted, rejections = proposer.parse_candidates(
+            obj, inp.guidance, vocab=runner.profile.verdict, rejected_ids=set(inp.rejected_ids),
+            limit=settings.rule_search.num_candidate_rules, evidence=example_keys)
+    except ValueError as err:
+        failures.add(str(err), stage="parse", chat=chat, raw=chat.text)
+        return []
+    for rejection in rejections:
+        entry = {k: v for k, v in rejection.items() if k != "reason"}
+        failures.add(rejection.get("reason") or "rejected", stage="validate", chat=chat, raw=chat.text, **entry)
+    return accepted
+
+
+def _previews(inp: IterationInput, settings, proposed: list, example_keys: list[str],
+              failures: Failures) -> list[tuple]:
+    """Proposer candidates, then ablation removes up to ``num_candidate_rules``, as
+    ``(index, candidate, previewed guidance, reflection id)``; a candidate whose edit cannot
+    apply is logged and skipped."""
+    g, it = inp.guidance, inp.iteration
+    taken = set(inp.rejected_ids) | {c.candidate_id for c in proposed}
+    missing = settings.rule_search.num_candidate_rules - len(proposed)
+    ablations = proposer.ablation_candidates(g, rejected_ids=taken, limit=missing) if missing > 0 else []
+    now = utc_timestamp()
+    out = []
+    for cand in [*proposed, *ablations]:
+        rid = proposer.reflection_id(g.hash, it, cand.candidate_id)
+        op = msgspec.structs.replace(cand.operation, evidence=example_keys)
+        try:
+            preview = apply_operation(g, op, now=now, reflection_id=rid)
+        except GuidanceError as err:
+            failures.add(f"cannot apply: {err}", stage="preview", candidate_id=cand.candidate_id)
+            continue
+        out.append((len(out) + 1, cand, preview, rid))
+    return out
+
+
+# ----------------------------------------------------------------------------- A/B evaluation
+
+
+def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: RolloutResult,
+              eval_base: RolloutResult | None, previews: list[tuple]) -> list[Evaluated]:
+    """All candidates' train rollouts in one gather, the gate, then the passing ones' eval
+    rollouts in one gather and the optional eval veto."""
+    if not previews:
+        return []
+    rs, it, runner = settings.rule_search, inp.iteration, recorder.runner
+    pendings = [runner.submit(rollout_spec(f"train/it{it}/cand{index}", seed_key, inp.pool, preview,
+                                           rs.train_sampler))
+                for index, _, preview, _ in previews]
+    trains = recorder.wait(pendings)
+    evaluated = []
+    with recorder.phase("gate"):
+        for (index, cand, preview, rid), train in zip(previews, trains):
+            gate = gate_mod.evaluate_gate(base.stats, train.stats, op=cand.op, gate=rs.gate, iteration=it,
+                                          bootstrap_seed=rs.gate.bootstrap.seed)
+            evaluated.append(Evaluated(
+                index=index, candidate=cand, guidance=preview, reflection_id=rid, train=train, gate=gate,
+                train_metrics=common_metrics(base.stats, train.stats)[1],
+                decision="promoted" if gate.passed else "rejected", reason=gate.reason))
+    passing = [c for c in evaluated if c.gate.passed]
+    if not passing or eval_base is None:
+        return evaluated
+    pendings = [runner.submit(eval_spec(f"eval/it{it}/cand{c.index}", settings, inp.eval_pool, c.guidance))
+                for c in passing]
+    vetted = {c.index: _eval_veto(c, eval_base, result, rs.gate.eval_max_acc_drop)
+              for c, result in zip(passing, recorder.wait(pendings))}
+    return [vetted.get(c.index, c) for c in evaluated]
+
+
+def _eval_veto(c: Evaluated, eval_base: RolloutResult, result: RolloutResult, max_drop: float | None) -> Evaluated:
+    """The candidate with its eval rollout, the accuracy drop on the common eval tickets, and
+    the veto when the drop exceeds ``gate.eval_max_acc_drop``."""
+    base_m, cand_m = common_metrics(eval_base.stats, result.stats)
+    vetoed, drop = gate_mod.eval_veto(base_m.acc if base_m.n else None, cand_m.acc if cand_m.n else None, max_drop)
+    changes = {"eval": result, "eval_base_metrics": base_m, "eval_metrics": cand_m, "eval_acc_drop": drop}
+    if vetoed:
+        changes.update(decision="rejected_eval_veto", reason=f"eval accuracy drop {drop:.3f} > {max_drop:.3f}")
+    return msgspec.structs.replace(c, **changes)
+
+
+def _choose(evaluated: list[Evaluated]) -> tuple[list[Evaluated], Evaluated | None]:
+    """The promoted candidate with the largest RER (earliest on ties), marked ``applied``."""
+    promoted = [c for c in evaluated if c.decision == "promoted"]
+    best = gate_mod.select_best([c.gate for c in promoted])
+    if best is None:
+        return evaluated, None
+    applied = msgspec.structs.replace(promoted[best], applied=True)
+    return [applied if c.index == applied.index else c for c in evaluated], applied

@@ -1,0 +1,78 @@
+"""The rule search's summary: the final metrics, ``summary.json``'s content and the lines
+printed on stdout."""
+
+from __future__ import annotations
+
+import sys
+
+from ..stageb.verdicts import compute_metrics
+from .iteration import eval_spec, pool_seed_key, rollout_spec
+
+
+def brief(metrics) -> dict | None:
+    """The summary's view of a Metrics."""
+    if metrics is None:
+        return None
+    return {"n": metrics.n, "acc": metrics.acc, "fp_rate": metrics.fp_rate, "fn_rate": metrics.fn_rate}
+
+
+def final_metrics(recorder, settings, guidance, *, first_pool: list, eval_pool: list, iterations: int) -> dict:
+    """The final guidance on the first train pool (same seed key: the comparison with the
+    baseline is paired) and on the eval pool; both usually come from the runner's cache."""
+    out = {"train": None, "eval": None}
+    runner, pendings = recorder.runner, []
+    if first_pool:
+        pendings.append(("train", runner.submit(rollout_spec(
+            "final/train", pool_seed_key(settings.seed, first_pool), first_pool, guidance,
+            settings.rule_search.train_sampler))))
+    if eval_pool and iterations:
+        pendings.append(("eval", runner.submit(eval_spec("final/eval", settings, eval_pool, guidance))))
+    if pendings:
+        results = recorder.wait([p for _, p in pendings])
+        for (name, _), result in zip(pendings, results):
+            out[name] = brief(compute_metrics(result.stats))
+    return out
+
+
+def search_summary(state, settings, guidance, *, final: dict, distillation: dict | None, n_train: int,
+                   n_eval: int, runner, timing: dict) -> dict:
+    """``summary.json`` of the rule search (``job.write_summary`` adds the job's timing and
+    the per-worker throughput)."""
+    return {
+        "mode": "search",
+        "mission": settings.mission,
+        "iterations": state.iteration,
+        "stop_reason": state.stop_reason,
+        "edits_accepted": len(state.edits),
+        "edits": list(state.edits),
+        "guidance_step": guidance.step,
+        "guidance_hash": guidance.hash,
+        "train_pool": {"n_train": n_train, "size": state.sampler.size},
+        "eval_pool": {"n": n_eval},
+        "baseline": state.baseline or {"train": None, "eval": None},
+        "final": final,
+        "rejected_candidates": len(state.rejected_ids),
+        "distillation": distillation,
+        # The run's counts (continued from state.json on resume); this process's are in timing.
+        "generations_done": runner.run_done,
+        "generations_saved": runner.run_saved,
+        "timing": timing,  # volatile (wall clock)
+    }
+
+
+def print_summary(summary: dict) -> None:
+    """A few human lines on stdout (the full record is summary.json)."""
+    base, final = summary["baseline"], summary["final"]
+
+    def fmt(m):
+        return f"acc {m['acc']:.3f} fp {m['fp_rate']:.3f} (n={m['n']})" if m else "-"
+
+    lines = [
+        f"rule search: {summary['iterations']} iterations, stop: {summary['stop_reason']}, "
+        f"{len(summary['edits'])} edits accepted, guidance step {summary['guidance_step']}",
+        *(f"  it{e['iteration']}: {e['candidate_id']} (RER {e['relative_error_reduction']:.3f})" for e in summary["edits"]),
+        f"  train: baseline {fmt(base.get('train'))} -> final {fmt(final.get('train'))}",
+        f"  eval:  baseline {fmt(base.get('eval'))} -> final {fmt(final.get('eval'))}",
+        f"  generations: {summary['generations_done']} done, {summary['generations_saved']} saved by the cache",
+    ]
+    print("\n".join(lines), file=sys.stdout, flush=True)
