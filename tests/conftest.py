@@ -2,8 +2,10 @@
 
 import os
 import signal
+from datetime import timedelta
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 # Never touch a hub, and keep fast tokenizers from starting a thread pool in this process
 # (it forks pool workers later; tokenizers would warn and disable itself in each child).
@@ -19,6 +21,18 @@ os.environ["MKL_NUM_THREADS"] = "1"
 # exec, so those subprocesses would never see the interrupt. Python's own handler is reset
 # to the default at exec, so installing it here gives every subprocess a normal Ctrl-C.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# The fuzz suite (tests/test_fuzz.py): the same examples on every run and machine
+# (derandomized, no example database written into the checkout), a fixed budget, and a
+# deadline far above an example's few milliseconds so that a loaded 2-core machine never turns
+# slowness into a failure; hangs are caught by the tests' own time bound. Another profile:
+# HYPOTHESIS_PROFILE=explore (random examples, more of them) to look for new failures.
+settings.register_profile("ci", derandomize=True, database=None, max_examples=200, deadline=timedelta(seconds=20),
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+settings.register_profile("explore", database=None, max_examples=2000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -314,3 +314,54 @@ def test_parent_side_cli_does_not_import_torch():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# --- upstream's launcher flags --------------------------------------------------------------
+
+
+def test_upstream_launcher_flags_work(fake_job, project):
+    calls = fake_job(lambda: 0)
+    cfg = str(project / "c.yaml")
+    assert cli.main(["--config", cfg, "--gpus", "cpu", "--jump-reflection", "--log-level", "logging",
+                     "--step", "all"]) == 0
+    assert calls[-1][2]["audit"] is True and calls[-1][2]["debug"] is False
+    assert cli.logging.getLogger().level == cli.logging.INFO  # upstream's "logging" is info
+    assert cli.main(["check", "--config", cfg]) == 0
+
+
+def test_upstream_debug_flag_is_not_the_log_level(fake_job, project, capsys):
+    # ours runs one worker inline; upstream's only raised the log level: the run says so
+    calls = fake_job(lambda: 0)
+    assert cli.main(["--gpus", "cpu", str(project / "c.yaml"), "--debug"]) == 0
+    assert calls[-1][2]["debug"] is True
+    assert "upstream's --debug, the log level alone, is --log-level debug" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--gpus", "cpu", "c.yaml", "--config", "c.yaml"], ["once"]),
+    (["run", "--gpus", "cpu"], ["CONFIG file is needed"]),
+    (["--gpus", "cpu", "c.yaml", "--step", "reflect"], ["--step"]),
+    (["import-config"], ["CONFIG file is needed"]),
+])
+def test_config_flag_errors(args, words, project):
+    assert_one_line_error(run_cli(*args, cwd=project), 2, *words)
+
+
+def test_upstream_config_through_the_cli(tmp_path):
+    """The smoke config of upstream, from its repository root (the current directory) and from
+    elsewhere with --upstream-root; check prints the plan of the translated config."""
+    import shutil
+
+    root = tmp_path / "qwen3-vl"
+    shutil.copytree(REPO / "tests" / "data" / "upstream", root)
+    proc = run_cli("check", "configs/smoke/stage_b_tiny.yaml", "--set", "model.path=tiny", cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert "upstream Stage-B config, translated" in proc.stderr and "bbu_rru (language zh, domain bbu)" in proc.stdout
+    proc = run_cli("check", str(root / "configs/smoke/stage_b_tiny.yaml"), "--set", "model.path=tiny", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    info, error = proc.stderr.strip().splitlines()  # the translation names the directory it used
+    assert f"relative paths from {tmp_path})" in info
+    assert "stage_a_paths[0]: file not found" in error and str(tmp_path / "output_post") in error
+    proc = run_cli("check", str(root / "configs/smoke/stage_b_tiny.yaml"), "--upstream-root", str(root),
+                   "--set", "model.path=tiny", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr

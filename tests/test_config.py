@@ -187,7 +187,7 @@ KEY_ERRORS = [
     ("negative fraction", BASE, ("rule_search.gate.max_changed_fraction=-0.1",), "rule_search.gate.max_changed_fraction", ">= 0"),
     ("top_p zero", BASE, ("rule_search.proposer_top_p=0",), "rule_search.proposer_top_p", "> 0"),
     ("negative decode temperature", BASE, ("rule_search.eval_sampler.grid.0.temperature=-0.5",),
-     "rule_search.eval_sampler.grid[0].temperature", ">= 0"),
+     "rule_search.eval_sampler.grid[0].temperature", "[0, 100]"),
     ("decode top_p above 1", BASE, ("rule_search.train_sampler.grid.0.top_p=1.5",), "rule_search.train_sampler.grid[0].top_p", "(0, 1]"),
     ("empty grid", BASE, ("rule_search.train_sampler.grid=[]",), "rule_search.train_sampler.grid", "length >= 1"),
     ("bad enum", BASE + "mode: jump\n", (), "mode", "'search', 'audit'"),
@@ -223,14 +223,13 @@ def test_missing_nested_required_key(cfgdir):
 
 
 LEGACY = [
-    ("model:\n  model_name_or_path: /m\n", "model.model_name_or_path", "model.path"),
     ("model:\n  torch_dtype: bfloat16\n", "model.torch_dtype", "model.dtype"),
     ("model:\n  device_map: auto\n", "model.device_map", "--gpus"),
     ("jump_reflection: true\n", "jump_reflection", "mode: audit"),
     ("runner:\n  per_rank_rollout_batch_size: 16\n", "runner.per_rank_rollout_batch_size", "runner.chunk_size"),
     ("reflection:\n  batch_size: 4\n", "reflection", "no longer used"),
-    ("default_domain: bbu\n", "default_domain", "prompt.domain"),
-    ("domain_map: {}\n", "domain_map", "prompt.domain"),
+    ("default_domain: bbu\n", "default_domain", "prompt.domain, with prompt.profile: bbu_rru"),
+    ("domain_map: {}\n", "domain_map", "prompt.domain_map, with prompt.profile: bbu_rru"),
     ("max_token_length: 12000\n", "max_token_length", "proposer_max_prompt_tokens"),
 ]
 
@@ -240,6 +239,30 @@ def test_legacy_keys_say_what_replaced_them(cfgdir, extra, key, words):
     err = error_of(cfgdir, BASE + extra)
     assert err.location.endswith(f"c.yaml: {key}")
     assert "legacy key" in err.message and words in err.message
+
+
+def test_model_name_or_path_marks_an_upstream_config(cfgdir, monkeypatch):
+    # upstream's required model key: the config is read in upstream's schema (translated), so
+    # it must hold upstream's other required keys too
+    monkeypatch.chdir(cfgdir)
+    err = error_of(cfgdir, BASE + "model:\n  model_name_or_path: /m\n")
+    assert err.location.endswith("c.yaml: runner") and "upstream's loader requires it too" in err.message
+
+
+@pytest.mark.parametrize("override,key", [("prompt.domain=bbu", "prompt.domain"),
+                                          ("prompt.domain_map={M: rru}", "prompt.domain_map")])
+def test_a_domain_with_the_generic_profile_is_an_error(cfgdir, override, key):
+    # the generic profile has one English prompt: a BBU mission would silently get it
+    err = error_of(cfgdir, BASE, [override])
+    assert err.location.endswith(f"c.yaml: {key}") and "prompt.profile: bbu_rru" in err.message
+    cfg = load(cfgdir, overrides=[override, "prompt.profile=bbu_rru"])
+    assert cfg.prompt.domain_for("M") in ("bbu", "rru")
+
+
+def test_domain_map_comes_before_domain(cfgdir):
+    cfg = load(cfgdir, overrides=["prompt.profile=bbu_rru", "prompt.domain=bbu", "prompt.domain_map={RRU线缆: rru}"])
+    assert (cfg.prompt.domain_for("RRU线缆"), cfg.prompt.domain_for("BBU接地线检查")) == ("rru", "bbu")
+    assert load(cfgdir).prompt.domain_for("RRU线缆") is None  # the profile decides
 
 
 def test_legacy_gate_min_changed_fraction(cfgdir):
@@ -296,7 +319,7 @@ def test_non_utf8_config(cfgdir):
     path.write_bytes(b"seed: \xff\n")
     with pytest.raises(InputError) as info:
         load_config(path)
-    assert info.value.location == str(path) and "UTF-8" in info.value.message
+    assert info.value.location == f"{path}:1:7" and "UTF-8" in info.value.message
 
 
 @pytest.mark.parametrize("key,override", [
@@ -373,13 +396,14 @@ def test_bbu_line_config_is_valid():
 # --- schema <-> docs -------------------------------------------------------------------------
 
 
-def _doc_rows() -> dict[str, str]:
-    """``| `key` | type | default | meaning |`` rows of docs/usage.md: key -> default cell."""
+def _doc_rows(column: int = 2) -> dict[str, str]:
+    """``| `key` | type | default | meaning |`` rows of docs/usage.md: key -> the default cell
+    (``column`` 1: the type cell)."""
     rows = {}
     for line in (REPO / "docs" / "usage.md").read_text().splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         if len(cells) >= 4 and cells[0].startswith("`") and cells[0].endswith("`"):
-            rows[cells[0].strip("`")] = cells[2]
+            rows[cells[0].strip("`")] = cells[column]
     return rows
 
 
@@ -403,6 +427,17 @@ def test_every_config_key_is_documented_with_its_default():
             assert cell == "required", f"{doc}: docs say {cell!r}, schema: required"
         else:
             assert yaml.safe_load(cell) == default, f"{doc}: docs say {cell!r}, schema default {default!r}"
+
+
+def test_every_numeric_key_has_its_range_documented():
+    from stageb_pool.app.config.checks import range_text
+    from stageb_pool.app.config.schema import range_of
+
+    types = _doc_rows(column=1)
+    numeric = [(key, range_of(key)) for key, _ in config_keys() if range_of(key) is not None]
+    assert len(numeric) > 30
+    for key, meta in numeric:
+        assert f"in {range_text(meta)}" in types[_doc_key(key)], f"{key}: docs say {types[_doc_key(key)]!r}"
 
 
 def test_docs_list_no_keys_the_schema_lacks():

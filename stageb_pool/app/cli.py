@@ -1,13 +1,19 @@
-"""The ``stageb-pool`` command: run, check and diff.
+"""The ``stageb-pool`` command: run, check, diff and import-config.
 
     stageb-pool [run] --gpus SPEC CONFIG [--audit] [--resume | --overwrite] [--debug | --ray ADDRESS]
-                      [--log-level LEVEL] [--set key.path=value ...]
-    stageb-pool check CONFIG [--audit] [--set key.path=value ...]
+                      [--log-level LEVEL] [--upstream-root DIR] [--set key.path=value ...]
+    stageb-pool check CONFIG [--audit] [--upstream-root DIR] [--set key.path=value ...]
     stageb-pool diff RUN_A RUN_B [--max N]
+    stageb-pool import-config UPSTREAM_CONFIG [--upstream-root DIR] [-o FILE]
     stageb-pool --version
 
+CONFIG is ours or an upstream Stage-B config (translated, see app/upstream_config.py); the
+flags of upstream's launcher work too: ``--config FILE``, ``--jump-reflection`` (= ``--audit``),
+``--log-level logging`` (= ``info``), ``--step all``.
+
 Exit codes: 0 done, 1 run failed (a worker error; for diff: the runs differ), 2 bad input
-(config, tickets, guidance, arguments), 130 interrupted. Errors are one line on stderr.
+(config, tickets, guidance, arguments), 130 interrupted. Errors are one line on stderr, at
+most ``MAX_ERROR_CHARS`` long.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import sys
 
 from .. import __version__
@@ -23,8 +30,10 @@ from ..search.fileio import OutputError
 from ..stageb.errors import InputError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-COMMANDS = ("run", "check", "diff")
+COMMANDS = ("run", "check", "diff", "import-config")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+UPSTREAM_LOG_LEVELS = {"logging": "info"}  # upstream's launcher spells info "logging"
+MAX_ERROR_CHARS = 2000  # an error quoting a huge value must not flood the terminal
 log = logging.getLogger("stageb_pool")
 
 
@@ -42,22 +51,48 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
 
 
+_LINE_BREAKING = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def capped(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` as one printable line: control and line-break characters (a key or path may hold
+    them) escaped, cut to ``limit`` characters saying how much was left out."""
+    text = _LINE_BREAKING.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                              else f"\\u{ord(m.group()):04x}", text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 def _add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override one config key (value read as YAML); repeatable")
+
+
+def _add_config(p: argparse.ArgumentParser, *, audit: bool = True) -> None:
+    p.add_argument("config", metavar="CONFIG", nargs="?", help="YAML config file (ours or an upstream Stage-B config)")
+    p.add_argument("--config", dest="config_flag", metavar="CONFIG", help="the same as CONFIG (upstream's flag)")
+    p.add_argument("--upstream-root", metavar="DIR",
+                   help="for an upstream Stage-B config: the directory its relative paths are relative to "
+                        "(default: the current directory, as upstream's launcher: its repository root)")
+    if audit:
+        p.add_argument("--audit", "--jump-reflection", dest="audit", action="store_true",
+                       help="baseline audit only (same as mode: audit; --jump-reflection is upstream's name)")
+
+
+def _log_level(text: str) -> str:
+    level = text.lower()
+    return UPSTREAM_LOG_LEVELS.get(level, level)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stageb-pool", description="Stage-B rule search and audit on N GPUs.",
                      epilog="The word 'run' may be left out: stageb-pool --gpus 0-7 config.yaml")
     parser.add_argument("--version", action="version", version=f"stageb-pool {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{run,check,diff}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{run,check,diff,import-config}", parser_class=_Parser)
 
     run = sub.add_parser("run", help="run the rule search (or the baseline audit with --audit)")
-    run.add_argument("config", metavar="CONFIG", help="YAML config file")
+    _add_config(run)
     run.add_argument("--gpus", required=True, metavar="SPEC",
                      help="devices: 0-7, 0,2,5, 0, cpu (one CPU worker) or cpu:N")
-    run.add_argument("--audit", action="store_true", help="baseline audit only (same as mode: audit)")
     again = run.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the run directory from its last completed iteration")
     again.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
@@ -66,14 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--ray", metavar="ADDRESS",
                        help="run the workers as Ray actors across a cluster: auto (the cluster `ray start` "
                             "started), local (a new one on this machine) or HOST:PORT; --gpus is then a GPU count")
-    run.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
-                     help="logging verbosity on stderr (default: info; debug adds worker tracebacks)")
+    run.add_argument("--log-level", default="info", type=_log_level, choices=LOG_LEVELS,
+                     help="logging verbosity on stderr (default: info; debug adds worker tracebacks; "
+                          "upstream's 'logging' means info)")
+    run.add_argument("--step", choices=["all"], help="accepted for upstream's launcher: its only step, all")
     _add_set(run)
 
     check = sub.add_parser("check", help="validate a config and its inputs and show what a run would do (no model)")
-    check.add_argument("config", metavar="CONFIG", help="YAML config file")
-    check.add_argument("--audit", action="store_true", help="describe the baseline audit instead of the rule search")
+    _add_config(check)
     _add_set(check)
+
+    imp = sub.add_parser("import-config", help="write an upstream Stage-B config as a stageb-pool config")
+    _add_config(imp, audit=False)
+    imp.add_argument("-o", "--output", metavar="FILE",
+                     help="write to FILE (a new file; relative paths written relative to its folder) instead of "
+                          "stdout (absolute paths)")
 
     diff = sub.add_parser("diff", help="compare two run directories, ignoring the volatile fields")
     diff.add_argument("run_a", metavar="RUN_A")
@@ -102,23 +144,64 @@ def setup_logging(level: str) -> None:
     root.setLevel(getattr(logging, level.upper()))
 
 
+def config_path(args) -> str:
+    """CONFIG, given as the positional argument or with upstream's ``--config``."""
+    if args.config and args.config_flag:
+        raise UsageError("give the config once: as CONFIG or with --config", f"stageb-pool {args.command}")
+    path = args.config or args.config_flag
+    if not path:
+        raise UsageError("a CONFIG file is needed", f"stageb-pool {args.command}")
+    return path
+
+
 def cmd_run(args) -> int:
     from .config import load_config
     from .job import resolve_devices, run_job
 
     devices = resolve_devices(args.gpus, ray=args.ray is not None)
-    config = load_config(args.config, args.overrides)
+    path = config_path(args)
+    config = load_config(path, args.overrides, upstream_root=args.upstream_root)
+    if args.debug:
+        log.info("--debug: one worker, inline in this process (upstream's --debug, the log level alone, "
+                 "is --log-level debug)")
 
     return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug,
-                   config_path=args.config, ray_address=args.ray)
+                   config_path=path, ray_address=args.ray)
 
 
 def cmd_check(args) -> int:
-    print(describe(args.config, args.overrides, audit=args.audit))
+    print(describe(config_path(args), args.overrides, audit=args.audit, upstream_root=args.upstream_root))
     return EXIT_OK
 
 
-def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
+def cmd_import_config(args) -> int:
+    """Write the stageb-pool config equivalent to an upstream Stage-B config."""
+    from ..search.fileio import atomic_write_bytes
+    from .config import load_config
+    from .config.load import read_config
+    from .config_yaml import native_yaml
+
+    source = config_path(args)
+    where, _, translation = read_config(source, upstream_root=args.upstream_root)
+    if translation is None:
+        raise InputError("not an upstream Stage-B config (it has no model.model_name_or_path): it is already "
+                         "a stageb-pool config", where)
+    load_config(source, upstream_root=args.upstream_root, check_files=False, announce=False)  # a run's checks
+    if args.output is None:
+        sys.stdout.write(native_yaml(translation, where))
+        return EXIT_OK
+    out = os.path.abspath(args.output)
+    if os.path.lexists(out):
+        raise InputError("exists; import-config writes a new file (remove it first)", out)
+    try:
+        atomic_write_bytes(out, native_yaml(translation, where, out_dir=os.path.dirname(out)).encode())
+    except OSError as err:
+        raise InputError(f"cannot write it: {err.strerror or err}", out) from None
+    print(f"wrote {out}", file=sys.stderr)
+    return EXIT_OK
+
+
+def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_root: str | None = None) -> str:
     """Validate the config and every input a run reads (without loading a model) and
     describe what the run would do. Raises InputError like the run itself would."""
     from ..search.distill import DISTILL_DEFAULT
@@ -129,7 +212,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False) -> str:
     from .job import load_inputs
     from .outputs import check_outputs
 
-    cfg = with_mode(load_config(config_path, overrides), audit)
+    cfg = with_mode(load_config(config_path, overrides, upstream_root=upstream_root), audit)
     inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
     tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
@@ -222,6 +305,9 @@ def cmd_diff(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     level = "info"
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 must print, not crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         parser = build_parser()
         args = parser.parse_args(_with_default_command(argv))
@@ -231,12 +317,13 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INPUT
         level = getattr(args, "log_level", "info")
         setup_logging(level)
-        return {"run": cmd_run, "check": cmd_check, "diff": cmd_diff}[args.command](args)
+        commands = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "import-config": cmd_import_config}
+        return commands[args.command](args)
     except UsageError as err:
-        print(err, file=sys.stderr)
+        print(capped(str(err)), file=sys.stderr)
         return EXIT_INPUT
     except InputError as err:
-        print(f"stageb-pool: error: {err}", file=sys.stderr)
+        print(capped(f"stageb-pool: error: {err}"), file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:
         print("stageb-pool: interrupted", file=sys.stderr)

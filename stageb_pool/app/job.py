@@ -59,7 +59,7 @@ def load_inputs(config) -> _Inputs:
     # The mission (from the tickets) picks the profile's domain, and the profile may ask
     # for upstream's BBU summary clean-up (bbu_rru), applied to the tickets already loaded.
     mission = ingest.tickets[0].mission
-    profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain)
+    profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain_for(mission))
     if profile.options.bbu_cleanup:
         ingest = msgspec.structs.replace(ingest, tickets=tickets_mod.bbu_clean_tickets(ingest.tickets))
     model_path = models.check_model_path(config.model.path)

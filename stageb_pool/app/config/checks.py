@@ -18,6 +18,8 @@ import msgspec
 from ...search.rundir import run_name_problem
 from ...stageb.errors import InputError
 from .schema import (
+    DECODE_RANGES,
+    SAMPLER_RANGES,
     Config,
     fields_of,
     join_key,
@@ -34,15 +36,16 @@ def validate(raw: dict, where: str) -> Config:
     """Keys, types and ranges of the raw mapping -> Config (paths not yet resolved)."""
     if isinstance(raw.get("stage_a_paths"), str):
         raw["stage_a_paths"] = [raw["stage_a_paths"]]
+    check_values(raw, "", where)
     check_keys(raw, Config, "", where)
-    check_finite(raw, "", where)
     try:
         cfg = msgspec.convert(raw, Config, strict=True)
     except msgspec.ValidationError as e:
         raise translate(e, raw, where) from None
-    check_decodes(cfg, where)
+    check_samplers(cfg, where)
+    check_domain(cfg, where)
     problem = run_name_problem(cfg.output.run_name)
-    require(problem is None, "output.run_name", f"{problem}, got {cfg.output.run_name!r}", where)
+    require(problem is None, "output.run_name", f"{problem}, got {shown(cfg.output.run_name)}", where)
     return cfg
 
 
@@ -99,12 +102,27 @@ def translate(err: msgspec.ValidationError, raw: Any, where: str) -> InputError:
     if text.startswith("Expected "):
         text = "expected " + text[len("Expected ") :]
     if "enum value" in text and key:
-        text = f"invalid value {value!r}: expected one of {_choices(key)}"
+        text = f"invalid value {shown(value)}: expected one of {_choices(key)}"
     elif value is not None or "got `null`" not in msg:
-        text = f"{text}, got {value!r}" if ", got" not in text else f"{text} ({value!r})"
-        if isinstance(value, str) and "float" in text and _looks_numeric(value):
-            text += " (write a number without quotes)"
+        text = f"{text}, got {shown(value)}" if ", got" not in text else f"{text} ({shown(value)})"
+        text += _hint(value, text)
     return InputError(text, f"{where}: {key or '(top level)'}")
+
+
+_YAML11 = re.compile(r"[-+]?(?:0[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+|[0-9][0-9_]*_[0-9_]*)")
+
+
+def _hint(value: Any, text: str) -> str:
+    """Why a text value was not read as the number or boolean it may look like."""
+    if not isinstance(value, str):
+        return ""
+    if "bool" in text and value.lower() in ("yes", "no", "on", "off", "y", "n"):
+        return " (YAML 1.1 read it as a boolean; write true or false)"
+    if ("int" in text or "float" in text) and _YAML11.fullmatch(value.strip()):
+        return " (YAML 1.1 read it as an octal, hexadecimal or base-60 number; write the plain decimal number)"
+    if ("float" in text or "int" in text) and _looks_numeric(value):
+        return " (write a number without quotes)"
+    return ""
 
 
 def _looks_numeric(text: str) -> bool:
@@ -119,16 +137,48 @@ def _choices(key: str) -> str:
     return ", ".join(repr(a) for a in get_args(strip_annotated(type_at(key))))
 
 
-def check_decodes(cfg: Config, where: str) -> None:
-    """Ranges of the sampling grid entries (records.Decode carries no constraints itself)."""
+def check_samplers(cfg: Config, where: str) -> None:
+    """Ranges of the samplers and their grid entries (engine.records declares them without)."""
     for sampler_name in ("train_sampler", "eval_sampler"):
         sampler = getattr(cfg.rule_search, sampler_name)
-        for i, d in enumerate(sampler.grid):
-            key = f"rule_search.{sampler_name}.grid[{i}]"
-            require(d.temperature >= 0, f"{key}.temperature", f"must be >= 0, got {d.temperature!r}", where)
-            require(0 < d.top_p <= 1, f"{key}.top_p", f"must be in (0, 1], got {d.top_p!r}", where)
-            require(d.max_new_tokens >= 1, f"{key}.max_new_tokens", f"must be >= 1, got {d.max_new_tokens!r}", where)
-            require(d.repetition_penalty > 0, f"{key}.repetition_penalty", f"must be > 0, got {d.repetition_penalty!r}", where)
+        key = f"rule_search.{sampler_name}"
+        for name, meta in SAMPLER_RANGES.items():
+            check_range(getattr(sampler, name), meta, f"{key}.{name}", where)
+        for i, decode in enumerate(sampler.grid):
+            for name, meta in DECODE_RANGES.items():
+                check_range(getattr(decode, name), meta, f"{key}.grid[{i}].{name}", where)
+
+
+def check_range(value, meta: msgspec.Meta, key: str, where: str) -> None:
+    """``value`` (None passes) within the bounds of ``meta``, else a located InputError."""
+    if value is None:
+        return
+    low_ok = (meta.ge is None or value >= meta.ge) and (meta.gt is None or value > meta.gt)
+    high_ok = (meta.le is None or value <= meta.le) and (meta.lt is None or value < meta.lt)
+    require(low_ok and high_ok, key, f"must be in {range_text(meta)}, got {value!r}", where)
+
+
+def range_text(meta: msgspec.Meta) -> str:
+    """``[1, 1000]``, ``(0, 1]`` or ``[-2^63, 2^63-1]``: a Meta's bounds as docs/usage.md writes them."""
+    low = f"[{_number(meta.ge)}" if meta.gt is None else f"({_number(meta.gt)}"
+    high = f"{_number(meta.le)}]" if meta.lt is None else f"{_number(meta.lt)})"
+    return f"{low}, {high}"
+
+
+def _number(x) -> str:
+    names = {-(2**63): "-2^63", 2**63 - 1: "2^63-1"}
+    if x in names and isinstance(x, int):
+        return names[x]
+    return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
+
+
+def check_domain(cfg: Config, where: str) -> None:
+    """A domain needs a profile that has domains: the generic profile would silently use its
+    one English prompt for a BBU mission."""
+    if cfg.prompt.profile == "generic" and (cfg.prompt.domain is not None or cfg.prompt.domain_map):
+        key = "prompt.domain" if cfg.prompt.domain is not None else "prompt.domain_map"
+        raise InputError("the generic profile has no domains: set prompt.profile: bbu_rru (upstream's BBU/RRU "
+                         "prompts) or a profile directory of your own", f"{where}: {key}")
 
 
 def require(ok: bool, key: str, message: str, where: str) -> None:
@@ -137,13 +187,36 @@ def require(ok: bool, key: str, message: str, where: str) -> None:
         raise InputError(message, f"{where}: {key}")
 
 
-def check_finite(value: Any, path: str, where: str) -> None:
-    """NaN and infinity pass msgspec's unconstrained float fields; no key wants them."""
+def check_values(value: Any, path: str, where: str) -> None:
+    """Values no key wants, anywhere in the raw mapping: NaN and infinity (they pass msgspec's
+    float fields), and text no file or path can hold (see ``check_text``)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise InputError(f"must be a finite number, got {value!r}", f"{where}: {path}")
-    if isinstance(value, dict):
+    if isinstance(value, str):
+        check_text(value, path, where)
+    elif isinstance(value, dict):
         for k, v in value.items():
-            check_finite(v, join_key(path, str(k)), where)
+            if isinstance(k, str):
+                check_text(k, path or "(top level)", where)
+            check_values(v, join_key(path, str(k)), where)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            check_finite(v, f"{path}[{i}]", where)
+            check_values(v, f"{path}[{i}]", where)
+
+
+_UNWRITABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def check_text(text: str, path: str, where: str) -> None:
+    """A NUL character (no path or name can hold one: the OS refuses it) or a lone surrogate
+    (YAML's ``"\\ud800"``: no UTF-8 file can store it, so run.json could not be written)."""
+    m = _UNWRITABLE.search(text)
+    if m:
+        what = "a NUL character" if m.group() == "\x00" else "a lone surrogate"
+        raise InputError(f"text with {what} (at character {m.start()}) is not allowed", f"{where}: {path}")
+
+
+def shown(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error quotes what it refuses, never megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -1,48 +1,91 @@
 """``load_config``: a config file (plus ``--set`` overrides) -> the run's frozen, resolved Config.
 
 Resolution happens here and only here: every path is made absolute (relative to the config
-file), the seeds that default to the top-level seed (the bootstrap's, the distillation's)
-are filled in, and input files are checked to exist. Callees read plain values from the
-result and never resolve a default again.
+file, or for an upstream config to the launch directory), the seeds that default to the
+top-level seed (the bootstrap's, the distillation's) are filled in, and input files are
+checked to exist. Callees read plain values from the result and never resolve a default again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 
 import msgspec
 
+from ...engine import models
 from ...stageb.errors import InputError
+from ..upstream_config import Translation, is_upstream, translate
 from .checks import validate
 from .schema import Config
 from .source import apply_override, read_yaml
 
+log = logging.getLogger("stageb_pool")
 
-def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True) -> Config:
-    """Read, validate and resolve a config file.
 
-    ``overrides`` are ``"a.b.c=value"`` strings (the CLI's ``--set``), applied to the YAML
-    mapping before validation. ``check_files=False`` skips the existence checks of input
-    files (for validating example configs on another machine). Raises ``InputError``.
-    """
+def read_config(path: str | os.PathLike, *, upstream_root: str | None = None) -> tuple[str, dict, Translation | None]:
+    """The config file as ``(absolute path, raw mapping in our schema, translation)``; an
+    upstream Stage-B config is translated (``translation`` says how), with its relative paths
+    resolved against ``upstream_root`` (default: the current directory, as upstream)."""
     where = os.path.abspath(os.fspath(path))
     raw = read_yaml(where)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise InputError(f"the config must be a YAML mapping of keys, not a {type(raw).__name__}", where)
+    if not is_upstream(raw):
+        if upstream_root is not None:
+            raise InputError(f"{where} is a stageb-pool config (its relative paths are relative to its own folder); "
+                             "the launch directory applies to upstream Stage-B configs only", "--upstream-root")
+        return where, raw, None
+    root = os.getcwd() if upstream_root is None else os.path.abspath(upstream_root)
+    if not os.path.isdir(root):
+        raise InputError(f"not a directory: {root}", "--upstream-root")
+    translation = translate(raw, where, root)
+    return where, translation.native, translation
+
+
+def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True,
+                upstream_root: str | None = None, announce: bool = True) -> Config:
+    """Read, validate and resolve a config file (ours, or upstream's Stage-B schema, which is
+    translated: see ``app.upstream_config``).
+
+    ``overrides`` are ``"a.b.c=value"`` strings (the CLI's ``--set``, always in our schema),
+    applied to the mapping before validation. ``check_files=False`` skips the existence checks
+    of input files (for validating example configs on another machine). ``announce`` logs the
+    one line that says an upstream config was translated. Raises ``InputError``.
+    """
+    where, raw, translation = read_config(path, upstream_root=upstream_root)
+    if translation is not None and announce:
+        log.info("%s", translation.summary(where))
     overridden = [apply_override(raw, assignment) for assignment in overrides]
+    base = os.path.dirname(where) if translation is None else translation.root
     try:
-        cfg = _resolve_distillation(validate(raw, where), where)
+        cfg = _resolve_paths(_resolve_seeds(_resolve_distillation(validate(raw, where), where)), base)
+        if check_files:
+            _check_files(cfg, where)
     except InputError as e:
         key = (e.location or "").partition(": ")[2]
-        if any(key == k or key.startswith((k + ".", k + "[")) for k in overridden):
+        if any(_under(key, k) for k in overridden):
             e.message += " (value from --set)"
+        elif translation is not None:
+            _locate_upstream(e, key, translation, where)
         raise
-    cfg = _resolve_paths(_resolve_seeds(cfg), os.path.dirname(where))
-    if check_files:
-        _check_files(cfg, where)
     return cfg
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith((prefix + ".", prefix + "["))
+
+
+def _locate_upstream(err: InputError, key: str, translation: Translation, where: str) -> None:
+    """An error about a translated key names the upstream key it came from."""
+    ours = max((k for k in translation.origin if _under(key, k)), key=len, default=None)
+    if ours is None or translation.origin[ours] == ours:
+        return
+    err.location = f"{where}: {translation.origin[ours]}{key[len(ours):]}"
+    err.message += f" (read as {key})"
 
 
 def with_mode(cfg: Config, audit: bool) -> Config:
@@ -136,7 +179,8 @@ def _resolve_paths(cfg: Config, base: str) -> Config:
 
 
 def _check_files(cfg: Config, where: str) -> None:
-    """Input files must exist before a run starts (nothing is created for a missing input)."""
+    """Input files must be regular files before a run starts (nothing is created for a missing
+    input, and a FIFO is never opened: it would block the run forever)."""
     wanted = [(f"stage_a_paths[{i}]", p) for i, p in enumerate(cfg.stage_a_paths)]
     wanted.append(("guidance.path", cfg.guidance.path))
     if cfg.rule_search.proposer_prompt_path is not None:
@@ -144,8 +188,25 @@ def _check_files(cfg: Config, where: str) -> None:
     if cfg.ticket_filter.exclude_ticket_keys_path is not None:
         wanted.append(("ticket_filter.exclude_ticket_keys_path", cfg.ticket_filter.exclude_ticket_keys_path))
     for key, path in wanted:
-        if not os.path.isfile(path):
-            what = "is a directory, not a file" if os.path.isdir(path) else "file not found"
-            raise InputError(f"{what}: {path}", f"{where}: {key}")
+        problem = _not_a_regular_file(path)
+        if problem:
+            raise InputError(f"{problem}: {path}", f"{where}: {key}")
     if os.path.isabs(cfg.prompt.profile) and not os.path.isdir(cfg.prompt.profile):
         raise InputError(f"prompt profile directory not found: {cfg.prompt.profile}", f"{where}: prompt.profile")
+    try:
+        models.check_model_path(cfg.model.path)
+    except InputError as err:
+        raise InputError(f"{err.message}: {cfg.model.path}", f"{where}: model.path") from None
+
+
+def _not_a_regular_file(path: str) -> str | None:
+    """Why ``path`` cannot be read as an input file (None: it can), from ``os.stat`` alone."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "file not found"
+    except OSError as err:
+        return f"cannot read it ({err.strerror or err})"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    return None if stat.S_ISREG(mode) else "not a regular file (a FIFO, socket or device would block or fail)"

@@ -20,13 +20,35 @@ from msgspec import Meta
 from ...engine.records import SamplerConfig, VllmSettings
 
 # Constrained scalar types: msgspec checks these while converting and reports the key path.
-PosInt = Annotated[int, Meta(ge=1)]
-NonNegInt = Annotated[int, Meta(ge=0)]
-PosFloat = Annotated[float, Meta(gt=0)]
-NonNegFloat = Annotated[float, Meta(ge=0)]
-Probability = Annotated[float, Meta(ge=0, le=1)]
-TopP = Annotated[float, Meta(gt=0, le=1)]
+# Every number has an upper bound too: a value past it is a typo or an attack (a timeout of
+# 1e300 overflows the event loop, a billion bootstrap iterations run for hours), never a plan.
+TOKENS = 1_000_000_000  # prompt budgets: upstream's production configs set 120,000,000 ("no limit")
+TICKETS = 100_000_000  # pool and export sizes
+WEEK = 7 * 24 * 3600.0  # timeouts, in seconds
+
+
+def Int(lo: int, hi: int):
+    return Annotated[int, Meta(ge=lo, le=hi)]
+
+
+def Float(lo: float, hi: float, *, open_low: bool = False):
+    return Annotated[float, Meta(gt=lo, le=hi)] if open_low else Annotated[float, Meta(ge=lo, le=hi)]
+
+
+Seed = Int(-(2**63), 2**63 - 1)  # any 64-bit integer
+Probability = Float(0, 1)
+Temperature = Float(0, 100)
+Penalty = Float(0, 100, open_low=True)
+TopP = Float(0, 1, open_low=True)
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
+
+# The sampler's fields are declared in engine.records (the wire schema, without ranges); their
+# config ranges are here, checked by checks.check_samplers and documented like the others.
+SAMPLER_RANGES: dict[str, Meta] = {"samples_per_decode": Meta(ge=1, le=1000), "max_prompt_tokens": Meta(ge=1, le=TOKENS)}
+DECODE_RANGES: dict[str, Meta] = {
+    "temperature": Meta(ge=0, le=100), "top_p": Meta(gt=0, le=1), "max_new_tokens": Meta(ge=1, le=1_000_000),
+    "repetition_penalty": Meta(gt=0, le=100), "seed": Meta(ge=-(2**63), le=2**63 - 1),
+}
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -47,11 +69,17 @@ class ModelConfig(_Section, kw_only=True):
 class PromptConfig(_Section, kw_only=True):
     profile: NonEmptyStr = "generic"  # a profile name under configs/prompts/ or a profile directory path
     domain: str | None = None  # domain hint for profiles that have one (bbu_rru: "bbu" | "rru"); None: from the mission
+    domain_map: dict[str, NonEmptyStr] = {}  # mission -> domain, before `domain` (upstream's domain_map)
+
+    def domain_for(self, mission: str) -> str | None:
+        """The domain a run of ``mission`` uses: ``domain_map[mission]``, else ``domain`` (None:
+        the profile derives it from the mission name)."""
+        return self.domain_map.get(mission, self.domain)
 
 
 class GuidanceConfig(_Section, kw_only=True):
     path: NonEmptyStr  # seed guidance JSON (mission-keyed); copied into the run directory at start
-    retention: PosInt = 5  # guidance snapshots kept in the run directory
+    retention: Int(1, 1000) = 5  # guidance snapshots kept in the run directory
 
 
 class OutputConfig(_Section, kw_only=True):
@@ -70,25 +98,25 @@ class TicketFilterConfig(_Section, kw_only=True):
 
 
 class PoolConfig(_Section, kw_only=True):
-    task_timeout: PosFloat = 600.0  # seconds a worker may spend on one request before it counts as stalled
-    start_timeout: PosFloat = 900.0  # seconds a worker may take to start and load its model
-    max_restarts: NonNegInt = 0  # worker replacements (with the work retried) before the run fails
+    task_timeout: Float(0, WEEK, open_low=True) = 600.0  # seconds a worker may spend on one request before it counts as stalled
+    start_timeout: Float(0, WEEK, open_low=True) = 900.0  # seconds a worker may take to start and load its model
+    max_restarts: Int(0, 1000) = 0  # worker replacements (with the work retried) before the run fails
 
 
 class RunnerConfig(_Section, kw_only=True):
-    epochs: PosInt = 10  # rule-search iteration budget
-    chunk_size: PosInt = 16  # tickets per work item sent to a worker; generation seeds are per chunk, so it is part of the result
-    logging_steps: PosInt = 256  # audit mode: a baseline_metrics_steps.jsonl row every this many tickets
+    epochs: Int(1, 10_000) = 10  # rule-search iteration budget
+    chunk_size: Int(1, 4096) = 16  # tickets per work item sent to a worker; generation seeds are per chunk, so it is part of the result
+    logging_steps: Int(1, TICKETS) = 256  # audit mode: a baseline_metrics_steps.jsonl row every this many tickets
 
 
 class BootstrapConfig(_Section, kw_only=True):
-    iterations: PosInt = 200  # paired ticket-level bootstrap resamples
+    iterations: Int(1, 10_000) = 200  # paired ticket-level bootstrap resamples
     min_prob: Probability = 0.8  # required P(RER* >= min_relative_error_reduction)
-    seed: int | None = None  # bootstrap RNG base (plus the iteration); None: the top-level seed
+    seed: Seed | None = None  # bootstrap RNG base (plus the iteration); None: the top-level seed
 
 
 class GateConfig(_Section, kw_only=True):
-    min_relative_error_reduction: NonNegFloat = 0.1  # tau: required relative error reduction on the train pool
+    min_relative_error_reduction: Probability = 0.1  # tau: required relative error reduction on the train pool
     max_changed_fraction: Probability = 0.05  # churn cap: fraction of tickets whose majority may change (0 means 0)
     max_fp_rate_increase: Probability = 0.01  # largest allowed rise of the false-release rate, for every op
     bootstrap: BootstrapConfig = msgspec.field(default_factory=BootstrapConfig)
@@ -96,21 +124,21 @@ class GateConfig(_Section, kw_only=True):
 
 
 class EarlyStopConfig(_Section, kw_only=True):
-    patience: PosInt = 3  # stop after this many consecutive iterations without an accepted edit
+    patience: Int(1, 10_000) = 3  # stop after this many consecutive iterations without an accepted edit
 
 
 class RuleSearchConfig(_Section, kw_only=True):
     proposer_prompt_path: NonEmptyStr | None = None  # proposer system prompt file; None: the prompt profile's proposer.txt
-    proposer_temperature: NonNegFloat = 0.4
+    proposer_temperature: Temperature = 0.4
     proposer_top_p: TopP = 0.9
-    proposer_repetition_penalty: PosFloat = 1.05
-    proposer_max_new_tokens: PosInt = 2048
-    proposer_max_prompt_tokens: PosInt = 4096  # examples are dropped from the end until the prompt fits
-    reflect_size: PosInt = 16  # confidently wrong tickets shown to the proposer
-    num_candidate_rules: PosInt = 3  # candidates per iteration (proposer, then ablation fill)
-    train_pool_size: PosInt = 512  # tickets per iteration's train pool
-    train_pool_fraction: Annotated[float, Meta(gt=0, le=1)] | None = None  # overrides the size: round(N_train * f)
-    eval_pool_size: NonNegInt = 128  # fixed stratified eval pool (0: no eval pool)
+    proposer_repetition_penalty: Penalty = 1.05
+    proposer_max_new_tokens: Int(1, 1_000_000) = 2048
+    proposer_max_prompt_tokens: Int(1, TOKENS) = 4096  # examples are dropped from the end until the prompt fits
+    reflect_size: Int(1, 10_000) = 16  # confidently wrong tickets shown to the proposer
+    num_candidate_rules: Int(1, 100) = 3  # candidates per iteration (proposer, then ablation fill)
+    train_pool_size: Int(1, TICKETS) = 512  # tickets per iteration's train pool
+    train_pool_fraction: Float(0, 1, open_low=True) | None = None  # overrides the size: round(N_train * f)
+    eval_pool_size: Int(0, TICKETS) = 128  # fixed stratified eval pool (0: no eval pool)
     gate: GateConfig = msgspec.field(default_factory=GateConfig)
     early_stop: EarlyStopConfig = msgspec.field(default_factory=EarlyStopConfig)
     train_sampler: SamplerConfig  # train baseline and candidate rollouts; also the audit rollout
@@ -120,13 +148,13 @@ class RuleSearchConfig(_Section, kw_only=True):
 class DistillConfig(_Section, kw_only=True):
     enabled: bool | None = None  # None: on when distill_size is set (upstream's default true); resolved to a bool
     log_chatml_path: str | None = None  # None: {run_dir}/distill_chatml.jsonl
-    distill_size: PosInt | None = None  # tickets to export; None: nothing is exported
-    distill_seed: int | None = None  # ticket sampling seed; None: the top-level seed
-    distill_temperature: NonNegFloat | None = None  # None: the lowest train-grid temperature
+    distill_size: Int(1, TICKETS) | None = None  # tickets to export; None: nothing is exported
+    distill_seed: Seed | None = None  # ticket sampling seed; None: the top-level seed
+    distill_temperature: Temperature | None = None  # None: the lowest train-grid temperature
 
 
 class Config(_Section, kw_only=True):
-    seed: int  # the run seed: pools, generation seeds and the bootstrap derive from it
+    seed: Seed  # the run seed: pools, generation seeds and the bootstrap derive from it
     stage_a_paths: Annotated[list[NonEmptyStr], Meta(min_length=1)]  # Stage-A JSONL ticket files (a single string is accepted)
     mode: Literal["search", "audit"] = "search"  # rule search, or the baseline audit (also: --audit)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -148,8 +176,9 @@ LEGACY_KEYS: dict[str, str] = {
     "model.device_map": "no longer needed: each GPU runs its own worker with a full model (choose GPUs with --gpus)",
     "model.attn_impl": "replaced by model.attn_implementation",
     "jump_reflection": "replaced by mode: audit (or the --audit flag)",
-    "default_domain": "replaced by prompt.domain",
-    "domain_map": "replaced by prompt.domain (one mission per run)",
+    "default_domain": "replaced by prompt.domain, with prompt.profile: bbu_rru (the default profile, generic, "
+    "has no domains)",
+    "domain_map": "replaced by prompt.domain_map, with prompt.profile: bbu_rru",
     "max_token_length": "replaced by rule_search.train_sampler.max_prompt_tokens / "
     "rule_search.eval_sampler.max_prompt_tokens and rule_search.proposer_max_prompt_tokens",
     "reflection": "section no longer used: the proposer is configured by the rule_search.proposer_* keys",
@@ -226,9 +255,10 @@ def unknown_key_message(path: str, key: str, valid: list[str]) -> str:
     legacy = LEGACY_KEYS.get(legacy_name(full))
     if legacy:
         return f"legacy key {full!r}: {legacy}"
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5) if len(key) <= 100 else []
     hint = f"; did you mean {join_key(path, close[0])!r}?" if close else f"; valid keys here: {', '.join(valid)}"
-    return f"unknown key {full!r}{hint}"
+    shown = repr(full) if len(full) <= 200 else f"{full[:200]!r}... ({len(full)} characters)"
+    return f"unknown key {shown}{hint}"
 
 
 def is_union(tp) -> bool:
@@ -249,6 +279,21 @@ def type_at(path: str):
         tp = fields_of(struct)[part].type
         struct = struct_of(tp) or struct
     return tp
+
+
+def range_of(key: str) -> Meta | None:
+    """The bounds of a numeric key (``runner.epochs``, ``rule_search.train_sampler.grid[].seed``),
+    None for a key that is not a number. Used by the checks' messages and the docs test."""
+    m = re.match(r"^rule_search\.(?:train|eval)_sampler\.(grid\[\]\.)?(\w+)$", key)
+    if m:
+        return (DECODE_RANGES if m.group(1) else SAMPLER_RANGES).get(m.group(2))
+    return _meta_of(type_at(key))
+
+
+def _meta_of(tp) -> Meta | None:
+    if get_origin(tp) is Annotated:
+        return next((a for a in get_args(tp)[1:] if isinstance(a, Meta) and (a.ge, a.gt, a.le) != (None,) * 3), None)
+    return first_in_union(tp, _meta_of)
 
 
 def config_keys(struct: type = Config, prefix: str = "") -> list[tuple[str, Any]]:

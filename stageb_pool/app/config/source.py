@@ -3,6 +3,16 @@
 Nothing here knows about ranges or types; it turns text into the raw mapping that
 ``checks.validate`` then checks against the schema. Errors are ``InputError`` located as
 ``file:line`` (YAML syntax) or ``--set`` (an override).
+
+The YAML reader is PyYAML's safe loader with its traps removed:
+
+- scalars resolve by YAML 1.2's core rules, not 1.1's: ``010``, ``1:30``, ``0x1f``, ``yes`` and
+  ``on`` stay text (1.1 reads 8, 90, 31 and true), so a key that wants a number or a boolean
+  refuses them with its key path instead of running with a surprise; ``1e-3`` is a number;
+- a key given twice is an error (PyYAML keeps the last value silently);
+- nesting deeper than ``MAX_DEPTH`` and aliases that expand to more than ``MAX_VALUES``
+  values (a "billion laughs") or into themselves are errors, found on the parsed node graph
+  before anything is built; an integer past Python's 4,300-digit limit is an error too.
 """
 
 from __future__ import annotations
@@ -12,50 +22,143 @@ from typing import Any
 
 import yaml
 
+from ...stageb import inputs
 from ...stageb.errors import InputError
 from .schema import Config, fields_of, join_key, list_item, struct_of, type_at, unknown_key_message
 
-
-class _Loader(yaml.SafeLoader):
-    """safe_load with two traps fixed: duplicate keys are errors (PyYAML keeps the last one
-    silently) and ``1e-3`` is a float (YAML 1.1 reads it as a string)."""
+MAX_DEPTH = 100  # a config nests about 6 deep
+MAX_VALUES = 100_000  # a config holds a few hundred values, aliases expanded
 
 
-def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if not isinstance(key, (str, int, float, bool)):
-            continue  # only scalar keys are tracked; construct_mapping rejects unhashable ones
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark
-            )
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
+class _Resolver(yaml.resolver.BaseResolver):
+    """YAML 1.2 core schema resolution of plain scalars (no octal, sexagesimal, yes/no, dates),
+    except that an integer with a leading zero stays text: 1.1 would read ``010`` as 8, 1.2 as
+    10, and nobody can tell which the author meant."""
+
+    yaml_implicit_resolvers: dict = {}
 
 
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+for tag, pattern, first in (
+    ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+    ("int", r"[-+]?(?:0|[1-9][0-9]*)", "-+0123456789"),
+    ("float", (r"[-+]?(?:(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"), "-+0123456789."),
+    ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+    ("merge", r"<<", "<"),
+):
+    _Resolver.add_implicit_resolver(f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first))
+
+
+class _Loader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
+              yaml.constructor.SafeConstructor, _Resolver):
+    """The safe loader with the checks of this module (see the module docstring)."""
+
+    def __init__(self, stream):
+        yaml.reader.Reader.__init__(self, stream)
+        yaml.scanner.Scanner.__init__(self)
+        yaml.parser.Parser.__init__(self)
+        yaml.composer.Composer.__init__(self)
+        yaml.constructor.SafeConstructor.__init__(self)
+        _Resolver.__init__(self)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self):
+        node = super().compose_document()
+        _check_expansion(node)
+        return node
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: construct_mapping refuses it with its own message
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first + 1})"[:300], key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # Python converts at most 4,300 digits
+            digits = sum(c.isdigit() for c in node.value)
+            raise yaml.constructor.ConstructorError(None, None, f"an integer of {digits} digits is not a "
+                                                    "usable number", node.start_mark) from None
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.construct_mapping)
+
+
+def _check_expansion(root) -> None:
+    """Refuse a node graph whose aliases loop or expand past MAX_VALUES values or MAX_DEPTH
+    levels. Sizes are computed once per node, so a billion laughs costs a few steps."""
+    if root is None:
+        return
+    size: dict[int, tuple[int, int]] = {}  # id(node) -> (values, depth) once done
+    open_nodes: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            open_nodes.discard(key)
+            parts = [size[id(c)] for c in _children(node)]
+            values, depth = 1 + sum(p[0] for p in parts), 1 + max((p[1] for p in parts), default=0)
+            if values > MAX_VALUES or depth > MAX_DEPTH:
+                what = f"{MAX_VALUES} values" if values > MAX_VALUES else f"{MAX_DEPTH} levels"
+                raise yaml.composer.ComposerError(None, None, f"aliases expand this to more than {what}",
+                                                  node.start_mark)
+            size[key] = (values, depth)
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:
+            raise yaml.composer.ComposerError(None, None, "an alias refers to the node that contains it",
+                                              node.start_mark)
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in size)
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def load_yaml(text: str) -> Any:
+    """One YAML document by the rules of this module (raises ``yaml.YAMLError``)."""
+    return yaml.load(text, Loader=_Loader)  # a SafeConstructor loader: no Python objects
 
 
 def read_yaml(path: str) -> Any:
-    """The YAML document of the file at ``path`` (located InputError when it cannot be read)."""
+    """The YAML document of the config file at ``path`` (located InputError when it cannot be
+    read). Only a regular file is opened (a FIFO would block forever); a leading byte-order
+    mark is removed, as in every input (stageb.inputs)."""
+    text = inputs.decode_utf8(inputs.read_bytes(path, "config file"), path)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise InputError("config file not found", path) from None
-    except OSError as e:
-        raise InputError(f"cannot read config file: {e.strerror}", path) from None
-    try:
-        return yaml.load(data.decode("utf-8-sig"), Loader=_Loader)
-    except UnicodeDecodeError as e:
-        raise InputError(f"not UTF-8 text (byte {e.start})", path) from None
+        return load_yaml(text)
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow, e.g. a NUL byte
+        line, _ = inputs.line_col(text, e.position)
+        code = e.character if isinstance(e.character, int) else ord(e.character)
+        raise InputError(f"invalid YAML: character {code:#06x} is not allowed", f"{path}:{line}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         problem = getattr(e, "problem", None) or str(e)
@@ -70,16 +173,17 @@ def apply_override(raw: dict, assignment: str) -> str:
     """Apply one ``--set a.b.c=value`` to the raw mapping (the value is read as YAML) and
     return the key path it set, e.g. ``rule_search.train_sampler.grid[0].temperature``."""
     if "=" not in assignment:
-        raise InputError(f"{assignment!r}: expected key.path=value", "--set")
+        raise InputError(f"{assignment!r}: expected key.path=value"[:300], "--set")
     dotted, _, text = assignment.partition("=")
     dotted = dotted.strip()
     parts = dotted.split(".")
     if not dotted or any(not p for p in parts):
-        raise InputError(f"{assignment!r}: expected key.path=value", "--set")
+        raise InputError(f"{assignment!r}: expected key.path=value"[:300], "--set")
     try:
-        value = yaml.load(text, Loader=_Loader) if text.strip() else None
+        value = load_yaml(text) if text.strip() else None
     except yaml.YAMLError as e:
-        raise InputError(f"{dotted}: cannot read value {text!r} as YAML: {getattr(e, 'problem', e)}", "--set") from None
+        raise InputError(f"{dotted}: cannot read value {text!r} as YAML: {getattr(e, 'problem', e)}"[:500],
+                         "--set") from None
     struct: type | None = Config
     node: Any = raw
     path = ""
@@ -87,7 +191,7 @@ def apply_override(raw: dict, assignment: str) -> str:
         last = i == len(parts) - 1
         if isinstance(node, list):  # a list index, e.g. rule_search.train_sampler.grid.0.temperature
             if not part.isdigit() or int(part) >= len(node):
-                raise InputError(f"{dotted}: no list item {part!r} at {path} (it has {len(node)})", "--set")
+                raise InputError(f"{dotted}: no list item {part!r} at {path} (it has {len(node)})"[:500], "--set")
             index = int(part)
             path = f"{path}[{index}]"
             if last:
@@ -95,6 +199,8 @@ def apply_override(raw: dict, assignment: str) -> str:
                 return path
             node = node[index]
             struct = struct_of(list_item(type_at(path)))
+            if not isinstance(node, dict):
+                raise InputError(f"{dotted}: {path} is {_a(node)}, not a section with keys"[:500], "--set")
             continue
         fields = fields_of(struct) if struct is not None else {}
         if part not in fields:
@@ -113,3 +219,8 @@ def apply_override(raw: dict, assignment: str) -> str:
         if struct is None and not isinstance(node, list):
             raise InputError(f"{dotted}: {path} is not a section", "--set")
     raise AssertionError("unreachable: the loop returns at the last part")
+
+
+def _a(value) -> str:
+    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list",
+            type(None): "null"}.get(type(value), f"a {type(value).__name__}")
