@@ -52,14 +52,14 @@ class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     """The vLLM engine's settings that change bytes (the config's ``model.vllm``); all are
     pinned, none is derived from the machine, and all are recorded in run.json."""
 
-    kv_cache_gib: Annotated[float, Meta(gt=0)] = 1.0  # KV cache per worker, fixed (never profiled from free memory)
-    max_model_len: Annotated[int, Meta(ge=64)] = 8192  # longest prompt + completion of one request
-    max_num_seqs: Annotated[int, Meta(ge=1)] = 256  # requests scheduled together
-    block_size: Annotated[int, Meta(ge=1)] | None = None  # KV-cache block size; None: vLLM's default for the device
+    kv_cache_gib: Annotated[float, Meta(gt=0, le=4096)] = 1.0  # KV cache per worker, fixed (never profiled from free memory)
+    max_model_len: Annotated[int, Meta(ge=64, le=10_000_000)] = 8192  # longest prompt + completion of one request
+    max_num_seqs: Annotated[int, Meta(ge=1, le=100_000)] = 256  # requests scheduled together
+    block_size: Annotated[int, Meta(ge=1, le=4096)] | None = None  # KV-cache block size; None: vLLM's default for the device
     # Threads of a CPU worker, fixed whatever the worker count: vLLM's CPU kernels give other
     # low bits with another thread count, so following the cores (as transformers does)
     # would make cpu:1 and cpu:2 differ. None: the cores / workers share, as transformers.
-    cpu_threads: Annotated[int, Meta(ge=1)] | None = 1
+    cpu_threads: Annotated[int, Meta(ge=1, le=4096)] | None = 1
 
 
 class RolloutChunk(msgspec.Struct, frozen=True):
