@@ -351,17 +351,20 @@ def test_constrained_rollouts_are_seeded_like_the_others(engine, profile):
 
 def test_the_constraint_option_is_in_the_config_hash_and_the_rollout_cache_key(profile):
     """A rollout with the option on is never served from one made with it off, and a run
-    resumed with the other setting is refused (config hash)."""
+    resumed with the other setting is refused (its identity differs)."""
     from pathlib import Path
 
     from stageb_pool import Pool
-    from stageb_pool.app.config import config_hash, load_config
+    from stageb_pool.app.config import load_config
+    from stageb_pool.app.identity import identity_document
     from stageb_pool.search.rollout import RolloutRunner, RolloutSpec
     from stageb_pool.stageb.tickets import Ticket
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     key = "rule_search.train_sampler.constrain_verdict"
-    assert len({config_hash(load_config(demo, [f"{key}={v}"])) for v in ("false", "true")}) == 2
+    identities = [identity_document(load_config(demo, [f"{key}={v}"]), seed_guidance={}, profile=profile,
+                                    proposer_system=None) for v in ("false", "true")]
+    assert identities[0] != identities[1]
     sampler = load_config(demo, [f"{key}=false"]).rule_search.train_sampler
     tickets = [Ticket(t.key, t.key, t.mission, "pass", t.per_image) for t in TICKETS[:2]]
     with Pool(tiny_factory, gpus="cpu:1", inline=True) as pool:

@@ -9,6 +9,7 @@ import logging
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 from fake_engines import MISSION, demo_ticket_records, fake_factory, write_run_inputs
 
@@ -374,7 +375,10 @@ def test_a_value_that_cannot_be_written_is_refused_before_the_run_directory_exis
     created its directory and guidance.json, then died on run.json, and neither a rerun nor
     --overwrite nor --resume could get past the half-made directory."""
     cfg = write_run_inputs(tmp_path, n_tickets=6)
-    bad = load_config(cfg, ['model.stop=["\\ud800"]'])
+    with pytest.raises(InputError, match="lone surrogate"):  # the config check refuses it first
+        load_config(cfg, ['model.stop=["\\ud800"]'])
+    good = load_config(cfg)  # a value that got past the checks (a caller building a Config)
+    bad = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, stop=["\ud800"]))
     for flags in ({}, {"overwrite": True}, {"resume": True}):
         with pytest.raises(InputError):
             run_job(bad, "cpu:1", audit=True, engine_factory=never_called, debug=True, **flags)

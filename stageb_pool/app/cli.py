@@ -56,10 +56,14 @@ _LINE_BREAKING = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 def capped(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     """``text`` as one printable line: control and line-break characters (a key or path may hold
-    them) escaped, cut to ``limit`` characters saying how much was left out."""
+    them) escaped, and the middle cut out past ``limit`` characters, saying how much: the start
+    (what failed) and the end (the key or reason after a long path or value) both stay."""
     text = _LINE_BREAKING.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
                               else f"\\u{ord(m.group()):04x}", text)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    return f"{text[:limit - tail]} ... ({len(text) - limit} characters left out) ... {text[-tail:]}"
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -97,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--resume", action="store_true", help="continue the run directory from its last completed iteration")
     again.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     where = run.add_mutually_exclusive_group()
-    where.add_argument("--debug", action="store_true", help="one worker, inline in this process (breakpoints work)")
+    where.add_argument("--debug", action="store_true",
+                       help="one worker, inline in this process (breakpoints work); upstream's --debug, "
+                            "the log level alone, is --log-level debug")
     where.add_argument("--ray", metavar="ADDRESS",
                        help="run the workers as Ray actors across a cluster: auto (the cluster `ray start` "
                             "started), local (a new one on this machine) or HOST:PORT; --gpus is then a GPU count")
@@ -161,9 +167,6 @@ def cmd_run(args) -> int:
     devices = resolve_devices(args.gpus, ray=args.ray is not None)
     path = config_path(args)
     config = load_config(path, args.overrides, upstream_root=args.upstream_root)
-    if args.debug:
-        log.info("--debug: one worker, inline in this process (upstream's --debug, the log level alone, "
-                 "is --log-level debug)")
 
     return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug,
                    config_path=path, ray_address=args.ray)
