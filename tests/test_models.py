@@ -80,7 +80,7 @@ def fifo_model_error(path) -> str:
 def test_a_fifo_gguf_is_refused_without_opening_it(tmp_path):
     fifo = tmp_path / "m.gguf"
     os.mkfifo(fifo)
-    assert f"{fifo}: the model file is not a regular file" in fifo_model_error(fifo)
+    assert f"{fifo}: the GGUF file is not a regular file" in fifo_model_error(fifo)
 
 
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])

@@ -115,7 +115,10 @@ def _require_regular(path: Path, shown: str) -> None:
 
 
 def _check_gguf_file(p: Path, shown: str) -> None:
-    _require_regular(p, shown)  # a FIFO would block the read below forever
+    try:
+        regular_file(p, "GGUF file")  # a FIFO would block the read below forever
+    except InputError as err:
+        raise InputError(err.message, shown) from None
     try:
         with open(p, "rb") as f:
             magic = f.read(4)
