@@ -233,6 +233,21 @@ def test_model_path_errors_name_the_key(cfgdir, override):
     assert err.location.endswith("c.yaml: model.path") and "does not exist" in err.message
 
 
+def test_a_fifo_model_path_is_refused_without_opening_it(cfgdir):
+    os.mkfifo(cfgdir / "m.gguf")
+    path = write(cfgdir, BASE)
+    line = assert_located(run_cli("check", "--set", "model.path=m.gguf", str(path), timeout=60), f"{path}: model.path")
+    assert "not a regular file" in line and "m.gguf" in line
+
+
+def test_a_deep_config_json_in_the_model_path_is_located(cfgdir):
+    (cfgdir / "m").mkdir()
+    (cfgdir / "m" / "config.json").write_text('{"a":' + "[" * 1000 + "]" * 1000 + "}")
+    path = write(cfgdir, BASE)
+    line = assert_located(run_cli("check", "--set", "model.path=m", str(path)), f"{path}: model.path")
+    assert "config.json:1:" in line and "nested deeper than 100 levels" in line
+
+
 def test_an_error_about_a_key_with_a_line_break_stays_one_line(cfgdir):
     # found by the fuzz suite: the key path of the location held a raw U+2028 (a line separator)
     path = write(cfgdir, BASE + "? \"x\\u2028y\\nz\"\n: 1\n")

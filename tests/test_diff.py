@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,42 @@ def test_format_names_both_values(tmp_path):
     b = make_run(tmp_path / "b", summary__json={"iterations": 3, "timing": {}, "workers": {}})
     text = format_differences(diff_runs(a, b), "A", "B")
     assert "summary.json iterations" in text and "A: 2" in text and "B: 3" in text
+
+
+PREFIX = '{"iterations": '
+DEEP = PREFIX + "[" * 1000 + "]" * 1000 + "}"
+
+
+def test_json_nested_deeper_than_any_artifact_is_located_not_a_recursion_error(tmp_path):
+    a = make_run(tmp_path / "a")
+    b = make_run(tmp_path / "b", summary__json=DEEP)
+    with pytest.raises(InputError) as info:
+        diff_runs(a, b)
+    assert info.value.location == f"{b / 'summary.json'}:1:{len(PREFIX) + 200}"
+    assert "nested deeper than 200 levels" in info.value.message
+
+
+def test_a_deep_jsonl_line_is_located_at_its_line(tmp_path):
+    a = make_run(tmp_path / "a")
+    b = make_run(tmp_path / "b", rule_candidates__jsonl=[{"iteration": 1}, json.loads('{"x": ' + "[" * 300 + "]" * 300 + "}")])
+    with pytest.raises(InputError) as info:
+        diff_runs(a, b)
+    assert info.value.location.startswith(f"{b / 'rule_candidates.jsonl'}:2:")
+
+
+def test_json_nested_as_deep_as_an_artifact_may_be_is_compared(tmp_path):
+    deep = "[" * 199 + "]" * 199  # 200 levels with the object around it
+    a = make_run(tmp_path / "a", summary__json=f'{{"x": 1, "y": {deep}}}')
+    b = make_run(tmp_path / "b", summary__json=f'{{"x": 2, "y": {deep}}}')
+    assert [(d.file, d.key) for d in diff_runs(a, b)] == [("summary.json", "x")]
+
+
+def test_a_fifo_in_a_run_directory_is_refused_without_opening_it(tmp_path):
+    a = make_run(tmp_path / "a")
+    b = make_run(tmp_path / "b", notes__txt=None)
+    os.mkfifo(b / "notes.txt")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "stageb_pool.app.cli", "diff", str(a), str(b)], capture_output=True,
+                          text=True, env=env, timeout=60)  # a regression blocks on the FIFO: fail, do not hang
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"stageb-pool: error: {b / 'notes.txt'}: the run file is not a regular file"]

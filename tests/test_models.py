@@ -60,6 +60,40 @@ def test_gguf_files_are_checked_by_magic(tmp_path):
     assert models.check_model_path(str(good)) == str(good.resolve())
 
 
+def test_a_config_json_nested_too_deep_is_located_not_a_recursion_error(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"a":' + "[" * 1000 + "]" * 1000 + "}")
+    text = one_line_error(folder)
+    assert str(folder) in text and f"{folder / 'config.json'}:1:" in text and "nested deeper than 100" in text
+
+
+def fifo_model_error(path) -> str:
+    """The check of a FIFO model file, in a child with a timeout: a regression hangs, and a
+    hang must fail the test, not block the suite."""
+    code = "import sys; from stageb_pool.engine import models; models.check_model_path(sys.argv[1])"
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "InputError" in proc.stderr, proc.stderr[-2000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_fifo_gguf_is_refused_without_opening_it(tmp_path):
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)
+    assert f"{fifo}: the GGUF file is not a regular file" in fifo_model_error(fifo)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_a_fifo_in_a_checkpoint_directory_is_refused_without_opening_it(tmp_path, name):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    if name != "config.json":
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    os.mkfifo(folder / name)
+    line = fifo_model_error(folder)
+    assert f"{folder}: the model file is not a regular file: {folder / name}" in line
+
+
 def test_checkpoint_dir_resolves_to_absolute_path(tmp_path, monkeypatch):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))

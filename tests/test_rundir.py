@@ -323,6 +323,10 @@ def _link(root: Path, kind: str) -> str:
     ("symlink", "the export would overwrite it"),
     ("out/Demo mission/run1/state.json", "a file the run itself writes"),
     (".", "is a directory"),
+    # folders the run itself creates: refused before they exist, not at the end of the run
+    ("out", "a folder that holds the run directory"),
+    ("out/Demo mission", "a folder that holds the run directory"),
+    ("out/Demo mission/run1", "is the run directory"),
 ])
 def test_the_distillation_file_may_not_be_an_input_or_a_run_file(tmp_path, target, message):
     cfg = write_run_inputs(tmp_path, n_tickets=12)

@@ -4,7 +4,9 @@ Same config and seed must give the same artifacts on 1 or 8 GPUs, apart from wal
 fields. This module names those fields (``VOLATILE_KEYS``, ``VOLATILE_PATHS``) and
 implements ``stageb-pool diff``: the same set of files; JSON and JSONL compared
 structurally with the volatile fields removed (types included: ``1`` is not ``1.0``);
-every other file byte for byte.
+every other file byte for byte. A run directory that cannot be read as a run (a FIFO or
+another non-regular file, JSON nested deeper than any artifact) is bad input: a located
+error, never a hang or a RecursionError.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import msgspec
 
 from ..stageb.errors import InputError
+from ..stageb.inputs import MAX_DEPTH, line_col, nesting_exceeds, regular_file
 from .config import join_key
 
 # Any JSON key with one of these names, at any depth of any JSON/JSONL artifact.
@@ -30,6 +33,11 @@ VOLATILE_PATHS: dict[str, tuple[str, ...]] = {
                  "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path"),
     "summary.json": ("timing", "workers"),  # wall time per phase; throughput per worker
 }
+
+
+# An artifact wraps input values (nested at most MAX_DEPTH) in a few levels of its own; deeper
+# JSON was not written by a run, and would overflow msgspec's decoder or compare_values.
+MAX_NESTING = 2 * MAX_DEPTH
 
 
 class _Absent:
@@ -86,31 +94,49 @@ def compare_values(a, b, *, skip: tuple[str, ...] = (), path: str = ""):
         yield path, a, b
 
 
-def _decode(data: bytes):
+def _decode(data: bytes, path: Path, line: int = 1):
+    """``(True, value)``, or ``(False, None)`` for bytes that are not JSON (compared as text).
+    ``line`` is the line of ``path`` that ``data`` starts on, for the location."""
+    text = data.decode("utf-8", "replace")
+    deep = nesting_exceeds(text, MAX_NESTING)
+    if deep is not None:
+        row, col = line_col(text, deep)
+        raise InputError(f"JSON nested deeper than {MAX_NESTING} levels: not an artifact of a run",
+                         f"{path}:{line + row - 1}:{col}")
     try:
         return True, msgspec.json.decode(data)
     except msgspec.DecodeError:
         return False, None
 
 
-def _compare_file(name: str, a: bytes, b: bytes):
+def _compare_file(name: str, paths: tuple[Path, Path]):
+    a, b = (_read(path) for path in paths)
     if a == b:
         return
     skip = VOLATILE_PATHS.get(name, ())
     if name.endswith(".json"):
-        ok_a, va = _decode(a)
-        ok_b, vb = _decode(b)
+        ok_a, va = _decode(a, paths[0])
+        ok_b, vb = _decode(b, paths[1])
         if ok_a and ok_b:
             for key, x, y in compare_values(va, vb, skip=skip):
                 yield Difference(name, "", key, x, y)
             return
     if name.endswith(".jsonl"):
-        yield from _compare_lines(name, a, b, skip, structured=True)
+        yield from _compare_lines(name, (a, b), paths, skip, structured=True)
         return
-    yield from _compare_lines(name, a, b, skip, structured=False)
+    yield from _compare_lines(name, (a, b), paths, skip, structured=False)
 
 
-def _compare_lines(name: str, a: bytes, b: bytes, skip, *, structured: bool):
+def _read(path: Path) -> bytes:
+    """The bytes of a run file; a FIFO would block the diff forever, so only regular files."""
+    try:
+        return regular_file(path, "run file").read_bytes()
+    except OSError as err:
+        raise InputError(f"cannot read the run file: {err.strerror or err}", str(path)) from None
+
+
+def _compare_lines(name: str, data: tuple[bytes, bytes], paths: tuple[Path, Path], skip, *, structured: bool):
+    a, b = data
     lines_a, lines_b = a.splitlines(), b.splitlines()
     for i in range(max(len(lines_a), len(lines_b))):
         where = f"line {i + 1}"
@@ -120,8 +146,8 @@ def _compare_lines(name: str, a: bytes, b: bytes, skip, *, structured: bool):
         if lines_a[i] == lines_b[i]:
             continue
         if structured:
-            ok_a, va = _decode(lines_a[i])
-            ok_b, vb = _decode(lines_b[i])
+            ok_a, va = _decode(lines_a[i], paths[0], i + 1)
+            ok_b, vb = _decode(lines_b[i], paths[1], i + 1)
             if ok_a and ok_b:
                 for key, x, y in compare_values(va, vb, skip=skip):
                     yield Difference(name, where, key, x, y)
@@ -154,7 +180,7 @@ def _differences(root_a: Path, root_b: Path):
         elif name not in set_a:
             yield Difference(name, "", "(file)", ABSENT, "present")
         else:
-            yield from _compare_file(name, (root_a / name).read_bytes(), (root_b / name).read_bytes())
+            yield from _compare_file(name, (root_a / name, root_b / name))
 
 
 def _show(value, width: int = 120) -> str:

@@ -6,8 +6,9 @@ outside). Before the run directory is touched, every input (tickets, guidance, t
 exclusion list, the proposer prompt, the prompt profile's folder, the config file) is
 resolved (symbolic links, hard links) and the run is refused, exit code 2, when
 
-- the distillation file would be one of those inputs, a directory, a file of the run
-  directory that the run writes itself, or inside the prompt profile's folder;
+- the distillation file would be one of those inputs, a directory (also one the run creates:
+  the run directory or a folder above it), a file of the run directory that the run writes
+  itself, or inside the prompt profile's folder;
 - an input lies inside the run directory (``--overwrite`` deletes it, ``--resume`` may
   rewrite it).
 """
@@ -61,6 +62,12 @@ def check_outputs(config, run_dir: Path, *, config_path: str | None = None) -> N
     real = _real(chatml)
     if os.path.isdir(real):
         raise InputError(f"{chatml} is a directory, not a file", where)
+    # The run creates its directory and the folders above it: checked here, before they exist,
+    # the export is refused now, not at the end of a whole run.
+    if real == run_real:
+        raise InputError(f"{chatml} is the run directory, not a file", where)
+    if _inside(run_real, real):
+        raise InputError(f"{chatml} is a folder that holds the run directory, not a file", where)
     for key, path in inputs:
         if _same(real, path) or (os.path.isdir(path) and _inside(real, _real(path))):
             raise InputError(f"{chatml} is the input {path} ({key}): the export would overwrite it", where)

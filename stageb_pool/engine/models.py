@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ..stageb.errors import InputError
+from ..stageb.inputs import load_json_file, regular_file
 
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -80,18 +81,44 @@ def check_engine(kind: str) -> str:
 
 
 def _check_checkpoint_dir(p: Path, shown: str) -> None:
+    _refuse_special_files(p, shown)
     config = p / "config.json"
     if not config.is_file():
         raise InputError("not a Hugging Face checkpoint directory: config.json is missing", shown)
     try:
-        data = json.loads(config.read_bytes())
-    except (OSError, ValueError) as err:
-        raise InputError(f"config.json cannot be read: {one_line(err)}", shown) from None
+        data = load_json_file(config, "config.json")  # bounded nesting: never a RecursionError
+    except InputError as err:
+        # where in config.json goes into the message: callers locate model errors at model.path
+        raise InputError(f"config.json cannot be read: {err}", shown) from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise InputError("config.json has no model_type: not a Hugging Face model config", shown)
 
 
+def _refuse_special_files(folder: Path, shown: str) -> None:
+    """Every file of a checkpoint directory that exists must be a regular file: a FIFO would
+    block the check (config.json) or every worker's load (tokenizer files, weights) forever.
+    Folders and dangling links are left to the loader, which names what it misses."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as err:
+        raise InputError(f"cannot list the checkpoint directory: {err.strerror or err}", shown) from None
+    for entry in entries:
+        if not entry.is_dir() and os.path.exists(entry.path):
+            _require_regular(Path(entry.path), shown)
+
+
+def _require_regular(path: Path, shown: str) -> None:
+    try:
+        regular_file(path, "model file")
+    except InputError as err:
+        raise InputError(f"{err.message}: {path}", shown) from None
+
+
 def _check_gguf_file(p: Path, shown: str) -> None:
+    try:
+        regular_file(p, "GGUF file")  # a FIFO would block the read below forever
+    except InputError as err:
+        raise InputError(err.message, shown) from None
     try:
         with open(p, "rb") as f:
             magic = f.read(4)
