@@ -5,7 +5,9 @@ only counts it; ``check`` names those tickets beforehand. The prompts are render
 tokenized by the engine's own function (``chat_text.chunk_prompts``) with the model's
 tokenizer, loaded without any weights. A tokenizer that cannot be loaded skips the measure
 (one line says why); it never fails ``check``. When every ticket a sampler judges is over its
-cap the run could judge nothing: that is bad input (InputError at the cap's key).
+cap the run could judge nothing: that is bad input (InputError at the cap's key, naming the
+guidance and its largest rules). The guidance alone (a prompt with no ticket) is measured
+first: over a cap, every prompt is over it, and the tickets need no measuring.
 """
 
 from __future__ import annotations
@@ -45,9 +47,14 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
         return [("prompt tokens", f"not measured: cannot load the tokenizer of {cfg.model.path} "
                                   f"({type(err).__name__}: {_first_line(err)})")]
     guidance = dict(inputs.seed_guidance.experiences)
+    alone = prompt_lengths(tokenizer, [TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
+    for m in measured:  # first, and cheaply: every prompt holds the whole guidance
+        if alone > m.cap:
+            raise InputError(f"the prompt with no ticket at all is over this cap of {m.cap} tokens, so every one of "
+                             f"the {len(m.tickets)} {m.label} tickets would be dropped and none judged; "
+                             f"{_guidance_part(cfg, inputs, alone, m.cap)}", m.key)
     everyone = {t.key: t for m in measured for t in m.tickets}
     lengths = prompt_lengths(tokenizer, [t.text() for t in everyone.values()], guidance, inputs.profile)
-    alone = prompt_lengths(tokenizer, [TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
     values = sorted(lengths.values())
     lines = [("prompt tokens", f"min {values[0]}, median {int(statistics.median(values))}, max {values[-1]} "
                                f"(the guidance alone: {alone}), with the model's tokenizer")]
@@ -62,8 +69,6 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
             text = (f"{m.cap} ({m.key}): {len(over)} of {len(m.tickets)} {m.label} tickets over, dropped by the run: "
                     + ", ".join(f"{key} ({n} tokens)" for key, n in over[:SHOWN]) + (", ..." if len(over) > SHOWN else ""))
         lines.append((f"  {m.label} cap", text))
-        if alone > m.cap:
-            lines.append(("  guidance", _guidance_part(cfg, inputs, alone, m.cap)))
     return lines
 
 
