@@ -137,13 +137,13 @@ def test_check_demo_prints_the_plan():
 def test_check_names_the_distillation_export():
     proc = run_cli("check", "configs/demo.yaml", "--audit", "--set", "stage_b_distillation.distill_size=5")
     assert proc.returncode == 0, proc.stderr
-    assert "distill   5 tickets after the audit -> " in proc.stdout and "distill_chatml.jsonl" in proc.stdout
+    assert re.search(r"\ndistill +5 tickets after the audit -> ", proc.stdout) and "distill_chatml.jsonl" in proc.stdout
 
 
 def test_check_audit_mode_counts_every_ticket():
     proc = run_cli("check", "configs/demo.yaml", "--audit", "--set", "runner.chunk_size=16")
     assert proc.returncode == 0, proc.stderr
-    assert "mode      audit" in proc.stdout and "200 tickets in 13 chunks of 16: 200 generations" in proc.stdout
+    assert re.search(r"\nmode +audit\n", proc.stdout) and "200 tickets in 13 chunks of 16: 200 generations" in proc.stdout
 
 
 def test_check_reports_a_malformed_ticket_line(project):
@@ -178,6 +178,61 @@ def test_check_reports_an_empty_ticket_file(project):
 
 def test_check_reports_a_missing_model_path(project):
     assert_one_line_error(run_cli("check", str(project / "c.yaml"), "--set", "model.path=./no_model"), 2, "no_model")
+
+
+def _with_huge_summary(project: Path, line: int = 2, keep: int | None = None) -> str:
+    """Give the ticket on ``line`` (0-based) a 200 KB summary; keep the first ``keep`` lines.
+    Returns its group_id."""
+    lines = (project / "tickets.jsonl").read_text().splitlines(keepends=True)[:keep]
+    record = json.loads(lines[line])
+    record["per_image"]["image_1"] = "the mount bolt is loose " * 8500
+    lines[line] = json.dumps(record) + "\n"
+    (project / "tickets.jsonl").write_text("".join(lines))
+    return record["group_id"]
+
+
+def test_check_names_the_ticket_whose_prompt_is_over_the_cap(project):
+    group = _with_huge_summary(project)
+    proc = run_cli("check", str(project / "c.yaml"), "--set", "model.path=tiny")
+    assert proc.returncode == 0, proc.stderr
+    over = [line for line in proc.stdout.splitlines() if "tickets over, dropped by the run" in line]
+    assert len(over) == 1 and group in over[0] and "1 of " in over[0], proc.stdout
+    assert "max_prompt_tokens" in over[0] and "4096" in over[0]
+
+
+def test_check_refuses_guidance_that_leaves_every_prompt_over_the_cap(project):
+    data = json.loads((project / "guidance.json").read_text())
+    rules = data[MISSION]["experiences"]
+    rules.update({f"G{i}": f"Rule {i}: the mounting bolt number {i} must be tight and sealed. " * 4
+                  for i in range(2, 3002)})
+    (project / "guidance.json").write_text(json.dumps(data))
+    line = assert_one_line_error(run_cli("check", str(project / "c.yaml"), "--set", "model.path=tiny",
+                                         "--set", "rule_search.train_sampler.max_prompt_tokens=2000"), 2)
+    assert line.startswith("stageb-pool: error: rule_search.train_sampler.max_prompt_tokens: "), line
+    assert "every one of the 176 train tickets would be dropped" in line
+    assert "guidance.json alone takes" in line and "3003 rules" in line and "largest G" in line
+    assert len(line) <= cli.MAX_ERROR_CHARS + 100
+
+
+def test_check_lines_stay_short_with_ten_thousand_rules_and_a_huge_summary(project):
+    data = json.loads((project / "guidance.json").read_text())
+    data[MISSION]["experiences"].update({f"G{i}": f"rule {i}" for i in range(2, 10_002)})
+    (project / "guidance.json").write_text(json.dumps(data))
+    _with_huge_summary(project)
+    proc = run_cli("check", str(project / "c.yaml"), "--set", "model.path=tiny",
+                   "--set", "rule_search.train_sampler.max_prompt_tokens=null",
+                   "--set", "rule_search.eval_sampler.max_prompt_tokens=null")
+    assert proc.returncode == 0, proc.stderr
+    assert "10003 rules" in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) < 2100
+
+
+def test_run_logs_the_dropped_ticket(project):
+    group = _with_huge_summary(project, line=2, keep=6)
+    proc = run_cli("--gpus", "cpu", "--debug", "--audit", str(project / "c.yaml"), "--set", "model.path=tiny")
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "WARNING" in line and "dropped, never judged" in line]
+    assert len(warned) == 1 and group in warned[0] and "1 ticket(s)" in warned[0], proc.stderr
 
 
 # --- bad input never damages an existing run directory -------------------------------------

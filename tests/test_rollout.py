@@ -130,6 +130,19 @@ def test_dropped_tickets_excluded_and_counted(tickets, profile):
     assert result.generations == (len(tickets) - 2) * K
 
 
+def test_dropped_tickets_are_named_in_one_warning_per_phase(tickets, profile, caplog):
+    drop = {tickets[1].key, tickets[7].key}
+    with Pool(fake_factory(drop_keys=drop), "cpu:1", inline=True) as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=3)
+        with caplog.at_level(logging.WARNING, logger="stageb_pool"):
+            runner.wait([runner.submit(spec(tickets, name="train")),
+                         runner.submit(spec(tickets, name="candidate", guidance={"G0": "Look for rust."}))])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("train +1 more: 2 ticket(s) dropped, never judged")
+    assert all(key in warnings[0] for key in drop)
+
+
 def test_overlength_tickets_dropped_by_max_prompt_tokens(tickets, profile):
     from fake_engines import prompt_tokens
 

@@ -214,6 +214,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     from .identity import run_identity
     from .job import load_inputs
     from .outputs import check_outputs
+    from .prompt_budget import Measured, measure_lines, rules_summary
 
     cfg = with_mode(load_config(config_path, overrides, upstream_root=upstream_root), audit)
     inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
@@ -235,7 +236,8 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     lines += [
         ("model", inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}"),
         ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),
-        ("guidance", f"{cfg.guidance.path}: step {g.step}, rules {', '.join(g.experiences)}"),
+        ("guidance", f"{cfg.guidance.path}: step {g.step}, {rules_summary(g.experiences)}: "
+                     f"{', '.join(list(g.experiences)[:10])}{', ...' if len(g.experiences) > 10 else ''}"),
         ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir_exists(run_dir) else "")),
     ]
     dist = cfg.stage_b_distillation
@@ -250,7 +252,9 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
             ("rollout", f"{len(tickets)} tickets in {_chunks(len(tickets), chunk)} chunks of {chunk}: "
                         f"{len(tickets) * k_train} generations"),
         ]
-        return _table(lines)
+        caps = [Measured("audit", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens,
+                         tickets)]
+        return _table(lines + measure_lines(cfg, inputs, caps))
     train, held = split_eval_pool(tickets, rs.eval_pool_size, cfg.seed)
     t = resolve_train_pool_size(len(train), rs.train_pool_size, rs.train_pool_fraction)
     n = rs.num_candidate_rules
@@ -265,7 +269,9 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
                           f"+{len(held) * k_eval} per candidate that passes the gate"),
         ("iterations", f"at most {cfg.runner.epochs} (early stop after {rs.early_stop.patience} without an accepted edit)"),
     ]
-    return _table(lines)
+    caps = [Measured("train", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens, train),
+            Measured("eval", "rule_search.eval_sampler.max_prompt_tokens", rs.eval_sampler.max_prompt_tokens, held)]
+    return _table(lines + measure_lines(cfg, inputs, caps))
 
 
 def _k(sampler) -> str:
@@ -290,8 +296,10 @@ def _chunks(n: int, size: int) -> int:
 
 
 def _table(lines: list[tuple[str, str]]) -> str:
+    """One line per entry, each at most about ``MAX_ERROR_CHARS`` (a value may quote a huge
+    key, mission or path)."""
     width = max(len(k) for k, _ in lines)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
+    return "\n".join(f"{k.ljust(width)}  {capped(v)}" for k, v in lines)
 
 
 def cmd_diff(args) -> int:

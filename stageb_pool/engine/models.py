@@ -262,6 +262,29 @@ def load_tokenizer(folder: Path, trust_remote_code: bool = False):
     return tokenizer
 
 
+def tokenizer_only(path: str, trust_remote_code: bool = False):
+    """The tokenizer the workers use for a model path, loaded without any weights (``check``
+    measures prompts with it): the tiny model's, built in code; the converted embedded
+    model's, or before the conversion the GGUF's own (the one the conversion saves); a
+    .gguf file's or a checkpoint directory's, as ``load`` loads them."""
+    resolved = check_model_path(path)
+    _quiet_transformers()
+    if resolved == "tiny":
+        from . import tiny
+
+        return tiny.build_tokenizer()
+    if resolved == "embedded":
+        if (embedded_cache_dir() / "config.json").is_file():
+            return load_tokenizer(embedded_cache_dir())
+        resolved = str(embedded_gguf_path())
+    if resolved.lower().endswith(".gguf"):
+        from transformers import AutoTokenizer
+
+        gguf = Path(resolved)
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return load_tokenizer(Path(resolved), trust_remote_code)
+
+
 def default_dtype(device_kind: str) -> str:
     return "bfloat16" if device_kind == "cuda" else "float32"
 

@@ -15,6 +15,7 @@ generated twice, e.g. the eval baseline while the guidance is unchanged.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import msgspec
@@ -30,8 +31,12 @@ from ..engine.records import (
 from ..pool import WorkerError
 from ..stageb import verdicts
 from ..stageb.hashing import content_hash
+from ..stageb.text import short
 from ..stageb.tickets import Ticket
 from ..stageb.verdicts import TicketStats
+
+log = logging.getLogger("stageb_pool")
+DROPS_SHOWN = 5  # dropped tickets named in the warning of a rollout phase
 
 
 class RolloutSpec(msgspec.Struct, frozen=True):
@@ -237,6 +242,7 @@ class RolloutRunner:
                 out.append(results[chat_slots[id(pending)]])
             else:
                 out.append(self._assemble(pending))
+        _warn_dropped(pendings, out)
         return out
 
     def continue_counts(self, chunks_used, done: int, saved: int) -> None:
@@ -311,6 +317,21 @@ def _check_chunk(result: ChunkResult, tickets: list[Ticket], key: str) -> None:
     want = [t.key for t in tickets]
     if got != want:
         raise RuntimeError(f"chunk {result.chunk_index} ({key}) answered tickets {got[:3]}... for {want[:3]}...")
+
+
+def _warn_dropped(pendings: list[Pending], results: list) -> None:
+    """One warning per rollout phase naming the tickets dropped as overlength (the first few,
+    in order, and how many): they were never judged. Logging only, nothing else changes."""
+    dropped: dict[str, str] = {}
+    for pending, result in zip(pendings, results):
+        if isinstance(result, RolloutResult):
+            cap = pending.spec.sampler.max_prompt_tokens
+            for key, n in result.dropped.items():
+                dropped.setdefault(key, f"{short(key, 80)} ({n} tokens > {cap})")
+    if dropped:
+        shown = list(dropped.values())[:DROPS_SHOWN]
+        log.warning("%s: %d ticket(s) dropped, never judged: prompt over the sampler's max_prompt_tokens: %s%s",
+                    _label(pendings), len(dropped), ", ".join(shown), ", ..." if len(dropped) > DROPS_SHOWN else "")
 
 
 def _label(pendings: list[Pending]) -> str:

@@ -1,0 +1,103 @@
+"""``check``'s measure of the prompts against each sampler's ``max_prompt_tokens``.
+
+A run drops (never truncates) a ticket whose rendered prompt exceeds its sampler's cap and
+only counts it; ``check`` names those tickets beforehand. The prompts are rendered and
+tokenized by the engine's own function (``chat_text.chunk_prompts``) with the model's
+tokenizer, loaded without any weights. A tokenizer that cannot be loaded skips the measure
+(one line says why); it never fails ``check``. When every ticket a sampler judges is over its
+cap the run could judge nothing: that is bad input (InputError at the cap's key, naming the
+guidance and its largest rules). The guidance alone (a prompt with no ticket) is measured
+first: over a cap, every prompt is over it, and the tickets need no measuring.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import msgspec
+
+from ..stageb.errors import InputError
+from ..stageb.tickets import TicketText
+
+SHOWN = 3  # tickets and rules named per line
+BATCH = 256  # tickets rendered and tokenized per call (bounds the memory of a huge ticket file)
+
+
+class Measured(msgspec.Struct, frozen=True):
+    """One sampler's cap and the tickets it judges: ``label`` (train, eval, audit) and the
+    config ``key`` of its cap."""
+
+    label: str
+    key: str
+    cap: int | None
+    tickets: list
+
+
+def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]]:
+    """``check``'s lines about prompt lengths (raises InputError when a sampler's every
+    ticket is over its cap)."""
+    measured = [m for m in measured if m.cap is not None and m.tickets]
+    if not measured:
+        return [("prompt tokens", "not measured: no cap (max_prompt_tokens is null)")]
+    try:
+        from ..engine import models
+
+        tokenizer = models.tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - a report, never a failure of check
+        return [("prompt tokens", f"not measured: cannot load the tokenizer of {cfg.model.path} "
+                                  f"({type(err).__name__}: {_first_line(err)})")]
+    guidance = dict(inputs.seed_guidance.experiences)
+    alone = prompt_lengths(tokenizer, [TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
+    for m in measured:  # first, and cheaply: every prompt holds the whole guidance
+        if alone > m.cap:
+            raise InputError(f"the prompt with no ticket at all is over this cap of {m.cap} tokens, so every one of "
+                             f"the {len(m.tickets)} {m.label} tickets would be dropped and none judged; "
+                             f"{_guidance_part(cfg, inputs, alone, m.cap)}", m.key)
+    everyone = {t.key: t for m in measured for t in m.tickets}
+    lengths = prompt_lengths(tokenizer, [t.text() for t in everyone.values()], guidance, inputs.profile)
+    values = sorted(lengths.values())
+    lines = [("prompt tokens", f"min {values[0]}, median {int(statistics.median(values))}, max {values[-1]} "
+                               f"(the guidance alone: {alone}), with the model's tokenizer")]
+    for m in measured:
+        over = [(t.key, lengths[t.key]) for t in m.tickets if lengths[t.key] > m.cap]
+        if len(over) == len(m.tickets):
+            raise InputError(f"every one of the {len(over)} {m.label} tickets has a prompt over this cap of {m.cap} "
+                             f"tokens (the shortest: {min(n for _, n in over)}), so the run would judge none; "
+                             f"{_guidance_part(cfg, inputs, alone, m.cap)}", m.key)
+        text = f"{m.cap} ({m.key}): no {m.label} ticket over"
+        if over:
+            text = (f"{m.cap} ({m.key}): {len(over)} of {len(m.tickets)} {m.label} tickets over, dropped by the run: "
+                    + ", ".join(f"{key} ({n} tokens)" for key, n in over[:SHOWN]) + (", ..." if len(over) > SHOWN else ""))
+        lines.append((f"  {m.label} cap", text))
+    return lines
+
+
+def prompt_lengths(tokenizer, tickets: list[TicketText], guidance: dict[str, str], profile) -> dict[str, int]:
+    """Ticket key -> the token count of its prompt, rendered as the engine renders it."""
+    from ..engine.chat_text import chunk_prompts
+    from ..engine.records import RolloutChunk
+
+    out = {}
+    for start in range(0, len(tickets), BATCH):
+        batch = tickets[start : start + BATCH]
+        ids, _ = chunk_prompts(tokenizer, RolloutChunk("check", 0, batch, []), guidance, profile)
+        out.update((t.key, len(row)) for t, row in zip(batch, ids))
+    return out
+
+
+def _guidance_part(cfg, inputs, alone: int, cap: int) -> str:
+    rules = inputs.seed_guidance.experiences
+    largest = sorted(rules, key=lambda k: -len(rules[k]))[:SHOWN]
+    verdict = "already over the cap" if alone > cap else "within the cap"
+    return (f"the guidance {cfg.guidance.path} alone takes {alone} tokens ({verdict}): {rules_summary(rules)}; "
+            f"largest " + ", ".join(f"{k} ({len(rules[k])} characters)" for k in largest))
+
+
+def rules_summary(rules: dict[str, str]) -> str:
+    """``N rules, C characters`` (a guidance may hold thousands of rules: never list them all)."""
+    return f"{len(rules)} rule{'s' if len(rules) != 1 else ''}, {sum(len(t) for t in rules.values())} characters"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
