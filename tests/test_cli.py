@@ -210,7 +210,7 @@ def test_check_refuses_guidance_that_leaves_every_prompt_over_the_cap(project):
                                          "--set", "rule_search.train_sampler.max_prompt_tokens=2000"), 2)
     assert line.startswith("stageb-pool: error: rule_search.train_sampler.max_prompt_tokens: "), line
     assert "every one of the 176 train tickets would be dropped" in line
-    assert "guidance.json alone takes" in line and "3003 rules" in line and "largest G" in line
+    assert "a prompt without its ticket takes" in line and "guidance.json" in line and "3003 rules" in line and "largest G" in line
     assert len(line) <= cli.MAX_ERROR_CHARS + 100
 
 

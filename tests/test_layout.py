@@ -39,7 +39,7 @@ ALLOWED_INTERNAL = {
 ALLOWED_EXTERNAL = {
     "pool": {"msgspec", "ray"},  # ray only lazily, in the Ray backend's modules (tests/test_pool.py)
     "stageb": {"msgspec", "yaml"},
-    "engine": {"msgspec", "torch", "transformers", "tokenizers", "llguidance", "vllm"},
+    "engine": {"msgspec", "torch", "transformers", "tokenizers", "llguidance", "vllm", "tqdm"},
     "search": {"msgspec"},
     "app": {"msgspec", "yaml", "tqdm"},
     "<root>": set(),

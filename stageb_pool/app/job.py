@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..engine import models
+from ..engine.model_path import check_engine, check_model_path
 from ..pool import Device, DeviceSpecError, Pool, parse_gpus, parse_ray_spec
 from ..search import rundir
 from ..search import state as state_mod
@@ -62,8 +62,8 @@ def load_inputs(config) -> _Inputs:
     profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain_for(mission))
     if profile.options.bbu_cleanup:
         ingest = msgspec.structs.replace(ingest, tickets=tickets_mod.bbu_clean_tickets(ingest.tickets))
-    model_path = models.check_model_path(config.model.path)
-    models.check_engine(config.model.engine)
+    model_path = check_model_path(config.model.path)
+    check_engine(config.model.engine)
     seed_guidance = guidance_mod.load_guidance(config.guidance.path, mission)
     proposer_system = None
     if config.mode == "search":

@@ -86,10 +86,13 @@ def prompt_lengths(tokenizer, tickets: list[TicketText], guidance: dict[str, str
 
 
 def _guidance_part(cfg, inputs, alone: int, cap: int) -> str:
+    """What every prompt holds besides its ticket: the profile's text, the mission name and the
+    guidance, with its largest rules (the usual culprit)."""
     rules = inputs.seed_guidance.experiences
     largest = sorted(rules, key=lambda k: -len(rules[k]))[:SHOWN]
     verdict = "already over the cap" if alone > cap else "within the cap"
-    return (f"the guidance {cfg.guidance.path} alone takes {alone} tokens ({verdict}): {rules_summary(rules)}; "
+    return (f"a prompt without its ticket takes {alone} tokens ({verdict}): the prompt profile, the mission name "
+            f"({len(inputs.mission)} characters) and the guidance {cfg.guidance.path}: {rules_summary(rules)}; "
             f"largest " + ", ".join(f"{k} ({len(rules[k])} characters)" for k in largest))
 
 

@@ -1,6 +1,6 @@
 """The generation engines that live in the workers: the only code that imports torch and
 transformers. ``records`` (the wire schema of the engine's requests and results) and
-``models.check_model_path`` are importable without torch, for the parent.
+``model_path`` (checking ``model.path``) are importable without torch, for the parent.
 """
 
 import os

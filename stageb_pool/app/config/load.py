@@ -14,7 +14,7 @@ import stat
 
 import msgspec
 
-from ...engine import models
+from ...engine import model_path
 from ...stageb.errors import InputError
 from ..upstream_config import Translation, is_upstream, translate
 from .checks import validate
@@ -194,7 +194,7 @@ def _check_files(cfg: Config, where: str) -> None:
     if os.path.isabs(cfg.prompt.profile) and not os.path.isdir(cfg.prompt.profile):
         raise InputError(f"prompt profile directory not found: {cfg.prompt.profile}", f"{where}: prompt.profile")
     try:
-        models.check_model_path(cfg.model.path)
+        model_path.check_model_path(cfg.model.path)
     except InputError as err:
         raise InputError(f"{err.message}: {cfg.model.path}", f"{where}: model.path") from None
 
