@@ -6,34 +6,24 @@ from __future__ import annotations
 import json
 import re
 
-from .text import normalize_spaces
+from .text import brackets_outside_strings, normalize_spaces
 
 _FENCE = re.compile(r"```(?:json)?\s*([\s\S]*?)\s*```", re.IGNORECASE)
 
 
 def _balanced_span(text: str, start: int) -> str | None:
-    """The bracket-balanced span opening at ``start`` (strings and escapes respected)."""
-    stack = [text[start]]
-    in_string = escape = False
-    for i in range(start + 1, len(text)):
-        ch = text[i]
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
+    """The bracket-balanced span opening at ``start`` (strings and escapes respected; a
+    mismatched closer ends the search)."""
+    stack: list[str] = []
+    for i, ch in brackets_outside_strings(text, start):
+        if ch in "{[":
             stack.append(ch)
-        elif ch in "}]":
-            if (stack[-1] == "{") != (ch == "}"):
-                return None
-            stack.pop()
-            if not stack:
-                return text[start:i + 1]
+            continue
+        if (stack[-1] == "{") != (ch == "}"):
+            return None
+        stack.pop()
+        if not stack:
+            return text[start:i + 1]
     return None
 
 

@@ -15,7 +15,7 @@ import json
 import re
 
 from .inputs import MAX_DEPTH, nesting_exceeds
-from .text import normalize_spaces
+from .text import brackets_outside_strings, normalize_spaces
 
 IRRELEVANT = "无关图片"
 STATION_DISTANCE = "站点距离"
@@ -55,26 +55,19 @@ def strip_summary_headers(text: str) -> str:
     return "\n".join(line for line in lines if not _is_header(line)).strip()
 
 
-def _balanced_list(text: str, start: int) -> str | None:
-    """The string-aware ``[...]`` span opening at ``start``, or None when it never closes."""
-    depth, in_string, escape = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch == "[":
+def _closing(text: str, start: int) -> int | None:
+    """Index of the bracket closing the ``[`` or ``{`` at ``start`` (only that kind counted,
+    as upstream), None when it never closes."""
+    opener = text[start]
+    closer = "]" if opener == "[" else "}"
+    depth = 0
+    for i, ch in brackets_outside_strings(text, start):
+        if ch == opener:
             depth += 1
-        elif ch == "]":
+        elif ch == closer:
             depth -= 1
             if depth == 0:
-                return text[start:i + 1]
+                return i
     return None
 
 
@@ -85,7 +78,8 @@ def _list_assignment(text: str, key: str) -> list | None:
         if pos < 0:
             continue
         bracket = text.find("[", pos + len(key) + 1)
-        span = _balanced_list(text, bracket) if bracket >= 0 else None
+        end = _closing(text, bracket) if bracket >= 0 else None
+        span = text[bracket:end + 1] if end is not None else None
         parsed = loads_or_none(span) if span else None
         if isinstance(parsed, list):
             return parsed
@@ -182,29 +176,6 @@ def canonical_summary(obj: dict) -> str:
     return json.dumps(ordered, ensure_ascii=False, separators=(", ", ": "))
 
 
-def _matching_brace(text: str, start: int) -> int | None:
-    """Index of the ``}`` closing the ``{`` at ``start`` (string-aware), None if none does."""
-    depth, in_string, escape = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-    return None
-
-
 def _cut(text: str, start: int, end: int) -> str:
     """``text`` without ``[start, end)``, with one comma separator eaten (right first)."""
     left, right = text[:start].rstrip(), text[end:].lstrip()
@@ -222,7 +193,7 @@ def _drop_station_objects(text: str) -> str:
         start = text.rfind("{", 0, hit)
         if start < 0:
             return text
-        end = _matching_brace(text, start)
+        end = _closing(text, start)
         text = _cut(text, start, len(text) if end is None else end + 1)
     return text
 
@@ -245,7 +216,7 @@ def _drop_station_keys(text: str) -> str:
         if k >= len(text):
             return text
         if text[k] == "{":
-            end = _matching_brace(text, k)
+            end = _closing(text, k)
             end = len(text) if end is None else end + 1
         else:
             end = text.find(",", k)

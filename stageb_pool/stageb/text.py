@@ -1,12 +1,13 @@
-"""Text forms shared by the domain modules: upstream's space normalisation and the
-trailing integer of a key.
+"""Text forms shared by the domain modules: upstream's space normalisation, the trailing
+integer of a key, and the brackets of JSON-like text outside its string literals.
 
-Both are comparison and ordering helpers: nothing here changes what is stored or shown.
+They are comparison, ordering and scanning helpers: nothing here changes what is stored or shown.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 _CJK = "\u4e00-\u9fff"
 _CJK_PUNCT = "，。；：！？、"
@@ -73,3 +74,23 @@ def trailing_index(key: str) -> int | None:
 def short(text: str, limit: int = 40) -> str:
     """``text`` cut to ``limit`` characters for an error message (a key may be huge)."""
     return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+def brackets_outside_strings(text: str, start: int) -> Iterator[tuple[int, str]]:
+    """``(index, char)`` of every ``{``, ``}``, ``[`` and ``]`` from ``start`` on that is not
+    inside a JSON string literal (escapes respected): what brace matching in model output
+    and Stage-A summaries, which may be cut off or malformed, is built on."""
+    in_string = escape = False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{}[]":
+            yield i, ch
