@@ -206,19 +206,21 @@ def load_json_file(path: str | Path, what: str) -> object:
 
 # --------------------------------------------------------------------------- YAML
 
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses duplicate keys and nesting deeper than MAX_DEPTH."""
+class StrictYaml:
+    """Mixin for a PyYAML loader: nesting deeper than ``max_depth`` and a key given twice
+    (PyYAML keeps the last value silently) are errors at their line. The config reader adds
+    its own rules on top (app/config/source.py)."""
 
-    def __init__(self, stream):
-        super().__init__(stream)
-        self._depth = 0
+    max_depth = MAX_DEPTH
+    duplicate = "key {key!r} is given twice (first on line {line})"
+    _depth = 0
 
     def compose_node(self, parent, index):
         self._depth += 1
         try:
-            if self._depth > MAX_DEPTH:
-                mark = self.peek_event().start_mark
-                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
+            if self._depth > self.max_depth:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {self.max_depth} levels",
+                                                  self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -232,10 +234,14 @@ class _StrictLoader(yaml.SafeLoader):
             except TypeError:
                 continue  # an unhashable key: construct_mapping refuses it with its own message
             if first is not None:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice (first on line {first + 1})", key_node.start_mark)
+                message = self.duplicate.format(key=key, line=first + 1)[:300]  # a key may be huge
+                raise yaml.constructor.ConstructorError(None, None, message, key_node.start_mark)
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
+
+
+class _StrictLoader(StrictYaml, yaml.SafeLoader):
+    """safe_load with the checks of StrictYaml."""
 
 
 def load_yaml_file(path: str | Path, what: str) -> object:

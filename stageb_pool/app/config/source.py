@@ -49,9 +49,13 @@ for tag, pattern, first in (
     _Resolver.add_implicit_resolver(f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first))
 
 
-class _Loader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
-              yaml.constructor.SafeConstructor, _Resolver):
-    """The safe loader with the checks of this module (see the module docstring)."""
+class _Loader(inputs.StrictYaml, yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser,
+              yaml.composer.Composer, yaml.constructor.SafeConstructor, _Resolver):
+    """The safe loader with the checks of this module (see the module docstring); depth and
+    duplicate keys as every input file (``inputs.StrictYaml``)."""
+
+    max_depth = MAX_DEPTH
+    duplicate = "duplicate key {key!r} (first on line {line})"
 
     def __init__(self, stream):
         yaml.reader.Reader.__init__(self, stream)
@@ -60,36 +64,11 @@ class _Loader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml
         yaml.composer.Composer.__init__(self)
         yaml.constructor.SafeConstructor.__init__(self)
         _Resolver.__init__(self)
-        self._depth = 0
-
-    def compose_node(self, parent, index):
-        self._depth += 1
-        try:
-            if self._depth > MAX_DEPTH:
-                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
-                                                  self.peek_event().start_mark)
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
 
     def compose_document(self):
         node = super().compose_document()
         _check_expansion(node)
         return node
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                first = seen.get(key)
-            except TypeError:
-                continue  # an unhashable key: construct_mapping refuses it with its own message
-            if first is not None:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {first + 1})"[:300], key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node):
         try:
