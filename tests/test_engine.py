@@ -2,6 +2,8 @@
 results for any number of workers. Everything runs on the tiny model except the slow test."""
 
 import json
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -596,3 +598,13 @@ def test_embedded_model_end_to_end_identical_on_1_and_2_workers(model_cache, pro
     # converted once into the session's cache (which other tests may also fill, e.g. the tiny checkpoint)
     converted = [p for p in model_cache.iterdir() if p.is_dir() and p.name.startswith("smollm2-")]
     assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
+
+
+def test_the_vllm_engine_module_does_not_import_torch():
+    """vLLM's CPU worker takes its thread count from OMP_NUM_THREADS, set by
+    prepare_environment before torch's import: a module-level torch import reached through
+    the engine module (the verdict constraint's) would undo model.vllm.cpu_threads."""
+    code = "import sys, stageb_pool.engine.vllm_engine; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"

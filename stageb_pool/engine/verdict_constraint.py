@@ -19,8 +19,14 @@ results stay identical for any number of workers.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used, not here: the vLLM engine imports verdict_line_regex
+# from this module before its worker sets OMP_NUM_THREADS, which must precede torch's import
+# for the thread pinning (model.vllm.cpu_threads) to hold.
 
 VERDICT_LABEL = "Verdict: "
 
@@ -112,6 +118,8 @@ class ProtocolProcessor:
 
 def allowed_tokens(bitmask: bytes, width: int) -> torch.Tensor:
     """llguidance's mask (one bit per token, 32-bit little-endian words) as booleans."""
+    import torch
+
     raw = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
     bits = ((raw.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()[:width]
     out = torch.zeros(width, dtype=torch.bool)
