@@ -23,6 +23,7 @@ from ..search.distill import DISTILL_DEFAULT
 from ..search.guidance_store import GUIDANCE_FILE
 from ..stageb.errors import InputError
 from ..stageb.prompts import PROFILES_DIR
+from .config import input_files
 
 # What a run writes inside its run directory besides the distillation file: files by name,
 # folders by name (anything below them).
@@ -33,12 +34,7 @@ RUN_FOLDERS = ("snapshots", rundir.ROLLOUTS_DIR, "reflection_cache")
 
 def input_paths(config, config_path: str | None = None) -> list[tuple[str, str]]:
     """``(key, path)`` of every input file or folder of the run."""
-    found = [(f"stage_a_paths[{i}]", p) for i, p in enumerate(config.stage_a_paths)]
-    found.append(("guidance.path", config.guidance.path))
-    if config.ticket_filter.exclude_ticket_keys_path is not None:
-        found.append(("ticket_filter.exclude_ticket_keys_path", config.ticket_filter.exclude_ticket_keys_path))
-    if config.rule_search.proposer_prompt_path is not None:
-        found.append(("rule_search.proposer_prompt_path", config.rule_search.proposer_prompt_path))
+    found = input_files(config)
     profile = config.prompt.profile
     found.append(("prompt.profile", profile if os.path.isabs(profile) else str(Path(PROFILES_DIR) / profile)))
     if config_path is not None:

@@ -16,6 +16,7 @@ import statistics
 
 import msgspec
 
+from ..engine.model_path import one_line
 from ..stageb.errors import InputError
 from ..stageb.tickets import TicketText
 
@@ -45,7 +46,7 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
         tokenizer = models.tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
     except Exception as err:  # noqa: BLE001 - a report, never a failure of check
         return [("prompt tokens", f"not measured: cannot load the tokenizer of {cfg.model.path} "
-                                  f"({type(err).__name__}: {_first_line(err)})")]
+                                  f"({type(err).__name__}: {one_line(err)})")]
     guidance = dict(inputs.seed_guidance.experiences)
     alone = prompt_lengths(tokenizer, [TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
     for m in measured:  # first, and cheaply: every prompt holds the whole guidance
@@ -99,8 +100,3 @@ def _guidance_part(cfg, inputs, alone: int, cap: int) -> str:
 def rules_summary(rules: dict[str, str]) -> str:
     """``N rules, C characters`` (a guidance may hold thousands of rules: never list them all)."""
     return f"{len(rules)} rule{'s' if len(rules) != 1 else ''}, {sum(len(t) for t in rules.values())} characters"
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__

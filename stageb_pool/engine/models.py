@@ -230,10 +230,10 @@ def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: 
             return model, tokenizer, EMBEDDED_NAME
         if resolved.lower().endswith(".gguf"):
             model, tokenizer = _load_gguf(Path(resolved), dtype, attn_implementation, device)
-            _require_chat_template(tokenizer, path)
+            require_chat_template(tokenizer, path)
             return model, tokenizer, Path(resolved).name
         model, tokenizer = _load_dir(Path(resolved), dtype, attn_implementation, trust_remote_code, device)
-        _require_chat_template(tokenizer, path)
+        require_chat_template(tokenizer, path)
         return model, tokenizer, Path(resolved).name
     except InputError:
         raise
@@ -241,7 +241,7 @@ def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: 
         raise InputError(f"cannot load the model: {type(err).__name__}: {one_line(err)}", path) from err
 
 
-def _require_chat_template(tokenizer, path: str) -> None:
+def require_chat_template(tokenizer, path: str) -> None:
     # Prompts are always rendered with the chat template: fail at start-up, not on a chunk.
     if not tokenizer.chat_template:
         raise InputError("the tokenizer has no chat template (a base model, not an instruct/chat model?)", path)

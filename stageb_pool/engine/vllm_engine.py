@@ -58,8 +58,7 @@ def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, st
     prepare_environment(device, threads)
     folder = models.checkpoint_dir(path)
     tokenizer = models.load_tokenizer(folder, trust_remote_code)
-    if not tokenizer.chat_template:
-        raise InputError("the tokenizer has no chat template (a base model, not an instruct/chat model?)", path)
+    models.require_chat_template(tokenizer, path)
     dtype = dtype or models.default_dtype(device.kind)
     args = dict(
         dtype=dtype, enforce_eager=True, max_model_len=settings.max_model_len,

@@ -178,16 +178,22 @@ def _resolve_paths(cfg: Config, base: str) -> Config:
     return cfg
 
 
+def input_files(cfg: Config) -> list[tuple[str, str]]:
+    """``(key, path)`` of every input file the config names (the prompt profile, a folder,
+    aside): what ``check`` requires to be readable and no output may overwrite."""
+    found = [(f"stage_a_paths[{i}]", p) for i, p in enumerate(cfg.stage_a_paths)]
+    found.append(("guidance.path", cfg.guidance.path))
+    if cfg.rule_search.proposer_prompt_path is not None:
+        found.append(("rule_search.proposer_prompt_path", cfg.rule_search.proposer_prompt_path))
+    if cfg.ticket_filter.exclude_ticket_keys_path is not None:
+        found.append(("ticket_filter.exclude_ticket_keys_path", cfg.ticket_filter.exclude_ticket_keys_path))
+    return found
+
+
 def _check_files(cfg: Config, where: str) -> None:
     """Input files must be regular files before a run starts (nothing is created for a missing
     input, and a FIFO is never opened: it would block the run forever)."""
-    wanted = [(f"stage_a_paths[{i}]", p) for i, p in enumerate(cfg.stage_a_paths)]
-    wanted.append(("guidance.path", cfg.guidance.path))
-    if cfg.rule_search.proposer_prompt_path is not None:
-        wanted.append(("rule_search.proposer_prompt_path", cfg.rule_search.proposer_prompt_path))
-    if cfg.ticket_filter.exclude_ticket_keys_path is not None:
-        wanted.append(("ticket_filter.exclude_ticket_keys_path", cfg.ticket_filter.exclude_ticket_keys_path))
-    for key, path in wanted:
+    for key, path in input_files(cfg):
         problem = _not_a_regular_file(path)
         if problem:
             raise InputError(f"{problem}: {path}", f"{where}: {key}")
