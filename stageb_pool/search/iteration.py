@@ -49,10 +49,8 @@ class Evaluated(msgspec.Struct, frozen=True, kw_only=True):
     candidate: proposer.Candidate
     guidance: Guidance  # the previewed guidance after the edit
     reflection_id: str
-    train: RolloutResult
     gate: GateResult
     train_metrics: Metrics  # the candidate on the train tickets common with the baseline
-    eval: RolloutResult | None = None  # gate passes only
     # The eval baseline and the candidate on the eval tickets both judged (an overlength drop
     # can differ between them): the eval columns and the eval veto compare these two.
     eval_base_metrics: Metrics | None = None
@@ -245,7 +243,7 @@ def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: Roll
             gate = gate_mod.evaluate_gate(base.stats, train.stats, op=cand.op, gate=rs.gate, iteration=it,
                                           bootstrap_seed=rs.gate.bootstrap.seed)
             evaluated.append(Evaluated(
-                index=index, candidate=cand, guidance=preview, reflection_id=rid, train=train, gate=gate,
+                index=index, candidate=cand, guidance=preview, reflection_id=rid, gate=gate,
                 train_metrics=common_metrics(base.stats, train.stats)[1],
                 decision="promoted" if gate.passed else "rejected", reason=gate.reason))
     passing = [c for c in evaluated if c.gate.passed]
@@ -259,11 +257,11 @@ def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: Roll
 
 
 def _eval_veto(c: Evaluated, eval_base: RolloutResult, result: RolloutResult, max_drop: float | None) -> Evaluated:
-    """The candidate with its eval rollout, the accuracy drop on the common eval tickets, and
+    """The candidate with its eval metrics, the accuracy drop on the common eval tickets, and
     the veto when the drop exceeds ``gate.eval_max_acc_drop``."""
     base_m, cand_m = common_metrics(eval_base.stats, result.stats)
     vetoed, drop = gate_mod.eval_veto(base_m.acc if base_m.n else None, cand_m.acc if cand_m.n else None, max_drop)
-    changes = {"eval": result, "eval_base_metrics": base_m, "eval_metrics": cand_m, "eval_acc_drop": drop}
+    changes = {"eval_base_metrics": base_m, "eval_metrics": cand_m, "eval_acc_drop": drop}
     if vetoed:
         changes.update(decision="rejected_eval_veto", reason=f"eval accuracy drop {drop:.3f} > {max_drop:.3f}")
     return msgspec.structs.replace(c, **changes)
