@@ -7,6 +7,7 @@ let through, a false block (fn) is a GT-pass ticket it stopped.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -52,6 +53,12 @@ def _split_field(line: str) -> str | None:
     return None if m is None else line[m.end():].strip()
 
 
+@functools.lru_cache(maxsize=64)
+def _word_forms(words: tuple[str, ...], loose: bool) -> frozenset[str]:
+    """The verdict words' forms, computed once per vocabulary (parse_verdict runs per sample)."""
+    return frozenset(verdict_word_form(w, loose=loose) for w in words)
+
+
 def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
     """Parse ``Verdict: <word>`` / ``Reason: <text>``: exactly two non-empty lines (blank
     lines between them are tolerated), the verdict word in the profile's vocabulary and a
@@ -75,9 +82,9 @@ def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
         return _invalid("no ':' after 'Reason'")
     loose = vocab.loose
     word = verdict_word_form(value, loose=loose)
-    if word in {verdict_word_form(w, loose=loose) for w in vocab.pass_words}:
+    if word in _word_forms(tuple(vocab.pass_words), loose):
         verdict = "pass"
-    elif word in {verdict_word_form(w, loose=loose) for w in vocab.fail_words}:
+    elif word in _word_forms(tuple(vocab.fail_words), loose):
         verdict = "fail"
     else:
         return _invalid(f"unknown verdict {value!r}")
