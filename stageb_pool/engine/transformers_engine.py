@@ -24,7 +24,7 @@ import torch
 from ..pool.devices import Device
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
-from . import chat_text
+from . import chat_text, models
 from .verdict_constraint import VerdictLineConstraint
 from .records import (
     ChatRequest,
@@ -86,11 +86,11 @@ class Engine:
         """Provenance that bit-identical results depend on (recorded in run.json)."""
         import transformers
 
-        facts = {
+        return {
             "engine": "transformers",
             "torch": str(torch.__version__),  # a TorchVersion, not JSON-encodable as is
             "transformers": transformers.__version__,
-            "device": torch.cuda.get_device_name(0) if self.device.kind == "cuda" else "cpu",
+            **models.device_facts(self.device.kind),
             "dtype": self.dtype,
             "model_path": self.model_path,  # "embedded", "tiny" or an absolute path
             "model": self.model_name,
@@ -98,10 +98,6 @@ class Engine:
             "stop": self.stop_strings,
             "llguidance": importlib.metadata.version("llguidance"),  # the verdict-line constraint
         }
-        if self.device.kind == "cuda":
-            facts["cuda"] = str(torch.version.cuda)
-            facts["cudnn"] = torch.backends.cudnn.version()
-        return facts
 
     # ------------------------------------------------------------ rollout
 

@@ -113,7 +113,7 @@ class VllmEngine:
             "vllm": vllm.__version__,
             "torch": str(torch.__version__),
             "transformers": transformers.__version__,
-            "device": torch.cuda.get_device_name(0) if self.device.kind == "cuda" else "cpu",
+            **models.device_facts(self.device.kind),
             "dtype": self.settings.get("dtype"),
             "model_path": self.model_path,
             "model": self.model_name,
