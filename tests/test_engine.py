@@ -329,13 +329,13 @@ def test_constrained_samples_follow_the_two_line_protocol(engine, name, words):
 
 def test_after_the_reason_line_only_the_end_of_turn_token_may_follow_a_newline(engine, profile):
     """The random tiny model never picks eos by itself: check the mask at the end of a reason."""
-    from stageb_pool.engine.verdict_constraint import VerdictLineConstraint
+    from stageb_pool.engine.constrained import Grammars, verdict_line_regex
 
     tok = engine.tokenizer
     width = engine.model.get_output_embeddings().weight.shape[0]
     prompt = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     done = tok("Verdict: pass\nReason: the bolt is tight", add_special_tokens=False)["input_ids"]
-    processor = VerdictLineConstraint(tok, width).processor(profile.verdict, 1, len(prompt))
+    processor = Grammars(tok, width).processor(1, len(prompt), regex=verdict_line_regex(profile.verdict))
     allowed = None
     for n in range(len(done) + 1):
         scores = torch.zeros(1, width)
@@ -427,6 +427,54 @@ def test_chat_without_examples_is_one_prompt(engine):
     assert engine.chat(chat_request([], limit=size, decode=GREEDY)).text is not None
     refused = engine.chat(chat_request([], limit=size - 1))
     assert (refused.text, refused.examples_used, refused.prompt_tokens) == (None, 0, size)
+
+
+PROPOSER_GUIDANCE = {**GUIDANCE, "G1": "If any photo is blurry, the verdict is fail."}
+
+
+def proposer_schema_text(profile) -> str:
+    from stageb_pool.stageb.proposer_schema import proposer_schema
+
+    return json.dumps(proposer_schema(PROPOSER_GUIDANCE, profile.verdict, max_operations=2))
+
+
+def test_a_constrained_proposer_answer_is_json_of_the_schema_that_ends_at_its_brace(engine, profile):
+    """Even the random tiny model writes an answer that parses: the grammar forces the shape,
+    the bounded strings force an end, and the end-of-turn token follows the closing brace."""
+    from stageb_pool.stageb import proposer
+
+    decode = Decode(temperature=0.8, top_p=0.9, max_new_tokens=1500, seed=43)
+    for seed_key in ("7/proposer/it1", "7/proposer/it2", "7/proposer/it3"):
+        request = msgspec.structs.replace(chat_request(EXAMPLES, seed_key=seed_key, decode=decode),
+                                          json_schema=proposer_schema_text(profile))
+        answer = engine.chat(request)
+        assert answer.finish_reason == "stop" and answer.text.endswith("}"), answer
+        obj = json.loads(answer.text)
+        accepted, rejected = proposer.parse_candidates(obj, PROPOSER_GUIDANCE, vocab=profile.verdict, limit=2)
+        assert 1 <= len(accepted) + len(rejected) <= 2
+        assert all(r["reason"] not in ("missing text", "unknown op") for r in rejected)
+        assert engine.chat(request) == answer  # seeded like any chat
+
+
+def test_after_a_complete_json_answer_only_the_end_of_turn_token_may_follow(engine, profile):
+    """llguidance stops a JSON grammar at the closing brace, before any end token: the row must
+    then be held to the end token, not released (the model would write on)."""
+    from stageb_pool.engine.constrained import Grammars
+
+    tok = engine.tokenizer
+    width = engine.model.get_output_embeddings().weight.shape[0]
+    prompt = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    answer = '{"operations":[{"op":"upsert","text":"If the seal is cracked, judge fail.","rationale":"Leaks."}]}'
+    done = tok(answer, add_special_tokens=False)["input_ids"]
+    processor = Grammars(tok, width).processor(1, len(prompt), json_schema=proposer_schema_text(profile))
+    for n in range(len(done) + 1):
+        scores = torch.zeros(1, width)
+        processor(torch.tensor([prompt + done[:n]]), scores)
+        if n < len(done):
+            assert torch.isfinite(scores[0, done[n]]), tok.decode(done[: n + 1])
+    assert torch.isfinite(scores[0]).nonzero().flatten().tolist() == [tok.eos_token_id]
+    processor(torch.tensor([prompt + done + [tok.eos_token_id]]), torch.zeros(1, width))
+    assert processor.free[0]  # finished: later pads are not fed to the matcher
 
 
 # ---------------------------------------------------------------- loading and provenance

@@ -124,6 +124,8 @@ class ChatRequest(msgspec.Struct, frozen=True):
     decode: Decode
     seed_key: str
     max_prompt_tokens: int | None = None
+    # A JSON schema (as JSON text) the answer is held to by constrained decoding; None: free.
+    json_schema: str | None = None
 
 
 class ChatResult(msgspec.Struct, frozen=True):

@@ -25,7 +25,7 @@ from ..pool.devices import Device
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
 from . import chat_text, models
-from .verdict_constraint import VerdictLineConstraint
+from .constrained import Grammars, verdict_line_regex
 from .records import (
     ChatRequest,
     ChatResult,
@@ -60,7 +60,7 @@ class Engine:
         self.dtype = str(model.dtype).removeprefix("torch.")
         self.attn_implementation = getattr(model.config, "_attn_implementation", None)
         self._setup_tokens(stop)
-        self._constraint: VerdictLineConstraint | None = None
+        self._grammars: Grammars | None = None
 
     # ------------------------------------------------------------ set-up
 
@@ -96,7 +96,7 @@ class Engine:
             "model": self.model_name,
             "attn_implementation": self.attn_implementation,
             "stop": self.stop_strings,
-            "llguidance": importlib.metadata.version("llguidance"),  # the verdict-line constraint
+            "llguidance": importlib.metadata.version("llguidance"),  # constrained decoding
         }
 
     # ------------------------------------------------------------ rollout
@@ -112,14 +112,14 @@ class Engine:
         ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
         samples: list[list[Sample]] = [[] for _ in chunk.tickets]
         generated = 0
-        verdict = profile.verdict if chunk.constrain_verdict else None
+        regex = verdict_line_regex(profile.verdict) if chunk.constrain_verdict else None
         if kept:
             batch = self._pad([ids[i] for i in kept])
             for d, decode in enumerate(chunk.grid):
                 for s in range(chunk.samples_per_decode):
                     seed = stable_seed(chunk.seed_key, chunk.chunk_index, d, decode.seed, s)
                     with _located_oom(lambda: _chunk_oom_message(chunk, kept, ids, d, s)):
-                        outs = self._generate(batch, decode, seed, verdict)
+                        outs = self._generate(batch, decode, seed, regex=regex)
                     for i, (text, row, reason) in zip(kept, outs):
                         generated += len(row)
                         samples[i].append(Sample(d, s, text, len(row), reason,
@@ -141,7 +141,8 @@ class Engine:
         if not fits:
             return ChatResult(None, k, len(row))
         with _located_oom(lambda: f"proposer chat {request.seed_key!r} ({len(row)} prompt tokens)"):
-            ((text, out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key))
+            ((text, out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key),
+                                                    json_schema=request.json_schema)
         return ChatResult(text, k, len(row), len(out), reason)
 
     def _tokens(self, messages: list[dict]) -> list[int]:
@@ -156,10 +157,11 @@ class Engine:
         batch = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
         return {k: v.to(self.device.torch_device) for k, v in batch.items()}
 
-    def _generate(self, batch: dict, decode: Decode, seed: int, verdict=None) -> list[tuple[str, list[int], str]]:
+    def _generate(self, batch: dict, decode: Decode, seed: int, *, regex: str | None = None,
+                  json_schema: str | None = None) -> list[tuple[str, list[int], str]]:
         """One seeded batched generate: ``(text, completion ids, finish reason)`` per row.
-        Completion ids run up to and including the stop token. ``verdict`` (a VerdictVocab)
-        holds each row's first line to ``Verdict: <word>``."""
+        Completion ids run up to and including the stop token. ``regex`` or ``json_schema``
+        (JSON text) holds every row to that grammar (``constrained``)."""
         sampling = decode.temperature > 0
         options = dict(
             do_sample=sampling,
@@ -172,9 +174,9 @@ class Engine:
             options.update(temperature=decode.temperature, top_p=decode.top_p, top_k=0)
         if self._multi_token_stops:
             options.update(stop_strings=self._multi_token_stops, tokenizer=self.tokenizer)
-        if verdict is not None:
+        if regex is not None or json_schema is not None:
             rows, width = batch["input_ids"].shape
-            options["logits_processor"] = [self._verdict_constraint().processor(verdict, rows, width)]
+            options["logits_processor"] = [self._grammar().processor(rows, width, regex=regex, json_schema=json_schema)]
         torch.manual_seed(seed)
         with torch.inference_mode():
             out = self.model.generate(**batch, **options)
@@ -187,11 +189,11 @@ class Engine:
         texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         return [(self._clean(t), r, why) for t, r, why in zip(texts, rows, reasons)]
 
-    def _verdict_constraint(self) -> VerdictLineConstraint:
-        if self._constraint is None:  # built on first use: llguidance reads the whole vocabulary
+    def _grammar(self) -> Grammars:
+        if self._grammars is None:  # built on first use: llguidance reads the whole vocabulary
             width = self.model.get_output_embeddings().weight.shape[0]
-            self._constraint = VerdictLineConstraint(self.tokenizer, width)
-        return self._constraint
+            self._grammars = Grammars(self.tokenizer, width)
+        return self._grammars
 
     def _cut(self, row: list[int]) -> tuple[list[int], str]:
         stops = self.stop_ids

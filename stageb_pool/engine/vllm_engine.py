@@ -32,7 +32,7 @@ from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
 from . import chat_text, models
 from .records import ChatRequest, ChatResult, ChunkResult, Decode, RolloutChunk, Sample, TicketRollout, VllmSettings
-from .verdict_constraint import verdict_line_regex
+from .constrained import verdict_line_regex
 
 GIB = 1 << 30
 
@@ -154,7 +154,8 @@ class VllmEngine:
         k, row, fits = chat_text.fit_examples(request, self._tokens)
         if not fits:
             return ChatResult(None, k, len(row))
-        ((out, reason),) = self._generate([(row, self._params(request.decode, stable_seed(request.seed_key)))])
+        params = self._params(request.decode, stable_seed(request.seed_key), json_schema=request.json_schema)
+        ((out, reason),) = self._generate([(row, params)])
         return ChatResult(self._text(out), k, len(row), len(out), reason)
 
     # ------------------------------------------------------------ shared steps
@@ -162,7 +163,7 @@ class VllmEngine:
     def _tokens(self, messages: list[dict]) -> list[int]:
         return self.tokenizer(chat_text.render(self.tokenizer, messages), add_special_tokens=False)["input_ids"]
 
-    def _params(self, decode: Decode, seed: int, regex: str | None = None):
+    def _params(self, decode: Decode, seed: int, regex: str | None = None, json_schema: str | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -179,6 +180,8 @@ class VllmEngine:
         )
         if regex is not None:
             common["structured_outputs"] = StructuredOutputsParams(regex=regex)
+        elif json_schema is not None:  # the schema's JSON text, compiled by the guidance backend
+            common["structured_outputs"] = StructuredOutputsParams(json=json_schema)
         if decode.temperature > 0:
             return SamplingParams(temperature=decode.temperature, top_p=decode.top_p, top_k=0, seed=seed, **common)
         return SamplingParams(temperature=0.0, **common)

@@ -5,19 +5,23 @@ commits. Every GPU is busy at each step:
 1. train baseline: the iteration's train pool under the current guidance;
 2. ONE gather: the proposer call (the ``reflect_size`` most confidently wrong tickets) and
    the eval-pool baseline (served by the runner's cache while the guidance is unchanged);
-3. candidates: the proposer's answer extracted and validated (every rejection logged),
-   ablation ``remove`` candidates fill up to ``num_candidate_rules``, each previewed;
-   every candidate's train rollout in ONE gather;
+3. candidates: the proposer's answer (kept whole in ``proposer_answers.jsonl``; held to
+   the schema of ``stageb.proposer_schema`` with ``constrain_proposer``) extracted and
+   validated (every rejection logged), ablation ``remove`` candidates fill up to
+   ``num_candidate_rules``, each previewed; every candidate's train rollout in ONE gather;
 4. the gate on the tickets common to baseline and candidate; the passing candidates' eval
    rollouts in ONE gather (optional eval veto);
 5. the choice: at most one edit, the largest RER (earliest on ties).
 
 A train pool's rollouts use a seed key that names the pool's tickets, never the guidance:
 baseline and candidates draw the same random numbers (common random numbers). The hard
-cases and the proposer failures are appended as they are found (a resume cuts them back).
+cases, the proposer's answer and its failures are appended as they are found (a resume
+cuts them back). The outcome carries what ``decisions`` needs to explain the iteration.
 """
 
 from __future__ import annotations
+
+import json
 
 import msgspec
 
@@ -27,11 +31,12 @@ from ..stageb import proposer
 from ..stageb.gate import GateResult
 from ..stageb.guidance import Guidance, GuidanceError, apply_operation
 from ..stageb.hashing import content_hash
+from ..stageb.proposer_schema import proposer_schema
 from ..stageb.tickets import Ticket
 from ..stageb.verdicts import Metrics, compute_metrics
 from . import rows
 from .rollout import ChatFailure, RolloutResult, RolloutSpec
-from .rundir import HARD_CASES, PROPOSER_FAILURES, utc_timestamp
+from .rundir import HARD_CASES, PROPOSER_ANSWERS, PROPOSER_FAILURES, utc_timestamp
 
 
 class IterationInput(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,6 +76,9 @@ class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
     candidates: list[Evaluated]
     applied: Evaluated | None  # the edit to apply (one of ``candidates``)
     rejected_ids: list[str]  # this iteration's candidates that were not promoted
+    proposer: rows.ProposerAnswerRow | None = None  # the proposer call (None: no call)
+    rejections: list[str] = []  # why each candidate that never reached the A/B test was rejected
+    ablation_note: str | None = None  # why no ablation candidate filled up, when none could
 
     @property
     def new_guidance(self) -> Guidance:
@@ -119,18 +127,25 @@ def run_iteration(inp: IterationInput, settings, recorder, log) -> IterationOutc
     if isinstance(chat, ChatFailure):
         log.warning("iteration %d: the proposer call failed (%s); no proposer candidates", it, chat.error)
     failures = Failures(it, settings.mission, len(examples))
-    proposed = _parse_proposals(inp, settings, runner, chat, example_keys, failures)
-    previews = _previews(inp, settings, proposed, example_keys, failures)
+    proposed, answer = _parse_proposals(inp, settings, runner, chat, example_keys, failures)
+    previews, ablation_note = _previews(inp, settings, proposed, example_keys, failures)
+    if answer is not None:
+        recorder.append(PROPOSER_ANSWERS, [answer])
     recorder.append(PROPOSER_FAILURES, failures.rows)
     evaluated = _evaluate(inp, settings, recorder, seed_key, base, eval_base, previews)
     evaluated, applied = _choose(evaluated)
     return msgspec.structs.replace(
         outcome, eval_base_metrics=compute_metrics(eval_base.stats) if eval_base is not None else None,
         example_keys=example_keys, candidates=evaluated, applied=applied,
-        rejected_ids=sorted({c.candidate.candidate_id for c in evaluated if c.decision != "promoted"}))
+        rejected_ids=sorted({c.candidate.candidate_id for c in evaluated if c.decision != "promoted"}),
+        proposer=answer, rejections=[r.error for r in failures.rows if r.stage in REJECTING_STAGES],
+        ablation_note=ablation_note)
 
 
 # ----------------------------------------------------------------------------- proposer
+
+
+REJECTING_STAGES = ("validate", "preview")  # failure rows that are one rejected candidate each
 
 
 class Failures:
@@ -155,9 +170,14 @@ def _proposer_request(inp: IterationInput, settings, profile, examples) -> ChatR
                     repetition_penalty=rs.proposer_repetition_penalty, seed=settings.seed)
     prompt = proposer.build_proposer_prompt(settings.proposer_system, settings.mission, inp.guidance, examples,
                                             lang=proposer.proposer_language(profile.verdict))
+    schema = None
+    if rs.constrain_proposer:
+        # Keys stay in the schema's order: llguidance asks for an object's properties in it.
+        schema = json.dumps(proposer_schema(inp.guidance, profile.verdict, max_operations=rs.num_candidate_rules),
+                            ensure_ascii=False)
     return ChatRequest(**msgspec.structs.asdict(prompt), decode=decode,
                        seed_key=f"{settings.seed}/proposer/it{inp.iteration}",
-                       max_prompt_tokens=rs.proposer_max_prompt_tokens)
+                       max_prompt_tokens=rs.proposer_max_prompt_tokens, json_schema=schema)
 
 
 def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, examples):
@@ -174,41 +194,53 @@ def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, examples
 
 
 def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str],
-                     failures: Failures) -> list[proposer.Candidate]:
-    """The proposer's valid candidates; every failure and rejection becomes a failure row.
-    A proposer call that raised leaves the iteration with no proposer candidates (the
-    ablation fill still runs), as upstream."""
+                     failures: Failures) -> tuple[list[proposer.Candidate], rows.ProposerAnswerRow | None]:
+    """The proposer's valid candidates and its answer row; every failure and rejection
+    becomes a failure row. A proposer call that raised leaves the iteration with no proposer
+    candidates (the ablation fill still runs), as upstream."""
     if chat is None:
-        return []
+        return [], None
+    rs = settings.rule_search
+    answer = rows.ProposerAnswerRow(iteration=inp.iteration, mission=settings.mission,
+                                    constrained=rs.constrain_proposer, parsed=False)
     if isinstance(chat, ChatFailure):
         failures.add(chat.error, stage="generate")
-        return []
+        return [], msgspec.structs.replace(answer, error=f"the proposer call failed: {chat.error}")
+    answer = msgspec.structs.replace(
+        answer, examples_used=chat.examples_used, prompt_tokens=chat.prompt_tokens, text=chat.text,
+        completion_tokens=chat.completion_tokens if chat.text is not None else None,
+        finish_reason=chat.finish_reason or None)
     if chat.text is None:
         failures.add("prompt_overlength", stage="prompt", chat=chat)
-        return []
+        return [], msgspec.structs.replace(answer, error="prompt over proposer_max_prompt_tokens even with one example")
     try:
         obj = proposer.extract_json(chat.text)
         accepted, rejections = proposer.parse_candidates(
             obj, inp.guidance, vocab=runner.profile.verdict, rejected_ids=set(inp.rejected_ids),
-            limit=settings.rule_search.num_candidate_rules, evidence=example_keys)
+            limit=rs.num_candidate_rules, evidence=example_keys)
     except ValueError as err:
-        failures.add(str(err), stage="parse", chat=chat, raw=chat.text)
-        return []
+        # A cut-off answer often holds a complete inner object that does parse: its error
+        # ("neither 'operations' nor 'rules'") would hide the real cause, the budget.
+        error = (f"truncated at proposer_max_new_tokens={rs.proposer_max_new_tokens}"
+                 if chat.finish_reason == "length" else str(err))
+        failures.add(error, stage="parse", chat=chat, raw=chat.text)
+        return [], msgspec.structs.replace(answer, error=error)
     for rejection in rejections:
         entry = {k: v for k, v in rejection.items() if k != "reason"}
         failures.add(rejection.get("reason") or "rejected", stage="validate", chat=chat, raw=chat.text, **entry)
-    return accepted
+    return accepted, msgspec.structs.replace(answer, parsed=True, operations=len(accepted) + len(rejections))
 
 
 def _previews(inp: IterationInput, settings, proposed: list, example_keys: list[str],
-              failures: Failures) -> list[tuple]:
+              failures: Failures) -> tuple[list[tuple], str | None]:
     """Proposer candidates, then ablation removes up to ``num_candidate_rules``, as
     ``(index, candidate, previewed guidance, reflection id)``; a candidate whose edit cannot
-    apply is logged and skipped."""
+    apply is logged and skipped. Second: why no ablation filled up, when none could."""
     g, it = inp.guidance, inp.iteration
     taken = set(inp.rejected_ids) | {c.candidate_id for c in proposed}
     missing = settings.rule_search.num_candidate_rules - len(proposed)
     ablations = proposer.ablation_candidates(g, rejected_ids=taken, limit=missing) if missing > 0 else []
+    note = _no_ablation_note(g, inp.rejected_ids) if missing > 0 and not ablations else None
     now = utc_timestamp()
     out = []
     for cand in [*proposed, *ablations]:
@@ -220,7 +252,16 @@ def _previews(inp: IterationInput, settings, proposed: list, example_keys: list[
             failures.add(f"cannot apply: {err}", stage="preview", candidate_id=cand.candidate_id)
             continue
         out.append((len(out) + 1, cand, preview, rid))
-    return out
+    return out, note
+
+
+def _no_ablation_note(g: Guidance, rejected_ids) -> str:
+    """Why no ``remove`` candidate was left to try."""
+    everything = proposer.ablation_candidates(g, limit=len(g.experiences))
+    if not everything:
+        return "no learnable rule besides G0 to ablate"
+    keys = ", ".join(c.operation.key for c in everything if c.candidate_id in rejected_ids)
+    return f"ablation of {keys} already rejected earlier in the run" if keys else "ablation candidates proposed already"
 
 
 # ----------------------------------------------------------------------------- A/B evaluation

@@ -194,6 +194,25 @@ class ProposerFailureRow(msgspec.Struct):
     raw_response_suffix: str | UnsetType = UNSET
 
 
+class ProposerAnswerRow(msgspec.Struct, kw_only=True):
+    """``reflection_cache/proposer_answers.jsonl``: one proposer call, its answer whole.
+    ``parsed``: the answer held a JSON operation list (``operations`` entries examined);
+    ``error`` says why not (a cut-off answer: ``truncated at proposer_max_new_tokens=N``).
+    Token counts and the finish reason are null when the call never generated."""
+
+    iteration: int
+    mission: str
+    examples_used: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    constrained: bool
+    parsed: bool
+    operations: int = 0
+    error: str | None = None
+    text: str | None = None
+
+
 class DistillRow(msgspec.Struct):
     """``distill_chatml.jsonl``: one ticket as a ChatML conversation."""
 

@@ -3,7 +3,8 @@ the loop and the commit.
 
 Each iteration draws the next train pool, runs ``iteration.run_iteration`` (which returns a
 frozen outcome), appends the outcome's candidate rows, applies its edit (snapshot, atomic
-``guidance.json``, ``benchmarks.jsonl`` row) and commits ``state.json``, the single point a
+``guidance.json``, ``benchmarks.jsonl`` row), appends the iteration's decision row
+(``decisions``; one line on the terminal) and commits ``state.json``, the single point a
 ``--resume`` continues from. After the loop: the distillation export, the final metrics and
 the summary. Only the parent decides and writes; rows are appended in a canonical order
 and carry no wall-clock value outside the volatile ``timestamp`` key.
@@ -18,12 +19,12 @@ import msgspec
 
 from ..stageb.guidance import Guidance
 from ..stageb.ticket_pools import TrainPoolSampler, split_eval_pool
-from . import rows
+from . import decisions, fileio, rows
 from . import state as state_mod
 from .distill import export_distillation
 from .iteration import IterationInput, IterationOutcome, run_iteration
 from .recorder import Recorder
-from .rundir import BENCHMARKS, CANDIDATES, REGRESSIONS
+from .rundir import BENCHMARKS, CANDIDATES, ITERATIONS, REGRESSIONS
 from .settings import RunIdentity, SearchSettings
 from .summary import brief, final_metrics, print_summary, search_summary
 
@@ -123,18 +124,19 @@ class RuleSearch:
                               eval_pool=self.eval, rejected_ids=frozenset(st.rejected_ids))
 
     def _record(self, outcome: IterationOutcome) -> None:
-        """The outcome's rows; with an edit: snapshot, the new guidance.json, the benchmark row."""
+        """The outcome's rows; with an edit: snapshot, the new guidance.json, the benchmark row;
+        then the decision row and its terminal line."""
         mission = self.settings.mission
         self.recorder.append(CANDIDATES, rows.candidate_rows(outcome, mission))
         self.recorder.append(REGRESSIONS, rows.regression_rows(outcome, mission))
         c = outcome.applied
-        if c is None:
-            return
-        with self.recorder.phase("io"):
-            self.store.snapshot_and_write(c.guidance)
-        self.recorder.append(BENCHMARKS, [rows.benchmark_row(outcome, mission)])
-        self.log.info("iteration %d: applied %s (RER %.3f) -> guidance step %d", outcome.iteration,
-                      c.candidate.candidate_id, c.gate.relative_error_reduction, c.guidance.step)
+        if c is not None:
+            with self.recorder.phase("io"):
+                self.store.snapshot_and_write(c.guidance)
+            self.recorder.append(BENCHMARKS, [rows.benchmark_row(outcome, mission)])
+        decision = decisions.iteration_row(outcome, mission)
+        self.recorder.append(ITERATIONS, [decision])
+        self.log.info("%s", decisions.iteration_line(decision))
 
     def _commit(self, outcome: IterationOutcome) -> None:
         """End of iteration: the state.json commit (guidance.json was written before it).
@@ -183,6 +185,9 @@ class RuleSearch:
                   "generations_saved_this_process": runner.generations_saved, "resumed": bool(self.resume)}
         summary = search_summary(st, settings, g, final=final, distillation=distillation, n_train=len(self.train),
                                  n_eval=len(self.eval), runner=self.recorder.runner, timing=timing)
+        # Read back, not kept in memory: a resumed run explains the iterations of every process.
+        iterations = fileio.read_jsonl(self.run_dir / ITERATIONS)
+        summary["why"] = decisions.run_sentence(iterations, edits=len(st.edits), stop_reason=st.stop_reason)
         print_summary(summary)
         return summary
 

@@ -32,6 +32,8 @@ BENCHMARKS = "benchmarks.jsonl"
 HARD_CASES = "rule_search_hard_cases.jsonl"
 REGRESSIONS = "rule_search_candidate_regressions.jsonl"
 PROPOSER_FAILURES = "reflection_cache/rule_search_proposer_failures.jsonl"
+PROPOSER_ANSWERS = "reflection_cache/proposer_answers.jsonl"
+ITERATIONS = "rule_search_iterations.jsonl"
 
 # engine.info() keys that describe one worker rather than the run (would differ between
 # worker counts or reruns); they never reach run.json's provenance.

@@ -26,6 +26,7 @@ STATE_VERSION = 2  # 2: the identity compares inputs by content; the run's gener
 # lengths go into state.json; a resume truncates them back to those lengths.
 APPEND_ARTIFACTS = (
     rundir.CANDIDATES, rundir.BENCHMARKS, rundir.HARD_CASES, rundir.REGRESSIONS, rundir.PROPOSER_FAILURES,
+    rundir.PROPOSER_ANSWERS, rundir.ITERATIONS,
 )
 
 

@@ -75,4 +75,6 @@ def print_summary(summary: dict) -> None:
         f"  eval:  baseline {fmt(base.get('eval'))} -> final {fmt(final.get('eval'))}",
         f"  generations: {summary['generations_done']} done, {summary['generations_saved']} saved by the cache",
     ]
+    if summary.get("why"):
+        lines.append(f"  why: {summary['why']}")
     print("\n".join(lines), file=sys.stdout, flush=True)

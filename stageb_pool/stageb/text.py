@@ -71,6 +71,13 @@ def trailing_index(key: str) -> int | None:
     return int(digits)
 
 
+def regex_literal(text: str) -> str:
+    """``text`` as a regex that both Python's re and llguidance's (Rust) syntax read as a
+    literal: only the metacharacters escaped (``re.escape`` also escapes spaces, which Rust
+    regex refuses). The grammars of constrained decoding are built with it."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
+
+
 def short(text: str, limit: int = 40) -> str:
     """``text`` cut to ``limit`` characters for an error message (a key may be huge)."""
     return text if len(text) <= limit else f"{text[:limit]}…"

@@ -134,6 +134,7 @@ class RuleSearchConfig(_Section, kw_only=True):
     proposer_repetition_penalty: Penalty = 1.05
     proposer_max_new_tokens: Int(1, 1_000_000) = 2048
     proposer_max_prompt_tokens: Int(1, TOKENS) = 4096  # examples are dropped from the end until the prompt fits
+    constrain_proposer: bool = False  # hold the answer to its JSON schema (stageb/proposer_schema.py); off: upstream
     reflect_size: Int(1, 10_000) = 16  # confidently wrong tickets shown to the proposer
     num_candidate_rules: Int(1, 100) = 3  # candidates per iteration (proposer, then ablation fill)
     train_pool_size: Int(1, TICKETS) = 512  # tickets per iteration's train pool

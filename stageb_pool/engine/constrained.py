@@ -1,0 +1,146 @@
+"""Constrained decoding: the verdict protocol of a rollout (the sampler option
+``constrain_verdict``) and the JSON schema of a proposer answer
+(``rule_search.constrain_proposer``).
+
+A small model often breaks the two-line protocol (``Verdict: pass`` / ``Reason: ...``), so
+a rollout measures parse failures more than judgement. With the option on, the first line
+of every sample is held to exactly ``Verdict: <pass word>`` or ``Verdict: <fail word>`` (the
+profile's ``pass_text`` / ``fail_text``) and one newline, the second line starts with
+``Reason: ``, and the reason's words run free up to the end of the line, where the only way
+on is the end-of-turn token. Holding the first line alone was not enough: on the demo the
+135M model then went on writing more lines after its reason in about 4 samples out of 10,
+which the protocol (exactly two lines) counts as invalid.
+
+The proposer's answer is held to the JSON schema of ``stageb.proposer_schema``; there the
+grammar is complete right after the closing brace, and the row must then end: the only
+token it may take next is the end-of-turn token (releasing the mask would let the model
+write on after the JSON).
+
+The token masks come from llguidance (the Rust structured-generation library that vLLM also
+uses as a backend, so both engines enforce the same grammars): it matches the grammar on the
+bytes of the generated tokens, so it does not matter how the tokenizer splits
+``Verdict: 不通过`` or whether a leading space merges into the next token. A mask depends
+only on the tokens a row has generated, so seeded results stay identical for any number of
+workers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..stageb.text import regex_literal
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used, not here: the vLLM engine imports verdict_line_regex
+# from this module before its worker sets OMP_NUM_THREADS, which must precede torch's import
+# for the thread pinning (model.vllm.cpu_threads) to hold.
+
+VERDICT_LABEL = "Verdict: "
+
+
+REASON_LABEL = "Reason: "
+
+
+def verdict_line_regex(vocab) -> str:
+    """The two lines a constrained sample must produce, as a regex: the verdict line exactly,
+    then a one-line reason that does not start with white space (the parser strips it and
+    needs something left)."""
+    words = "|".join(regex_literal(w) for w in (vocab.pass_text, vocab.fail_text))
+    return f"{regex_literal(VERDICT_LABEL)}({words})\\n{regex_literal(REASON_LABEL)}[^\\s]{_ONE_LINE}*"
+
+
+# Not a line break to Python's str.splitlines (what the verdict parser splits on).
+_ONE_LINE = "[^\\n\\r\\x0b\\x0c\\x1c\\x1d\\x1e\\x85\\u2028\\u2029]"
+
+
+class Grammars:
+    """Builds, per generate call, a transformers logits processor that holds each row to a
+    grammar: a regex (``regex=``) or a JSON schema given as JSON text (``json_schema=``).
+    Compiled grammars are kept per text. ``vocab_size`` is the width of the model's logits."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        import llguidance
+
+        self._llguidance = llguidance
+        self.end_id = tokenizer.eos_token_id
+        self._tokenizer = llguidance.LLTokenizer(_tokenizer_json(tokenizer), n_vocab=vocab_size,
+                                                 eos_token=self.end_id)
+        self._grammars: dict[tuple[str, str], str] = {}
+
+    def processor(self, rows: int, prompt_length: int, *, regex: str | None = None,
+                  json_schema: str | None = None) -> "GrammarProcessor":
+        if (regex is None) == (json_schema is None):
+            raise ValueError("give exactly one of regex and json_schema")
+        key = ("regex", regex) if regex is not None else ("json", json_schema)
+        grammar = self._grammars.get(key)
+        if grammar is None:
+            build = (self._llguidance.LLMatcher.grammar_from_regex if regex is not None
+                     else self._llguidance.LLMatcher.grammar_from_json_schema)
+            grammar = self._grammars[key] = build(key[1])
+        matchers = [self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0) for _ in range(rows)]
+        if matchers[0].is_error():
+            raise ValueError(f"{key[0]} grammar {key[1][:200]!r}: {matchers[0].get_error()}")
+        return GrammarProcessor(matchers, prompt_length, self.end_id)
+
+
+def _tokenizer_json(tokenizer) -> str:
+    """The fast tokenizer's full definition (added tokens included), without padding or
+    truncation, which llguidance rebuilds in Rust."""
+    from copy import copy
+
+    backend = copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
+
+
+class GrammarProcessor:
+    """A transformers logits processor: row ``i`` may only sample tokens its matcher allows.
+    A matcher that has stopped either took the end-of-turn token (the row is finished and
+    only pads follow: ``free``) or completed its grammar on another token (a JSON object's
+    closing brace): then the end-of-turn token is the only one allowed, once. Runs before
+    temperature and top-p (generate puts custom processors ahead of its warpers)."""
+
+    def __init__(self, matchers: list, prompt_length: int, end_id: int):
+        self.matchers = matchers
+        self.prompt_length = prompt_length
+        self.end_id = end_id
+        self.free = [False] * len(matchers)
+        self._ending = [False] * len(matchers)  # the grammar is complete: the next token is the end
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids.shape[1] - self.prompt_length
+        for row, matcher in enumerate(self.matchers):
+            if self.free[row]:
+                continue
+            if self._ending[row]:  # it took the forced end token: finished
+                self.free[row] = True
+                continue
+            if generated > 0:
+                token = int(input_ids[row, -1])
+                if not matcher.consume_token(token):
+                    raise RuntimeError(f"constrained decoding: token {token} was not allowed: {matcher.get_error()}")
+                if matcher.is_stopped():
+                    if token == self.end_id:  # it took the end-of-turn token: the row is done
+                        self.free[row] = True
+                        continue
+                    self._ending[row] = True
+                    scores[row].fill_(float("-inf"))
+                    scores[row, self.end_id] = 0.0
+                    continue
+            allowed = allowed_tokens(matcher.compute_bitmask(), scores.shape[1])
+            scores[row].masked_fill_(~allowed.to(scores.device), float("-inf"))
+        return scores
+
+
+def allowed_tokens(bitmask: bytes, width: int) -> torch.Tensor:
+    """llguidance's mask (one bit per token, 32-bit little-endian words) as booleans."""
+    import torch
+
+    raw = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
+    bits = ((raw.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()[:width]
+    out = torch.zeros(width, dtype=torch.bool)
+    out[: len(bits)] = bits
+    return out

@@ -1,0 +1,173 @@
+"""What each iteration decided and why: the ``rule_search_iterations.jsonl`` row, the line
+the terminal shows when an iteration ends, and the summary's one sentence about the run.
+
+A user who reads "0 edits accepted" must be able to tell a gate that rejected real
+candidates from a proposer that gave nothing usable, and both from a judge that cannot tell
+the labels apart. Every count and reason here comes from the ``IterationOutcome``; nothing
+is wall clock, so the rows are the same bytes for any worker count and after a resume.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import msgspec
+
+from ..stageb.text import short
+from .summary import brief
+
+
+class IterationRow(msgspec.Struct):
+    """``rule_search_iterations.jsonl``: one completed iteration (docs/artifacts.md).
+    ``candidates_proposed`` = the rejected ones + ``candidates_evaluated``."""
+
+    iteration: int
+    mission: str
+    guidance_step: int
+    guidance_hash: str
+    proposer_calls: int
+    proposer_parsed: int
+    candidates_proposed: int
+    candidates_rejected: dict[str, int]  # reason kind -> count (never A/B-tested)
+    candidates_evaluated: int  # A/B rollouts done
+    decision: str  # accepted | rejected | no_candidates
+    accepted_candidate: str | None
+    reasons: list[str]
+    baseline: dict  # {"train": metrics, "eval": metrics | null}
+    best_candidate: dict | None  # the applied one, else the largest RER (earliest on ties), with its gate reason
+    guidance_step_after: int
+
+
+# Specifics after these marks (a quoted word, a target, a rule key) are dropped, so that
+# rejections count by kind: "duplicate of existing rule G3" -> "duplicate of existing rule".
+_SPECIFICS = re.compile(r"[:'\"]| [GS]\d")
+
+
+def reason_kind(reason: str) -> str:
+    """A rejection reason without its specifics."""
+    return _SPECIFICS.split(reason, maxsplit=1)[0].strip() or reason
+
+
+def iteration_row(outcome, mission: str) -> IterationRow:
+    answer = outcome.proposer
+    evaluated = outcome.candidates
+    best = _best(outcome)
+    if outcome.applied is not None:
+        decision = "accepted"
+    else:
+        decision = "rejected" if evaluated else "no_candidates"
+    reasons = [f"{_name(c)}: {'accepted' if c.applied else c.reason}" for c in evaluated]
+    if not evaluated:
+        reasons = _why_nothing(outcome)
+    return IterationRow(
+        iteration=outcome.iteration, mission=mission, guidance_step=outcome.guidance.step,
+        guidance_hash=outcome.guidance.hash, proposer_calls=int(answer is not None),
+        proposer_parsed=int(answer is not None and answer.parsed),
+        candidates_proposed=len(outcome.rejections) + len(evaluated),
+        candidates_rejected=dict(sorted(Counter(reason_kind(r) for r in outcome.rejections).items())),
+        candidates_evaluated=len(evaluated), decision=decision,
+        accepted_candidate=outcome.applied.candidate.candidate_id if outcome.applied is not None else None,
+        reasons=reasons,
+        baseline={"train": brief(outcome.base_metrics), "eval": brief(outcome.eval_base_metrics)},
+        best_candidate=None if best is None else {
+            "candidate_id": best.candidate.candidate_id, "train": brief(best.train_metrics),
+            "eval": brief(best.eval_metrics), "relative_error_reduction": best.gate.relative_error_reduction,
+            "reason": best.reason},
+        guidance_step_after=outcome.new_guidance.step,
+    )
+
+
+def _best(outcome):
+    if outcome.applied is not None:
+        return outcome.applied
+    best = None
+    for c in outcome.candidates:  # the earliest wins ties, as the gate's choice
+        if best is None or c.gate.relative_error_reduction > best.gate.relative_error_reduction:
+            best = c
+    return best
+
+
+def _name(c) -> str:
+    return f"cand{c.index} {short(c.candidate.candidate_id, 60)}"
+
+
+def _why_nothing(outcome) -> list[str]:
+    """Why no candidate reached the A/B test: the proposer's part, then the ablation's."""
+    answer = outcome.proposer
+    if not outcome.pool_keys or outcome.base_metrics.n == 0:
+        return ["every train ticket was dropped as overlength"]
+    if answer is None:
+        why = ["no proposer call: the baseline got every train ticket right"]
+    elif not answer.parsed:
+        why = [f"proposer answer unusable: {answer.error}"]
+    elif answer.operations == 0:
+        why = ["the proposer answer held no operation"]
+    else:
+        why = [f"all {answer.operations} proposer operation(s) rejected: "
+               + ", ".join(f"{n} {kind}" for kind, n in Counter(map(reason_kind, outcome.rejections)).items())]
+    if outcome.ablation_note:
+        why.append(outcome.ablation_note)
+    return why
+
+
+def iteration_line(row: IterationRow) -> str:
+    """One terminal line, e.g. ``iteration 2: proposer parsed; 2 proposed, 1 rejected
+    (duplicate of existing rule), 1 evaluated: rejected (RER 0.021 < 0.050); train acc 0.425 -> 0.425``."""
+    if row.proposer_calls == 0:
+        proposer = "no proposer call"
+    else:
+        proposer = "proposer answer parsed" if row.proposer_parsed else "proposer answer unusable"
+    parts = [f"{row.candidates_proposed} proposed"]
+    rejected = sum(row.candidates_rejected.values())
+    if rejected:
+        kinds = ", ".join(f"{n} {k}" if n > 1 else k for k, n in row.candidates_rejected.items())
+        parts.append(f"{rejected} rejected ({short(kinds, 120)})")
+    acc = f"train acc {_acc(row.baseline.get('train'))}"
+    if row.decision == "no_candidates":
+        return f"iteration {row.iteration}: {proposer}; {', '.join(parts)}: no candidates ({'; '.join(row.reasons)}); {acc}"
+    best = row.best_candidate or {}
+    if row.decision == "accepted":
+        verdict = f"accepted {short(row.accepted_candidate or '', 60)} (RER {best.get('relative_error_reduction', 0):.3f})"
+    else:
+        verdict = f"rejected ({best.get('reason')})"
+    parts.append(f"{row.candidates_evaluated} evaluated: {verdict}")
+    return f"iteration {row.iteration}: {proposer}; {', '.join(parts)}; {acc} -> {_acc(best.get('train'))}"
+
+
+def _acc(metrics: dict | None) -> str:
+    return f"{metrics['acc']:.3f}" if metrics else "-"
+
+
+def run_sentence(rows: list[dict], *, edits: int, stop_reason: str | None, headroom: dict | None = None) -> str:
+    """The summary's one sentence: why the run accepted what it did (``rows`` are the
+    iteration rows as dicts, read back from the artifact so a resumed run counts them all)."""
+    n = len(rows)
+    evaluated = sum(r["candidates_evaluated"] for r in rows)
+    parsed = sum(r["proposer_parsed"] for r in rows)
+    calls = sum(r["proposer_calls"] for r in rows)
+    proposer = f"{parsed} of {calls} proposer answers parsed"
+    if edits:
+        accepted = [r for r in rows if r["decision"] == "accepted"]
+        names = ", ".join(f"{short(r['accepted_candidate'], 50)} (iteration {r['iteration']}, RER "
+                          f"{r['best_candidate']['relative_error_reduction']:.3f})" for r in accepted)
+        return (f"{edits} edit(s) accepted in {n} iteration(s) because they passed the gate on the A/B rollouts: "
+                f"{names}; {evaluated} candidate(s) evaluated, {proposer}.")
+    if evaluated:
+        best = max((r["best_candidate"] for r in rows if r["best_candidate"]),
+                   key=lambda b: b["relative_error_reduction"])
+        why = (f"no edit accepted in {n} iteration(s): none of the {evaluated} A/B-evaluated candidate(s) "
+               f"passed the gate (best RER {best['relative_error_reduction']:.3f}); {proposer}")
+    else:
+        why = f"no edit accepted in {n} iteration(s): no candidate reached the A/B test ({proposer})"
+    if headroom and not headroom.get("separates", True):
+        why += (f"; the judge cannot separate the labels (AUC {_auc(headroom)}), so no rule was expected "
+                "to help")
+    if stop_reason == "early_stop":
+        why += "; stopped early"
+    return why[0].upper() + why[1:] + "."
+
+
+def _auc(headroom: dict) -> str:
+    auc = headroom.get("auc")
+    return f"{auc:.2f}" if isinstance(auc, (int, float)) else "n/a"
