@@ -343,6 +343,16 @@ def test_worker_output_is_prefixed_with_rank_and_device(capfd):
     assert "[w1 cpu:1] to stderr\n" in err
 
 
+def test_a_redrawn_progress_line_reaches_the_terminal_as_its_last_state(capfd):
+    """A progress bar (the GGUF conversion's, on a first run) is one line redrawn with \\r:
+    relayed as is it was one long line of every state behind the prefix."""
+    with Pool(Engine, "cpu:1") as pool:
+        pool.call(0, "progress_bar", 500)
+    _, err = capfd.readouterr()
+    assert "[w0 cpu:0] converting: 500/500\n" in err
+    assert "\r" not in err and "converting: 499/500" not in err
+
+
 def start_parent(tmp_path):
     proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "run_pool.py"), str(tmp_path)])
     pids_file = tmp_path / "pids.json"

@@ -8,7 +8,8 @@ OpenMP pool (moolib's EnvPool does the same). The zygote also
   control socket), then closes its own copy so EOF still means "that worker is gone";
 - reaps its children (SIGCHLD via signal.set_wakeup_fd) and reports every exit status,
   because only a process's parent can waitpid it;
-- relays each worker's stdout and stderr line by line with a "[w<rank> <device>] " prefix;
+- relays each worker's stdout and stderr line by line with a "[w<rank> <device>] " prefix (a line
+  redrawn with carriage returns, a progress bar, as its last state);
 - on Shutdown stops the workers (they got a Shutdown message; then SIGTERM, then SIGKILL),
   reaps them all and exits. If the parent dies, the zygote dies (PDEATHSIG), and the
   workers die with it (their PDEATHSIG, and EOF on their sockets as a backup).
@@ -235,7 +236,7 @@ class ForkServer:
                 data = b""
             if not data:
                 break
-            lines = (entry[2] + data).split(b"\n")
+            lines = [_last_state(line) for line in (entry[2] + data).split(b"\n")]
             entry[2] = lines.pop()
             _write(target, b"".join(prefix + line + b"\n" for line in lines))
             if not final:
@@ -247,6 +248,12 @@ class ForkServer:
         self.sel.unregister(fd)
         os.close(fd)
         del self.outputs[fd]
+
+
+def _last_state(line: bytes) -> bytes:
+    """A line redrawn with carriage returns (a progress bar) as its last state: relayed
+    as is, every state would land on one long line behind the prefix."""
+    return line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
 
 
 def _write(fd: int, data: bytes) -> None:

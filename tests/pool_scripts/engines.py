@@ -97,6 +97,16 @@ class Engine:
         print("to stderr", file=__import__("sys").stderr)
         return True
 
+    def progress_bar(self, steps):
+        """What tqdm writes: one line redrawn with carriage returns, a newline at the end."""
+        import sys
+
+        for n in range(steps + 1):
+            sys.stderr.write(f"\rconverting: {n}/{steps}")
+            sys.stderr.flush()
+        sys.stderr.write("\n")
+        return True
+
 
 class Uniform(Engine):
     """The test engine with the same info() on every worker (the Ray backend refuses workers
