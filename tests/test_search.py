@@ -183,6 +183,41 @@ def test_proposer_failures_are_logged_with_their_reason(reference):
     assert parse[0]["prompt_tokens"] > 0
 
 
+def test_every_proposer_answer_is_kept_whole_and_a_cut_off_one_is_named_truncated(reference):
+    run_dir, _ = reference
+    answers = rows(run_dir, "reflection_cache/proposer_answers.jsonl")
+    assert [(a["iteration"], a["parsed"], a["finish_reason"]) for a in answers] == [
+        (1, True, "stop"), (2, False, "length"), (3, True, "stop"), (4, True, "stop"), (5, True, "stop")]
+    assert answers[0]["text"] == se.DEFAULT_SCRIPT[1] and answers[0]["operations"] == 4
+    assert answers[1]["error"] == "truncated at proposer_max_new_tokens=2048"  # not the inner object's error
+    assert answers[1]["text"] == se.DEFAULT_SCRIPT[2] and answers[1]["completion_tokens"] > 0
+    parse = [f for f in rows(run_dir, "reflection_cache/rule_search_proposer_failures.jsonl") if f["stage"] == "parse"]
+    assert [f["error"] for f in parse] == ["truncated at proposer_max_new_tokens=2048"]
+
+
+def test_every_iteration_records_its_decision_and_why(reference, capfd):
+    run_dir, _ = reference
+    its = rows(run_dir, "rule_search_iterations.jsonl")
+    assert [(r["iteration"], r["decision"], r["candidates_proposed"], r["candidates_evaluated"]) for r in its] == [
+        (1, "accepted", 5, 3), (2, "rejected", 1, 1), (3, "accepted", 1, 1), (4, "rejected", 2, 1),
+        (5, "no_candidates", 0, 0)]
+    first = its[0]
+    assert first["candidates_rejected"] == {"duplicate of existing rule": 1, "unknown op": 1}
+    assert first["accepted_candidate"] == "upsert:if any photo shows rust the verdict is fail"
+    assert first["reasons"][0] == "cand1 upsert:if any photo shows rust the verdict is fail: accepted"
+    assert first["reasons"][1].startswith("cand2 upsert:if any photo shows clean the verdict is fail: RER -")
+    assert [r["proposer_parsed"] for r in its] == [1, 0, 1, 1, 1]
+    assert [(r["guidance_step"], r["guidance_step_after"]) for r in its] == [(0, 1), (1, 1), (1, 2), (2, 2), (2, 2)]
+    assert its[4]["reasons"] == ["the proposer answer held no operation",
+                                 "ablation of G1, G2, G3 already rejected earlier in the run"]
+    for r in its:
+        assert r["candidates_proposed"] == r["candidates_evaluated"] + sum(r["candidates_rejected"].values())
+    bench = rows(run_dir, "benchmarks.jsonl")
+    assert its[0]["best_candidate"]["relative_error_reduction"] == bench[0]["relative_error_reduction"]
+    summary = doc(run_dir, "summary.json")
+    assert summary["why"].startswith("2 edit(s) accepted in 5 iteration(s) because they passed the gate")
+
+
 @pytest.mark.parametrize("gpus", ["cpu:1", "cpu:2"])
 def test_a_raising_proposer_call_leaves_the_iteration_its_ablation_candidates(tmp_path, gpus):
     """Upstream catches a failed proposer call: no proposer candidates, the ablation fill,

@@ -150,3 +150,23 @@ def test_constrained_verdict_lines_through_vllm(engine):
     result = rollout(engine, chunks(constrain=True)[0])
     texts = [engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for t in result.tickets for s in t.samples]
     assert texts and all(x.startswith(("Verdict: pass\n", "Verdict: fail\n")) for x in texts)
+
+
+def test_a_constrained_proposer_answer_through_vllm_is_json_of_the_schema(engine):
+    """vLLM's guidance backend holds the answer to the same schema as the transformers
+    engine: a random tiny model's answer parses and ends at its closing brace."""
+    import json
+
+    from stageb_pool.stageb import proposer
+    from stageb_pool.stageb.proposer_schema import proposer_schema
+
+    guidance = {**GUIDANCE, "G1": "If any photo is blurry, the verdict is fail."}
+    schema = json.dumps(proposer_schema(guidance, PROFILE.verdict, max_operations=2))
+    decode = Decode(temperature=0.8, top_p=0.9, max_new_tokens=1500, seed=43)
+    request = ChatRequest("You propose rules.", "Current rules: G0, G1.", ["Example 1: bolt loose."],
+                          "Answer with JSON.", decode, "7/proposer/it1", None, schema)
+    answer = engine.chat(request)
+    assert answer.finish_reason == "stop" and answer.text.endswith("}"), answer
+    accepted, rejected = proposer.parse_candidates(json.loads(answer.text), guidance, vocab=PROFILE.verdict, limit=2)
+    assert 1 <= len(accepted) + len(rejected) <= 2
+    assert engine.chat(request) == answer

@@ -260,7 +260,8 @@ def _no_ablation_note(g: Guidance, rejected_ids) -> str:
     everything = proposer.ablation_candidates(g, limit=len(g.experiences))
     if not everything:
         return "no learnable rule besides G0 to ablate"
-    keys = ", ".join(c.operation.key for c in everything if c.candidate_id in rejected_ids)
+    keys = ", ".join(sorted((c.operation.key for c in everything if c.candidate_id in rejected_ids),
+                            key=lambda key: (len(key), key)))  # G2 before G10
     return f"ablation of {keys} already rejected earlier in the run" if keys else "ablation candidates proposed already"
 
 
