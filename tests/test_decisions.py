@@ -112,6 +112,12 @@ def rows_of(*outs) -> list[dict]:
     return [msgspec.to_builtins(decisions.iteration_row(o, "m")) for o in outs]
 
 
+def test_the_run_sentence_names_the_condition_that_failed_when_the_rer_passed():
+    rows = rows_of(outcome([evaluated(1, "upsert:a", 0.478, "changed fraction 0.400 > 0.300")], answer=PARSED))
+    assert "(best: RER 0.478 but changed fraction 0.400 > 0.300)" in decisions.run_sentence(
+        rows, edits=0, stop_reason="epochs")
+
+
 def test_the_run_sentence_names_the_accepted_edits():
     rows = rows_of(outcome([evaluated(1, "upsert:b", 0.3, None, True)], answer=PARSED))
     sentence = decisions.run_sentence(rows, edits=1, stop_reason="epochs")
@@ -124,7 +130,7 @@ def test_the_run_sentence_without_edits_gives_the_gate_the_proposer_and_the_judg
     sentence = decisions.run_sentence(rows, edits=0, stop_reason="early_stop",
                                       headroom={"auc": 0.47, "separates": False})
     assert sentence == ("No edit accepted in 2 iteration(s): none of the 1 A/B-evaluated candidate(s) passed the "
-                        "gate (best RER 0.021); 1 of 2 proposer answers parsed; the judge cannot separate the labels "
+                        "gate (best: RER 0.021 < 0.050); 1 of 2 proposer answers parsed; the judge cannot separate the labels "
                         "(AUC 0.47), so no rule was expected to help; stopped early.")
     nothing = decisions.run_sentence(rows_of(outcome(answer=TRUNCATED)), edits=0, stop_reason="epochs")
     assert nothing == "No edit accepted in 1 iteration(s): no candidate reached the A/B test (0 of 1 proposer answers parsed)."

@@ -156,8 +156,11 @@ def run_sentence(rows: list[dict], *, edits: int, stop_reason: str | None, headr
     if evaluated:
         best = max((r["best_candidate"] for r in rows if r["best_candidate"]),
                    key=lambda b: b["relative_error_reduction"])
+        reason = best.get("reason") or ""
+        if not reason.startswith("RER"):  # the RER passed; another condition failed
+            reason = f"RER {best['relative_error_reduction']:.3f} but {reason}"
         why = (f"no edit accepted in {n} iteration(s): none of the {evaluated} A/B-evaluated candidate(s) "
-               f"passed the gate (best RER {best['relative_error_reduction']:.3f}); {proposer}")
+               f"passed the gate (best: {reason}); {proposer}")
     else:
         why = f"no edit accepted in {n} iteration(s): no candidate reached the A/B test ({proposer})"
     if headroom and not headroom.get("separates", True):
