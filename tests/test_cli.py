@@ -303,12 +303,13 @@ def fake_job(monkeypatch):
 
 def test_run_passes_flags_to_run_job(fake_job, project):
     calls = fake_job(lambda: 0)
-    code = cli.main(["--gpus", "cpu:2", str(project / "c.yaml"), "--audit", "--resume", "--set", "runner.epochs=1"])
+    code = cli.main(["--gpus", "cpu:2", str(project / "c.yaml"), "--audit", "--resume", "--wait",
+                     "--set", "runner.epochs=1"])
     assert code == 0
     [(config, devices, kwargs)] = calls
     assert config.runner.epochs == 1 and [d.name for d in devices] == ["cpu:0", "cpu:1"]
     assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False,
-                      "config_path": str(project / "c.yaml"), "ray_address": None}
+                      "config_path": str(project / "c.yaml"), "ray_address": None, "wait": True}
 
 
 def test_ray_takes_a_gpu_count_and_passes_the_address(fake_job, project, capsys):

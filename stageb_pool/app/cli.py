@@ -1,6 +1,6 @@
 """The ``stageb-pool`` command: run, check, diff and import-config.
 
-    stageb-pool [run] --gpus SPEC CONFIG [--audit] [--resume | --overwrite] [--debug | --ray ADDRESS]
+    stageb-pool [run] --gpus SPEC CONFIG [--audit] [--resume | --overwrite] [--wait] [--debug | --ray ADDRESS]
                       [--log-level LEVEL] [--upstream-root DIR] [--set key.path=value ...]
     stageb-pool check CONFIG [--audit] [--upstream-root DIR] [--set key.path=value ...]
     stageb-pool diff RUN_A RUN_B [--max N]
@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     again = run.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the run directory from its last completed iteration")
     again.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    run.add_argument("--wait", action="store_true",
+                     help="when another process holds the run directory, wait for it to end instead of "
+                          "refusing at once (exit 2)")
     where = run.add_mutually_exclusive_group()
     where.add_argument("--debug", action="store_true",
                        help="one worker, inline in this process (breakpoints work); upstream's --debug, "
@@ -169,7 +172,7 @@ def cmd_run(args) -> int:
     config = load_config(path, args.overrides, upstream_root=args.upstream_root)
 
     return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug,
-                   config_path=path, ray_address=args.ray)
+                   config_path=path, ray_address=args.ray, wait=args.wait)
 
 
 def cmd_check(args) -> int:

@@ -3,7 +3,9 @@ pool, run the audit or the rule search, write the summary, close the pool.
 
 Order matters: ALL input validation (tickets, exclusions, prompt profile, model path, seed
 guidance, run directory refusal) happens before anything on disk is touched or any worker
-is forked, so bad input costs nothing and damages nothing.
+is forked, so bad input costs nothing and damages nothing. The first touch of the disk is
+the run directory's lock (``search/rundir_lock.py``), held until the run ends: one process
+owns a run directory at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import msgspec
 
 from ..engine.model_path import check_engine, check_model_path
 from ..pool import Device, DeviceSpecError, Pool, parse_gpus, parse_ray_spec
-from ..search import rundir
+from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
 from ..search.fileio import atomic_write_bytes, write_json
@@ -32,7 +34,7 @@ from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
 from .config import with_mode
 from .identity import run_identity
-from .outputs import check_outputs
+from .outputs import check_distillation_target, check_outputs
 from .progress import Progress, pool_items_per_rank
 
 log = logging.getLogger("stageb_pool")
@@ -109,7 +111,7 @@ def engine_factory_for(model_config, model_path: str):
 
 def run_job(config, devices, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
             debug: bool = False, engine_factory=None, argv: list[str] | None = None,
-            config_path: str | None = None, ray_address: str | None = None) -> int:
+            config_path: str | None = None, ray_address: str | None = None, wait: bool = False) -> int:
     """Run one audit or rule search; return 0 on success. Exceptions propagate (the CLI
     maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
 
@@ -117,7 +119,9 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv);
     ``config_path`` (the config file) is one of the inputs no output may overwrite.
     ``ray_address`` runs the workers as Ray actors on that cluster (``--ray``); the parent
-    still writes every artifact here, and the placement may take ``pool.start_timeout``."""
+    still writes every artifact here, and the placement may take ``pool.start_timeout``.
+    Another process holding the run directory is an InputError naming its pid, or, with
+    ``wait`` (``--wait``), waited for."""
     started = time.monotonic()
     started_at = rundir.utc_now()
     config = with_mode(config, audit)
@@ -141,18 +145,39 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     first_run_json = rundir.encoded(rundir.run_json_document(
         workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov), **run_json), rundir.RUN_JSON)
     seed_guidance = rundir.encoded(repo.document(inputs.seed_guidance), GUIDANCE_FILE)
-    if resume and identity is not None:
-        state_mod.preflight_resume(run_dir, identity)  # reads state.json, writes nothing
+    rundir.check_preparable(run_dir, overwrite=overwrite, resume=resume)  # refused: no lock file is made
+    check_distillation_target(config, run_dir, overwrite=overwrite, resume=resume)
+    if resume:  # read-only checks, before the lock file is written; the search checks the state again
+        rundir.check_folders(run_dir)  # a linked folder is refused before any write
+        if identity is not None:
+            state_mod.preflight_resume(run_dir, identity)
+    lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
+    try:
+        return _run_locked(config, devices, inputs=inputs, run_dir=run_dir, repo=repo, identity=identity,
+                           resume=resume, overwrite=overwrite, first_run_json=first_run_json,
+                           seed_guidance=seed_guidance, run_json=run_json, prov=prov, debug=debug,
+                           engine_factory=engine_factory, ray_address=ray_address, started=started)
+    finally:
+        lock.release()
 
-    rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
-    if resume:
-        for stale in rundir.remove_temporaries(run_dir):
-            log.info("resume: removed %s (a write the interrupted run did not finish)", stale)
-    # run.json first: it marks the directory as a stageb-pool run even if the start fails
-    # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
-    atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)
-    if not (resume and repo.exists()):
-        atomic_write_bytes(repo.path, seed_guidance)
+
+def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, overwrite, first_run_json,
+                seed_guidance, run_json, prov, debug, engine_factory, ray_address, started) -> int:
+    """``run_job`` from the moment it owns the run directory."""
+    start = rundir.start_run_dir(run_dir, overwrite=overwrite, resume=resume)
+    try:
+        if resume:
+            for stale in rundir.remove_temporaries(run_dir):
+                log.info("resume: removed %s (a write the interrupted run did not finish)", stale)
+        # run.json first: it marks the directory as a stageb-pool run even if the start fails
+        # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
+        atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)
+        if not (resume and repo.exists()):
+            atomic_write_bytes(repo.path, seed_guidance)
+    except BaseException:
+        start.roll_back()  # after an --overwrite: the old run goes back in place
+        raise
+    start.commit()  # the new run has started: the replaced one may go
 
     factory = engine_factory or engine_factory_for(config.model, inputs.model_path)
     ray = ray_address is not None and not debug

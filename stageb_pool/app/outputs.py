@@ -11,6 +11,13 @@ resolved (symbolic links, hard links) and the run is refused, exit code 2, when
   itself, or inside the prompt profile's folder;
 - an input lies inside the run directory (``--overwrite`` deletes it, ``--resume`` may
   rewrite it).
+
+A run also refuses (``check_distillation_target``) to replace an existing distillation file
+that is not its own earlier output unless it was given ``--overwrite``, as it refuses an
+existing run directory. Its own earlier output is a file inside the run directory (replaced
+with the run, like every artifact there), or, on ``--resume``, the file at the path that the
+resumed run's ``run.json`` records as its ``log_chatml_path`` (the run being continued wrote
+it, and redoes its export).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from .config import input_files
 # folders by name (anything below them).
 RUN_FILES = (rundir.RUN_JSON, rundir.SUMMARY_JSON, GUIDANCE_FILE, state.STATE_FILE, *state.APPEND_ARTIFACTS,
              *audit.AUDIT_FILES)
-RUN_FOLDERS = ("snapshots", rundir.ROLLOUTS_DIR, "reflection_cache")
+RUN_FOLDERS = rundir.RUN_FOLDERS
 
 
 def input_paths(config, config_path: str | None = None) -> list[tuple[str, str]]:
@@ -72,6 +79,34 @@ def check_outputs(config, run_dir: Path, *, config_path: str | None = None) -> N
         first = relative.split(os.sep)[0]
         if relative != DISTILL_DEFAULT and (relative in RUN_FILES or first in RUN_FOLDERS):
             raise InputError(f"{chatml} is a file the run itself writes ({relative})", where)
+
+
+def check_distillation_target(config, run_dir: Path, *, overwrite: bool, resume: bool) -> None:
+    """Refuse (InputError at ``stage_b_distillation.log_chatml_path``) a run that would replace
+    an existing distillation file that is not its own earlier output, unless ``overwrite``.
+    Reads ``run.json`` of the run being resumed; writes nothing."""
+    dist = config.stage_b_distillation
+    chatml = dist.log_chatml_path
+    if chatml is None or not dist.enabled or not dist.distill_size or overwrite or not os.path.lexists(chatml):
+        return
+    real = _real(chatml)
+    if _inside(real, _real(run_dir)):
+        return
+    if resume and real in _recorded_chatml(run_dir):
+        return
+    raise InputError(f"{chatml} exists and is not this run's own earlier output: pass --overwrite to replace it, "
+                     "or choose another path", "stage_b_distillation.log_chatml_path")
+
+
+def _recorded_chatml(run_dir: Path) -> set[str]:
+    """The distillation path ``run.json`` of ``run_dir`` records (resolved), if any."""
+    from ..search.fileio import read_json
+
+    try:
+        recorded = read_json(Path(run_dir) / rundir.RUN_JSON)["config"]["stage_b_distillation"]["log_chatml_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {_real(recorded)} if isinstance(recorded, str) else set()
 
 
 def _real(path) -> str:

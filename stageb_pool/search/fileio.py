@@ -3,11 +3,19 @@
 JSON is written by msgspec: UTF-8 (no ASCII escaping), keys in field/insertion order,
 floats in shortest round-trip form, so equal values always give equal bytes. Non-finite
 floats become ``null`` (upstream wrote the non-standard token ``Infinity``).
+
+Nothing is written through a link: a whole file is replaced by a rename (the new file takes
+the name; a symbolic link or a hard link that had the name keeps pointing at the old
+content), and an append that finds a symbolic link or a file with other hard links first
+replaces it with a private copy of its content (a ``cp -al`` backup or a link's target
+elsewhere never changes). Every file gets mode ``0666 & ~umask``, whole or appended, like
+any Unix tool's output.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,14 +55,32 @@ def _located(path, action: str = "write"):
         raise OutputError(path, err, action) from err
 
 
+def file_mode() -> int:
+    """``0666 & ~umask``: the mode ``open()`` gives a new file. Read from /proc (Linux): setting
+    the umask to read it back would briefly change it for every thread of the process."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` so that ``path`` holds either the old or the new content, never a mix:
-    temp file in the same directory, fsync, rename, fsync the directory."""
+    temp file in the same directory, fsync, rename, fsync the directory. The rename replaces
+    a link at ``path`` rather than writing through it; the file gets ``file_mode()``
+    (mkstemp alone would make it 0600)."""
     path = Path(path)
     with _located(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
         try:
+            os.fchmod(fd, file_mode())
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -96,20 +122,54 @@ def append_jsonl(path: str | os.PathLike, rows) -> None:
     """Append rows to a JSONL file (created if missing) and fsync.
 
     Appends are not atomic as a whole; a resumed run truncates such files back to the
-    last completed iteration (see ``search``), so a torn last line never survives.
+    last completed iteration (see ``search``), so a torn last line never survives. A file
+    that is a link is first made private (``make_private``); the file is opened with
+    ``O_NOFOLLOW`` and checked again once open, so the append lands in this file only.
     """
     path = Path(path)
     data = b"".join(to_json(r) + b"\n" for r in rows)
     with _located(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as f:
+        make_private(path)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        with os.fdopen(fd, "ab") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # linked between the check and the open
+                raise OutputError(path, OSError(0, "it became a link while the run was appending to it"))
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
 
 
+def make_private(path: str | os.PathLike) -> bool:
+    """Replace ``path``, when it is a symbolic link or a file with other hard links, by a new
+    regular file holding the same bytes (atomically), so that writing to it changes nothing
+    outside the run. Returns whether it did. A link to something that is not a regular file
+    (a folder, a FIFO, a device) is refused: there is no content to copy."""
+    path = Path(path)
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        return False
+    if stat.S_ISLNK(info.st_mode):
+        try:
+            target = path.stat()
+        except FileNotFoundError:  # a dangling link: nothing to copy, a new empty file
+            atomic_write_bytes(path, b"")
+            return True
+        if not stat.S_ISREG(target.st_mode):
+            raise OutputError(path, OSError(0, "it is a symbolic link to something that is not a regular file"))
+    elif not stat.S_ISREG(info.st_mode):
+        raise OutputError(path, OSError(0, "it is not a regular file"))
+    atomic_write_bytes(path, path.read_bytes())
+    return True
+
+
 def remove(path: str | os.PathLike) -> None:
-    """Delete a file of the run (a pruned snapshot, a stale temporary file)."""
+    """Delete a file of the run (a pruned snapshot, a stale temporary file). ``unlink``
+    removes a link itself, never what it points to."""
     with _located(path, "delete"):
         Path(path).unlink(missing_ok=True)
 

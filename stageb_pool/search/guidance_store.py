@@ -6,6 +6,7 @@ The rule search's only writer of guidance files; every write is atomic.
 from __future__ import annotations
 
 import re
+import stat
 from pathlib import Path
 
 from ..stageb.guidance import Guidance, load_guidance, section_of
@@ -42,10 +43,13 @@ class GuidanceRepository:
         write_json(self.path, self.document(g))
 
     def snapshots(self) -> list[Path]:
-        """Snapshot files, oldest step first."""
-        if not self.snapshot_dir.is_dir():
+        """Snapshot files, oldest step first: regular files with a snapshot's name only (a
+        symbolic link or anything else put there is never pruned). The run refuses a
+        ``snapshots`` folder that is a link before it starts (``rundir.check_folders``)."""
+        if not self.snapshot_dir.is_dir() or self.snapshot_dir.is_symlink():
             return []
-        found = [(int(m.group(1)), p) for p in self.snapshot_dir.iterdir() if (m := _SNAPSHOT.match(p.name))]
+        found = [(int(m.group(1)), p) for p in self.snapshot_dir.iterdir()
+                 if (m := _SNAPSHOT.match(p.name)) and _regular(p)]
         return [p for _, p in sorted(found)]
 
     def snapshot_and_write(self, new: Guidance) -> Path | None:
@@ -65,3 +69,11 @@ class GuidanceRepository:
         files = self.snapshots()
         for path in files[: len(files) - keep] if keep else files:
             remove(path)
+
+
+def _regular(path: Path) -> bool:
+    """A regular file itself (lstat: a symbolic link is not)."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False

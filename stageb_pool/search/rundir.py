@@ -1,9 +1,15 @@
 """The run directory ``{output.root}/{mission}/{output.run_name}/`` and ``run.json``.
 
 A run never silently deletes an earlier run: an existing directory is refused unless the
-user asked to ``--overwrite`` it (deleted and recreated) or to ``--resume`` it (kept; the
-caller checks that the config and tickets still match). The refusal happens before anything
-on disk is touched.
+user asked to ``--overwrite`` it (replaced) or to ``--resume`` it (kept; the caller checks
+that the config and tickets still match). The refusal happens before anything on disk is
+touched, and the caller holds the directory's lock (``rundir_lock``) while it prepares it.
+
+``--overwrite`` is all or nothing: the old directory is renamed aside to a hidden sibling
+(``.{run_name}.replaced-XXXXXXXX``, same folder, so the rename is atomic), the new one is
+made, and the old one is deleted only once the new run's first files are written
+(``RunDirStart.commit``). If the rename or the new folder fails, the old run is where it
+was; if only the final deletion fails, the new run goes on and a warning names the leftover.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import logging
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -34,6 +42,11 @@ REGRESSIONS = "rule_search_candidate_regressions.jsonl"
 PROPOSER_FAILURES = "reflection_cache/rule_search_proposer_failures.jsonl"
 PROPOSER_ANSWERS = "reflection_cache/proposer_answers.jsonl"
 ITERATIONS = "rule_search_iterations.jsonl"
+# The folders a run writes into; each must be a real folder inside the run (check_folders).
+RUN_FOLDERS = ("snapshots", ROLLOUTS_DIR, "reflection_cache")
+REPLACED = ".replaced-"  # the old run of an --overwrite, until the new one has started
+
+log = logging.getLogger("stageb_pool")
 
 # engine.info() keys that describe one worker rather than the run (would differ between
 # worker counts or reruns); they never reach run.json's provenance.
@@ -101,21 +114,105 @@ def check_inside(path: Path, root: str | Path) -> None:
                          "(a symbolic link?)", str(path))
 
 
+def check_folders(run_dir: Path) -> None:
+    """Refuse (InputError, located at the folder) a folder the run writes into (``snapshots``,
+    ``rollouts``, ``reflection_cache``) that is a symbolic link or not a folder: its files
+    would be written, and snapshots pruned, outside the run. Refused rather than replaced:
+    what the link points to may be someone's data, and the user knows where it should go."""
+    for name in RUN_FOLDERS:
+        folder = Path(run_dir) / name
+        if folder.is_symlink() or (os.path.lexists(folder) and not folder.is_dir()):
+            what = "a symbolic link" if folder.is_symlink() else "not a folder"
+            raise InputError(f"{name} in the run directory is {what}: a run writes only into real folders "
+                             "inside it (replace it by a folder holding its files)", str(folder))
+
+
+class RunDirStart:
+    """A prepared run directory; after an ``--overwrite``, the old run moved aside (``aside``)
+    until ``commit`` (the new run's first files are written) or ``roll_back`` (they could not
+    be)."""
+
+    def __init__(self, path: Path, aside: Path | None = None):
+        self.path = path
+        self.aside = aside
+
+    def commit(self) -> Path | None:
+        """Delete the replaced run; returns the leftover folder (and logs a warning naming it)
+        when that fails: the new run goes on, the leftover is the user's to delete."""
+        aside, self.aside = self.aside, None
+        if aside is None:
+            return None
+        try:
+            shutil.rmtree(aside)
+        except OSError as err:
+            log.warning("--overwrite: the new run is in place, but the old run could not be deleted completely "
+                        "(%s): what is left of it is in %s; delete it by hand", err.strerror or err, aside)
+            return aside
+        return None
+
+    def roll_back(self) -> bool:
+        """Put the replaced run back (the new run's start failed); returns whether it is back.
+        Logs where the old run is either way."""
+        aside, self.aside = self.aside, None
+        if aside is None:
+            return False
+        try:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.rename(aside, self.path)
+        except OSError as err:
+            log.error("--overwrite failed: the old run could not be put back (%s); it is intact in %s",
+                      err.strerror or err, aside)
+            return False
+        log.error("--overwrite failed: the old run is back, unchanged, in %s", self.path)
+        return True
+
+
 def prepare_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool = False) -> Path:
+    """Create a fresh run directory, or (when asked) replace or keep an existing one; the
+    old run of an ``--overwrite`` is deleted at once (``start_run_dir`` keeps it until the
+    caller commits)."""
+    start = start_run_dir(path, overwrite=overwrite, resume=resume)
+    start.commit()
+    return start.path
+
+
+def start_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool = False) -> RunDirStart:
     """Create a fresh run directory, or (when asked) replace or keep an existing one.
 
     Raises InputError, before touching anything, when the directory exists and neither
     ``overwrite`` nor ``resume`` is set, when both are set, when there is nothing to resume,
     or when ``overwrite`` would delete a directory that is not a stageb-pool run; and, located
     at the path, when the file system refuses (permissions, a name over the OS limit, a file
-    where a folder should be)."""
+    where a folder should be), saying whether an old run was changed (never)."""
     path = Path(path)
-    if overwrite and resume:
-        raise InputError("--overwrite and --resume exclude each other: choose one", str(path))
+    check_preparable(path, overwrite=overwrite, resume=resume)
+    if resume:
+        return RunDirStart(path)
+    where = "cannot prepare the run directory (output.root)"
+    if not path.is_dir():
+        try:
+            path.mkdir(parents=True)
+        except OSError as err:
+            raise InputError(f"{where}: {err.strerror or err}", str(path)) from None
+        return RunDirStart(path)
     try:
-        return _prepare(path, overwrite=overwrite, resume=resume)
+        aside = Path(tempfile.mkdtemp(prefix=f".{path.name}{REPLACED}", dir=path.parent))
     except OSError as err:
-        raise InputError(f"cannot prepare the run directory (output.root): {err.strerror or err}", str(path)) from None
+        raise InputError(f"{where}: cannot make room to move the old run aside ({err.strerror or err}); "
+                         "the old run is unchanged", str(path)) from None
+    try:
+        os.rename(path, aside)  # a directory renames onto an empty one: atomic, same folder
+    except OSError as err:
+        os.rmdir(aside)
+        raise InputError(f"{where}: cannot move the old run aside ({err.strerror or err}); the old run is "
+                         "unchanged", str(path)) from None
+    try:
+        path.mkdir()
+    except OSError as err:
+        os.rename(aside, path)
+        raise InputError(f"{where}: cannot make the new run directory ({err.strerror or err}); the old run is "
+                         "back, unchanged", str(path)) from None
+    return RunDirStart(path, aside)
 
 
 def remove_temporaries(run_dir: Path) -> list[Path]:
@@ -145,14 +242,25 @@ def run_dir_exists(path: Path) -> bool:
     return existing == path
 
 
-def _prepare(path: Path, *, overwrite: bool, resume: bool) -> Path:
+def check_preparable(path: Path, *, overwrite: bool, resume: bool) -> None:
+    """``start_run_dir``'s refusals, touching nothing: called before the lock is taken (so
+    a refused run leaves no lock file behind) and again under it."""
+    if overwrite and resume:
+        raise InputError("--overwrite and --resume exclude each other: choose one", str(path))
+    try:
+        _check(path, overwrite=overwrite, resume=resume)
+    except OSError as err:
+        raise InputError(f"cannot prepare the run directory (output.root): {err.strerror or err}", str(path)) from None
+
+
+def _check(path: Path, *, overwrite: bool, resume: bool) -> None:
     if path.exists() and not path.is_dir():
         raise InputError("the run directory path exists and is not a directory", str(path))
     exists = path.is_dir()
     if resume:
         if not exists:
             raise InputError("nothing to resume: the run directory does not exist (drop --resume to start it)", str(path))
-        return path
+        return
     if exists:
         if not overwrite:
             raise InputError(
@@ -164,9 +272,6 @@ def _prepare(path: Path, *, overwrite: bool, resume: bool) -> Path:
                 f"refusing to --overwrite a non-empty directory without {RUN_JSON}: it does not look like a stageb-pool run",
                 str(path),
             )
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    return path
 
 
 def utc_now() -> str:

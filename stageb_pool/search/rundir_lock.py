@@ -1,0 +1,106 @@
+"""One owner per run directory: an exclusive ``flock`` held for the whole run.
+
+The lock file is ``.{run_name}.lock`` beside the run directory, in the mission folder, not
+inside it: ``--overwrite`` moves the old directory aside and builds a new one, and a lock
+file inside would go with the old directory, letting a third process in half-way. The file
+is never deleted (deleting a lock file lets two processes hold locks on two different
+inodes of the same name); it holds the owner's pid, written after locking and read only to
+name the holder in a refusal. The lock itself is the kernel's ``flock``: it dies with the
+process (also on SIGKILL), so a stale pid in the file never blocks anyone.
+
+Fork hygiene: the pool's zygote and workers are forked without exec, so ``O_CLOEXEC`` does
+not close the descriptor in them; ``pool/fork.py`` ``close_fds_except`` closes every
+descriptor a child does not own, so a worker never keeps the run locked after the parent
+died.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+from pathlib import Path
+
+from ..stageb.errors import InputError
+
+log = logging.getLogger("stageb_pool")
+
+
+def lock_path(run_dir: str | Path) -> Path:
+    """``{mission folder}/.{run_name}.lock``"""
+    run_dir = Path(run_dir)
+    return run_dir.parent / f".{run_dir.name}.lock"
+
+
+class RunDirLock:
+    """The held lock of one run directory; ``release()`` (or the process's end) frees it."""
+
+    def __init__(self, run_dir: Path, fd: int):
+        self.run_dir = run_dir
+        self._fd: int | None = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the only descriptor of the open file drops the flock
+
+    def __enter__(self) -> RunDirLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def acquire(run_dir: str | Path, *, wait: bool = False) -> RunDirLock:
+    """Lock ``run_dir`` for this process, creating its mission folder and lock file if needed.
+
+    Another holder: an InputError located at the run directory naming its pid, at once; with
+    ``wait`` this blocks until the holder is gone instead. A lock file that is a symbolic
+    link, a hard link or not a regular file is refused (its pid would be written elsewhere)."""
+    run_dir = Path(run_dir)
+    path = lock_path(run_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise InputError(f"cannot lock the run directory: {path} is a symbolic link", str(run_dir)) from None
+        # The mission folder or the lock file could not be made: the same message as any other
+        # output.root the file system refuses (rundir.start_run_dir).
+        raise InputError(f"cannot prepare the run directory (output.root): cannot make its lock file {path}: "
+                         f"{err.strerror or err}", str(run_dir)) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise InputError(f"cannot lock the run directory: {path} is not a private regular file "
+                             "(a hard link or a special file): remove it", str(run_dir))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            if not wait:
+                raise InputError(f"the run directory is in use by another stageb-pool run (pid {holder}): "
+                                 "wait for it to end, or pass --wait to wait for it", str(run_dir)) from None
+            log.info("waiting for pid %s, which holds the run directory %s (--wait)", holder, run_dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return RunDirLock(run_dir, fd)
+
+
+def _holder(fd: int) -> str:
+    """The pid the holder wrote (for the message only; "unknown" before it wrote it)."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        text = ""
+    return text if text.isdigit() else "unknown"
