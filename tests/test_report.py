@@ -99,7 +99,7 @@ def test_the_report_shows_the_artifacts_numbers_and_charts(run_dir):
 def test_the_new_files_fill_their_sections(run_dir, tmp_path):
     page = render_report(with_new_files(run_dir, tmp_path / "run"))
     assert page.count("<svg") == 4  # + the P(pass) histogram
-    assert "Not in this run directory" not in page
+    assert "Missing or unreadable files" not in page
     assert "0.812" in page and "the judge separates pass from fail" in page  # headroom AUC and message
     assert "reason of iteration 3" in page and "duplicate 1" in page  # iterations table
     assert "Sure! Here are &lt;my&gt; rules" in page and "not parsed" in page  # the proposer's answer, escaped
@@ -109,13 +109,14 @@ def test_the_new_files_fill_their_sections(run_dir, tmp_path):
 def test_a_run_of_an_earlier_version_names_what_is_missing(run_dir, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(run_dir, old)
-    for name in ("pool_timeline.jsonl", "summary.json", "report.html"):
+    for name in ("pool_timeline.jsonl", "summary.json", "report.html", "benchmarks.jsonl"):
         (old / name).unlink()
     (old / "rule_candidates.jsonl").write_text('{"iteration": 1, "truncated')  # unreadable, not fatal
     page = render_report(old)
     for name in ("pool_timeline.jsonl", "summary.json", "judge_headroom.json"):
         assert f"<code>{name}</code> missing" in page
     assert "<code>rule_candidates.jsonl</code> unreadable (JSONDecodeError)" in page
+    assert "<code>benchmarks.jsonl</code>" not in page  # a finished run without accepted edits has none
     assert "Nothing is recorded about the pool." in page
 
 
@@ -146,11 +147,20 @@ def test_the_audit_report_has_metrics_confusion_matrix_and_hard_cases(tmp_path):
     assert "Confusion matrix" in page and f"{metrics['tp']} (tp)" in page and f"{metrics['fp']} (fp)" in page
     assert f"<b>{metrics['acc']:.3f}</b>" in page and "Hardest cases" in page
     assert page.count("<svg") == 2  # metrics over the run order, worker timeline
-    assert "Not in this run directory" not in page  # an audit needs no rule-search file
+    assert "Missing or unreadable files" not in page  # an audit needs no rule-search file
 
 
 # -- stageb-pool report ----------------------------------------------------------------------
-def test_the_report_command(run_dir, tmp_path, capsys):
+@pytest.fixture
+def cli_logging(monkeypatch):
+    """cli.main points the root logger at this test's (captured, soon closed) stderr: the
+    tests after this one get the logger as it was."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
+
+
+def test_the_report_command(run_dir, tmp_path, capsys, cli_logging):
     out = tmp_path / "r.html"
     assert cli.main(["report", str(run_dir), "-o", str(out)]) == 0
     assert out.read_text() == render_report(run_dir)

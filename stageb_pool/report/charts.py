@@ -139,7 +139,7 @@ def worker_timeline(rows: list[dict], workers: list[str], wall_s: float | None) 
     ax.set_yticks(range(len(workers)), workers)
     ax.set_ylim(len(workers) - 0.5, -0.5)
     ax.set_xlim(0, end)
-    ax.set_xlabel("seconds since the pool started (gaps: idle)")
+    ax.set_xlabel("seconds since the pool was made (its workers start first; later gaps: idle)")
     ax.grid(axis="x", alpha=0.3)
     order = [k for k in ("train", "eval", "final", "audit", "distill", "proposer", "other") if k in kinds_seen]
     ax.legend([Patch(color=COLORS.get(k, COLORS["other"])) for k in order], order, fontsize=9,

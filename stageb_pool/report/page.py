@@ -48,8 +48,8 @@ class ReportError(ValueError):
 
 
 class RunFiles:
-    """A run directory's files, read leniently: a missing or unreadable file is noted in
-    ``missing`` (with what the report would have drawn from it) and read as None."""
+    """A run directory's files, read leniently: a missing or unreadable file is read as None
+    and noted in ``missing`` with what the report would have drawn from it."""
 
     def __init__(self, run_dir):
         self.root = Path(run_dir)
@@ -75,9 +75,12 @@ class RunFiles:
             return None
 
     def _note(self, name: str, shows: str | None, err: Exception) -> None:
-        if shows is not None:
-            why = "missing" if isinstance(err, FileNotFoundError) else f"unreadable ({type(err).__name__})"
-            self.missing.append((name, f"{why}: {shows}"))
+        # shows=None: a file a finished run may lack (no edit accepted, nothing wrong), so only
+        # an unreadable one is named
+        if not isinstance(err, FileNotFoundError):
+            self.missing.append((name, f"unreadable ({type(err).__name__}): {shows or 'left out'}"))
+        elif shows is not None:
+            self.missing.append((name, f"missing: {shows}"))
 
 
 # -- small HTML helpers --------------------------------------------------------------------
@@ -151,7 +154,7 @@ def render_report(run_dir) -> str:
     missing = ""
     if files.missing:
         items = "".join(f"<li><code>{esc(n)}</code> {esc(why)}</li>" for n, why in files.missing)
-        missing = (f'<div class="missing"><b>Not in this run directory</b> (a run of an earlier version, '
+        missing = (f'<div class="missing"><b>Missing or unreadable files</b> (a run of an earlier version, '
                    f'or one that did not finish); the page shows what the other files hold:<ul>{items}</ul></div>')
     body = "".join(section(a, t, b) for a, t, b in sections)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -169,8 +172,8 @@ def _metric_line(m) -> str:
 def _search_sections(files: RunFiles, summary: dict, charts) -> list:
     iterations = files.jsonl("rule_search_iterations.jsonl", "per-iteration metrics, gate decisions and "
                              "proposer outcomes (drawn from rule_candidates.jsonl instead, where it can)")
-    candidates = files.jsonl("rule_candidates.jsonl", "every evaluated candidate") or []
-    benchmarks = files.jsonl("benchmarks.jsonl", "the accepted edits") or []
+    candidates = files.jsonl("rule_candidates.jsonl", None) or []  # absent: no candidate was evaluated
+    benchmarks = files.jsonl("benchmarks.jsonl", None) or []  # absent: no edit was accepted
     base, final = summary.get("baseline") or {}, summary.get("final") or {}
     overview = cards([("iterations", num(summary.get("iterations"))), ("stop reason", esc(summary.get("stop_reason"))),
                       ("edits accepted", num(summary.get("edits_accepted", len(benchmarks)))),
@@ -193,7 +196,7 @@ def _search_sections(files: RunFiles, summary: dict, charts) -> list:
     out.append(("candidates", "Candidates and the gate", _candidates(candidates, charts)))
     out.append(("guidance", "Guidance as it evolved", _guidance(files, benchmarks)))
     out.append(("proposer", "Proposer", _proposer(files, iterations)))
-    hard = [r for r in files.jsonl("rule_search_hard_cases.jsonl", "the hardest tickets") or []
+    hard = [r for r in files.jsonl("rule_search_hard_cases.jsonl", None) or []  # absent: no confident error
             if r.get("sampler") == "train"]
     if hard:
         last = max(r["iteration"] for r in hard)
@@ -341,7 +344,7 @@ def _audit_sections(files: RunFiles, summary: dict, charts) -> list:
     steps = files.jsonl("baseline_metrics_steps.jsonl", "the metrics as tickets were judged")
     if steps:
         out.append(("progress", "Metrics over the run order", charts.audit_progress(steps)))
-    hard = [r for r in files.jsonl("rule_search_hard_cases.jsonl", "the hardest tickets") or []
+    hard = [r for r in files.jsonl("rule_search_hard_cases.jsonl", None) or []
             if r.get("sampler") == "baseline"]
     if hard:
         out.append(("hard", "Hardest cases", _hard_cases(hard)))
