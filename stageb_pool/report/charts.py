@@ -52,10 +52,14 @@ def metrics_per_iteration(points: list[dict], accepted: list[int]) -> str:
     axes = fig.subplots(1, 2)
     xs = [p["x"] for p in points]
     for ax, key, title in ((axes[0], "acc", "accuracy"), (axes[1], "fp_rate", "false-release rate (fp_rate)")):
+        top = 0.0
         for split in ("train", "eval"):
             pts = [(p["x"], p[split][key]) for p in points if p.get(split) and p[split].get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=COLORS[split], label=split)
+                top = max([top] + [y for _, y in pts])
+        # from zero, so that a small change looks small; accuracy on its whole range
+        ax.set_ylim(0, 1.02 if key == "acc" else max(0.05, top * 1.15))
         for it in accepted:
             ax.axvline(it + 0.5, color="#2ca02c", linestyle="--", linewidth=1, alpha=0.7)
         ax.set_title(title, fontsize=11)
