@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from stageb_pool.app.diff import ABSENT, VOLATILE_KEYS, VOLATILE_PATHS, compare_values, diff_runs, format_differences
+from stageb_pool.app.diff import (ABSENT, VOLATILE_FILES, VOLATILE_KEYS, VOLATILE_PATHS, compare_values, diff_runs,
+                                  format_differences)
 from stageb_pool.stageb.errors import InputError
 
 
@@ -48,6 +49,7 @@ def test_volatile_lists_match_the_contract():
               "config.rule_search.proposer_prompt_path", "config.ticket_filter.exclude_ticket_keys_path",
               "config.stage_b_distillation.log_chatml_path")
     assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output", *inputs), "summary.json": ("timing", "workers")}
+    assert VOLATILE_FILES == {"pool_timeline.jsonl", "report.html"}
 
 
 def test_identical_runs(tmp_path):
@@ -63,6 +65,12 @@ def test_volatile_fields_are_ignored(tmp_path):
         summary__json={"iterations": 2, "timing": {"rollout_s": 9.0}, "workers": {"0": 1.0, "1": 1.0}, "finished_at": "y"},
         rule_candidates__jsonl=[{"iteration": 1, "timestamp": 5.0, "rer": 0.5}, {"iteration": 2, "timestamp": 6.0, "rer": 0.1}],
     )
+    assert diff_runs(a, b) == []
+
+
+def test_the_timeline_and_the_report_are_ignored_whole_even_on_one_side_only(tmp_path):
+    a = make_run(tmp_path / "a", pool_timeline__jsonl=[{"rank": 0, "start_s": 0.1}], report__html="<p>a</p>")
+    b = make_run(tmp_path / "b", pool_timeline__jsonl=[{"rank": 1, "start_s": 0.2}, {"rank": 0, "start_s": 0.3}])
     assert diff_runs(a, b) == []
 
 

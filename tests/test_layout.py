@@ -4,6 +4,7 @@
     stageb/  the pure Stage-B domain           -> stageb only (no torch, no processes)
     engine/  the only torch/transformers code  -> engine, stageb, pool
     search/  domain meets pool and artifacts   -> search, stageb, pool, engine.records
+    report/  report.html from a run's files    -> report only (+ matplotlib, lazily)
     app/     CLI, job, config, diff, progress  -> everything
 
 A wheel built from the checkout holds the prompt profiles and runs outside the checkout.
@@ -32,7 +33,8 @@ ALLOWED_INTERNAL = {
     "stageb": {"stageb"},
     "engine": {"engine", "stageb", "pool"},
     "search": {"search", "stageb", "pool", "engine.records", "<root>"},
-    "app": {"app", "search", "stageb", "pool", "engine", "<root>"},
+    "app": {"app", "search", "stageb", "pool", "engine", "report", "<root>"},
+    "report": {"report"},  # reads a run directory's files only
     "<root>": {"pool", "app"},
 }
 # Third-party packages each folder may import (the standard library is always allowed).
@@ -42,6 +44,7 @@ ALLOWED_EXTERNAL = {
     "engine": {"msgspec", "torch", "transformers", "tokenizers", "llguidance", "vllm", "tqdm"},
     "search": {"msgspec"},
     "app": {"msgspec", "yaml", "tqdm"},
+    "report": {"matplotlib"},  # only lazily, while building a report (tests/test_report.py)
     "<root>": set(),
 }
 # Never, anywhere: IPC is msgspec JSON over socketpairs, workers share no collective.

@@ -306,6 +306,34 @@ def test_protocol_version_mismatch_is_a_clear_error():
         Pool(factory, "cpu:1")
 
 
+# -- the timeline of the pool's work -------------------------------------------------------
+@pytest.mark.parametrize("inline", [False, True], ids=["forked", "inline"])
+def test_each_task_is_recorded_with_its_interval_and_label(inline):
+    with Pool(Engine, "cpu:1" if inline else "cpu:2", inline=inline) as pool:
+        submitted = time.monotonic()
+        tasks = [pool.submit("jitter_square", i, label=f"chunk{i}") for i in range(6)]
+        tasks.append(pool.submit("echo", None))  # no label
+        arrived = {}
+        pool.gather(tasks, on_result=lambda i, _: arrived.setdefault(i, time.monotonic()))
+        stats = pool.stats
+    assert sorted(label or "" for _, _, label, _, _ in stats.intervals) == ["", *(f"chunk{i}" for i in range(6))]
+    assert sorted(method for _, method, *_ in stats.intervals) == ["echo"] + ["jitter_square"] * 6
+    by_label = {label: (rank, start, end) for rank, _, label, start, end in stats.intervals}
+    for index, task in enumerate(tasks):
+        rank, start, end = by_label[task.label]
+        assert rank == task.ran_on
+        # within the task's submit..result window (1 us slack: the times are stored as offsets)
+        assert submitted - 1e-6 <= stats.origin + start <= stats.origin + end <= arrived[index] + 1e-6
+    for rank, busy in enumerate(stats.busy_s):
+        assert busy == pytest.approx(sum(e - s for r, _, _, s, e in stats.intervals if r == rank), abs=1e-9)
+    assert [sum(1 for r, *_ in stats.intervals if r == rank) for rank in range(len(stats.items))] == stats.items
+
+
+def test_a_label_is_a_string_or_none(pool3):
+    with pytest.raises(ValueError, match="label must be a string"):
+        pool3.submit("square", 1, label=3)
+
+
 # -- inline mode -----------------------------------------------------------------------------
 def test_inline_mode_gives_the_same_results_as_workers():
     items = [1, "two", {"three": [3.5, None]}, [True]]

@@ -90,6 +90,10 @@ def test_map_keeps_input_order_and_sends_each_snapshot_once_per_actor(ray_free):
         assert sorted(p["gpu_ids"][0] for p in pool.placement) == [str(i) for i in range(GPUS)]
         assert pool.worker_info == [{"engine": "test", "kind": "cuda"}] * GPUS  # "ray" placement kept apart
         assert [d.torch_device for d in pool.devices] == ["cuda:0"] * GPUS  # Ray masks one GPU per actor
+        task = pool.submit("echo", 7, label="labelled")  # the timeline is recorded under Ray too
+        task.result()
+        assert [(r, label) for r, _, label, _, _ in pool.stats.intervals if label] == [(task.ran_on, "labelled")]
+        assert len(pool.stats.intervals) == sum(pool.stats.items)
 
 
 def test_engine_exception_is_a_worker_error_with_the_remote_traceback(ray_free):

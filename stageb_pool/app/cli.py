@@ -1,9 +1,10 @@
-"""The ``stageb-pool`` command: run, check, diff and import-config.
+"""The ``stageb-pool`` command: run, check, diff, report and import-config.
 
     stageb-pool [run] --gpus SPEC CONFIG [--audit] [--resume | --overwrite] [--wait] [--debug | --ray ADDRESS]
                       [--log-level LEVEL] [--upstream-root DIR] [--set key.path=value ...]
     stageb-pool check CONFIG [--audit] [--upstream-root DIR] [--set key.path=value ...]
     stageb-pool diff RUN_A RUN_B [--max N]
+    stageb-pool report RUN_DIR [-o FILE]
     stageb-pool import-config UPSTREAM_CONFIG [--upstream-root DIR] [-o FILE]
     stageb-pool --version
 
@@ -30,7 +31,7 @@ from ..search.fileio import OutputError
 from ..stageb.errors import InputError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-COMMANDS = ("run", "check", "diff", "import-config")
+COMMANDS = ("run", "check", "diff", "report", "import-config")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UPSTREAM_LOG_LEVELS = {"logging": "info"}  # upstream's launcher spells info "logging"
 MAX_ERROR_CHARS = 2000  # an error quoting a huge value must not flood the terminal
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stageb-pool", description="Stage-B rule search and audit on N GPUs.",
                      epilog="The word 'run' may be left out: stageb-pool --gpus 0-7 config.yaml")
     parser.add_argument("--version", action="version", version=f"stageb-pool {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{run,check,diff,import-config}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{run,check,diff,report,import-config}", parser_class=_Parser)
 
     run = sub.add_parser("run", help="run the rule search (or the baseline audit with --audit)")
     _add_config(run)
@@ -130,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("run_a", metavar="RUN_A")
     diff.add_argument("run_b", metavar="RUN_B")
     diff.add_argument("--max", type=int, default=10, metavar="N", help="differences to show (default 10)")
+
+    report = sub.add_parser("report", help="(re)build a run's report.html from its files")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("-o", "--output", metavar="FILE", help="write to FILE (default: RUN_DIR/report.html)")
     return parser
 
 
@@ -316,6 +321,24 @@ def cmd_diff(args) -> int:
     return EXIT_FAILED
 
 
+def cmd_report(args) -> int:
+    """Write the report of a run directory (a run of any version: what it lacks is named on the page)."""
+    from ..report import REPORT_FILE, ReportError, render_report
+    from ..search.fileio import atomic_write_bytes
+
+    try:
+        page = render_report(args.run_dir)
+    except ReportError as err:
+        raise InputError(err.message, err.location) from None
+    out = os.path.abspath(args.output or os.path.join(args.run_dir, REPORT_FILE))
+    try:
+        atomic_write_bytes(out, page.encode("utf-8"))
+    except OSError as err:
+        raise InputError(f"cannot write the report: {err.strerror or err}", out) from None
+    print(f"wrote {out}", file=sys.stderr)
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     level = "info"
@@ -331,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INPUT
         level = getattr(args, "log_level", "info")
         setup_logging(level)
-        commands = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "import-config": cmd_import_config}
+        commands = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "report": cmd_report,
+                    "import-config": cmd_import_config}
         return commands[args.command](args)
     except UsageError as err:
         print(capped(str(err)), file=sys.stderr)

@@ -1,8 +1,9 @@
 """Compare two run directories, ignoring the documented volatile fields.
 
 Same config and seed must give the same artifacts on 1 or 8 GPUs, apart from wall-clock
-fields. This module names those fields (``VOLATILE_KEYS``, ``VOLATILE_PATHS``) and
-implements ``stageb-pool diff``: the same set of files; JSON and JSONL compared
+fields. This module names those fields (``VOLATILE_KEYS``, ``VOLATILE_PATHS``) and files
+(``VOLATILE_FILES``), and implements ``stageb-pool diff``: the same set of files (the
+volatile ones aside); JSON and JSONL compared
 structurally with the volatile fields removed (types included: ``1`` is not ``1.0``);
 every other file byte for byte. A run directory that cannot be read as a run (a FIFO or
 another non-regular file, JSON nested deeper than any artifact) is bad input: a located
@@ -33,6 +34,10 @@ VOLATILE_PATHS: dict[str, tuple[str, ...]] = {
                  "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path"),
     "summary.json": ("timing", "workers"),  # wall time per phase; throughput per worker
 }
+
+# Whole files, present or not: which worker ran which task when (pool_timeline.jsonl), and
+# the page drawn from it and from the timing (report.html; rebuilt by `stageb-pool report`).
+VOLATILE_FILES = frozenset({"pool_timeline.jsonl", "report.html"})
 
 
 # An artifact wraps input values (nested at most MAX_DEPTH) in a few levels of its own; deeper
@@ -174,7 +179,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, limit: int 
 def _differences(root_a: Path, root_b: Path):
     """Every difference, file by file in sorted order (lazily: diff_runs stops at its limit)."""
     set_a, set_b = set(_files(root_a)), set(_files(root_b))
-    for name in sorted(set_a | set_b):
+    for name in sorted((set_a | set_b) - VOLATILE_FILES):
         if name not in set_b:
             yield Difference(name, "", "(file)", "present", ABSENT)
         elif name not in set_a:

@@ -19,10 +19,11 @@ import msgspec
 
 from ..engine.model_path import check_engine, check_model_path
 from ..pool import Device, DeviceSpecError, Pool, parse_gpus, parse_ray_spec
+from ..report import REPORT_FILE, TIMELINE_FILE, render_report
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
-from ..search.fileio import atomic_write_bytes, write_json
+from ..search.fileio import atomic_write_bytes, write_json, write_jsonl
 from ..search.guidance_store import GUIDANCE_FILE, GuidanceRepository
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
@@ -209,8 +210,10 @@ def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, ove
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
                                  identity=identity, resume=resume, log=log)
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
+        write_jsonl(run_dir / TIMELINE_FILE, timeline_rows(pool))
     finally:
         pool.close()
+    write_report(run_dir)  # after close: the report imports matplotlib, never before the workers end
     return 0
 
 
@@ -261,6 +264,28 @@ def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> di
     write_json(path, summary)
     log.info("summary written to %s", path)
     return summary
+
+
+def timeline_rows(pool) -> list[dict]:
+    """``pool_timeline.jsonl``: every completed task (rank, device, method, label, start and
+    end in seconds since the pool started, to the millisecond), in start order."""
+    rows = [{"rank": rank, "device": pool.devices[rank].name, "method": method, "label": label,
+             "start_s": round(start, 3), "end_s": round(end, 3)}
+            for rank, method, label, start, end in pool.stats.intervals]
+    return sorted(rows, key=lambda r: (r["start_s"], r["rank"]))
+
+
+def write_report(run_dir) -> bool:
+    """Write ``report.html`` (atomically). A finished run stays finished whatever happens
+    here: a failure is a warning naming the cause (`stageb-pool report` can retry)."""
+    try:
+        atomic_write_bytes(Path(run_dir) / REPORT_FILE, render_report(run_dir).encode("utf-8"))
+    except Exception as err:  # noqa: BLE001 - the run's results are written; the page is a view of them
+        log.warning("report.html was not written (%s: %s); rebuild it with: stageb-pool report %s",
+                    type(err).__name__, err, run_dir)
+        return False
+    log.info("report written to %s", Path(run_dir) / REPORT_FILE)
+    return True
 
 
 def worker_throughput(pool, tickets_by_rank: dict[int, int] | None = None) -> dict:

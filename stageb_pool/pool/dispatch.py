@@ -294,8 +294,7 @@ class Dispatcher:
             if task is None or task.id != msg.id:
                 raise ProtocolError(f"worker {slot.rank} answered task {msg.id}, which it was not running")
             now = time.monotonic()
-            self.stats.items[slot.rank] += 1
-            self.stats.busy_s[slot.rank] += now - slot.started
+            self.stats.record(slot.rank, task, slot.started, now)
             slot.tasks.popleft()
             if slot.state is WorkerState.BUSY:  # a killed one stays killed
                 if slot.tasks:  # the next one runs now

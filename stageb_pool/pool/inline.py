@@ -48,7 +48,7 @@ class InlineRunner:
     def advance(self, waiting) -> list[Outcome]:
         """Run the first unfinished task of ``waiting``."""
         task = next(t for t in waiting if not t.done())
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             for key, evict in self.cache.admit(task.shared):
                 self.calls.add_snapshot(key, self.snapshots.data(key), evict)
@@ -59,8 +59,7 @@ class InlineRunner:
             error = self._error(exc, index=task.index, method=task.method)
             error.__cause__ = exc  # the real frames, for pdb.post_mortem
             return [Outcome(task, error=error)]
-        self.stats.items[0] += 1
-        self.stats.busy_s[0] += time.perf_counter() - started
+        self.stats.record(0, task, started, time.monotonic())
         task.ran_on = 0
         return [Outcome(task, raw=raw)]
 

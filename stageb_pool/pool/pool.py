@@ -112,17 +112,21 @@ class Pool:
         return getattr(transport, "placement", None) or [{} for _ in range(self.size)]
 
     def submit(self, method: str, item=None, *, rank: int | None = None, result_type=None,
-               cost: float | None = None, **shared) -> TaskHandle:
+               cost: float | None = None, label: str | None = None, **shared) -> TaskHandle:
         """Queue ``engine.<method>(item, **shared)``; run by the first free worker (or by
         worker ``rank``) once a ``gather`` (or the handle's ``result()``) drives the pool.
 
         ``cost``: an estimate of the task's run time, in any unit. Queued tasks with a cost
         start most expensive first, after those without one (which keep submission order);
-        results and seeds do not depend on it. Inline mode runs in gather order."""
+        results and seeds do not depend on it. Inline mode runs in gather order.
+        ``label``: the caller's name for the task, kept with its interval in
+        ``stats.intervals`` (e.g. which rollout a chunk belongs to); never sent to a worker."""
         if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float))
                                  or not 0 <= cost < float("inf")):
             raise ValueError(f"cost must be a finite number >= 0 or None, got {cost!r}")
-        return self._submit(method, item, rank, result_type, self._snapshots.share(shared), cost)
+        if label is not None and not isinstance(label, str):
+            raise ValueError(f"label must be a string or None, got {label!r}")
+        return self._submit(method, item, rank, result_type, self._snapshots.share(shared), cost, label)
 
     def gather(self, tasks, *, on_result=None) -> list:
         """Run the pool until every task is done; results in the order of ``tasks``.
@@ -181,7 +185,7 @@ class Pool:
         if self._closed:
             raise PoolError("the pool is closed")
 
-    def _submit(self, method, item, rank, result_type, keys, cost=None) -> TaskHandle:
+    def _submit(self, method, item, rank, result_type, keys, cost=None, label=None) -> TaskHandle:
         self._check_open()
         if rank is not None and not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} does not exist: the pool has ranks 0-{self.size - 1}")
@@ -189,7 +193,7 @@ class Pool:
         if len(data) > self.max_frame:
             raise FrameTooLarge(len(data), self.max_frame, f"item for {method}()")
         self._snapshots.acquire(keys)
-        task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type, cost)
+        task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type, cost, label)
         self._next_id += 1
         self._unfinished[task.id] = task
         self._runner.submit(task)

@@ -159,13 +159,14 @@ class RolloutRunner:
                 self._inflight[key] = self.pool.submit(
                     "rollout", chunk, guidance=spec.guidance, profile=self.profile,
                     result_type=ChunkResult, cost=chunk_cost(tickets, spec.guidance, spec.sampler),
+                    label=spec.name,  # the report's timeline: which rollout kept a worker busy
                 )
             parts.append(_Part(key, len(tickets), owner))
         return Pending(spec, guidance_hash, parts)
 
     def submit_chat(self, request: ChatRequest) -> Pending:
         """Queue one free-form generation (the proposer); ``wait`` returns its ChatResult."""
-        task = self.pool.submit("chat", request, result_type=ChatResult)
+        task = self.pool.submit("chat", request, result_type=ChatResult, label="proposer")
         return Pending(chat_task=task)
 
     # -- completion -------------------------------------------------------------------------

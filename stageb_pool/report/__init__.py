@@ -1,0 +1,12 @@
+"""The run report: ``report.html``, one self-contained page drawn from a run directory's
+files alone (it imports nothing of the pool, the engines or the search).
+
+    html = render_report(run_dir)     # raises ReportError when run_dir is not a run
+
+matplotlib is imported only inside ``render_report``: the run's parent forks its workers
+and must not carry a heavy import (or its threads) before that.
+"""
+
+from .page import REPORT_FILE, TIMELINE_FILE, ReportError, render_report
+
+__all__ = ["REPORT_FILE", "TIMELINE_FILE", "ReportError", "render_report"]
