@@ -3,8 +3,9 @@ sampled texts out.
 
 ``Engine(model, tokenizer, device)`` wraps a loaded model (``build.build_engine`` loads one
 inside a worker). Its methods are what the parent calls through the pool: ``rollout`` (a
-chunk of tickets under a guidance snapshot) and ``chat`` (a free-form prompt, used by the
-rule proposer). The pool decodes each call's arguments into the annotated types.
+chunk of tickets under a guidance snapshot), ``chat`` (a free-form prompt, used by the
+rule proposer) and ``verdict_probabilities`` (the judge-headroom check: P(pass) per ticket
+by teacher forcing, nothing sampled). The pool decodes each call's arguments into the annotated types.
 
 Determinism: every generate call is seeded from the work it does (``chunk.seed_key``,
 chunk index, decode index, decode seed, sample index), never from a rank, and a chunk is
@@ -24,7 +25,7 @@ import torch
 from ..pool.devices import Device
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
-from . import chat_text, models
+from . import chat_text, models, verdict_scoring
 from .verdict_constraint import VerdictLineConstraint
 from .records import (
     ChatRequest,
@@ -34,6 +35,9 @@ from .records import (
     RolloutChunk,
     Sample,
     TicketRollout,
+    TicketVerdictProbability,
+    VerdictChunk,
+    VerdictChunkResult,
 )
 
 
@@ -130,6 +134,55 @@ class Engine:
             for i, t in enumerate(chunk.tickets)
         ]
         return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - start)
+
+    # ------------------------------------------------------------ verdict probabilities
+
+    def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
+                              profile: PromptProfile) -> VerdictChunkResult:
+        """P(pass) of every ticket of ``chunk`` under ``guidance``: the rollout's prompt
+        followed by ``Verdict: <pass_text>`` and by ``Verdict: <fail_text>``, both scored in
+        one batched forward pass (two rows per kept ticket, chunk order), softmax over the
+        two answers' summed log-probabilities (``verdict_scoring``). Overlength tickets come
+        back dropped, unscored."""
+        start = time.perf_counter()
+        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
+        answers = verdict_scoring.answer_ids(self.tokenizer, profile.verdict)
+        p_pass: dict[int, float] = {}
+        if kept:
+            rows = [(ids[i], answer) for i in kept for answer in answers]
+            with _located_oom(lambda: f"verdict probabilities of chunk {chunk.chunk_index} "
+                                      f"({', '.join(str(len(ids[i])) for i in kept)} prompt tokens)"):
+                sums = self._answer_logprobs(rows)
+            for n, i in enumerate(kept):
+                p_pass[i] = verdict_scoring.p_pass(sums[2 * n], sums[2 * n + 1])
+        tickets = [TicketVerdictProbability(t.key, len(ids[i]), dropped=i not in p_pass, p_pass=p_pass.get(i))
+                   for i, t in enumerate(chunk.tickets)]
+        return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - start)
+
+    def _answer_logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[float]:
+        """Per ``(prompt ids, answer ids)`` row: the summed log-probability of the answer's
+        tokens after the prompt, from one forward pass over the left-padded batch."""
+        batch = self._pad([prompt + answer for prompt, answer in rows])
+        mask = batch["attention_mask"]
+        # Positions count real tokens only (what generate does): a left-padded row gets the
+        # same positions as the row alone would.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        longest = max(len(answer) for _, answer in rows)
+        with torch.inference_mode():
+            # Only the last columns' logits: the answers sit at the end of every row, and the
+            # whole vocabulary at every prompt position would take gigabytes on long prompts.
+            logits = self.model(**batch, position_ids=positions, logits_to_keep=longest + 1).logits
+        logprobs = logits.float().log_softmax(-1)
+        width = logprobs.shape[1]
+        sums = []
+        for r, (_, answer) in enumerate(rows):
+            # Answer token j sits at column width - len(answer) + j; the logits that predict it
+            # are one column earlier.
+            first = width - 1 - len(answer)
+            target = torch.tensor(answer, device=logprobs.device)
+            picked = logprobs[r, first:first + len(answer)].gather(-1, target[:, None])
+            sums.append(float(picked.sum()))
+        return sums
 
     # ------------------------------------------------------------ chat
 
