@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import inspect
 import time
 
 import torch
@@ -65,6 +66,8 @@ class Engine:
         self.attn_implementation = getattr(model.config, "_attn_implementation", None)
         self._setup_tokens(stop)
         self._constraint: VerdictLineConstraint | None = None
+        # transformers 5.x renamed forward's past_key_values to cache (the old name warns).
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     # ------------------------------------------------------------ set-up
 
@@ -140,49 +143,62 @@ class Engine:
     def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
                               profile: PromptProfile) -> VerdictChunkResult:
         """P(pass) of every ticket of ``chunk`` under ``guidance``: the rollout's prompt
-        followed by ``Verdict: <pass_text>`` and by ``Verdict: <fail_text>``, both scored in
-        one batched forward pass (two rows per kept ticket, chunk order), softmax over the
-        two answers' summed log-probabilities (``verdict_scoring``). Overlength tickets come
-        back dropped, unscored."""
+        followed by ``Verdict: <pass_text>`` and by ``Verdict: <fail_text>``, softmax over the
+        two answers' summed log-probabilities (``verdict_scoring``), the kept tickets scored
+        as one batch in chunk order. Overlength tickets come back dropped, unscored."""
         start = time.perf_counter()
         ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
         answers = verdict_scoring.answer_ids(self.tokenizer, profile.verdict)
         p_pass: dict[int, float] = {}
         if kept:
-            rows = [(ids[i], answer) for i in kept for answer in answers]
             with _located_oom(lambda: f"verdict probabilities of chunk {chunk.chunk_index} "
                                       f"({', '.join(str(len(ids[i])) for i in kept)} prompt tokens)"):
-                sums = self._answer_logprobs(rows)
-            for n, i in enumerate(kept):
-                p_pass[i] = verdict_scoring.p_pass(sums[2 * n], sums[2 * n + 1])
+                sums = self._answer_logprobs([ids[i] for i in kept], answers)
+            for i, (lp, lf) in zip(kept, sums):
+                p_pass[i] = verdict_scoring.p_pass(lp, lf)
         tickets = [TicketVerdictProbability(t.key, len(ids[i]), dropped=i not in p_pass, p_pass=p_pass.get(i))
                    for i, t in enumerate(chunk.tickets)]
         return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - start)
 
-    def _answer_logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[float]:
-        """Per ``(prompt ids, answer ids)`` row: the summed log-probability of the answer's
-        tokens after the prompt, from one forward pass over the left-padded batch."""
-        batch = self._pad([prompt + answer for prompt, answer in rows])
+    def _answer_logprobs(self, prompts: list[list[int]], answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
+        """Per prompt, the summed log-probability of each answer's tokens after it.
+
+        Two forward passes: the left-padded prompts once (their KV cache kept), then every
+        (prompt, answer) row on top of its prompt's cache, so a long prompt is not computed
+        once per answer. Positions count real tokens only (what generate does), so a padded
+        row gets the positions it would have alone."""
+        k = len(answers)
+        batch = self._pad(prompts)
         mask = batch["attention_mask"]
-        # Positions count real tokens only (what generate does): a left-padded row gets the
-        # same positions as the row alone would.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        longest = max(len(answer) for _, answer in rows)
+        width = max(len(a) for a in answers)
+        device = mask.device
+        # Answers right-padded to one width: a pad only follows the tokens that are scored.
+        tokens = torch.tensor([a + [self.pad_id] * (width - len(a)) for a in answers], device=device)
+        real = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=device)
         with torch.inference_mode():
-            # Only the last columns' logits: the answers sit at the end of every row, and the
-            # whole vocabulary at every prompt position would take gigabytes on long prompts.
-            logits = self.model(**batch, position_ids=positions, logits_to_keep=longest + 1).logits
-        logprobs = logits.float().log_softmax(-1)
-        width = logprobs.shape[1]
-        sums = []
-        for r, (_, answer) in enumerate(rows):
-            # Answer token j sits at column width - len(answer) + j; the logits that predict it
-            # are one column earlier.
-            first = width - 1 - len(answer)
-            target = torch.tensor(answer, device=logprobs.device)
-            picked = logprobs[r, first:first + len(answer)].gather(-1, target[:, None])
-            sums.append(float(picked.sum()))
-        return sums
+            # Only the last prompt column's logits (they predict every answer's first token):
+            # the whole vocabulary at every prompt position would take gigabytes.
+            head = self.model(**batch, position_ids=positions, use_cache=True, logits_to_keep=1)
+            first = head.logits[:, -1].float().log_softmax(-1)
+            cache = getattr(head, "cache", None) or head.past_key_values
+            cache.batch_repeat_interleave(k)  # rows: prompt 0 x each answer, prompt 1 x each answer, ...
+            rest = self.model(
+                **{self._cache_argument: cache},
+                input_ids=tokens.repeat(len(prompts), 1),
+                attention_mask=torch.cat([mask.repeat_interleave(k, 0), real.repeat(len(prompts), 1)], dim=1),
+                position_ids=positions[:, -1:].repeat_interleave(k, 0) + 1 + torch.arange(width, device=device),
+            ).logits.float().log_softmax(-1)
+        out = []
+        for n in range(len(prompts)):
+            sums = []
+            for a, answer in enumerate(answers):
+                row = n * k + a
+                # Token j > 0 of the answer is predicted at the answer's column j - 1.
+                later = rest[row, : len(answer) - 1].gather(-1, tokens[a, 1: len(answer), None]).sum()
+                sums.append(float(first[n, answer[0]] + later))
+            out.append(tuple(sums))
+        return out
 
     # ------------------------------------------------------------ chat
 
