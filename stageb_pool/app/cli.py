@@ -246,7 +246,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
                   f"{dist.log_chatml_path or run_dir / DISTILL_DEFAULT}" if dist.enabled else "off"))
     hr = cfg.headroom
     lines.append(("headroom", f"the judge's P(pass) on {min(hr.tickets, len(tickets))} tickets before the {cfg.mode} "
-                              f"(teacher forcing, nothing generated); AUC >= {hr.min_auc} (or <= {1 - hr.min_auc:.2g}) separates"
+                              f"(teacher forcing, nothing generated); AUC >= {hr.min_auc} separates"
                   if hr.enabled else "off"))
     k_train = len(rs.train_sampler.grid) * rs.train_sampler.samples_per_decode
     k_eval = len(rs.eval_sampler.grid) * rs.eval_sampler.samples_per_decode

@@ -14,11 +14,16 @@ the reviewers' labels (the AUC).
   variance for a given number of tickets). It is kept in key order, cut into chunks of the
   runner's ``chunk_size``, and each chunk is one batch on whichever worker takes it, so
   the result is the same for any worker count.
-- The verdict: ``separates`` when ``auc >= min_auc`` or ``auc <= 1 - min_auc``. An AUC far
-  below 0.5 (the judge favours pass on the fail tickets) is separation too, inverted: the
-  judge reads the tickets, and a rule (or a misworded one removed) can move it. An AUC
-  near 0.5 means the judge's answer does not depend on the labels. ``separates`` is None
-  when the AUC cannot be measured (no judged ticket of one label).
+- The verdict: ``separates`` when ``auc >= min_auc``. An AUC near 0.5 means the judge's
+  answer does not depend on the labels. An AUC at or below ``1 - min_auc`` (the judge
+  favours pass on the fail tickets) is reported as inverted but does NOT count as
+  separation: a guidance rule mostly shifts the judge towards pass or fail for every
+  ticket, and shifting an inverted ranking towards pass passes the fail tickets first, so
+  the gate would reject every such edit. (The embedded model on the demo: AUC 0.34 with
+  P(pass) between 0.005 and 0.013, fail to every ticket.) ``separates`` is None when the
+  AUC cannot be measured (no judged ticket of one label). With 48 tickets, the AUC of a
+  judge that cannot tell the labels apart has a standard deviation of about 0.08: raise
+  ``tickets`` for a sharper answer.
 
 Everything written is computed from the results in key order and rounded, so
 ``judge_headroom.json`` is byte-identical for any worker count (no timestamps inside).
@@ -97,10 +102,10 @@ def pass_share(scores: list[float]) -> float | None:
 
 
 def separates(value: float | None, min_auc: float) -> bool | None:
-    """Whether an AUC shows separation (either direction, see the module docstring)."""
+    """Whether an AUC shows separation a rule search can use (see the module docstring)."""
     if value is None:
         return None
-    return value >= min_auc or value <= 1 - min_auc
+    return value >= min_auc
 
 
 def message(*, auc_value: float | None, tickets: int, share: float | None, labels: dict[str, int],
@@ -113,12 +118,12 @@ def message(*, auc_value: float | None, tickets: int, share: float | None, label
     head = f"AUC {auc_value:.2f} on {tickets} tickets"
     if auc_value >= min_auc:
         return f"{head}: the judge separates the labels; rules can move it"
-    if auc_value <= 1 - min_auc:
-        return (f"{head}: the judge separates the labels, inverted (it favours pass on the fail tickets); "
-                "rules can move it")
     says = f"it says pass to {share:.0%}" if share >= 0.5 else f"it says fail to {1 - share:.0%}"
-    return (f"{head}: the judge's verdicts do not depend on the tickets ({says}); no guidance rule is "
-            "likely to help; try a larger model")
+    if auc_value <= 1 - min_auc:
+        why = f"the judge ranks the labels the wrong way round, favouring pass on the fail tickets ({says})"
+    else:
+        why = f"the judge's verdicts do not depend on the tickets ({says})"
+    return f"{head}: {why}; no guidance rule is likely to help; try a larger model"
 
 
 def report(per_ticket: list[dict], *, min_auc: float, dropped: int, guidance_hash: str) -> dict:

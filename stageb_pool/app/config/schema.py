@@ -156,7 +156,7 @@ class DistillConfig(_Section, kw_only=True):
 class HeadroomConfig(_Section, kw_only=True):
     enabled: bool = True  # score the judge's P(pass) on a ticket sample before the audit or the search
     tickets: Int(2, 100_000) = 48  # tickets sampled (half of each label where possible)
-    min_auc: Float(0.5, 1) = 0.6  # AUC at or above this (or at or below 1 - this, inverted) counts as separation
+    min_auc: Float(0.5, 1) = 0.6  # the judge separates the labels when the AUC of its P(pass) is at least this
 
 
 class Config(_Section, kw_only=True):
