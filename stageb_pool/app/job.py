@@ -178,13 +178,14 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         if ray:
             nodes = {where.get("node_ip") for where in pool.placement}
             log.info("Ray placed the %d workers on %d node(s): %s", pool.size, len(nodes), ", ".join(sorted(nodes)))
-        headroom = None
+        headroom, headroom_started = None, time.monotonic()
         if config.headroom.enabled:
             # Under the seed guidance, also on --resume: the check is about the judge, and the
             # file stays the same whether or not the run was interrupted.
             headroom = summary_entry(run_headroom(runner, tickets=inputs.tickets,
                                                   guidance=dict(inputs.seed_guidance.experiences),
                                                   settings=headroom_settings(config), run_dir=run_dir, log=log))
+        headroom_s = round(time.monotonic() - headroom_started, 3)
         if config.mode == "audit":
             summary = run_audit(runner, tickets=inputs.tickets, guidance=repo.load(),
                                 settings=audit_settings(config, inputs), run_dir=run_dir, log=log,
@@ -193,6 +194,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
             summary = run_search(runner=runner, store=repo, run_dir=run_dir, tickets=inputs.tickets,
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
                                  identity=identity, resume=resume, log=log, headroom=headroom)
+        summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
     finally:
         pool.close()
