@@ -140,9 +140,9 @@ class ChatResult(msgspec.Struct, frozen=True):
 
 class VerdictChunk(msgspec.Struct, frozen=True):
     """One unit of the judge-headroom check (``Engine.verdict_probabilities``): the
-    tickets whose verdict probabilities are scored in one batched forward pass, in this
-    order. Nothing is sampled, so there is no seed; the chunk geometry still fixes the
-    batch, and with it the low bits."""
+    tickets whose verdict probabilities are scored as one batch, in this order. Nothing is
+    sampled, so there is no seed; the chunk geometry still fixes the batch, and with it
+    the low bits."""
 
     chunk_index: int
     tickets: list[TicketText]
