@@ -7,7 +7,9 @@ each sample flips its verdict with probability ``flip * temperature``, drawn fro
 chunk's work-derived seed plus the ticket key, so results never depend on a rank or on
 which worker ran the chunk. Tickets listed in ``drop_keys`` come back dropped (as if
 overlength), ``invalid_keys`` answer unparseable text, and ``max_prompt_tokens`` is
-honoured with a made-up token count (``prompt_tokens``).
+honoured with a made-up token count (``prompt_tokens``). ``verdict_probabilities`` gives
+every ticket the same low P(pass), ``p_pass``: the judge of the embedded model, whose answer
+does not depend on the ticket.
 """
 
 from __future__ import annotations
@@ -18,7 +20,17 @@ import re
 import msgspec
 
 from stageb_pool.stageb.hashing import stable_seed
-from stageb_pool.engine.records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, TicketRollout
+from stageb_pool.engine.records import (
+    ChatRequest,
+    ChatResult,
+    ChunkResult,
+    RolloutChunk,
+    Sample,
+    TicketRollout,
+    TicketVerdictProbability,
+    VerdictChunk,
+    VerdictChunkResult,
+)
 
 _RULE = re.compile(r"fail (?:if|when) (\w+)", re.IGNORECASE)
 
@@ -34,7 +46,7 @@ class FakeEngine:
     """Engine double: ``rollout`` and ``chat`` with the real engine's signatures."""
 
     def __init__(self, device=None, *, fail_words=("missing",), flip: float = 0.0, drop_keys=(),
-                 invalid_keys=(), chat_text: str = '{"operations": []}', fail_on=None):
+                 invalid_keys=(), chat_text: str = '{"operations": []}', fail_on=None, p_pass: float = 0.008):
         self.device = device
         self.fail_words = tuple(w.lower() for w in fail_words)
         self.flip = flip
@@ -42,6 +54,7 @@ class FakeEngine:
         self.invalid_keys = set(invalid_keys)
         self.chat_text = chat_text
         self.fail_on = fail_on  # a ticket key whose rollout raises (error-path tests)
+        self.p_pass = p_pass
         self.calls = 0
 
     def info(self) -> dict:
@@ -84,6 +97,18 @@ class FakeEngine:
         ids = [ord(c) % 256 for c in text] if token_ids else None
         return Sample(decode_index=d, sample_index=s, text=text, completion_tokens=len(text) // 4,
                       finish_reason="stop", token_ids=ids)
+
+    def verdict_probabilities(self, chunk, *, guidance, profile=None) -> VerdictChunkResult:
+        chunk = msgspec.convert(chunk, VerdictChunk)
+        out = []
+        for ticket in chunk.tickets:
+            tokens = prompt_tokens(ticket, guidance)
+            limit = chunk.max_prompt_tokens
+            if ticket.key in self.drop_keys or (limit is not None and tokens > limit):
+                out.append(TicketVerdictProbability(ticket.key, tokens, dropped=True))
+            else:
+                out.append(TicketVerdictProbability(ticket.key, tokens, p_pass=self.p_pass))
+        return VerdictChunkResult(chunk.chunk_index, out)
 
     def chat(self, request) -> ChatResult:
         request = msgspec.convert(request, ChatRequest)

@@ -17,6 +17,10 @@ touching ``marker``) or end the run (``ScriptedCrash``, a BaseException that the
 does not turn into a worker error): the kill/resume tests use them to stop a run
 mid-iteration. ``raise_at`` makes the call raise an ordinary exception (a proposer failure,
 which the search survives).
+
+``verdict_probabilities`` is a judge that reads the tickets: P(pass) is lower the more
+damage features (rust, crack) a ticket shows, plus a little noise from the ticket key, so
+it separates the labels (the judge-headroom check says rules can move it).
 """
 
 from __future__ import annotations
@@ -29,7 +33,17 @@ from pathlib import Path
 
 import msgspec
 
-from stageb_pool.engine.records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, TicketRollout
+from stageb_pool.engine.records import (
+    ChatRequest,
+    ChatResult,
+    ChunkResult,
+    RolloutChunk,
+    Sample,
+    TicketRollout,
+    TicketVerdictProbability,
+    VerdictChunk,
+    VerdictChunkResult,
+)
 from stageb_pool.stageb.hashing import content_hash, stable_seed
 
 MISSION = "Cabinet inspection"
@@ -117,6 +131,17 @@ class ScriptedEngine:
                                           completion_tokens=len(body) // 4, finish_reason="stop"))
             out.append(TicketRollout(key=ticket.key, prompt_tokens=20 + len(text) // 4, samples=samples))
         return ChunkResult(chunk_index=chunk.chunk_index, tickets=out)
+
+    def verdict_probabilities(self, chunk, *, guidance, profile=None) -> VerdictChunkResult:
+        chunk = msgspec.convert(chunk, VerdictChunk)
+        out = []
+        for ticket in chunk.tickets:
+            text = " ".join(ticket.per_image.values()).lower()
+            damage = sum(1 for f in ("rust", "crack") if re.search(rf"\b{f}\b", text))
+            jitter = random.Random(stable_seed("p_pass", ticket.key)).random() * 0.2
+            out.append(TicketVerdictProbability(ticket.key, 20 + len(text) // 4,
+                                                p_pass=round(0.7 - 0.5 * min(damage, 1) + jitter, 6)))
+        return VerdictChunkResult(chunk.chunk_index, out)
 
     def chat(self, request) -> ChatResult:
         request = msgspec.convert(request, ChatRequest)

@@ -2,6 +2,7 @@
 results for any number of workers. Everything runs on the tiny model except the slow test."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -16,7 +17,10 @@ from stageb_pool.engine.records import (
     Decode,
     RolloutChunk,
     TicketText,
+    VerdictChunk,
+    VerdictChunkResult,
 )
+from stageb_pool.engine import verdict_scoring
 from stageb_pool.engine.transformers_engine import Engine
 from stageb_pool.pool.devices import Device
 from stageb_pool.stageb import prompts
@@ -475,6 +479,112 @@ def test_after_a_complete_json_answer_only_the_end_of_turn_token_may_follow(engi
     assert torch.isfinite(scores[0]).nonzero().flatten().tolist() == [tok.eos_token_id]
     processor(torch.tensor([prompt + done + [tok.eos_token_id]]), torch.zeros(1, width))
     assert processor.free[0]  # finished: later pads are not fed to the matcher
+
+
+# ---------------------------------------------------------------- verdict probabilities (judge headroom)
+
+
+def verdicts_of(engine, tickets, profile, *, index=0, limit=None, guidance=GUIDANCE) -> VerdictChunkResult:
+    return engine.verdict_probabilities(VerdictChunk(index, list(tickets), limit), guidance=guidance, profile=profile)
+
+
+def plain_answer_logprob(engine, ticket, profile, word: str) -> float:
+    """The summed log-probability of "Verdict: <word>" after the ticket's prompt, from one
+    unbatched, unpadded forward pass over the whole sequence (the engine's code not used)."""
+    messages = prompts.build_messages(profile, GUIDANCE, ticket)
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    answer = engine.tokenizer("Verdict: " + word, add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor([prompt + answer])).logits[0].double()
+    logprobs = logits.log_softmax(-1)
+    return sum(float(logprobs[len(prompt) + j - 1, token]) for j, token in enumerate(answer))
+
+
+@pytest.mark.parametrize("name, words", [("generic", None), ("bbu_rru", None), ("bbu_rru", ("通过", "驳回"))])
+def test_p_pass_is_the_softmax_of_the_two_answers_full_sequence_logprobs(engine, name, words):
+    """For every ticket of a padded batch of prompts of different lengths: P(pass) equals
+    softmax(log P("Verdict: pass"), log P("Verdict: fail")) from a plain forward pass. With the
+    Chinese words each takes several tokens of the byte-level tokenizer (通过 / 不通过: the
+    longer fail answer is far less likely for the random model, so P(pass) is 1; 通过 / 驳回
+    have the same length)."""
+    profile = prompts.load_profile(name, mission=MISSION, domain="bbu" if name == "bbu_rru" else None)
+    if words is not None:
+        vocab = msgspec.structs.replace(profile.verdict, pass_text=words[0], fail_text=words[1])
+        profile = msgspec.structs.replace(profile, verdict=vocab)
+    words = (profile.verdict.pass_text, profile.verdict.fail_text)
+    if name == "bbu_rru":
+        assert all(len(engine.tokenizer(w, add_special_tokens=False)["input_ids"]) > 1 for w in words)
+    tickets = [ticket(i, extra=i) for i in range(5)]
+    result = verdicts_of(engine, tickets, profile)
+    assert [t.key for t in result.tickets] == [t.key for t in tickets]
+    assert len({t.prompt_tokens for t in result.tickets}) > 1  # the batch really is padded
+    for t, scored in zip(tickets, result.tickets):
+        lp, lf = (plain_answer_logprob(engine, t, profile, w) for w in words)
+        assert 0.0 <= scored.p_pass <= 1.0 and not scored.dropped
+        assert scored.p_pass == pytest.approx(1 / (1 + math.exp(lf - lp)), abs=1e-5)
+        assert scored.p_pass == round(scored.p_pass, 6)
+    if words != ("通过", "不通过"):
+        assert len({t.p_pass for t in result.tickets}) > 1  # the random model's answer depends on the ticket
+
+
+def test_p_pass_prompts_are_the_rollout_prompts(engine, profile):
+    scored = verdicts_of(engine, TICKETS[:4], profile)
+    rolled = rollout(engine, chunk(0, TICKETS[:4], [GREEDY]), profile)
+    assert [t.prompt_tokens for t in scored.tickets] == [t.prompt_tokens for t in rolled.tickets]
+
+
+def test_a_verdict_chunk_does_not_depend_on_what_the_worker_did_before(profile):
+    """The same chunk on a fresh engine and on one that ran rollouts, chats and other verdict
+    chunks first gives the same bytes (wall clock aside): one batch, in its own order."""
+    target = VerdictChunk(1, TICKETS[4:8], None)
+    fresh = build_engine(CPU, path="tiny").verdict_probabilities(target, guidance=GUIDANCE, profile=profile)
+    busy = build_engine(CPU, path="tiny")
+    rollout(busy, chunk(0, TICKETS[:4], [SAMPLED]), profile)
+    busy.chat(ChatRequest("sys", "head", ["ex"], "tail", SAMPLED, "7/proposer/it1"))
+    verdicts_of(busy, TICKETS[:4], profile, guidance={"G0": "another rule"})
+    again = busy.verdict_probabilities(target, guidance=GUIDANCE, profile=profile)
+    assert stable(again) == stable(fresh)
+
+
+def test_a_ticket_scores_nearly_the_same_alone_as_in_a_batch(engine, profile):
+    """Padding changes low bits only (documented: identical results come from a fixed chunk
+    geometry, not from batch invariance)."""
+    batch = verdicts_of(engine, TICKETS[:4], profile)
+    for t, scored in zip(TICKETS[:4], batch.tickets):
+        (alone,) = verdicts_of(engine, [t], profile).tickets
+        assert alone.p_pass == pytest.approx(scored.p_pass, abs=1e-5)
+
+
+def test_overlength_tickets_come_back_dropped_and_unscored(engine, profile, monkeypatch):
+    sizes = [t.prompt_tokens for t in verdicts_of(engine, TICKETS[:3], profile).tickets]
+    limit = sorted(sizes)[1]
+    result = verdicts_of(engine, TICKETS[:3], profile, limit=limit)
+    for size, scored in zip(sizes, result.tickets):
+        assert scored.prompt_tokens == size
+        assert (scored.dropped, scored.p_pass is None) == ((size > limit),) * 2
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the model ran for a chunk with only overlength tickets")
+
+    monkeypatch.setattr(engine, "_answer_logprobs", no_forward)
+    none = verdicts_of(engine, TICKETS[:3], profile, limit=min(sizes) - 1)
+    assert all(t.dropped and t.p_pass is None for t in none.tickets)
+
+
+@pytest.mark.parametrize("lp, lf, want", [
+    (0.0, 0.0, 0.5), (-1.0, -1.0, 0.5), (-math.inf, -math.inf, 0.5), (0.0, -math.inf, 1.0), (-math.inf, 0.0, 0.0),
+    (-1000.0, 0.0, 0.0), (0.0, -1000.0, 1.0), (-2.0, -1.0, round(1 / (1 + math.e), 6)),
+    (-1.0, -2.0, round(math.e / (1 + math.e), 6)), (-5.0, -0.1, round(1 / (1 + math.exp(4.9)), 6)),
+])
+def test_p_pass_of_two_logprobs(lp, lf, want):
+    assert verdict_scoring.p_pass(lp, lf) == want
+    assert verdict_scoring.p_pass(lf, lp) == pytest.approx(1 - want, abs=1e-6)  # symmetric
+
+
+def test_p_pass_refuses_nan():
+    with pytest.raises(ValueError, match="not numbers"):
+        verdict_scoring.p_pass(math.nan, -1.0)
 
 
 # ---------------------------------------------------------------- loading and provenance

@@ -45,3 +45,9 @@ def test_readme_demo_command_runs_a_full_rule_search(tmp_path):
     assert proposed or failures.read_text().strip()
     state = json.loads((run / "state.json").read_text())
     assert state["iteration"] == summary["iterations"]
+
+    # The README: the judge says fail to every ticket, and the judge-headroom check says so first.
+    headroom = json.loads((run / "judge_headroom.json").read_text())
+    assert (headroom["tickets"], headroom["pass_share"], headroom["separates"]) == (48, 0.0, False)
+    assert summary["judge_headroom"]["separates"] is False and "  judge headroom: AUC" in proc.stdout
+    assert "no guidance rule is likely to help" in proc.stderr

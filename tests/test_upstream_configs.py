@@ -236,6 +236,7 @@ def test_upstream_defaults_that_differ_from_ours_are_written_out(root):
     ("  run_name: smoke_tiny\n", "  run_name: smoke_tiny\n  save_rollouts: true\n", "output.save_rollouts",
      "stageb-pool key"),
     ("seed: 17\n", "seed: 17\nprompt: {profile: generic}\n", "prompt", "--set"),
+    ("seed: 17\n", "seed: 17\nheadroom: {tickets: 96}\n", "headroom", "stageb-pool key"),
     ("  torch_dtype: bfloat16\n", "", "model.torch_dtype", "requires it too"),
     ("        max_new_tokens: 512\n", "", "rule_search.train_sampler.grid[0].max_new_tokens", "requires it too"),
     ("  per_rank_rollout_batch_size: 1\n", "  per_rank_rollout_batch_size: one\n",

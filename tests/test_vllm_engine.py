@@ -25,7 +25,15 @@ from processes import descendants, gone  # noqa: E402
 from test_audit import run_audit_job, same_artifacts  # noqa: E402
 
 from stageb_pool import Pool  # noqa: E402
-from stageb_pool.engine.records import ChatRequest, ChunkResult, Decode, RolloutChunk, TicketText  # noqa: E402
+from stageb_pool.engine.records import (  # noqa: E402
+    ChatRequest,
+    ChunkResult,
+    Decode,
+    RolloutChunk,
+    TicketText,
+    VerdictChunk,
+    VerdictChunkResult,
+)
 from stageb_pool.stageb import prompts  # noqa: E402
 
 MISSION = "Rooftop antenna mount inspection"
@@ -62,6 +70,9 @@ def test_audit_artifacts_and_rollouts_are_byte_identical_on_1_and_2_workers(tmp_
     assert same_artifacts(one, two) == []
     assert sorted(p.name for p in (one / "rollouts").iterdir()) and all(
         (one / "rollouts" / p.name).read_bytes() == p.read_bytes() for p in (two / "rollouts").iterdir())
+    headroom = (one / "judge_headroom.json").read_bytes()  # the judge-headroom check, through prompt log-probs
+    assert headroom == (two / "judge_headroom.json").read_bytes()
+    assert msgspec.json.decode(headroom)["tickets"] == 12
     run = msgspec.json.decode((one / "run.json").read_bytes())
     engine = run["provenance"]["engine"]
     assert engine["engine"] == "vllm" and engine["vllm"] == __import__("vllm").__version__
@@ -170,3 +181,34 @@ def test_a_constrained_proposer_answer_through_vllm_is_json_of_the_schema(engine
     accepted, rejected = proposer.parse_candidates(json.loads(answer.text), guidance, vocab=PROFILE.verdict, limit=2)
     assert 1 <= len(accepted) + len(rejected) <= 2
     assert engine.chat(request) == answer
+
+
+def verdicts(engine, tickets=TICKETS[:6], limit=None, index=0) -> VerdictChunkResult:
+    return engine.verdict_probabilities(VerdictChunk(index, list(tickets), limit), guidance=GUIDANCE, profile=PROFILE)
+
+
+def test_verdict_probabilities_match_the_transformers_engine_on_the_same_checkpoint(engine):
+    """Prompt log-probs through vLLM and a padded forward pass through transformers give the
+    same P(pass) for the same weights (to CPU kernel noise), and the same prompt lengths."""
+    from stageb_pool.engine.build import build_engine
+    from stageb_pool.engine.models import checkpoint_dir
+    from stageb_pool.pool.devices import Device
+
+    reference = build_engine(Device("cpu", 0, 0, threads=1), path=str(checkpoint_dir("tiny")))
+    ours = verdicts(engine)
+    theirs = reference.verdict_probabilities(VerdictChunk(0, TICKETS[:6], None), guidance=GUIDANCE, profile=PROFILE)
+    assert [t.prompt_tokens for t in ours.tickets] == [t.prompt_tokens for t in theirs.tickets]
+    for a, b in zip(ours.tickets, theirs.tickets):
+        assert 0 <= a.p_pass <= 1 and a.p_pass == pytest.approx(b.p_pass, abs=1e-3)
+    assert len({t.p_pass for t in ours.tickets}) > 1
+
+
+def test_verdict_probabilities_drop_overlength_and_do_not_depend_on_earlier_work(engine):
+    first = verdicts(engine, index=1)
+    limit = sorted(t.prompt_tokens for t in first.tickets)[2]
+    capped = verdicts(engine, limit=limit)
+    assert [(t.dropped, t.p_pass is None) for t in capped.tickets] == [(t.prompt_tokens > limit,) * 2
+                                                                        for t in first.tickets]
+    rollout(engine, chunks()[0])
+    again = verdicts(engine, index=1)
+    assert msgspec.structs.replace(again, elapsed_s=0.0) == msgspec.structs.replace(first, elapsed_s=0.0)

@@ -252,6 +252,10 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     when = "after the audit" if cfg.mode == "audit" else "after the loop, with the final guidance"
     lines.append(("distill", f"{dist.distill_size} tickets {when} -> "
                   f"{dist.log_chatml_path or run_dir / DISTILL_DEFAULT}" if dist.enabled else "off"))
+    hr = cfg.headroom
+    lines.append(("headroom", f"the judge's P(pass) on {min(hr.tickets, len(tickets))} tickets before the {cfg.mode} "
+                              f"(teacher forcing, nothing generated); AUC >= {hr.min_auc} separates"
+                  if hr.enabled else "off"))
     k_train = len(rs.train_sampler.grid) * rs.train_sampler.samples_per_decode
     k_eval = len(rs.eval_sampler.grid) * rs.eval_sampler.samples_per_decode
     if cfg.mode == "audit":

@@ -1,5 +1,6 @@
 """One run, start to finish: validate every input, prepare the run directory, start the
-pool, run the audit or the rule search, write the summary, close the pool.
+pool, check the judge's headroom, run the audit or the rule search, write the summary,
+close the pool.
 
 Order matters: ALL input validation (tickets, exclusions, prompt profile, model path, seed
 guidance, run directory refusal) happens before anything on disk is touched or any worker
@@ -25,6 +26,7 @@ from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
 from ..search.fileio import atomic_write_bytes, write_json, write_jsonl
 from ..search.guidance_store import GUIDANCE_FILE, GuidanceRepository
+from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
 from ..search.settings import SearchSettings
@@ -202,13 +204,23 @@ def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, ove
         if ray:
             nodes = {where.get("node_ip") for where in pool.placement}
             log.info("Ray placed the %d workers on %d node(s): %s", pool.size, len(nodes), ", ".join(sorted(nodes)))
+        headroom, headroom_started = None, time.monotonic()
+        if config.headroom.enabled:
+            # Under the seed guidance, also on --resume: the check is about the judge, and the
+            # file stays the same whether or not the run was interrupted.
+            headroom = summary_entry(run_headroom(runner, tickets=inputs.tickets,
+                                                  guidance=dict(inputs.seed_guidance.experiences),
+                                                  settings=headroom_settings(config), run_dir=run_dir, log=log))
+        headroom_s = round(time.monotonic() - headroom_started, 3)
         if config.mode == "audit":
             summary = run_audit(runner, tickets=inputs.tickets, guidance=repo.load(),
-                                settings=audit_settings(config, inputs), run_dir=run_dir, log=log)
+                                settings=audit_settings(config, inputs), run_dir=run_dir, log=log,
+                                headroom=headroom)
         else:
             summary = run_search(runner=runner, store=repo, run_dir=run_dir, tickets=inputs.tickets,
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
-                                 identity=identity, resume=resume, log=log)
+                                 identity=identity, resume=resume, log=log, headroom=headroom)
+        summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
         write_jsonl(run_dir / TIMELINE_FILE, timeline_rows(pool))
     finally:
@@ -222,6 +234,13 @@ def search_settings(config, inputs: _Inputs) -> SearchSettings:
     return SearchSettings(seed=config.seed, mission=inputs.mission, epochs=config.runner.epochs,
                           rule_search=config.rule_search, distill=config.stage_b_distillation,
                           proposer_system=inputs.proposer_system)
+
+
+def headroom_settings(config) -> HeadroomSettings:
+    """The judge-headroom check's values: its config section, the run seed, and the train
+    sampler's prompt cap (the prompts are the train rollouts' prompts)."""
+    return HeadroomSettings(seed=config.seed, tickets=config.headroom.tickets, min_auc=config.headroom.min_auc,
+                            max_prompt_tokens=config.rule_search.train_sampler.max_prompt_tokens)
 
 
 def audit_settings(config, inputs: _Inputs) -> AuditSettings:

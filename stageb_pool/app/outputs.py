@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 from ..search import audit, rundir, state
+from ..search.headroom import HEADROOM_FILE
 from ..search.distill import DISTILL_DEFAULT
 from ..search.guidance_store import GUIDANCE_FILE
 from ..stageb.errors import InputError
@@ -34,8 +35,8 @@ from .config import input_files
 
 # What a run writes inside its run directory besides the distillation file: files by name,
 # folders by name (anything below them).
-RUN_FILES = (rundir.RUN_JSON, rundir.SUMMARY_JSON, GUIDANCE_FILE, state.STATE_FILE, *state.APPEND_ARTIFACTS,
-             *audit.AUDIT_FILES)
+RUN_FILES = (rundir.RUN_JSON, rundir.SUMMARY_JSON, GUIDANCE_FILE, HEADROOM_FILE, state.STATE_FILE,
+             *state.APPEND_ARTIFACTS, *audit.AUDIT_FILES)
 RUN_FOLDERS = rundir.RUN_FOLDERS
 
 

@@ -32,7 +32,7 @@ ROLLOUT_GUARD = 4096  # upstream drops a ticket whose prompt exceeds this when n
 ALLOWED_STOPS = ("<|endoftext|>", "<|im_end|>")  # the only stop strings upstream accepts (and its default)
 DECODE_KEYS = ("temperature", "top_p", "max_new_tokens", "repetition_penalty", "seed")
 # Keys of our schema that upstream would silently ignore: refused in an upstream config.
-OURS_ONLY = ("prompt", "pool", "ingest", "model.path", "model.dtype", "model.stop", "model.trust_remote_code",
+OURS_ONLY = ("prompt", "pool", "ingest", "headroom", "model.path", "model.dtype", "model.stop", "model.trust_remote_code",
              "output.save_rollouts", "rule_search.gate.eval_max_acc_drop")
 REFUSED_BY_UPSTREAM = ("validate_size", "validate_fraction", "validate_with_replacement", "holdout")
 # Copied unchanged: the same name, type and meaning in both schemas.

@@ -138,3 +138,31 @@ class ChatResult(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int = 0
     finish_reason: str = ""
+
+
+class VerdictChunk(msgspec.Struct, frozen=True):
+    """One unit of the judge-headroom check (``Engine.verdict_probabilities``): the
+    tickets whose verdict probabilities are scored as one batch, in this order. Nothing is
+    sampled, so there is no seed; the chunk geometry still fixes the batch, and with it
+    the low bits."""
+
+    chunk_index: int
+    tickets: list[TicketText]
+    max_prompt_tokens: int | None = None
+
+
+class TicketVerdictProbability(msgspec.Struct, frozen=True):
+    """``p_pass``: the judge's probability of answering ``Verdict: <pass_text>`` rather than
+    ``Verdict: <fail_text>`` (rounded to ``P_PASS_DECIMALS``), or None when the ticket was
+    ``dropped`` (prompt over ``max_prompt_tokens``; never scored)."""
+
+    key: str
+    prompt_tokens: int
+    dropped: bool = False
+    p_pass: float | None = None
+
+
+class VerdictChunkResult(msgspec.Struct, frozen=True):
+    chunk_index: int
+    tickets: list[TicketVerdictProbability]
+    elapsed_s: float = 0.0  # wall clock: volatile, never part of a deterministic artifact

@@ -3,8 +3,9 @@ sampled texts out.
 
 ``Engine(model, tokenizer, device)`` wraps a loaded model (``build.build_engine`` loads one
 inside a worker). Its methods are what the parent calls through the pool: ``rollout`` (a
-chunk of tickets under a guidance snapshot) and ``chat`` (a free-form prompt, used by the
-rule proposer). The pool decodes each call's arguments into the annotated types.
+chunk of tickets under a guidance snapshot), ``chat`` (a free-form prompt, used by the
+rule proposer) and ``verdict_probabilities`` (the judge-headroom check: P(pass) per ticket
+by teacher forcing, nothing sampled). The pool decodes each call's arguments into the annotated types.
 
 Determinism: every generate call is seeded from the work it does (``chunk.seed_key``,
 chunk index, decode index, decode seed, sample index), never from a rank, and a chunk is
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import inspect
 import time
 
 import torch
@@ -24,7 +26,7 @@ import torch
 from ..pool.devices import Device
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
-from . import chat_text, models
+from . import chat_text, models, verdict_scoring
 from .constrained import Grammars, verdict_line_regex
 from .records import (
     ChatRequest,
@@ -34,6 +36,9 @@ from .records import (
     RolloutChunk,
     Sample,
     TicketRollout,
+    TicketVerdictProbability,
+    VerdictChunk,
+    VerdictChunkResult,
 )
 
 
@@ -61,6 +66,8 @@ class Engine:
         self.attn_implementation = getattr(model.config, "_attn_implementation", None)
         self._setup_tokens(stop)
         self._grammars: Grammars | None = None
+        # transformers 5.x renamed forward's past_key_values to cache (the old name warns).
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     # ------------------------------------------------------------ set-up
 
@@ -130,6 +137,68 @@ class Engine:
             for i, t in enumerate(chunk.tickets)
         ]
         return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - start)
+
+    # ------------------------------------------------------------ verdict probabilities
+
+    def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
+                              profile: PromptProfile) -> VerdictChunkResult:
+        """P(pass) of every ticket of ``chunk`` under ``guidance``: the rollout's prompt
+        followed by ``Verdict: <pass_text>`` and by ``Verdict: <fail_text>``, softmax over the
+        two answers' summed log-probabilities (``verdict_scoring``), the kept tickets scored
+        as one batch in chunk order. Overlength tickets come back dropped, unscored."""
+        start = time.perf_counter()
+        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
+        answers = verdict_scoring.answer_ids(self.tokenizer, profile.verdict)
+        p_pass: dict[int, float] = {}
+        if kept:
+            with _located_oom(lambda: f"verdict probabilities of chunk {chunk.chunk_index} "
+                                      f"({', '.join(str(len(ids[i])) for i in kept)} prompt tokens)"):
+                sums = self._answer_logprobs([ids[i] for i in kept], answers)
+            for i, (lp, lf) in zip(kept, sums):
+                p_pass[i] = verdict_scoring.p_pass(lp, lf)
+        tickets = [TicketVerdictProbability(t.key, len(ids[i]), dropped=i not in p_pass, p_pass=p_pass.get(i))
+                   for i, t in enumerate(chunk.tickets)]
+        return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - start)
+
+    def _answer_logprobs(self, prompts: list[list[int]], answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
+        """Per prompt, the summed log-probability of each answer's tokens after it.
+
+        Two forward passes: the left-padded prompts once (their KV cache kept), then every
+        (prompt, answer) row on top of its prompt's cache, so a long prompt is not computed
+        once per answer. Positions count real tokens only (what generate does), so a padded
+        row gets the positions it would have alone."""
+        k = len(answers)
+        batch = self._pad(prompts)
+        mask = batch["attention_mask"]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        width = max(len(a) for a in answers)
+        device = mask.device
+        # Answers right-padded to one width: a pad only follows the tokens that are scored.
+        tokens = torch.tensor([a + [self.pad_id] * (width - len(a)) for a in answers], device=device)
+        real = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=device)
+        with torch.inference_mode():
+            # Only the last prompt column's logits (they predict every answer's first token):
+            # the whole vocabulary at every prompt position would take gigabytes.
+            head = self.model(**batch, position_ids=positions, use_cache=True, logits_to_keep=1)
+            first = head.logits[:, -1].float().log_softmax(-1)
+            cache = getattr(head, "cache", None) or head.past_key_values
+            cache.batch_repeat_interleave(k)  # rows: prompt 0 x each answer, prompt 1 x each answer, ...
+            rest = self.model(
+                **{self._cache_argument: cache},
+                input_ids=tokens.repeat(len(prompts), 1),
+                attention_mask=torch.cat([mask.repeat_interleave(k, 0), real.repeat(len(prompts), 1)], dim=1),
+                position_ids=positions[:, -1:].repeat_interleave(k, 0) + 1 + torch.arange(width, device=device),
+            ).logits.float().log_softmax(-1)
+        out = []
+        for n in range(len(prompts)):
+            sums = []
+            for a, answer in enumerate(answers):
+                row = n * k + a
+                # Token j > 0 of the answer is predicted at the answer's column j - 1.
+                later = rest[row, : len(answer) - 1].gather(-1, tokens[a, 1: len(answer), None]).sum()
+                sums.append(float(first[n, answer[0]] + later))
+            out.append(tuple(sums))
+        return out
 
     # ------------------------------------------------------------ chat
 

@@ -1,5 +1,6 @@
-"""The vLLM generation engine (``model.engine: vllm``): the same ``rollout`` and ``chat`` as
-the transformers engine, with continuous batching, paged attention and prefix caching.
+"""The vLLM generation engine (``model.engine: vllm``): the same ``rollout``, ``chat`` and
+``verdict_probabilities`` as the transformers engine, with continuous batching, paged
+attention and prefix caching.
 
 It runs inside the pool worker: the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so a killed or timed-out worker leaves no grandchild holding the device, and vllm is imported
@@ -30,8 +31,20 @@ from ..pool.devices import Device
 from ..stageb.errors import InputError
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
-from . import chat_text, models
-from .records import ChatRequest, ChatResult, ChunkResult, Decode, RolloutChunk, Sample, TicketRollout, VllmSettings
+from . import chat_text, models, verdict_scoring
+from .records import (
+    ChatRequest,
+    ChatResult,
+    ChunkResult,
+    Decode,
+    RolloutChunk,
+    Sample,
+    TicketRollout,
+    TicketVerdictProbability,
+    VerdictChunk,
+    VerdictChunkResult,
+    VllmSettings,
+)
 from .constrained import verdict_line_regex
 
 GIB = 1 << 30
@@ -147,6 +160,30 @@ class VllmEngine:
                    for i, t in enumerate(chunk.tickets)]
         return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - start)
 
+    # ------------------------------------------------------------ verdict probabilities
+
+    def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
+                              profile: PromptProfile) -> VerdictChunkResult:
+        """P(pass) of every ticket of ``chunk``, as the transformers engine computes it: one
+        ``generate`` over two requests per kept ticket (prompt + ``Verdict: <pass_text>``,
+        prompt + ``Verdict: <fail_text>``), each asking for the log-probabilities of its own
+        prompt tokens (``prompt_logprobs=0``, raw logits); the answer's tokens are summed."""
+        from vllm import SamplingParams
+
+        start = time.perf_counter()
+        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
+        answers = verdict_scoring.answer_ids(self.tokenizer, profile.verdict)
+        # One greedy token is generated and ignored: vLLM has no zero-token request. Prompt
+        # log-prob requests never read the prefix cache (vLLM skips it for them).
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        rows = [(ids[i] + answer, len(answer)) for i in kept for answer in answers]
+        outs = self._run([(row, params) for row, _ in rows])
+        sums = [_answer_logprob(out.prompt_logprobs, row, n) for (row, n), out in zip(rows, outs)]
+        p_pass = {i: verdict_scoring.p_pass(sums[2 * n], sums[2 * n + 1]) for n, i in enumerate(kept)}
+        tickets = [TicketVerdictProbability(t.key, len(ids[i]), dropped=i not in p_pass, p_pass=p_pass.get(i))
+                   for i, t in enumerate(chunk.tickets)]
+        return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - start)
+
     # ------------------------------------------------------------ chat
 
     def chat(self, request: ChatRequest) -> ChatResult:
@@ -189,6 +226,11 @@ class VllmEngine:
     def _generate(self, requests: list[tuple[list[int], object]]) -> list[tuple[list[int], str]]:
         """One ``generate`` for all requests, in order: ``(completion ids, finish reason)``.
         Completion ids run up to and including the stop token."""
+        return [(list(o.outputs[0].token_ids), "stop" if o.outputs[0].finish_reason == "stop" else "length")
+                for o in self._run(requests)]
+
+    def _run(self, requests: list[tuple[list[int], object]]) -> list:
+        """One ``generate`` for all requests (prompt ids, SamplingParams): vLLM's outputs in order."""
         from vllm.inputs import TokensPrompt
 
         if not requests:
@@ -208,8 +250,19 @@ class VllmEngine:
             # next generate forever: refuse further work instead (the pool reports it).
             self._broken = f"{type(err).__name__}: {models.one_line(err)}"
             raise
-        return [(list(o.outputs[0].token_ids), "stop" if o.outputs[0].finish_reason == "stop" else "length")
-                for o in outs]
+        return outs
 
     def _text(self, row: list[int]) -> str:
         return chat_text.clean(self.tokenizer.decode(row, skip_special_tokens=True), self.stop_strings)
+
+
+def _answer_logprob(prompt_logprobs, row: list[int], n: int) -> float:
+    """The summed log-probability of the last ``n`` tokens of ``row`` from vLLM's prompt
+    log-probs (one entry per prompt position, None for the first; each holds the prompt
+    token's own log-prob), added in token order as the transformers engine adds them."""
+    if prompt_logprobs is None or len(prompt_logprobs) != len(row):
+        raise RuntimeError(f"vLLM returned {len(prompt_logprobs or [])} prompt log-probs for {len(row)} tokens")
+    total = 0.0
+    for position in range(len(row) - n, len(row)):
+        total += prompt_logprobs[position][row[position]].logprob
+    return total

@@ -46,9 +46,11 @@ class AuditSettings(msgspec.Struct, frozen=True, kw_only=True):
     distill: Any = None  # the config's stage_b_distillation section (None: no export)
 
 
-def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_dir, log) -> dict:
+def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_dir, log,
+              headroom: dict | None = None) -> dict:
     """Roll out every ticket (``tickets``, in run order) once under ``guidance`` and write the
-    audit artifacts. Returns the summary (what ``summary.json`` holds, timing aside)."""
+    audit artifacts. Returns the summary (what ``summary.json`` holds, timing aside);
+    ``headroom`` is the judge-headroom check's summary entry (None: not run)."""
     spec = RolloutSpec(name="audit", seed_key=f"{settings.seed}/audit", tickets=list(tickets),
                        guidance=dict(guidance.experiences), sampler=settings.sampler)
     log.info("audit: %d tickets, guidance step %d (%s)", len(spec.tickets), guidance.step, guidance.hash)
@@ -85,6 +87,7 @@ def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_d
         "n_excluded": settings.n_excluded,
         "metrics": {k: metrics[k] for k in ("acc", "tp", "fp", "fn", "tn", "fn_rate", "fp_rate")},
         "distillation": distillation,
+        "judge_headroom": headroom,
         "generations_done": runner.run_done,
         "generations_saved": runner.run_saved,
         "artifacts": written["files"],

@@ -37,7 +37,7 @@ class RuleSearch:
 
     def __init__(self, *, runner, store, run_dir, tickets: list, seed_guidance: Guidance,
                  settings: SearchSettings, identity: RunIdentity, resume: bool = False,
-                 log: logging.Logger | None = None):
+                 log: logging.Logger | None = None, headroom: dict | None = None):
         self.settings = settings
         self.identity = identity
         self.tickets = list(tickets)
@@ -50,6 +50,7 @@ class RuleSearch:
         self.train, self.eval = split_eval_pool(self.tickets, settings.rule_search.eval_pool_size, settings.seed)
         self.state: state_mod.SearchState | None = None
         self.iterations_this_run = 0
+        self.headroom = headroom  # the judge-headroom check's summary entry, reported as it is
 
     # -- start / resume ---------------------------------------------------------------------
 
@@ -184,10 +185,12 @@ class RuleSearch:
                   "generations_done_this_process": runner.generations_done,
                   "generations_saved_this_process": runner.generations_saved, "resumed": bool(self.resume)}
         summary = search_summary(st, settings, g, final=final, distillation=distillation, n_train=len(self.train),
-                                 n_eval=len(self.eval), runner=self.recorder.runner, timing=timing)
+                                 n_eval=len(self.eval), runner=self.recorder.runner, timing=timing,
+                                 headroom=self.headroom)
         # Read back, not kept in memory: a resumed run explains the iterations of every process.
         iterations = fileio.read_jsonl(self.run_dir / ITERATIONS)
-        summary["why"] = decisions.run_sentence(iterations, edits=len(st.edits), stop_reason=st.stop_reason)
+        summary["why"] = decisions.run_sentence(iterations, edits=len(st.edits), stop_reason=st.stop_reason,
+                                                headroom=summary.get("judge_headroom"))
         print_summary(summary)
         return summary
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from ..stageb.verdicts import compute_metrics
+from .headroom import summary_line
 from .iteration import eval_spec, pool_seed_key, rollout_spec
 
 
@@ -35,9 +36,9 @@ def final_metrics(recorder, settings, guidance, *, first_pool: list, eval_pool: 
 
 
 def search_summary(state, settings, guidance, *, final: dict, distillation: dict | None, n_train: int,
-                   n_eval: int, runner, timing: dict) -> dict:
+                   n_eval: int, runner, timing: dict, headroom: dict | None = None) -> dict:
     """``summary.json`` of the rule search (``job.write_summary`` adds the job's timing and
-    the per-worker throughput)."""
+    the per-worker throughput). ``headroom``: the judge-headroom check's entry (None: not run)."""
     return {
         "mode": "search",
         "mission": settings.mission,
@@ -53,6 +54,7 @@ def search_summary(state, settings, guidance, *, final: dict, distillation: dict
         "final": final,
         "rejected_candidates": len(state.rejected_ids),
         "distillation": distillation,
+        "judge_headroom": headroom,
         # The run's counts (continued from state.json on resume); this process's are in timing.
         "generations_done": runner.run_done,
         "generations_saved": runner.run_saved,
@@ -75,6 +77,9 @@ def print_summary(summary: dict) -> None:
         f"  eval:  baseline {fmt(base.get('eval'))} -> final {fmt(final.get('eval'))}",
         f"  generations: {summary['generations_done']} done, {summary['generations_saved']} saved by the cache",
     ]
+    headroom = summary_line(summary)
+    if headroom is not None:
+        lines.append(headroom)
     if summary.get("why"):
         lines.append(f"  why: {summary['why']}")
     print("\n".join(lines), file=sys.stdout, flush=True)

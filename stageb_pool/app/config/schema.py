@@ -154,6 +154,12 @@ class DistillConfig(_Section, kw_only=True):
     distill_temperature: Temperature | None = None  # None: the lowest train-grid temperature
 
 
+class HeadroomConfig(_Section, kw_only=True):
+    enabled: bool = True  # score the judge's P(pass) on a ticket sample before the audit or the search
+    tickets: Int(2, 100_000) = 48  # tickets sampled (half of each label where possible)
+    min_auc: Float(0.5, 1) = 0.6  # the judge separates the labels when the AUC of its P(pass) is at least this
+
+
 class Config(_Section, kw_only=True):
     seed: Seed  # the run seed: pools, generation seeds and the bootstrap derive from it
     stage_a_paths: Annotated[list[NonEmptyStr], Meta(min_length=1)]  # Stage-A JSONL ticket files (a single string is accepted)
@@ -168,6 +174,7 @@ class Config(_Section, kw_only=True):
     runner: RunnerConfig = msgspec.field(default_factory=RunnerConfig)
     rule_search: RuleSearchConfig
     stage_b_distillation: DistillConfig = msgspec.field(default_factory=DistillConfig)
+    headroom: HeadroomConfig = msgspec.field(default_factory=HeadroomConfig)  # the judge-headroom check
 
 
 # Upstream keys that no longer exist, and what replaced them. "[]" stands for any list index.

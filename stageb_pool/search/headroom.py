@@ -1,0 +1,221 @@
+"""The judge-headroom check: can the judge tell the labels apart at all?
+
+A rule search only moves the verdicts of a judge whose verdicts depend on the tickets. The
+embedded 135M model, for one, answers ``fail`` to every demo ticket whatever the guidance
+says, and no rule can help it. This check says so before the search spends GPU hours: it
+scores, for a sample of tickets, the judge's probability of answering ``Verdict: <pass>``
+rather than ``Verdict: <fail>`` under the run's starting guidance (teacher forcing, nothing
+sampled: ``Engine.verdict_probabilities``), and measures how well that probability ranks
+the reviewers' labels (the AUC).
+
+- The sample: ``settings.tickets`` tickets, drawn with a seed from the run seed and the
+  word ``"headroom"`` (never a rank), stratified by label: half pass and half fail, the
+  other label topping up when one runs short (balanced classes give the AUC its smallest
+  variance for a given number of tickets). It is kept in key order, cut into chunks of the
+  runner's ``chunk_size``, and each chunk is one batch on whichever worker takes it, so
+  the result is the same for any worker count.
+- The verdict: ``separates`` when ``auc >= min_auc``. An AUC near 0.5 means the judge's
+  answer does not depend on the labels. An AUC at or below ``1 - min_auc`` (the judge
+  favours pass on the fail tickets) is reported as inverted but does NOT count as
+  separation: a guidance rule mostly shifts the judge towards pass or fail for every
+  ticket, and shifting an inverted ranking towards pass passes the fail tickets first, so
+  the gate would reject every such edit. (The embedded model on the demo: AUC 0.34 with
+  P(pass) between 0.005 and 0.013, fail to every ticket.) ``separates`` is None when the
+  AUC cannot be measured (no judged ticket of one label). With 48 tickets, the AUC of a
+  judge that cannot tell the labels apart has a standard deviation of about 0.08: raise
+  ``tickets`` for a sharper answer.
+
+Everything written is computed from the results in key order and rounded, so
+``judge_headroom.json`` is byte-identical for any worker count (no timestamps inside).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import msgspec
+
+from ..engine.records import VerdictChunk, VerdictChunkResult
+from ..stageb.hashing import content_hash, stable_seed
+from .fileio import write_json
+
+HEADROOM_FILE = "judge_headroom.json"
+DECIMALS = 6  # rounding of every derived number in the file (the engine rounds P(pass) too)
+SUMMARY_KEYS = ("auc", "tickets", "pass_share", "separates")  # what summary.json repeats
+
+
+class HeadroomSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The plain values the check reads (from the config's ``headroom`` section, the run
+    seed and the train sampler's prompt cap)."""
+
+    seed: int
+    tickets: int = 48
+    min_auc: float = 0.6
+    max_prompt_tokens: int | None = None
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def sample_tickets(tickets: list, n: int, seed: int) -> list:
+    """``n`` tickets (all when there are fewer), half of each label where possible, in key
+    order. Depends on the ticket set and the seed only, not on the order given."""
+    by_label = {label: sorted((t for t in tickets if t.label == label), key=lambda t: t.key)
+                for label in ("pass", "fail")}
+    k_fail = min(len(by_label["fail"]), n // 2)
+    k_pass = min(len(by_label["pass"]), n - k_fail)
+    k_fail = min(len(by_label["fail"]), n - k_pass)  # the fail side tops up a short pass side
+    rng = random.Random(stable_seed(seed, "headroom"))
+    chosen = rng.sample(by_label["pass"], k_pass) + rng.sample(by_label["fail"], k_fail)
+    return sorted(chosen, key=lambda t: t.key)
+
+
+def auc(scores: list[float], labels: list[str]) -> float | None:
+    """The probability that a pass ticket scores higher than a fail ticket (Mann-Whitney U
+    over all pass x fail pairs, a tie counting half), from average ranks in O(n log n).
+    None when either label is missing."""
+    if len(scores) != len(labels):
+        raise ValueError(f"{len(scores)} scores for {len(labels)} labels")
+    n_pass = sum(1 for label in labels if label == "pass")
+    n_fail = len(labels) - n_pass
+    if n_pass == 0 or n_fail == 0:
+        return None
+    order = sorted(range(len(scores)), key=lambda i: scores[i])
+    rank_sum = 0.0  # sum of the pass tickets' ranks (1-based; tied scores share their mean rank)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and scores[order[end + 1]] == scores[order[start]]:
+            end += 1
+        mean_rank = (start + end) / 2 + 1
+        rank_sum += mean_rank * sum(1 for i in order[start:end + 1] if labels[i] == "pass")
+        start = end + 1
+    u = rank_sum - n_pass * (n_pass + 1) / 2
+    return u / (n_pass * n_fail)
+
+
+def pass_share(scores: list[float]) -> float | None:
+    """The share of tickets the judge would pass when answering greedily (P(pass) >= 0.5)."""
+    return sum(1 for p in scores if p >= 0.5) / len(scores) if scores else None
+
+
+def separates(value: float | None, min_auc: float) -> bool | None:
+    """Whether an AUC shows separation a rule search can use (see the module docstring)."""
+    if value is None:
+        return None
+    return value >= min_auc
+
+
+def message(*, auc_value: float | None, tickets: int, share: float | None, labels: dict[str, int],
+            min_auc: float) -> str:
+    """One plain sentence for the log and the file."""
+    if auc_value is None:
+        missing = [label for label in ("pass", "fail") if not labels.get(label)]
+        return (f"judge headroom not measured on {tickets} tickets: no judged ticket labelled "
+                f"{' or '.join(missing)} (the AUC needs both labels)")
+    head = f"AUC {auc_value:.2f} on {tickets} tickets"
+    if auc_value >= min_auc:
+        return f"{head}: the judge separates the labels; rules can move it"
+    says = f"it says pass to {share:.0%}" if share >= 0.5 else f"it says fail to {1 - share:.0%}"
+    if auc_value <= 1 - min_auc:
+        why = f"the judge ranks the labels the wrong way round, favouring pass on the fail tickets ({says})"
+    else:
+        why = f"the judge's verdicts do not depend on the tickets ({says})"
+    return f"{head}: {why}; no guidance rule is likely to help; try a larger model"
+
+
+def report(per_ticket: list[dict], *, min_auc: float, dropped: int, guidance_hash: str) -> dict:
+    """``judge_headroom.json``'s content from ``[{"key", "label", "p_pass"}]`` (key order)."""
+    scores = [row["p_pass"] for row in per_ticket]
+    labels = [row["label"] for row in per_ticket]
+    counts = {"pass": labels.count("pass"), "fail": labels.count("fail")}
+    value, share = auc(scores, labels), pass_share(scores)
+    return {
+        "auc": _round(value),
+        "tickets": len(per_ticket),
+        "dropped": dropped,
+        "pass_share": _round(share),
+        "labels": counts,
+        "mean_p_pass": _round(sum(scores) / len(scores)) if scores else None,
+        "min_auc": min_auc,
+        "separates": separates(value, min_auc),
+        "message": message(auc_value=value, tickets=len(per_ticket), share=share, labels=counts, min_auc=min_auc),
+        "guidance_hash": guidance_hash,
+        "per_ticket": per_ticket,
+    }
+
+
+def summary_line(summary: dict) -> str | None:
+    """The line of the printed summary, from summary.json's ``judge_headroom`` (None: no check)."""
+    h = summary.get("judge_headroom")
+    if not h:
+        return None
+    if h["auc"] is None:
+        return f"  judge headroom: not measured on {h['tickets']} tickets (one label missing)"
+    verdict = "separates the labels: rules can move it" if h["separates"] else \
+        "cannot separate the labels: no edit expected"
+    return f"  judge headroom: AUC {h['auc']:.2f} on {h['tickets']} tickets; {verdict}"
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, DECIMALS)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def run_headroom(runner, *, tickets: list, guidance: dict[str, str], settings: HeadroomSettings, run_dir,
+                 log: logging.Logger) -> dict:
+    """Score the sample on the pool, write ``judge_headroom.json`` and log its message
+    (a warning when the judge cannot separate the labels). Returns the report."""
+    sample = sample_tickets(tickets, settings.tickets, settings.seed)
+    size = runner.chunk_size
+    tasks = []
+    for index, start in enumerate(range(0, len(sample), size)):
+        part = sample[start:start + size]
+        chunk = VerdictChunk(index, [t.text() for t in part], settings.max_prompt_tokens)
+        tasks.append(runner.pool.submit("verdict_probabilities", chunk, guidance=guidance, profile=runner.profile,
+                                        result_type=VerdictChunkResult, cost=_prompt_chars(part, guidance)))
+    progress = runner.progress
+
+    def on_result(index, result):
+        if progress is not None:
+            progress.advance(len(result.tickets))
+
+    if progress is not None:
+        progress.start("judge headroom", len(sample))
+    try:
+        results = runner.pool.gather(tasks, on_result=on_result)
+    finally:
+        if progress is not None:
+            progress.finish()
+    per_ticket, dropped = [], 0
+    for part, result in zip((sample[s:s + size] for s in range(0, len(sample), size)), results):
+        if [t.key for t in result.tickets] != [t.key for t in part]:  # a bug, never to be misattributed
+            raise RuntimeError(f"verdict chunk {result.chunk_index} answered other tickets than it was sent")
+        for ticket, scored in zip(part, result.tickets):
+            if scored.dropped:
+                dropped += 1
+            else:
+                per_ticket.append({"key": ticket.key, "label": ticket.label, "p_pass": scored.p_pass})
+    doc = report(per_ticket, min_auc=settings.min_auc, dropped=dropped, guidance_hash=content_hash(guidance))
+    write_json(Path(run_dir) / HEADROOM_FILE, doc)
+    if dropped:
+        log.warning("judge headroom: %d sampled ticket(s) dropped, prompt over the sampler's max_prompt_tokens",
+                    dropped)
+    (log.info if doc["separates"] else log.warning)("judge headroom: %s", doc["message"])
+    return doc
+
+
+def summary_entry(doc: dict) -> dict:
+    """What summary.json repeats of the report."""
+    return {key: doc[key] for key in SUMMARY_KEYS}
+
+
+def _prompt_chars(tickets: list, guidance: dict[str, str]) -> float:
+    """A chunk's expected work for the pool's most-expensive-first order (results do not
+    depend on it): its prompt characters."""
+    rules = sum(len(rule) for rule in guidance.values())
+    return float(sum(sum(len(text) for text in t.per_image.values()) + rules for t in tickets))
