@@ -30,6 +30,7 @@ from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
+from ..stageb.ticket_pools import split_eval_pool
 from .config import with_mode
 from .identity import run_identity
 from .outputs import check_outputs
@@ -142,7 +143,11 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov), **run_json), rundir.RUN_JSON)
     seed_guidance = rundir.encoded(repo.document(inputs.seed_guidance), GUIDANCE_FILE)
     if resume and identity is not None:
-        state_mod.preflight_resume(run_dir, identity)  # reads state.json, writes nothing
+        # Reads state.json, guidance.json and the committed rows, writes nothing. The train keys
+        # are the search's own split (RuleSearch makes the same call).
+        train, _ = split_eval_pool(inputs.tickets, config.rule_search.eval_pool_size, config.seed)
+        state_mod.preflight_resume(run_dir, identity, train_keys=[t.key for t in train], store=repo,
+                                   start_sampler=state_mod.start_sampler(len(train), config.rule_search, config.seed))
 
     rundir.prepare_run_dir(run_dir, overwrite=overwrite, resume=resume)  # first touch of the disk
     if resume:
