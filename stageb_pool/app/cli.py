@@ -23,6 +23,8 @@ import difflib
 import logging
 import os
 import re
+import shlex
+import signal
 import sys
 
 from .. import __version__
@@ -160,10 +162,42 @@ def config_path(args) -> str:
     return path
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP to the main process. Raised where the run was (like Ctrl-C's
+    KeyboardInterrupt, so no ``except Exception`` catches it) so that every ``finally`` on the
+    way out runs: the pool stops and reaps its workers, nothing is left half-written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    # A second signal while the pool closes would abort the close and leave workers behind
+    # for a moment; the close is bounded (seconds), so later ones are ignored (SIGKILL still works).
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same arguments with ``--resume``
+    (``--overwrite`` dropped: it would start the run again)."""
+    args = [a for a in argv if a != "--overwrite"]
+    if "--resume" not in args:
+        args.append("--resume")
+    return shlex.join(["stageb-pool", *args])
+
+
 def cmd_run(args) -> int:
     from .config import load_config
     from .job import resolve_devices, run_job
 
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_terminated)
     devices = resolve_devices(args.gpus, ray=args.ray is not None)
     path = config_path(args)
     config = load_config(path, args.overrides, upstream_root=args.upstream_root)
@@ -315,7 +349,7 @@ def cmd_diff(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    level = "info"
+    level, command = "info", None
     for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 must print, not crash
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
@@ -326,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_usage(sys.stderr)
             print("stageb-pool: error: a command or a config is needed (see stageb-pool --help)", file=sys.stderr)
             return EXIT_INPUT
-        level = getattr(args, "log_level", "info")
+        level, command = getattr(args, "log_level", "info"), args.command
         setup_logging(level)
         commands = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "import-config": cmd_import_config}
         return commands[args.command](args)
@@ -339,11 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stageb-pool: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"stageb-pool: stopped by {name}; the workers are stopped; continue with: {resume_command(argv)}",
+              file=sys.stderr)
+        return 128 + stop.signum  # the shell's convention for a death by that signal
     except OutputError as err:  # disk full, a file size limit: the run directory stays resumable
         print(f"stageb-pool: run failed: {err} (the run can be continued with --resume once fixed)",
               file=sys.stderr)
         return EXIT_FAILED
-    except BrokenPipeError:  # e.g. `stageb-pool diff a b | head`
+    except BrokenPipeError as err:
+        # `stageb-pool diff a b | head`: the reader left, nobody wants a message. Anything
+        # else (a run) says what broke.
+        if command not in ("diff", "check", "import-config"):
+            print(f"stageb-pool: run failed: {err}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1
         return _report_failure(err, level)

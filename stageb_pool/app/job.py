@@ -189,9 +189,21 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
                                  identity=identity, resume=resume, log=log)
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
-    finally:
-        pool.close()
+    except BaseException:
+        close_after_failure(pool)
+        raise
+    pool.close()
     return 0
+
+
+def close_after_failure(pool) -> None:
+    """Close the pool on the way out of a failed run. The error that ended the run is the
+    one to report: a second one from the close (the zygote died with the workers) is only
+    logged, never raised in its place."""
+    try:
+        pool.close()
+    except Exception as err:  # noqa: BLE001 - reported, and the run's own error goes on
+        log.warning("closing the pool after the failure: %s: %s", type(err).__name__, err)
 
 
 def search_settings(config, inputs: _Inputs) -> SearchSettings:
