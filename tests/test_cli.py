@@ -191,6 +191,40 @@ def _with_huge_summary(project: Path, line: int = 2, keep: int | None = None) ->
     return record["group_id"]
 
 
+def _peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float, float]:
+    """``stageb-pool ARGS`` run from a small Python process that reports its child's peak RSS
+    and CPU seconds (``RUSAGE_CHILDREN``: only that one child). CPU time, not wall time: the
+    bound must hold on a loaded CI machine too."""
+    code = ("import json, resource, subprocess, sys\n"
+            "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+            "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+            "print(json.dumps([p.returncode, p.stdout, p.stderr, u.ru_maxrss / 1024, u.ru_utime + u.ru_stime]))\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "stageb_pool.app.cli", *args],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=True)
+    rc, stdout, stderr, rss_mb, cpu_s = json.loads(out.stdout)
+    return subprocess.CompletedProcess(args, rc, stdout, stderr), rss_mb, cpu_s
+
+
+@pytest.mark.parametrize("on_bad_line", ["error", "skip"])
+def test_check_on_a_50_mb_ticket_line_is_fast_and_small(project, on_bad_line):
+    """Issue 21: one 50 MB line took 70 s and 9.8 GB in check. The line limit reads past it."""
+    lines = (project / "tickets.jsonl").read_text().splitlines(keepends=True)
+    record = json.loads(lines[2])
+    record["per_image"]["image_1"] = "the mount bolt is loose " * (50_000_000 // 24)
+    with open(project / "tickets.jsonl", "w") as f:
+        f.writelines(lines[:2])
+        f.write(json.dumps(record) + "\n")
+        f.writelines(lines[3:])
+    proc, rss_mb, cpu_s = _peak_rss_mb("check", str(project / "c.yaml"), "--set", "model.path=tiny",
+                                        "--set", f"ingest.on_bad_line={on_bad_line}")
+    if on_bad_line == "error":
+        assert_one_line_error(proc, 2, f"{project / 'tickets.jsonl'}:3", "over ingest.max_line_bytes (1048576)")
+    else:
+        assert proc.returncode == 0, proc.stderr
+    assert cpu_s < 30 and rss_mb < 2048, (cpu_s, rss_mb)
+
+
 def test_check_names_the_ticket_whose_prompt_is_over_the_cap(project):
     group = _with_huge_summary(project)
     proc = run_cli("check", str(project / "c.yaml"), "--set", "model.path=tiny")

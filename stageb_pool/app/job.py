@@ -56,7 +56,7 @@ def load_inputs(config) -> _Inputs:
     )
 
     ingest = tickets_mod.load_tickets(config.stage_a_paths, on_bad_line=config.ingest.on_bad_line,
-                                      exclude_keys=exclude)
+                                      exclude_keys=exclude, max_line_bytes=config.ingest.max_line_bytes)
     # The mission (from the tickets) picks the profile's domain, and the profile may ask
     # for upstream's BBU summary clean-up (bbu_rru), applied to the tickets already loaded.
     mission = ingest.tickets[0].mission
