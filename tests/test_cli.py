@@ -248,6 +248,21 @@ def test_check_refuses_guidance_that_leaves_every_prompt_over_the_cap(project):
     assert len(line) <= cli.MAX_ERROR_CHARS + 100
 
 
+@pytest.mark.parametrize("mode", [[], ["--audit"]])
+def test_run_refuses_the_guidance_check_refuses_before_any_rollout(project, mode):
+    """Issue 21: run used to drop every ticket for minutes and exit 0 with acc 0.000 (n=0)."""
+    data = json.loads((project / "guidance.json").read_text())
+    data[MISSION]["experiences"].update({f"G{i}": f"Rule {i}: the mounting bolt number {i} must be tight. " * 4
+                                         for i in range(2, 3002)})
+    (project / "guidance.json").write_text(json.dumps(data))
+    args = [str(project / "c.yaml"), *mode, "--set", "model.path=tiny",
+            "--set", "rule_search.train_sampler.max_prompt_tokens=2000"]
+    checked = assert_one_line_error(run_cli("check", *args), 2)
+    ran = assert_one_line_error(run_cli("run", "--gpus", "cpu:2", *args), 2)
+    assert ran == checked and "rule_search.train_sampler.max_prompt_tokens" in ran
+    assert not (project / "runs").exists()  # refused before the run directory or any worker
+
+
 def test_check_lines_stay_short_with_ten_thousand_rules_and_a_huge_summary(project):
     data = json.loads((project / "guidance.json").read_text())
     data[MISSION]["experiences"].update({f"G{i}": f"rule {i}" for i in range(2, 10_002)})

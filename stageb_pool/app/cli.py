@@ -248,7 +248,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     from .identity import run_identity
     from .job import load_inputs
     from .outputs import check_outputs
-    from .prompt_budget import Measured, measure_lines, rules_summary
+    from .prompt_budget import measure_lines, rules_summary, sampler_caps
 
     cfg = with_mode(load_config(config_path, overrides, upstream_root=upstream_root), audit)
     inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
@@ -286,9 +286,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
             ("rollout", f"{len(tickets)} tickets in {_chunks(len(tickets), chunk)} chunks of {chunk}: "
                         f"{len(tickets) * k_train} generations"),
         ]
-        caps = [Measured("audit", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens,
-                         tickets)]
-        return _table(lines + measure_lines(cfg, inputs, caps))
+        return _table(lines + measure_lines(cfg, inputs, sampler_caps(cfg, tickets)))
     train, held = split_eval_pool(tickets, rs.eval_pool_size, cfg.seed)
     t = resolve_train_pool_size(len(train), rs.train_pool_size, rs.train_pool_fraction)
     n = rs.num_candidate_rules
@@ -303,9 +301,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
                           f"+{len(held) * k_eval} per candidate that passes the gate"),
         ("iterations", f"at most {cfg.runner.epochs} (early stop after {rs.early_stop.patience} without an accepted edit)"),
     ]
-    caps = [Measured("train", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens, train),
-            Measured("eval", "rule_search.eval_sampler.max_prompt_tokens", rs.eval_sampler.max_prompt_tokens, held)]
-    return _table(lines + measure_lines(cfg, inputs, caps))
+    return _table(lines + measure_lines(cfg, inputs, sampler_caps(cfg, tickets)))
 
 
 def _k(sampler) -> str:

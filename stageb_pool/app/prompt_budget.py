@@ -80,6 +80,62 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
     return lines
 
 
+def sampler_caps(cfg, tickets: list) -> list[Measured]:
+    """Each sampler's cap with the tickets it judges: the audit's one rollout, or the search's
+    train and eval pools (the search's own split)."""
+    from ..stageb.ticket_pools import split_eval_pool
+
+    rs = cfg.rule_search
+    if cfg.mode == "audit":
+        return [Measured("audit", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens,
+                         tickets)]
+    train, held = split_eval_pool(tickets, rs.eval_pool_size, cfg.seed)
+    return [Measured("train", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens, train),
+            Measured("eval", "rule_search.eval_sampler.max_prompt_tokens", rs.eval_sampler.max_prompt_tokens, held)]
+
+
+def refuse_oversized_guidance(cfg, inputs) -> None:
+    """``run``'s copy of ``check``'s decision (``guidance_verdict``): InputError when the
+    guidance alone is over a sampler's cap, before any rollout. The tokenizer is loaded in a
+    forked helper process, so this process never imports the tokenizer's libraries (torch
+    among them) before it forks its workers; a tokenizer that cannot be loaded skips the
+    check, as in ``check``."""
+    import json
+    import os
+
+    from ..pool.fork import fork_child
+
+    measured = [m for m in sampler_caps(cfg, inputs.tickets) if m.cap is not None and m.tickets]
+    if not measured:
+        return
+    read, write = os.pipe()
+
+    def helper():
+        answer = None
+        try:
+            from ..engine import models
+
+            tokenizer = models.tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
+            guidance_verdict(tokenizer, cfg, inputs, measured)
+        except InputError as err:
+            answer = [err.message, err.location]
+        except Exception:  # noqa: BLE001 - no tokenizer, no verdict: the workers report their own load errors
+            pass
+        with os.fdopen(write, "w") as out:
+            out.write(json.dumps(answer))
+
+    try:
+        pid = fork_child(helper, keep=(write,))
+    finally:
+        os.close(write)
+    with os.fdopen(read) as answer_file:
+        text = answer_file.read()
+    os.waitpid(pid, 0)
+    answer = json.loads(text) if text else None
+    if answer:
+        raise InputError(answer[0], answer[1])
+
+
 def guidance_verdict(tokenizer, cfg, inputs, measured: list[Measured]) -> int:
     """The tokens of a prompt without any ticket (the profile, the mission, the guidance);
     InputError at the first sampler's cap key that it exceeds: every prompt holds the whole
