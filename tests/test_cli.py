@@ -225,6 +225,29 @@ def test_check_on_a_50_mb_ticket_line_is_fast_and_small(project, on_bad_line):
     assert cpu_s < 30 and rss_mb < 2048, (cpu_s, rss_mb)
 
 
+def test_check_refuses_a_model_without_a_chat_template(project):
+    """Issue 21: a base model (no chat template) was an internal error of the prompt measure."""
+    from stageb_pool.engine import tiny
+
+    folder = project / "base-model"
+    tok = tiny.build_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    line = assert_one_line_error(run_cli("check", str(project / "c.yaml"), "--set", f"model.path={folder}"), 2)
+    assert line == f"stageb-pool: error: {folder}: the tokenizer has no chat template (a base model, not an instruct/chat model?)"
+
+
+def test_a_deleted_working_directory_with_a_relative_config_is_a_located_error(project):
+    gone = project / "gone"
+    gone.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -m stageb_pool.app.cli check c.yaml',
+                           "sh", str(gone), sys.executable], capture_output=True, text=True, env=env, timeout=120)
+    line = assert_one_line_error(proc, 2, "c.yaml: ", "the current directory no longer exists")
+    assert line.startswith("stageb-pool: error: c.yaml: cannot resolve the config's relative path")
+
+
 def test_check_names_the_ticket_whose_prompt_is_over_the_cap(project):
     group = _with_huge_summary(project)
     proc = run_cli("check", str(project / "c.yaml"), "--set", "model.path=tiny")

@@ -58,6 +58,9 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
     except Exception as err:  # noqa: BLE001 - a report, never a failure of check
         return [("prompt tokens", f"not measured: cannot load the tokenizer of {cfg.model.path} "
                                   f"({type(err).__name__}: {one_line(err)})")]
+    # Every prompt is rendered with the chat template: a model without one (a base model's
+    # GGUF) is bad input, said here as the workers would say it, not a failed render.
+    models.require_chat_template(tokenizer, f"{cfg.model.path}")
     guidance = dict(inputs.seed_guidance.experiences)
     alone = guidance_verdict(tokenizer, cfg, inputs, measured)
     everyone = {t.key: t for m in measured for t in m.tickets}
@@ -116,6 +119,7 @@ def refuse_oversized_guidance(cfg, inputs) -> None:
             from ..engine import models
 
             tokenizer = models.tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
+            models.require_chat_template(tokenizer, cfg.model.path)
             guidance_verdict(tokenizer, cfg, inputs, measured)
         except InputError as err:
             answer = [err.message, err.location]
