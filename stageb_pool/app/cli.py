@@ -196,14 +196,17 @@ def cmd_run(args) -> int:
     from .config import load_config
     from .job import resolve_devices, run_job
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _raise_terminated)
-    devices = resolve_devices(args.gpus, ray=args.ray is not None)
-    path = config_path(args)
-    config = load_config(path, args.overrides, upstream_root=args.upstream_root)
-
-    return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug,
-                   config_path=path, ray_address=args.ray)
+    # Only for the run's life: a caller of main() in-process gets its own handlers back.
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in STOP_SIGNALS}
+    try:
+        devices = resolve_devices(args.gpus, ray=args.ray is not None)
+        path = config_path(args)
+        config = load_config(path, args.overrides, upstream_root=args.upstream_root)
+        return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite,
+                       debug=args.debug, config_path=path, ray_address=args.ray)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_check(args) -> int:
