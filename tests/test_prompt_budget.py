@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,6 @@ from stageb_pool.engine import tiny
 from stageb_pool.stageb import prompts
 from stageb_pool.stageb.tickets import TicketText
 
-REPO = Path(__file__).resolve().parents[1]
 MISSION = "Rooftop antenna mount inspection"
 GUIDANCE = {"G0": "The antenna mount is complete.", "G1": "Blurry photos fail."}
 

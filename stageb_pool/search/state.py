@@ -217,7 +217,7 @@ def _check_lengths(state: SearchState, run_dir: Path, location: str) -> None:
             raise InputError(f"cannot resume: cannot read {name}: {err.strerror or err}", str(path)) from None
 
 
-def _committed_rows(run_dir: Path, name: str, length: int, location: str) -> list[dict]:
+def _committed_rows(run_dir: Path, name: str, length: int) -> list[dict]:
     """The JSON rows in the first ``length`` bytes of an artifact (a row that does not decode
     was damaged outside the program: refused, naming the file and line)."""
     path = Path(run_dir) / name
@@ -239,14 +239,14 @@ def _committed_rows(run_dir: Path, name: str, length: int, location: str) -> lis
 MAX_REPLAY_STEPS = 50_000_000
 
 
-def _check_against_rows(state: SearchState, run_dir: Path, location: str, refuse) -> None:
+def _check_against_rows(state: SearchState, run_dir: Path, refuse) -> None:
     """What the state says about past iterations is what their committed rows say: the
     iterations count the decision rows; edits, baseline, rejected candidates and the no-gain
     streak are what those rows and the benchmark and candidate rows record. (A state from a
     version without one of these files records no length for it: nothing to compare.)"""
     lengths = state.artifacts
     if rundir.ITERATIONS in lengths:
-        its = _committed_rows(run_dir, rundir.ITERATIONS, lengths[rundir.ITERATIONS], location)
+        its = _committed_rows(run_dir, rundir.ITERATIONS, lengths[rundir.ITERATIONS])
         if len(its) != state.iteration or [r.get("iteration") for r in its] != list(range(1, len(its) + 1)):
             refuse(f"iteration {state.iteration}, but {rundir.ITERATIONS} commits {len(its)} iteration rows",
                    "iteration")
@@ -259,7 +259,7 @@ def _check_against_rows(state: SearchState, run_dir: Path, location: str, refuse
         if its and msgspec.to_builtins(state.baseline) != its[0].get("baseline"):
             refuse(f"not the baseline of iteration 1 in {rundir.ITERATIONS}", "baseline")
     if rundir.BENCHMARKS in lengths:
-        bench = _committed_rows(run_dir, rundir.BENCHMARKS, lengths[rundir.BENCHMARKS], location)
+        bench = _committed_rows(run_dir, rundir.BENCHMARKS, lengths[rundir.BENCHMARKS])
         recorded = [{"iteration": r.get("iteration"), "candidate_id": r.get("candidate_id"), "op": r.get("op"),
                      "relative_error_reduction": r.get("relative_error_reduction"),
                      "guidance_step": r.get("guidance_step_after"), "guidance_hash": r.get("guidance_hash")}
@@ -267,7 +267,7 @@ def _check_against_rows(state: SearchState, run_dir: Path, location: str, refuse
         if msgspec.to_builtins(state.edits) != recorded:
             refuse(f"not the {len(bench)} accepted edits {rundir.BENCHMARKS} commits", "edits")
     if rundir.CANDIDATES in lengths:
-        cands = _committed_rows(run_dir, rundir.CANDIDATES, lengths[rundir.CANDIDATES], location)
+        cands = _committed_rows(run_dir, rundir.CANDIDATES, lengths[rundir.CANDIDATES])
         rejected = sorted({str(r.get("candidate_id")) for r in cands if r.get("decision") != "promoted"})
         if state.rejected_ids != rejected:
             refuse(f"not the {len(rejected)} candidates {rundir.CANDIDATES} commits as not promoted",
@@ -321,7 +321,7 @@ def validate_state(state: SearchState, run_dir: Path, *, train_keys: list[str], 
     for i, key in enumerate(state.first_pool):
         if key not in known:
             refuse(f"ticket key {key!r} is not one of the run's train tickets", f"first_pool[{i}]")
-    _check_against_rows(state, run_dir, location, refuse)
+    _check_against_rows(state, run_dir, refuse)
     _check_sampler(state, train_keys, start_sampler, refuse)
     # The guidance: valid, its own hash and step, the last edit's, and guidance.json's.
     try:
