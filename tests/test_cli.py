@@ -191,6 +191,63 @@ def _with_huge_summary(project: Path, line: int = 2, keep: int | None = None) ->
     return record["group_id"]
 
 
+def _peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float, float]:
+    """``stageb-pool ARGS`` run from a small Python process that reports its child's peak RSS
+    and CPU seconds (``RUSAGE_CHILDREN``: only that one child). CPU time, not wall time: the
+    bound must hold on a loaded CI machine too."""
+    code = ("import json, resource, subprocess, sys\n"
+            "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+            "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+            "print(json.dumps([p.returncode, p.stdout, p.stderr, u.ru_maxrss / 1024, u.ru_utime + u.ru_stime]))\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "stageb_pool.app.cli", *args],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=True)
+    rc, stdout, stderr, rss_mb, cpu_s = json.loads(out.stdout)
+    return subprocess.CompletedProcess(args, rc, stdout, stderr), rss_mb, cpu_s
+
+
+@pytest.mark.parametrize("on_bad_line", ["error", "skip"])
+def test_check_on_a_50_mb_ticket_line_is_fast_and_small(project, on_bad_line):
+    """Issue 21: one 50 MB line took 70 s and 9.8 GB in check. The line limit reads past it."""
+    lines = (project / "tickets.jsonl").read_text().splitlines(keepends=True)
+    record = json.loads(lines[2])
+    record["per_image"]["image_1"] = "the mount bolt is loose " * (50_000_000 // 24)
+    with open(project / "tickets.jsonl", "w") as f:
+        f.writelines(lines[:2])
+        f.write(json.dumps(record) + "\n")
+        f.writelines(lines[3:])
+    proc, rss_mb, cpu_s = _peak_rss_mb("check", str(project / "c.yaml"), "--set", "model.path=tiny",
+                                        "--set", f"ingest.on_bad_line={on_bad_line}")
+    if on_bad_line == "error":
+        assert_one_line_error(proc, 2, f"{project / 'tickets.jsonl'}:3", "over ingest.max_line_bytes (1048576)")
+    else:
+        assert proc.returncode == 0, proc.stderr
+    assert cpu_s < 30 and rss_mb < 2048, (cpu_s, rss_mb)
+
+
+def test_check_refuses_a_model_without_a_chat_template(project):
+    """Issue 21: a base model (no chat template) was an internal error of the prompt measure."""
+    from stageb_pool.engine import tiny
+
+    folder = project / "base-model"
+    tok = tiny.build_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    line = assert_one_line_error(run_cli("check", str(project / "c.yaml"), "--set", f"model.path={folder}"), 2)
+    assert line == f"stageb-pool: error: {folder}: the tokenizer has no chat template (a base model, not an instruct/chat model?)"
+
+
+def test_a_deleted_working_directory_with_a_relative_config_is_a_located_error(project):
+    gone = project / "gone"
+    gone.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -m stageb_pool.app.cli check c.yaml',
+                           "sh", str(gone), sys.executable], capture_output=True, text=True, env=env, timeout=120)
+    line = assert_one_line_error(proc, 2, "c.yaml: ", "the current directory no longer exists")
+    assert line.startswith("stageb-pool: error: c.yaml: cannot resolve the config's relative path")
+
+
 def test_check_names_the_ticket_whose_prompt_is_over_the_cap(project):
     group = _with_huge_summary(project)
     proc = run_cli("check", str(project / "c.yaml"), "--set", "model.path=tiny")
@@ -212,6 +269,21 @@ def test_check_refuses_guidance_that_leaves_every_prompt_over_the_cap(project):
     assert "every one of the 176 train tickets would be dropped" in line
     assert "a prompt without its ticket takes" in line and "guidance.json" in line and "3003 rules" in line and "largest G" in line
     assert len(line) <= cli.MAX_ERROR_CHARS + 100
+
+
+@pytest.mark.parametrize("mode", [[], ["--audit"]])
+def test_run_refuses_the_guidance_check_refuses_before_any_rollout(project, mode):
+    """Issue 21: run used to drop every ticket for minutes and exit 0 with acc 0.000 (n=0)."""
+    data = json.loads((project / "guidance.json").read_text())
+    data[MISSION]["experiences"].update({f"G{i}": f"Rule {i}: the mounting bolt number {i} must be tight. " * 4
+                                         for i in range(2, 3002)})
+    (project / "guidance.json").write_text(json.dumps(data))
+    args = [str(project / "c.yaml"), *mode, "--set", "model.path=tiny",
+            "--set", "rule_search.train_sampler.max_prompt_tokens=2000"]
+    checked = assert_one_line_error(run_cli("check", *args), 2)
+    ran = assert_one_line_error(run_cli("run", "--gpus", "cpu:2", *args), 2)
+    assert ran == checked and "rule_search.train_sampler.max_prompt_tokens" in ran
+    assert not (project / "runs").exists()  # refused before the run directory or any worker
 
 
 def test_check_lines_stay_short_with_ten_thousand_rules_and_a_huge_summary(project):

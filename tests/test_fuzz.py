@@ -306,3 +306,90 @@ def test_a_real_run_writes_only_its_run_directory(tickets, mode, seed, chunk):
         code = run_main(ws, ["--gpus", "cpu:1", "config.yaml", "--set", f"mode={mode}", "--set", f"seed={seed}",
                              "--set", f"runner.chunk_size={chunk}"], seconds=RUN_SECONDS, run_dir=f"runs/{MISSION}/r")
         assert code == 0 and (ws.root / "runs" / MISSION / "r" / "summary.json").is_file()
+
+
+# --- state.json mutations (issue 21): refused, or the uninterrupted run -----------------------
+
+def _leaf_paths(value, prefix=()):
+    """Every key path of a JSON document, containers included (a mutation may hit either)."""
+    yield prefix
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaf_paths(item, prefix + (key,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _leaf_paths(item, prefix + (i,))
+
+
+# Keys that hold bookkeeping a resumed run cannot check against anything on disk: the run's
+# generation counts and the cache keys they cover (summary.json reports them as they are),
+# and the config copy, kept only to name the changed keys when config_hash differs.
+UNCHECKED = {"generations_done", "generations_saved", "chunks_used", "config"}
+
+
+@st.composite
+def state_mutations(draw):
+    """(key path, new value or DELETE) against the crashed run's state.json."""
+    return draw(st.integers(0, 10**6)), draw(st.one_of(st.just(DELETE), values, st.integers(-3, 3)))
+
+
+DELETE = object()
+
+
+@pytest.fixture(scope="module")
+def interrupted_search(tmp_path_factory):
+    """The scripted search (tests/scripted_engine.py) uninterrupted, and the same run stopped
+    by an exception in iteration 2 (state.json commits iteration 1)."""
+    import scripted_engine as se
+
+    from stageb_pool.app import config as config_mod
+    from stageb_pool.app import job
+
+    root = tmp_path_factory.mktemp("state-fuzz")
+    cfg = config_mod.load_config(se.write_inputs(root / "in", out=str(root / "out"), run_name="ref"))
+    job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory())
+    cfg = config_mod.load_config(se.write_inputs(root / "in", out=str(root / "out"), run_name="crashed"))
+    with pytest.raises(se.ScriptedCrash):
+        job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(crash_at=2))
+    return root
+
+
+@settings(max_examples=40, deadline=None)
+@given(state_mutations())
+def test_any_state_mutation_is_refused_or_resumes_to_the_uninterrupted_run(interrupted_search, mutation):
+    import shutil
+
+    import scripted_engine as se
+
+    from stageb_pool.app import config as config_mod
+    from stageb_pool.app import job
+    from stageb_pool.app.diff import diff_runs, format_differences
+    from stageb_pool.stageb.errors import InputError
+
+    root = interrupted_search
+    pick, value = mutation
+    with tempfile.TemporaryDirectory(prefix="stageb-state-fuzz-") as tmp:
+        run_dir = Path(tmp) / "out" / se.MISSION / "run"
+        shutil.copytree(root / "out" / se.MISSION / "crashed", run_dir)
+        state = json.loads((run_dir / "state.json").read_text())
+        paths = [p for p in _leaf_paths(state) if p and p[0] not in UNCHECKED]
+        path = paths[pick % len(paths)]
+        parent = state
+        for key in path[:-1]:
+            parent = parent[key]
+        if value is DELETE:
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = value
+        (run_dir / "state.json").write_text(json.dumps(state))
+        cfg = config_mod.load_config(se.write_inputs(Path(tmp) / "in", out=str(Path(tmp) / "out")))
+        started = []
+        factory = se.scripted_factory(started)
+        try:
+            with time_bound(RUN_SECONDS):
+                job.run_job(cfg, "cpu:1", debug=True, engine_factory=factory, resume=True)
+        except InputError as err:
+            assert started == [], f"{err}: refused after a worker started"
+            return
+        diffs = diff_runs(root / "out" / se.MISSION / "ref", run_dir, limit=None)
+        assert not diffs, (path, value, format_differences(diffs, "ref", str(run_dir)))

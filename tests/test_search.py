@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from stageb_pool.app.diff import VOLATILE_FILES, diff_runs, format_differences
 from stageb_pool.app.identity import run_identity
 from stageb_pool.search import state as state_mod
 from stageb_pool.search.distill import distill_sampler
+from stageb_pool.search.guidance_store import GuidanceRepository
 from stageb_pool.stageb.errors import InputError
 from stageb_pool.stageb.hashing import content_hash
 from stageb_pool.stageb.ticket_pools import split_eval_pool
@@ -565,9 +567,117 @@ def test_preflight_resume_checks_without_touching_anything(tmp_path):
         run(tmp_path, engine={"crash_at": 2})
     run_dir = tmp_path / "out" / se.MISSION / "run"
     cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
-    inputs = job.load_inputs(config_mod.load_config(cfg_path))
-    state_mod.preflight_resume(run_dir, run_identity(config_mod.load_config(cfg_path), inputs))
+    cfg = config_mod.load_config(cfg_path)
+    inputs = job.load_inputs(cfg)
+    train, _ = split_eval_pool(inputs.tickets, cfg.rule_search.eval_pool_size, cfg.seed)
+    extra = dict(train_keys=[t.key for t in train], store=GuidanceRepository(run_dir, se.MISSION),
+                 start_sampler=state_mod.start_sampler(len(train), cfg.rule_search, cfg.seed))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    state_mod.preflight_resume(run_dir, run_identity(cfg, inputs), **extra)
     changed = run_identity(config_mod.load_config(cfg_path, ["seed=12"]), inputs)
     with pytest.raises(InputError, match=r"differs from the interrupted run's at rule_search.gate.bootstrap.seed, seed, "):
-        state_mod.preflight_resume(run_dir, changed)
-    state_mod.preflight_resume(tmp_path / "nothing-here", changed)  # no state: no check
+        state_mod.preflight_resume(run_dir, changed, **extra)
+    state_mod.preflight_resume(tmp_path / "nothing-here", changed, **extra)  # no state: no check
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+# ------------------------------------------------------------------ tampered state.json
+
+def _state_edit(key, value):
+    def edit(st, run_dir):
+        st[key] = value
+    return edit
+
+
+def _length_mid_line(st, run_dir):
+    st["artifacts"]["rule_candidates.jsonl"] -= 5
+
+
+def _length_past_the_file(st, run_dir):
+    st["artifacts"]["rule_candidates.jsonl"] += 10**6
+
+
+def _rule_text_edited_guidance_json_deleted(st, run_dir):
+    st["guidance"]["experiences"]["G1"] = "Anything goes."
+    (run_dir / "guidance.json").unlink()
+
+
+def _rule_text_and_hash_edited(st, run_dir):
+    st["guidance"]["experiences"]["G1"] = "Anything goes."
+    st["guidance_hash"] = content_hash(st["guidance"]["experiences"])
+
+
+def _guidance_json_edited(st, run_dir):
+    path = run_dir / "guidance.json"
+    path.write_text(path.read_text().replace("rust", "moss"))
+
+
+def _first_pool_key(st, run_dir):
+    st["first_pool"][0] = "no-such-ticket"
+
+
+def _edit_without_row(st, run_dir):
+    st["edits"].append(dict(st["edits"][0], iteration=2))
+
+
+TAMPERED = {
+    "iteration -5": (_state_edit("iteration", -5), r"state\.json: iteration"),
+    "iteration 10**30": (_state_edit("iteration", 10**30), r"state\.json: iteration"),
+    "iteration ahead of the rows": (_state_edit("iteration", 3), r"state\.json: iteration"),
+    "unknown stop_reason": (_state_edit("stop_reason", "bored"), r"state\.json: stop_reason"),
+    "negative no_gain": (_state_edit("no_gain", -1), r"state\.json: no_gain"),
+    "negative generations": (_state_edit("generations_done", -3), r"state\.json: generations_done"),
+    "no_gain above iteration": (_state_edit("no_gain", 7), r"state\.json: no_gain"),
+    "length mid-line": (_length_mid_line, r"state\.json: artifacts\.rule_candidates\.jsonl"),
+    "length past the file": (_length_past_the_file, r"state\.json: artifacts\.rule_candidates\.jsonl"),
+    "unknown artifact": (lambda st, d: st["artifacts"].update({"x.jsonl": 0}), r"state\.json: artifacts"),
+    "unknown ticket key in first_pool": (_first_pool_key, r"state\.json: first_pool\[0\]"),
+    "another train ticket in first_pool": (lambda st, d: st["first_pool"].reverse(), r"state\.json: first_pool\[0\]"),
+    "a rejected id dropped": (lambda st, d: st["rejected_ids"].pop(), r"state\.json: rejected_ids"),
+    "no_gain off the rows": (_state_edit("no_gain", 1), r"state\.json: no_gain"),
+    "baseline off the rows": (lambda st, d: st["baseline"]["train"].update(acc=0.5), r"state\.json: baseline"),
+    "edit off the rows": (lambda st, d: st["edits"][0].update(op="merge"), r"state\.json: edits"),
+    "sampler advanced": (lambda st, d: st["sampler"].update(wraps=1, cursor=5), r"state\.json: sampler"),
+    "baseline of the wrong shape": (_state_edit("baseline", {"train": 5}), r"state\.json: baseline\.train"),
+    "edits of the wrong shape": (_state_edit("edits", [{"x": 1}]), r"state\.json: edits\[0\]"),
+    "an edit without its row": (_edit_without_row, r"state\.json: edits"),
+    "sampler cursor": (lambda st, d: st["sampler"].update(cursor=-1), r"state\.json: sampler\.cursor"),
+    "rule text edited, guidance.json deleted": (_rule_text_edited_guidance_json_deleted, r"state\.json: guidance"),
+    "rule text and its hash edited": (_rule_text_and_hash_edited, r"state\.json: guidance"),
+    "guidance.json edited": (_guidance_json_edited, r"guidance\.json"),
+    "guidance of the wrong shape": (_state_edit("guidance", {"step": 1}), r"state\.json: guidance: updated_at"),
+}
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """A run stopped by an exception in iteration 2: state.json commits iteration 1 (an edit)."""
+    root = tmp_path_factory.mktemp("crashed")
+    with pytest.raises(se.ScriptedCrash):
+        run(root, engine={"crash_at": 2})
+    return root
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_a_tampered_state_is_refused_before_any_worker_starts(crashed, tmp_path, case):
+    tamper, where = TAMPERED[case]
+    shutil.copytree(crashed / "out", tmp_path / "out")
+    run_dir = tmp_path / "out" / se.MISSION / "run"
+    cfg = config_mod.load_config(se.write_inputs(tmp_path / "in", out=str(tmp_path / "out")))
+    st = doc(run_dir, "state.json")
+    tamper(st, run_dir)
+    (run_dir / "state.json").write_text(json.dumps(st))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    started = []
+    with pytest.raises(InputError, match=where) as err:
+        job.run_job(cfg, "cpu:1", debug=True, engine_factory=lambda *a, **k: started.append(1), resume=True)
+    assert "cannot resume" in str(err.value)
+    assert started == []  # refused before the pool built any engine
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # nothing touched
+
+
+def test_the_untampered_crashed_state_resumes_to_the_uninterrupted_run(crashed, reference, tmp_path):
+    """The table's control: the same copy, untouched, is accepted and reaches the reference."""
+    shutil.copytree(crashed / "out", tmp_path / "out")
+    run_dir, _ = run(tmp_path, resume=True)
+    assert_same_run(reference.run_dir, run_dir)

@@ -361,3 +361,36 @@ def test_bbu_clean_unparsable_text(raw, expected):
 ])
 def test_bbu_clean_matches_upstream(raw, expected):
     assert bbu_clean_summary(raw) == expected
+
+
+# --------------------------------------------------------------- the line size limit (issue 21)
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_a_line_at_the_limit_is_read_and_one_byte_more_is_a_located_bad_line(tmp_path, newline):
+    good = line(rec("A"))
+    limit = len(good.encode())
+    path = write(tmp_path, [rec("A"), rec("B", per_image={"image_1": "x" * 300}), rec("C")], newline=newline)
+    over = len(line(rec("B", per_image={"image_1": "x" * 300})).encode())
+    assert over > limit
+    with pytest.raises(InputError) as err:
+        load_tickets(path, max_line_bytes=over - 1)
+    assert err.value.location == f"{path}:2"
+    assert err.value.message == f"a line of {over} bytes, over ingest.max_line_bytes ({over - 1})"
+    assert [t.group_id for t in load_tickets(path, max_line_bytes=over).tickets] == ["A", "B", "C"]
+
+
+@pytest.mark.parametrize("size", [200, 4096, 3 * (1 << 20) + 7])  # shorter, longer than one read block
+def test_an_over_long_line_is_skipped_whole_in_skip_mode(tmp_path, size):
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(rec("A")) + "\n" + "x" * size + "\n" + line(rec("C")))  # no final newline
+    report = load_tickets(path, on_bad_line="skip", max_line_bytes=len(line(rec("A")).encode()) + 2)
+    assert [t.group_id for t in report.tickets] == ["A", "C"]
+    assert report.skipped == [{"location": f"{path}:2",
+                               "error": f"a line of {size} bytes, over ingest.max_line_bytes "
+                                        f"({len(line(rec('A')).encode()) + 2})"}]
+
+
+def test_a_bom_before_the_first_line_is_not_counted_against_the_limit(tmp_path):
+    path = write(tmp_path, [rec("A")], bom=True)
+    limit = len(line(rec("A")).encode())
+    assert [t.group_id for t in load_tickets(path, max_line_bytes=limit).tickets] == ["A"]

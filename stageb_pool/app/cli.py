@@ -24,6 +24,8 @@ import difflib
 import logging
 import os
 import re
+import shlex
+import signal
 import sys
 
 from .. import __version__
@@ -168,16 +170,51 @@ def config_path(args) -> str:
     return path
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP to the main process. Raised where the run was (like Ctrl-C's
+    KeyboardInterrupt, so no ``except Exception`` catches it) so that every ``finally`` on the
+    way out runs: the pool stops and reaps its workers, nothing is left half-written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    # A second signal while the pool closes would abort the close and leave workers behind
+    # for a moment; the close is bounded (seconds), so later ones are ignored (SIGKILL still works).
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same arguments with ``--resume``
+    (``--overwrite`` dropped: it would start the run again)."""
+    args = [a for a in argv if a != "--overwrite"]
+    if "--resume" not in args:
+        args.append("--resume")
+    return shlex.join(["stageb-pool", *args])
+
+
 def cmd_run(args) -> int:
     from .config import load_config
     from .job import resolve_devices, run_job
 
-    devices = resolve_devices(args.gpus, ray=args.ray is not None)
-    path = config_path(args)
-    config = load_config(path, args.overrides, upstream_root=args.upstream_root)
-
-    return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite, debug=args.debug,
-                   config_path=path, ray_address=args.ray, wait=args.wait)
+    # Only for the run's life: a caller of main() in-process gets its own handlers back.
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in STOP_SIGNALS}
+    try:
+        devices = resolve_devices(args.gpus, ray=args.ray is not None)
+        path = config_path(args)
+        config = load_config(path, args.overrides, upstream_root=args.upstream_root)
+        return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite,
+                       debug=args.debug, config_path=path, ray_address=args.ray, wait=args.wait)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_check(args) -> int:
@@ -222,7 +259,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     from .identity import run_identity
     from .job import load_inputs
     from .outputs import check_outputs
-    from .prompt_budget import Measured, measure_lines, rules_summary
+    from .prompt_budget import measure_lines, rules_summary, sampler_caps
 
     cfg = with_mode(load_config(config_path, overrides, upstream_root=upstream_root), audit)
     inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
@@ -264,9 +301,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
             ("rollout", f"{len(tickets)} tickets in {_chunks(len(tickets), chunk)} chunks of {chunk}: "
                         f"{len(tickets) * k_train} generations"),
         ]
-        caps = [Measured("audit", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens,
-                         tickets)]
-        return _table(lines + measure_lines(cfg, inputs, caps))
+        return _table(lines + measure_lines(cfg, inputs, sampler_caps(cfg, tickets)))
     train, held = split_eval_pool(tickets, rs.eval_pool_size, cfg.seed)
     t = resolve_train_pool_size(len(train), rs.train_pool_size, rs.train_pool_fraction)
     n = rs.num_candidate_rules
@@ -281,9 +316,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
                           f"+{len(held) * k_eval} per candidate that passes the gate"),
         ("iterations", f"at most {cfg.runner.epochs} (early stop after {rs.early_stop.patience} without an accepted edit)"),
     ]
-    caps = [Measured("train", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens, train),
-            Measured("eval", "rule_search.eval_sampler.max_prompt_tokens", rs.eval_sampler.max_prompt_tokens, held)]
-    return _table(lines + measure_lines(cfg, inputs, caps))
+    return _table(lines + measure_lines(cfg, inputs, sampler_caps(cfg, tickets)))
 
 
 def _k(sampler) -> str:
@@ -345,7 +378,7 @@ def cmd_report(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    level = "info"
+    level, command = "info", None
     for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 must print, not crash
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
@@ -356,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_usage(sys.stderr)
             print("stageb-pool: error: a command or a config is needed (see stageb-pool --help)", file=sys.stderr)
             return EXIT_INPUT
-        level = getattr(args, "log_level", "info")
+        level, command = getattr(args, "log_level", "info"), args.command
         setup_logging(level)
         commands = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "report": cmd_report,
                     "import-config": cmd_import_config}
@@ -370,11 +403,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stageb-pool: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"stageb-pool: stopped by {name}; the workers are stopped; continue with: {resume_command(argv)}",
+              file=sys.stderr)
+        return 128 + stop.signum  # the shell's convention for a death by that signal
     except OutputError as err:  # disk full, a file size limit: the run directory stays resumable
         print(f"stageb-pool: run failed: {err} (the run can be continued with --resume once fixed)",
               file=sys.stderr)
         return EXIT_FAILED
-    except BrokenPipeError:  # e.g. `stageb-pool diff a b | head`
+    except BrokenPipeError as err:
+        # `stageb-pool diff a b | head`: the reader left, nobody wants a message. Anything
+        # else (a run) says what broke.
+        if command not in ("diff", "check", "import-config"):
+            print(f"stageb-pool: run failed: {err}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1
         return _report_failure(err, level)

@@ -35,10 +35,12 @@ from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
+from ..stageb.ticket_pools import split_eval_pool
 from .config import with_mode
 from .identity import run_identity
 from .outputs import check_distillation_target, check_outputs
 from .progress import Progress, pool_items_per_rank
+from .prompt_budget import refuse_oversized_guidance
 
 log = logging.getLogger("stageb_pool")
 
@@ -60,7 +62,7 @@ def load_inputs(config) -> _Inputs:
     )
 
     ingest = tickets_mod.load_tickets(config.stage_a_paths, on_bad_line=config.ingest.on_bad_line,
-                                      exclude_keys=exclude)
+                                      exclude_keys=exclude, max_line_bytes=config.ingest.max_line_bytes)
     # The mission (from the tickets) picks the profile's domain, and the profile may ask
     # for upstream's BBU summary clean-up (bbu_rru), applied to the tickets already loaded.
     mission = ingest.tickets[0].mission
@@ -134,6 +136,8 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         devices = devices[:1]
 
     inputs = load_inputs(config)
+    if engine_factory is None:  # the model's own tokenizer renders the prompts: check's decision
+        refuse_oversized_guidance(config, inputs)
     run_dir = rundir.run_dir_path(config, inputs.mission)
     rundir.check_inside(run_dir, config.output.root)
     check_outputs(config, run_dir, config_path=config_path)
@@ -153,7 +157,12 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     if resume:  # read-only checks, before the lock file is written; the search checks the state again
         rundir.check_folders(run_dir)  # a linked folder is refused before any write
         if identity is not None:
-            state_mod.preflight_resume(run_dir, identity)
+            # Reads state.json, guidance.json and the committed rows, writes nothing. The train
+            # keys are the search's own split (RuleSearch makes the same call).
+            train, _ = split_eval_pool(inputs.tickets, config.rule_search.eval_pool_size, config.seed)
+            state_mod.preflight_resume(run_dir, identity, train_keys=[t.key for t in train], store=repo,
+                                       start_sampler=state_mod.start_sampler(len(train), config.rule_search,
+                                                                             config.seed))
     lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
     try:
         return _run_locked(config, devices, inputs=inputs, run_dir=run_dir, repo=repo, identity=identity,
@@ -223,10 +232,22 @@ def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, ove
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
         write_jsonl(run_dir / TIMELINE_FILE, timeline_rows(pool))
-    finally:
-        pool.close()
+    except BaseException:
+        close_after_failure(pool)
+        raise
+    pool.close()
     write_report(run_dir)  # after close: the report imports matplotlib, never before the workers end
     return 0
+
+
+def close_after_failure(pool) -> None:
+    """Close the pool on the way out of a failed run. The error that ended the run is the
+    one to report: a second one from the close (the zygote died with the workers) is only
+    logged, never raised in its place."""
+    try:
+        pool.close()
+    except Exception as err:  # noqa: BLE001 - reported, and the run's own error goes on
+        log.warning("closing the pool after the failure: %s: %s", type(err).__name__, err)
 
 
 def search_settings(config, inputs: _Inputs) -> SearchSettings:

@@ -8,6 +8,17 @@ tokenizer, loaded without any weights. A tokenizer that cannot be loaded skips t
 cap the run could judge nothing: that is bad input (InputError at the cap's key, naming the
 guidance and its largest rules). The guidance alone (a prompt with no ticket) is measured
 first: over a cap, every prompt is over it, and the tickets need no measuring.
+
+Measuring never tokenises more than the caps need: a token stands for at most
+``max_token_chars`` characters (the longest entry of the vocabulary, special tokens included;
+a byte-level vocabulary spells each byte as one character, so this bounds the characters too),
+so a prompt of more than ``cap * max_token_chars`` characters is over the cap whatever its
+tokens are, and is counted as over without being tokenised (its length shown as the lower
+bound ``ceil(characters / max_token_chars)``).
+
+``guidance_verdict`` is the one decision about a guidance too large for a cap: ``check``
+raises it, and ``run`` asks the same function (in a forked helper, so the parent never imports
+the tokenizer's libraries) before the run directory is touched or any worker starts.
 """
 
 from __future__ import annotations
@@ -47,15 +58,14 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
     except Exception as err:  # noqa: BLE001 - a report, never a failure of check
         return [("prompt tokens", f"not measured: cannot load the tokenizer of {cfg.model.path} "
                                   f"({type(err).__name__}: {one_line(err)})")]
+    # Every prompt is rendered with the chat template: a model without one (a base model's
+    # GGUF) is bad input, said here as the workers would say it, not a failed render.
+    models.require_chat_template(tokenizer, f"{cfg.model.path}")
     guidance = dict(inputs.seed_guidance.experiences)
-    alone = prompt_lengths(tokenizer, [TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
-    for m in measured:  # first, and cheaply: every prompt holds the whole guidance
-        if alone > m.cap:
-            raise InputError(f"the prompt with no ticket at all is over this cap of {m.cap} tokens, so every one of "
-                             f"the {len(m.tickets)} {m.label} tickets would be dropped and none judged; "
-                             f"{_guidance_part(cfg, inputs, alone, m.cap)}", m.key)
+    alone = guidance_verdict(tokenizer, cfg, inputs, measured)
     everyone = {t.key: t for m in measured for t in m.tickets}
-    lengths = prompt_lengths(tokenizer, [t.text() for t in everyone.values()], guidance, inputs.profile)
+    lengths = prompt_lengths(tokenizer, [t.text() for t in everyone.values()], guidance, inputs.profile,
+                             cap=max(m.cap for m in measured))
     values = sorted(lengths.values())
     lines = [("prompt tokens", f"min {values[0]}, median {int(statistics.median(values))}, max {values[-1]} "
                                f"(the guidance alone: {alone}), with the model's tokenizer")]
@@ -73,16 +83,108 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
     return lines
 
 
-def prompt_lengths(tokenizer, tickets: list[TicketText], guidance: dict[str, str], profile) -> dict[str, int]:
-    """Ticket key -> the token count of its prompt, rendered as the engine renders it."""
-    from ..engine.chat_text import chunk_prompts
+def sampler_caps(cfg, tickets: list) -> list[Measured]:
+    """Each sampler's cap with the tickets it judges: the audit's one rollout, or the search's
+    train and eval pools (the search's own split)."""
+    from ..stageb.ticket_pools import split_eval_pool
+
+    rs = cfg.rule_search
+    if cfg.mode == "audit":
+        return [Measured("audit", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens,
+                         tickets)]
+    train, held = split_eval_pool(tickets, rs.eval_pool_size, cfg.seed)
+    return [Measured("train", "rule_search.train_sampler.max_prompt_tokens", rs.train_sampler.max_prompt_tokens, train),
+            Measured("eval", "rule_search.eval_sampler.max_prompt_tokens", rs.eval_sampler.max_prompt_tokens, held)]
+
+
+def refuse_oversized_guidance(cfg, inputs) -> None:
+    """``run``'s copy of ``check``'s decision (``guidance_verdict``): InputError when the
+    guidance alone is over a sampler's cap, before any rollout. The tokenizer is loaded in a
+    forked helper process, so this process never imports the tokenizer's libraries (torch
+    among them) before it forks its workers; a tokenizer that cannot be loaded skips the
+    check, as in ``check``."""
+    import json
+    import os
+
+    from ..pool.fork import fork_child
+
+    measured = [m for m in sampler_caps(cfg, inputs.tickets) if m.cap is not None and m.tickets]
+    if not measured:
+        return
+    read, write = os.pipe()
+
+    def helper():
+        answer = None
+        try:
+            from ..engine import models
+
+            tokenizer = models.tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
+            models.require_chat_template(tokenizer, cfg.model.path)
+            guidance_verdict(tokenizer, cfg, inputs, measured)
+        except InputError as err:
+            answer = [err.message, err.location]
+        except Exception:  # noqa: BLE001 - no tokenizer, no verdict: the workers report their own load errors
+            pass
+        with os.fdopen(write, "w") as out:
+            out.write(json.dumps(answer))
+
+    try:
+        pid = fork_child(helper, keep=(write,))
+    finally:
+        os.close(write)
+    with os.fdopen(read) as answer_file:
+        text = answer_file.read()
+    os.waitpid(pid, 0)
+    answer = json.loads(text) if text else None
+    if answer:
+        raise InputError(answer[0], answer[1])
+
+
+def guidance_verdict(tokenizer, cfg, inputs, measured: list[Measured]) -> int:
+    """The tokens of a prompt without any ticket (the profile, the mission, the guidance);
+    InputError at the first sampler's cap key that it exceeds: every prompt holds the whole
+    guidance, so that sampler would drop every ticket and judge none."""
+    guidance = dict(inputs.seed_guidance.experiences)
+    alone = prompt_lengths(tokenizer, [TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
+    for m in measured:
+        if m.cap is not None and alone > m.cap:
+            raise InputError(f"the prompt with no ticket at all is over this cap of {m.cap} tokens, so every one of "
+                             f"the {len(m.tickets)} {m.label} tickets would be dropped and none judged; "
+                             f"{_guidance_part(cfg, inputs, alone, m.cap)}", m.key)
+    return alone
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for: the longest vocabulary entry (added and
+    special tokens included, as a text that spells one is tokenised to it)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+
+def prompt_lengths(tokenizer, tickets: list[TicketText], guidance: dict[str, str], profile,
+                   cap: int | None = None) -> dict[str, int]:
+    """Ticket key -> the token count of its prompt, rendered as the engine renders it. With
+    ``cap``: a prompt too long in characters to fit it is not tokenised; its value is the
+    lower bound ``ceil(characters / max_token_chars)``, itself over the cap."""
+    from ..engine.chat_text import chunk_prompts, render
     from ..engine.records import RolloutChunk
+    from ..stageb import prompts
 
     out = {}
+    per_token = max_token_chars(tokenizer) if cap is not None else 0
     for start in range(0, len(tickets), BATCH):
         batch = tickets[start : start + BATCH]
-        ids, _ = chunk_prompts(tokenizer, RolloutChunk("check", 0, batch, []), guidance, profile)
-        out.update((t.key, len(row)) for t, row in zip(batch, ids))
+        if cap is not None:
+            fits = []
+            for t in batch:
+                chars = len(render(tokenizer, prompts.build_messages(profile, guidance, t)))
+                if chars > cap * per_token:
+                    out[t.key] = -(-chars // per_token)
+                else:
+                    fits.append(t)
+            batch = fits
+        if batch:
+            ids, _ = chunk_prompts(tokenizer, RolloutChunk("check", 0, batch, []), guidance, profile)
+            out.update((t.key, len(row)) for t, row in zip(batch, ids))
     return out
 
 

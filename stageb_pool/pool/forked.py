@@ -103,7 +103,7 @@ class ForkedTransport:
     def _on_zygote(self, events: list) -> None:
         msg, fds = self.zygote.receive()
         if msg is None:
-            raise PoolError(f"the pool's zygote process (pid {self.zygote.pid}) died; no worker can be replaced")
+            raise PoolError(self.zygote.death_message())
         if isinstance(msg, Spawned):
             sock = socket.socket(fileno=fds[0])
             self.socks[msg.rank], self.pid_of[msg.rank] = sock, msg.pid

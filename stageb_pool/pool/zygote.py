@@ -49,19 +49,45 @@ class Zygote:
         self.status: int | None = None
 
     def spawn(self, rank: int) -> None:
-        protocol.send_packet(self.sock, Spawn(rank))
+        try:
+            protocol.send_packet(self.sock, Spawn(rank))
+        except OSError:
+            raise PoolError(self.death_message()) from None
 
     def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
         """Ask the zygote to signal its child: it knows whether the pid is still its child,
-        so we can never hit a recycled pid."""
-        protocol.send_packet(self.sock, Kill(pid, int(sig)))
+        so we can never hit a recycled pid. A zygote that is gone took its workers with it
+        (their PDEATHSIG), so there is nothing to signal: quiet, and never an error that
+        would hide the one that made the pool close."""
+        try:
+            protocol.send_packet(self.sock, Kill(pid, int(sig)))
+        except OSError:
+            pass
+
+    def death_message(self) -> str:
+        """One line that names the zygote and how it ended (it closed its socket: it exited
+        or is exiting, so the wait is short)."""
+        if self.status is None:
+            try:
+                _, status = os.waitpid(self.pid, 0)
+                self.status = os.waitstatus_to_exitcode(status)
+            except ChildProcessError:
+                pass
+        how = ""
+        if self.status is not None and self.status < 0:
+            how = f" (killed by {signal.Signals(-self.status).name})"
+        elif self.status is not None:
+            how = f" (exit code {self.status})"
+        return (f"the pool's zygote process (pid {self.pid}, which forks the workers) died{how}; its workers "
+                "died with it and none can be replaced")
 
     def receive(self):
         return protocol.recv_packet(self.sock)
 
     def shutdown(self, grace: float) -> None:
         """Stop every worker, then the zygote; returns once everything is reaped."""
-        if self.status is not None:
+        if self.status is not None:  # already reaped (death_message)
+            self.sock.close()
             return
         try:
             protocol.send_packet(self.sock, Shutdown(grace))

@@ -18,7 +18,7 @@ import time
 import msgspec
 
 from ..stageb.guidance import Guidance
-from ..stageb.ticket_pools import TrainPoolSampler, split_eval_pool
+from ..stageb.ticket_pools import split_eval_pool
 from . import decisions, fileio, rows
 from . import state as state_mod
 from .distill import export_distillation
@@ -57,8 +57,7 @@ class RuleSearch:
     def _fresh_state(self) -> state_mod.SearchState:
         rs = self.settings.rule_search
         g = self.store.load()
-        sampler = TrainPoolSampler.start(len(self.train), rs.train_pool_size, self.settings.seed,
-                                         fraction=rs.train_pool_fraction)
+        sampler = state_mod.start_sampler(len(self.train), rs, self.settings.seed)
         return state_mod.SearchState(
             iteration=0, guidance_hash=g.hash, guidance_step=g.step, guidance=msgspec.to_builtins(g),
             no_gain=0, rejected_ids=[], sampler=sampler, config_hash=self.identity.config_hash,
@@ -79,6 +78,9 @@ class RuleSearch:
             state_mod.truncate_artifacts(self.run_dir, fresh.artifacts)
             return fresh
         state_mod.check_resumable(committed, self.identity, run_dir=self.run_dir)
+        state_mod.validate_state(committed, self.run_dir, train_keys=[t.key for t in self.train], store=self.store,
+                                 start_sampler=state_mod.start_sampler(len(self.train), self.settings.rule_search,
+                                                                       self.settings.seed))
         self.recorder.runner.continue_counts(committed.chunks_used, committed.generations_done,
                                              committed.generations_saved)
         for name, n in state_mod.truncate_artifacts(self.run_dir, committed.artifacts).items():
@@ -96,7 +98,8 @@ class RuleSearch:
     def _restore_guidance(self, st: state_mod.SearchState) -> None:
         """guidance.json is written before state.json, so a kill between the two leaves it one
         step ahead of the commit. The state's copy is the committed truth: put it back (the
-        redone iteration rewrites the same snapshot file)."""
+        redone iteration rewrites the same snapshot file). validate_state has refused every
+        other mismatch, and a state whose guidance does not match its own hash."""
         current = self.store.load() if self.store.exists() else None
         if current is not None and current.hash == st.guidance_hash and current.step == st.guidance_step:
             return
@@ -146,12 +149,14 @@ class RuleSearch:
         if not st.first_pool:
             st.first_pool = list(outcome.pool_keys)
         if outcome.iteration == 1 or not st.baseline:
-            st.baseline = {"train": brief(outcome.base_metrics), "eval": brief(outcome.eval_base_metrics)}
+            st.baseline = msgspec.convert({"train": brief(outcome.base_metrics),
+                                           "eval": brief(outcome.eval_base_metrics)}, state_mod.Baseline)
         st.rejected_ids = sorted(set(st.rejected_ids) | set(outcome.rejected_ids))
         if c is not None:
-            st.edits.append({"iteration": outcome.iteration, "candidate_id": c.candidate.candidate_id,
-                             "op": c.candidate.op, "relative_error_reduction": c.gate.relative_error_reduction,
-                             "guidance_step": c.guidance.step, "guidance_hash": c.guidance.hash})
+            st.edits.append(state_mod.Edit(
+                iteration=outcome.iteration, candidate_id=c.candidate.candidate_id, op=c.candidate.op,
+                relative_error_reduction=c.gate.relative_error_reduction, guidance_step=c.guidance.step,
+                guidance_hash=c.guidance.hash))
         st.no_gain = 0 if c is not None else st.no_gain + 1
         g = outcome.new_guidance
         st.iteration = outcome.iteration

@@ -5,16 +5,24 @@ JSONL artifacts as it goes, then writes ``guidance.json``, then ``state.json``. 
 anywhere in between resumes from the last ``state.json``: every append-only artifact is cut
 back to the byte length recorded there (so no partial iteration survives), and
 ``guidance.json`` is restored from the copy kept in the state if it ran ahead of it.
+
+Nothing read back is trusted: the state is typed (a wrong shape or an out-of-range counter is
+an error at load naming the key path) and :func:`validate_state` checks it against the run
+directory and the inputs (row boundaries, the rows the counters count, ticket keys, the
+guidance and its hash) before any worker starts. A hand-edited or damaged state is a located
+refusal (exit 2), never a wrong result or a traceback after the whole resumed loop.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from ..stageb.errors import InputError
+from ..stageb.guidance import parse_section
 from ..stageb.ticket_pools import TrainPoolSampler
 from . import fileio, rundir
 from .settings import RunIdentity
@@ -30,6 +38,40 @@ APPEND_ARTIFACTS = (
 )
 
 
+# A bound far above any run (runner.epochs is at most 10,000) that still keeps every counter an
+# exact integer everywhere it goes (JSON readers that use doubles included).
+MAX_COUNT = 2**53
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+StopReason = Literal["epochs", "early_stop"]  # every value RuleSearch writes
+
+
+class Brief(msgspec.Struct, forbid_unknown_fields=True):
+    """``summary.brief`` of a Metrics, as the state keeps it for the summary's baseline."""
+
+    n: Count
+    acc: float | None
+    fp_rate: float | None
+    fn_rate: float | None
+
+
+class Baseline(msgspec.Struct, forbid_unknown_fields=True):
+    """The first iteration's metrics (the summary's ``baseline``)."""
+
+    train: Brief | None
+    eval: Brief | None
+
+
+class Edit(msgspec.Struct, forbid_unknown_fields=True):
+    """One accepted edit (the summary's ``edits``); fields in the order they are written."""
+
+    iteration: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+    candidate_id: str
+    op: str
+    relative_error_reduction: float | None
+    guidance_step: Count
+    guidance_hash: str
+
+
 class SearchState(msgspec.Struct, forbid_unknown_fields=True):
     """Everything a resumed run needs to continue exactly where the killed one committed.
 
@@ -38,26 +80,26 @@ class SearchState(msgspec.Struct, forbid_unknown_fields=True):
     config without its ``output`` section, kept to name the keys that changed.
     """
 
-    iteration: int
+    iteration: Count
     guidance_hash: str
-    guidance_step: int
-    guidance: dict[str, Any]
-    no_gain: int
+    guidance_step: Count
+    guidance: dict[str, Any]  # checked by parse_section in validate_state (the guidance file's rules)
+    no_gain: Count
     rejected_ids: list[str]
     sampler: TrainPoolSampler
     config_hash: str
     tickets_hash: str
-    artifacts: dict[str, int]
+    artifacts: dict[str, Count]
     config: dict[str, Any]
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     # Facts the final summary needs that a resumed process could not recompute for free.
     first_pool: list[str] = []
-    baseline: dict[str, Any] = {}
-    edits: list[dict[str, Any]] = []
+    baseline: Baseline | None = None  # set by the first commit, so never written as null
+    edits: list[Edit] = []
     # The run's generation counts at the commit and the chunks (cache keys) they cover, so a
     # resumed run reports what an uninterrupted one would.
-    generations_done: int = 0
-    generations_saved: int = 0
+    generations_done: Count = 0
+    generations_saved: Count = 0
     chunks_used: list[str] = []
     version: int = STATE_VERSION
 
@@ -71,8 +113,21 @@ def load_state(run_dir: Path) -> SearchState | None:
         return None
     except OSError as err:
         raise InputError(f"cannot resume: cannot read the search state ({err.strerror or err})", str(path)) from None
-    except (msgspec.DecodeError, msgspec.ValidationError) as err:
-        raise InputError(f"cannot resume: unreadable search state ({err})", str(path)) from err
+    except msgspec.ValidationError as err:
+        message, key = _split_key_path(str(err))
+        where = f"{path}: {key}" if key else str(path)
+        raise InputError(f"cannot resume: the search state is not one this program wrote ({message})", where) from None
+    except msgspec.DecodeError as err:
+        raise InputError(f"cannot resume: unreadable search state ({err})", str(path)) from None
+
+
+def _split_key_path(message: str) -> tuple[str, str]:
+    """msgspec's ``Expected `int`, got `str` - at `$.baseline.train``` as the message and the
+    dotted key path (``baseline.train``; list items as ``edits[0]``)."""
+    m = re.match(r"^(.*) - at `\$(.*)`$", message, re.S)
+    if not m:
+        return message, ""
+    return m.group(1), m.group(2).lstrip(".")
 
 
 def write_state(run_dir: Path, state: SearchState) -> None:
@@ -126,12 +181,168 @@ def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix or "<root>"]
 
 
-def preflight_resume(run_dir: Path, identity: RunIdentity) -> None:
-    """For ``run_job``: refuse a ``--resume`` with a changed config or tickets before the
-    pool starts or run.json is rewritten. The search checks again when it starts."""
+def start_sampler(n_train: int, rule_search, seed: int) -> TrainPoolSampler:
+    """The train-pool sampler a fresh run starts with (``rule_search``: the config section)."""
+    return TrainPoolSampler.start(n_train, rule_search.train_pool_size, seed, fraction=rule_search.train_pool_fraction)
+
+
+def preflight_resume(run_dir: Path, identity: RunIdentity, *, train_keys: list[str],
+                     start_sampler: TrainPoolSampler, store) -> None:
+    """For ``run_job``: refuse a ``--resume`` with a changed config or tickets, or a state that
+    does not hold together, before the pool starts or run.json is rewritten. The search checks
+    again when it starts (the same functions)."""
     committed = load_state(run_dir)
     if committed is not None:
         check_resumable(committed, identity, run_dir=run_dir)
+        validate_state(committed, run_dir, train_keys=train_keys, start_sampler=start_sampler, store=store)
+
+
+def _check_lengths(state: SearchState, run_dir: Path, location: str) -> None:
+    """Every committed length is known, within its file and on a row boundary (0, or the byte
+    before it a newline: cutting there can never splice half a row onto the next)."""
+    for name, want in state.artifacts.items():
+        if name not in APPEND_ARTIFACTS:
+            raise InputError(f"cannot resume: unknown artifact {name!r} (known: {', '.join(APPEND_ARTIFACTS)})",
+                             f"{location}: artifacts")
+        path = Path(run_dir) / name
+        try:
+            have = path.stat().st_size if path.exists() else 0
+            if want > have:
+                raise InputError(f"cannot resume: {name} has {have} bytes but state.json committed {want}",
+                                 f"{location}: artifacts.{name}")
+            if want and fileio.read_prefix(path, want)[-1:] != b"\n":
+                raise InputError(f"cannot resume: the committed length {want} of {name} falls inside a row "
+                                 "(it must end at a newline)", f"{location}: artifacts.{name}")
+        except OSError as err:
+            raise InputError(f"cannot resume: cannot read {name}: {err.strerror or err}", str(path)) from None
+
+
+def _committed_rows(run_dir: Path, name: str, length: int) -> list[dict]:
+    """The JSON rows in the first ``length`` bytes of an artifact (a row that does not decode
+    was damaged outside the program: refused, naming the file and line)."""
+    path = Path(run_dir) / name
+    out = []
+    data = fileio.read_prefix(path, length) if length else b""
+    for number, line in enumerate(data.splitlines(), 1):
+        try:
+            row = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            row = None
+        if not isinstance(row, dict):
+            raise InputError(f"cannot resume: a committed row of {name} is not a JSON object", f"{path}:{number}")
+        out.append(row)
+    return out
+
+
+# Replaying the sampler costs O(n_train) per iteration; above this many steps only the ranges
+# are checked (a run that long is never hand-made for a test, and the rows still bound it).
+MAX_REPLAY_STEPS = 50_000_000
+
+
+def _check_against_rows(state: SearchState, run_dir: Path, refuse) -> None:
+    """What the state says about past iterations is what their committed rows say: the
+    iterations count the decision rows; edits, baseline, rejected candidates and the no-gain
+    streak are what those rows and the benchmark and candidate rows record. (A state from a
+    version without one of these files records no length for it: nothing to compare.)"""
+    lengths = state.artifacts
+    if rundir.ITERATIONS in lengths:
+        its = _committed_rows(run_dir, rundir.ITERATIONS, lengths[rundir.ITERATIONS])
+        if len(its) != state.iteration or [r.get("iteration") for r in its] != list(range(1, len(its) + 1)):
+            refuse(f"iteration {state.iteration}, but {rundir.ITERATIONS} commits {len(its)} iteration rows",
+                   "iteration")
+        streak = 0
+        for r in its:
+            streak = 0 if r.get("decision") == "accepted" else streak + 1
+        if state.no_gain != streak:
+            refuse(f"no_gain {state.no_gain}, but the committed iteration rows end {streak} without an edit",
+                   "no_gain")
+        if its and msgspec.to_builtins(state.baseline) != its[0].get("baseline"):
+            refuse(f"not the baseline of iteration 1 in {rundir.ITERATIONS}", "baseline")
+    if rundir.BENCHMARKS in lengths:
+        bench = _committed_rows(run_dir, rundir.BENCHMARKS, lengths[rundir.BENCHMARKS])
+        recorded = [{"iteration": r.get("iteration"), "candidate_id": r.get("candidate_id"), "op": r.get("op"),
+                     "relative_error_reduction": r.get("relative_error_reduction"),
+                     "guidance_step": r.get("guidance_step_after"), "guidance_hash": r.get("guidance_hash")}
+                    for r in bench]
+        if msgspec.to_builtins(state.edits) != recorded:
+            refuse(f"not the {len(bench)} accepted edits {rundir.BENCHMARKS} commits", "edits")
+    if rundir.CANDIDATES in lengths:
+        cands = _committed_rows(run_dir, rundir.CANDIDATES, lengths[rundir.CANDIDATES])
+        rejected = sorted({str(r.get("candidate_id")) for r in cands if r.get("decision") != "promoted"})
+        if state.rejected_ids != rejected:
+            refuse(f"not the {len(rejected)} candidates {rundir.CANDIDATES} commits as not promoted",
+                   "rejected_ids")
+
+
+def _check_sampler(state: SearchState, train_keys: list[str], start: TrainPoolSampler, refuse) -> None:
+    """The sampler is the start sampler advanced once per completed iteration, and the first
+    pool is the first one it drew (so a resumed run draws the pools the uninterrupted one would)."""
+    s = state.sampler
+    if s.n_train != len(train_keys):
+        refuse(f"n_train {s.n_train}, but the run has {len(train_keys)} train tickets", "sampler.n_train")
+    for name, value, top in (("size", s.size, s.n_train), ("cursor", s.cursor, s.n_train),
+                             ("wraps", s.wraps, MAX_COUNT)):
+        if not 0 <= value <= top:
+            refuse(f"{value} is outside 0..{top}", f"sampler.{name}")
+    if state.iteration * max(s.n_train, 1) > MAX_REPLAY_STEPS:
+        return
+    replay = msgspec.structs.replace(start)
+    first: list[str] = []
+    for i in range(state.iteration):
+        pool = [train_keys[k] for k in sorted(replay.next_pool())]
+        first = first or pool
+    if replay != s:
+        refuse(f"not the state the train pools of {state.iteration} iterations leave ({msgspec.to_builtins(replay)})",
+               "sampler")
+    if state.first_pool != first:
+        bad = next((i for i, (a, b) in enumerate(zip(state.first_pool, first)) if a != b), min(len(first), len(state.first_pool)))
+        refuse(f"not the first train pool of the run (first difference at item {bad})", f"first_pool[{bad}]")
+
+
+def validate_state(state: SearchState, run_dir: Path, *, train_keys: list[str], start_sampler: TrainPoolSampler,
+                   store) -> None:
+    """Refuse (located InputError) a committed state that does not hold together: what its
+    counters count, where its lengths fall, which tickets it names, the guidance it carries
+    against its own hash and step and against ``guidance.json`` (``store``) when present.
+
+    ``train_keys``: the run's train tickets in train order (the sampler indexes them);
+    ``start_sampler``: the sampler a fresh run starts with (``TrainPoolSampler.start``)."""
+    location = str(Path(run_dir) / STATE_FILE)
+
+    def refuse(message: str, key: str):
+        raise InputError(f"cannot resume: {message}", f"{location}: {key}")
+
+    _check_lengths(state, run_dir, location)
+    if state.iteration == 0 and (state.first_pool or state.edits or state.baseline is not None):
+        refuse("no iteration completed, yet it records iteration results", "iteration")
+    if state.iteration > 0 and state.baseline is None:
+        refuse("missing (every completed iteration records the baseline)", "baseline")
+    known = set(train_keys)
+    for i, key in enumerate(state.first_pool):
+        if key not in known:
+            refuse(f"ticket key {key!r} is not one of the run's train tickets", f"first_pool[{i}]")
+    _check_against_rows(state, run_dir, refuse)
+    _check_sampler(state, train_keys, start_sampler, refuse)
+    # The guidance: valid, its own hash and step, the last edit's, and guidance.json's.
+    try:
+        g = parse_section(state.guidance, f"{location}: guidance")
+    except InputError as err:
+        raise InputError(f"cannot resume: {err.message}", err.location) from None
+    if g.hash != state.guidance_hash:
+        refuse(f"the guidance's rules hash to {g.hash}, not to the recorded {state.guidance_hash}", "guidance")
+    if g.step != state.guidance_step:
+        refuse(f"guidance_step {state.guidance_step}, but the guidance is at step {g.step}", "guidance_step")
+    if state.edits and (state.edits[-1].guidance_hash, state.edits[-1].guidance_step) != (g.hash, g.step):
+        refuse("the guidance is not the one the last accepted edit produced", "guidance")
+    if store.exists():
+        current = store.load()
+        same = current.hash == g.hash and current.step == g.step
+        # One step ahead is the window between writing guidance.json and state.json: the
+        # resumed run restores the committed guidance and redoes that iteration.
+        if not same and current.step != g.step + 1:
+            raise InputError(f"cannot resume: guidance.json (step {current.step}, {current.hash}) is neither the "
+                             f"committed guidance (step {g.step}, {g.hash}) nor one step after it",
+                             str(store.path))
 
 
 def check_resumable(state: SearchState, identity: RunIdentity, *, run_dir: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+import msgspec
+
 from ..stageb.verdicts import compute_metrics
 from .headroom import summary_line
 from .iteration import eval_spec, pool_seed_key, rollout_spec
@@ -45,12 +47,12 @@ def search_summary(state, settings, guidance, *, final: dict, distillation: dict
         "iterations": state.iteration,
         "stop_reason": state.stop_reason,
         "edits_accepted": len(state.edits),
-        "edits": list(state.edits),
+        "edits": msgspec.to_builtins(state.edits),
         "guidance_step": guidance.step,
         "guidance_hash": guidance.hash,
         "train_pool": {"n_train": n_train, "size": state.sampler.size},
         "eval_pool": {"n": n_eval},
-        "baseline": state.baseline or {"train": None, "eval": None},
+        "baseline": msgspec.to_builtins(state.baseline) if state.baseline else {"train": None, "eval": None},
         "final": final,
         "rejected_candidates": len(state.rejected_ids),
         "distillation": distillation,

@@ -217,17 +217,47 @@ def parse_ticket_line(line: str, *, bbu_cleanup: bool = False) -> Ticket:
 
 # --------------------------------------------------------------------------- files
 
-def _read_lines(path: Path) -> Iterable[tuple[int, str | None]]:
-    """(line number, text) for every non-blank line; text None when not UTF-8."""
-    raw = inputs.read_bytes(path, "ticket file")
-    for number, chunk in enumerate(raw.split(b"\n"), start=1):
-        chunk = chunk.rstrip(b"\r")
-        if not chunk.strip():
-            continue
-        try:
-            yield number, chunk.decode("utf-8")
-        except UnicodeDecodeError:
-            yield number, None
+MAX_LINE_BYTES = 1 << 20  # ingest.max_line_bytes' default: a real ticket is a few kB
+_BLOCK = 1 << 20  # the rest of an over-long line is read past in blocks of this size
+
+
+def _read_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterable[tuple[int, str | int | None]]:
+    """(line number, text) for every non-blank line; text None when not UTF-8, and the line's
+    byte length (an int) when it is longer than ``max_line_bytes``. Read line by line and an
+    over-long line in blocks, so memory stays near ``max_line_bytes`` whatever the file holds
+    (one 50 MB line costs 50 MB of reading, never 50 MB held or parsed)."""
+    path = inputs.regular_file(path, "ticket file")
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(inputs.BOM)) != inputs.BOM:  # a leading byte-order mark is not text
+                f.seek(0)
+            number = 0
+            while True:
+                # +2: room for the "\r\n" of a line exactly at the limit
+                chunk = f.readline(max_line_bytes + 2)
+                if not chunk:
+                    return
+                number += 1
+                if not chunk.endswith(b"\n") and len(chunk) >= max_line_bytes + 2:
+                    size, tail = len(chunk), chunk[-2:]
+                    while more := f.readline(_BLOCK):
+                        size, tail = size + len(more), (tail + more)[-2:]
+                        if more.endswith(b"\n"):
+                            break
+                    # The length reported is the line's text, without its line end.
+                    ending = (2 if tail == b"\r\n" else 1) if tail.endswith(b"\n") else 0
+                    yield number, size - ending
+                    continue
+                body = (chunk[:-1] if chunk.endswith(b"\n") else chunk).rstrip(b"\r")
+                if len(body) > max_line_bytes:
+                    yield number, len(body)
+                elif body.strip():
+                    try:
+                        yield number, body.decode("utf-8")
+                    except UnicodeDecodeError:
+                        yield number, None
+    except OSError as err:
+        raise InputError(f"cannot read the ticket file: {err.strerror or err}", str(path)) from None
 
 
 def _check_one_mission(tickets: list[Ticket], where: dict[str, str]) -> None:
@@ -247,12 +277,14 @@ def load_tickets(
     on_bad_line: str = "error",
     exclude_keys: frozenset[str] | set[str] = frozenset(),
     bbu_cleanup: bool = False,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> IngestReport:
     """Read Stage-A JSONL files into tickets (file order kept), drop excluded keys.
 
     ``on_bad_line``: ``"error"`` raises ``InputError("path:line: ...")`` at the first bad
     line; ``"skip"`` records it in ``skipped``. ``bbu_cleanup`` applies upstream's BBU
     summary clean-up to missions not starting with "RRU" (the bbu_rru profile asks for it).
+    A line longer than ``max_line_bytes`` is a bad line (never read whole into memory).
     Missing files, no tickets, duplicate keys and more than one mission always raise.
     """
     if on_bad_line not in ("error", "skip"):
@@ -266,11 +298,13 @@ def load_tickets(
     excluded = 0
     notes: Counter = Counter()
     for path in path_list:
-        for number, line in _read_lines(path):
+        for number, line in _read_lines(path, max_line_bytes):
             location = f"{path}:{number}"
             try:
                 if line is None:
                     raise _BadLine("not valid UTF-8")
+                if isinstance(line, int):
+                    raise _BadLine(f"a line of {line} bytes, over ingest.max_line_bytes ({max_line_bytes})")
                 ticket, line_notes = _parse_record(_decode_record(line), bbu_cleanup)
             except _BadLine as exc:
                 if on_bad_line == "error" or isinstance(exc, _UnreadableLine):

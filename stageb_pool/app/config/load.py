@@ -24,11 +24,21 @@ from .source import apply_override, read_yaml
 log = logging.getLogger("stageb_pool")
 
 
+def absolute(path: str | os.PathLike, what: str) -> str:
+    """``path`` made absolute; a located InputError when it is relative and the current
+    directory was deleted (there is then nothing to resolve it against)."""
+    try:
+        return os.path.abspath(os.fspath(path))
+    except FileNotFoundError:
+        raise InputError(f"cannot resolve {what}'s relative path: the current directory no longer exists "
+                         "(deleted?); run from an existing directory or give an absolute path", os.fspath(path)) from None
+
+
 def read_config(path: str | os.PathLike, *, upstream_root: str | None = None) -> tuple[str, dict, Translation | None]:
     """The config file as ``(absolute path, raw mapping in our schema, translation)``; an
     upstream Stage-B config is translated (``translation`` says how), with its relative paths
     resolved against ``upstream_root`` (default: the current directory, as upstream)."""
-    where = os.path.abspath(os.fspath(path))
+    where = absolute(path, "the config")
     raw = read_yaml(where)
     if raw is None:
         raw = {}
@@ -39,7 +49,7 @@ def read_config(path: str | os.PathLike, *, upstream_root: str | None = None) ->
             raise InputError(f"{where} is a stageb-pool config (its relative paths are relative to its own folder); "
                              "the launch directory applies to upstream Stage-B configs only", "--upstream-root")
         return where, raw, None
-    root = os.getcwd() if upstream_root is None else os.path.abspath(upstream_root)
+    root = absolute(upstream_root if upstream_root is not None else ".", "the launch directory")
     if not os.path.isdir(root):
         raise InputError(f"not a directory: {root}", "--upstream-root")
     translation = translate(raw, where, root)

@@ -90,6 +90,7 @@ class OutputConfig(_Section, kw_only=True):
 
 class IngestConfig(_Section, kw_only=True):
     on_bad_line: Literal["error", "skip"] = "error"  # a malformed ticket line stops the run, or is skipped and counted
+    max_line_bytes: Int(1, 1 << 30) = 1 << 20  # a longer ticket line is a bad line (read past, never held whole)
 
 
 class TicketFilterConfig(_Section, kw_only=True):

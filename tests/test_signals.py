@@ -1,0 +1,59 @@
+"""Signals to the main process and a dead zygote say what happened (issue 21), with real
+processes: the CLI runs the scripted search on a fork pool of two workers
+(tests/pool_scripts/cli_scripted_run.py) and is signalled inside iteration 2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import scripted_engine as se
+from processes import descendants, gone, parent_pid
+from test_pool import wait_until
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "pool_scripts", "cli_scripted_run.py")
+
+
+def start_run(tmp_path, *extra):
+    """The CLI inside iteration 2 (a worker blocks in the proposer call); returns the process,
+    its child processes (zygote and workers) and the command's arguments."""
+    cfg = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
+    marker = tmp_path / "hanging"
+    args = ["run", "--gpus", "cpu:2", cfg, *extra]
+    proc = subprocess.Popen([sys.executable, SCRIPT, str(marker), *args], cwd=str(tmp_path),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert wait_until(lambda: marker.exists() or proc.poll() is not None, 120), "iteration 2 never started"
+    assert proc.poll() is None, proc.communicate()[1]
+    return proc, descendants(proc.pid), args
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_to_the_main_process_names_it_and_the_resume_command(tmp_path, sig):
+    proc, children, args = start_run(tmp_path)
+    assert len(children) == 3  # the zygote and two workers
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith(f"stageb-pool: stopped by {signal.Signals(sig).name}; ")
+    assert lines[-1].endswith(f"continue with: stageb-pool run --gpus cpu:2 {args[3]} --resume")
+    assert "Traceback" not in err
+    assert wait_until(lambda: all(gone(p) for p in children), 5), "workers left behind"
+    state = Path(tmp_path / "out" / se.MISSION / "run" / "state.json")
+    assert state.exists()  # iteration 1 committed: the printed command continues from it
+
+
+def test_a_dead_zygote_is_named_and_not_hidden_by_the_close(tmp_path):
+    proc, children, _ = start_run(tmp_path)
+    [zygote] = [p for p in children if parent_pid(p) == proc.pid]  # the workers are its children
+    os.kill(zygote, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stageb-pool: run failed: ") and "zygote" in last and "SIGTERM" in last, err
+    assert wait_until(lambda: all(gone(p) for p in children), 5), "workers left behind"
