@@ -85,15 +85,15 @@ def test_the_report_shows_the_artifacts_numbers_and_charts(run_dir):
     page = render_report(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     bench = rows(run_dir / "benchmarks.jsonl")
-    assert page.count("<svg") == 3  # metrics per iteration, candidate deltas, worker timeline
+    assert page.count("<svg") == 4  # metrics per iteration, candidate deltas, headroom histogram, worker timeline
     assert html.escape(bench[0]["candidate_id"]) in page and html.escape(se.rule("crack")) in page
     assert f"{summary['baseline']['train']['acc']:.3f} → {summary['final']['train']['acc']:.3f}" in page
     assert f"+ G2: {html.escape(se.rule('rust'))}" in page  # the guidance diff of the first edit
     assert "RER -0.375 &lt; 0.100" in page  # the gate's reason for the harmful rule
     assert f">{summary['generations_saved']}<" in page
-    for name in ("rule_search_iterations.jsonl", "reflection_cache/proposer_answers.jsonl", "judge_headroom.json"):
-        assert f"<code>{name}</code> missing" in page
-    assert "<code>pool_timeline.jsonl</code>" not in page
+    for name in ("rule_search_iterations.jsonl", "reflection_cache/proposer_answers.jsonl", "judge_headroom.json",
+                 "pool_timeline.jsonl"):
+        assert f"<code>{name}</code> missing" not in page  # the run wrote them all
 
 
 def test_the_new_files_fill_their_sections(run_dir, tmp_path):
@@ -109,11 +109,13 @@ def test_the_new_files_fill_their_sections(run_dir, tmp_path):
 def test_a_run_of_an_earlier_version_names_what_is_missing(run_dir, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(run_dir, old)
-    for name in ("pool_timeline.jsonl", "summary.json", "report.html", "benchmarks.jsonl"):
+    for name in ("pool_timeline.jsonl", "summary.json", "report.html", "benchmarks.jsonl", "judge_headroom.json",
+                 "rule_search_iterations.jsonl", "reflection_cache/proposer_answers.jsonl"):
         (old / name).unlink()
     (old / "rule_candidates.jsonl").write_text('{"iteration": 1, "truncated')  # unreadable, not fatal
     page = render_report(old)
-    for name in ("pool_timeline.jsonl", "summary.json", "judge_headroom.json"):
+    for name in ("pool_timeline.jsonl", "summary.json", "judge_headroom.json", "rule_search_iterations.jsonl",
+                 "reflection_cache/proposer_answers.jsonl"):
         assert f"<code>{name}</code> missing" in page
     assert "<code>rule_candidates.jsonl</code> unreadable (JSONDecodeError)" in page
     assert "<code>benchmarks.jsonl</code>" not in page  # a finished run without accepted edits has none
@@ -146,7 +148,7 @@ def test_the_audit_report_has_metrics_confusion_matrix_and_hard_cases(tmp_path):
     page = (run_dir / "report.html").read_text()
     assert "Confusion matrix" in page and f"{metrics['tp']} (tp)" in page and f"{metrics['fp']} (fp)" in page
     assert f"<b>{metrics['acc']:.3f}</b>" in page and "Hardest cases" in page
-    assert page.count("<svg") == 2  # metrics over the run order, worker timeline
+    assert page.count("<svg") == 3  # metrics over the run order, headroom histogram, worker timeline
     assert "Missing or unreadable files" not in page  # an audit needs no rule-search file
 
 

@@ -218,6 +218,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_check(args) -> int:
+    from .describe import describe
+
     print(describe(config_path(args), args.overrides, audit=args.audit, upstream_root=args.upstream_root))
     return EXIT_OK
 
@@ -247,104 +249,6 @@ def cmd_import_config(args) -> int:
         raise InputError(f"cannot write it: {err.strerror or err}", out) from None
     print(f"wrote {out}", file=sys.stderr)
     return EXIT_OK
-
-
-def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_root: str | None = None) -> str:
-    """Validate the config and every input a run reads (without loading a model) and
-    describe what the run would do. Raises InputError like the run itself would."""
-    from ..search.distill import DISTILL_DEFAULT
-    from ..search.rundir import check_inside, run_dir_exists, run_dir_path
-    from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
-    from .config import load_config, with_mode
-    from .identity import run_identity
-    from .job import load_inputs
-    from .outputs import check_outputs
-    from .prompt_budget import measure_lines, rules_summary, sampler_caps
-
-    cfg = with_mode(load_config(config_path, overrides, upstream_root=upstream_root), audit)
-    inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
-    tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
-    rs, chunk = cfg.rule_search, cfg.runner.chunk_size
-    run_dir = run_dir_path(cfg, inputs.mission)
-    check_inside(run_dir, cfg.output.root)
-    check_outputs(cfg, run_dir, config_path=config_path)
-    lines = [
-        ("config", f"{os.path.abspath(config_path)} (hash {run_identity(cfg, inputs).config_hash})"),
-        ("mode", cfg.mode),
-        ("mission", inputs.mission),
-        ("tickets", f"{len(tickets)} ({_by_label(tickets)}); {len(ingest.skipped)} bad lines skipped; "
-                    f"{ingest.excluded} excluded"),
-    ]
-    lines += [("  skipped", f"{s['location']}: {s['error']}") for s in ingest.skipped[:5]]
-    lines += [(f"  {what}", ", ".join(f"{k} {n}" for k, n in counts.items()))
-              for what, counts in (("converted", ingest.converted), ("ignored", ingest.ignored)) if counts]
-    lines += [
-        ("model", inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}"),
-        ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),
-        ("guidance", f"{cfg.guidance.path}: step {g.step}, {rules_summary(g.experiences)}: "
-                     f"{', '.join(list(g.experiences)[:10])}{', ...' if len(g.experiences) > 10 else ''}"),
-        ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir_exists(run_dir) else "")),
-    ]
-    dist = cfg.stage_b_distillation
-    when = "after the audit" if cfg.mode == "audit" else "after the loop, with the final guidance"
-    lines.append(("distill", f"{dist.distill_size} tickets {when} -> "
-                  f"{dist.log_chatml_path or run_dir / DISTILL_DEFAULT}" if dist.enabled else "off"))
-    hr = cfg.headroom
-    lines.append(("headroom", f"the judge's P(pass) on {min(hr.tickets, len(tickets))} tickets before the {cfg.mode} "
-                              f"(teacher forcing, nothing generated); AUC >= {hr.min_auc} separates"
-                  if hr.enabled else "off"))
-    k_train = len(rs.train_sampler.grid) * rs.train_sampler.samples_per_decode
-    k_eval = len(rs.eval_sampler.grid) * rs.eval_sampler.samples_per_decode
-    if cfg.mode == "audit":
-        lines += [
-            ("samples", f"K={k_train} per ticket (train_sampler: {_k(rs.train_sampler)})"),
-            ("rollout", f"{len(tickets)} tickets in {_chunks(len(tickets), chunk)} chunks of {chunk}: "
-                        f"{len(tickets) * k_train} generations"),
-        ]
-        return _table(lines + measure_lines(cfg, inputs, sampler_caps(cfg, tickets)))
-    train, held = split_eval_pool(tickets, rs.eval_pool_size, cfg.seed)
-    t = resolve_train_pool_size(len(train), rs.train_pool_size, rs.train_pool_fraction)
-    n = rs.num_candidate_rules
-    per_iteration = t * k_train * (1 + n) + len(held) * k_eval
-    lines += [
-        ("eval pool", f"{len(held)} tickets ({_by_label(held)}), fixed for the run"),
-        ("train", f"{len(train)} tickets; a train pool of {t} per iteration"),
-        ("samples", f"train K={k_train} ({_k(rs.train_sampler)}), eval K={k_eval} ({_k(rs.eval_sampler)})"),
-        ("chunks", f"chunk_size {chunk}: {_chunks(t, chunk)} per train rollout, {_chunks(len(held), chunk)} per eval rollout"),
-        ("per iteration", f"up to {per_iteration} generations = train baseline {t * k_train} + {n} candidates x "
-                          f"{t * k_train} + eval baseline {len(held) * k_eval}; 1 proposer call; "
-                          f"+{len(held) * k_eval} per candidate that passes the gate"),
-        ("iterations", f"at most {cfg.runner.epochs} (early stop after {rs.early_stop.patience} without an accepted edit)"),
-    ]
-    return _table(lines + measure_lines(cfg, inputs, sampler_caps(cfg, tickets)))
-
-
-def _k(sampler) -> str:
-    n = len(sampler.grid)
-    return f"{n} decode{'s' if n != 1 else ''} x {sampler.samples_per_decode} sample{'s' if sampler.samples_per_decode != 1 else ''}"
-
-
-def _profile_line(configured: str, profile) -> str:
-    facts = [f"{k} {getattr(profile, k)}" for k in ("language", "domain") if getattr(profile, k, None)]
-    return f"{configured} ({', '.join(facts)})" if facts else configured
-
-
-def _by_label(tickets) -> str:
-    counts: dict[str, int] = {}
-    for t in tickets:
-        counts[t.label] = counts.get(t.label, 0) + 1
-    return ", ".join(f"{label} {counts[label]}" for label in sorted(counts)) or "none"
-
-
-def _chunks(n: int, size: int) -> int:
-    return -(-n // size)
-
-
-def _table(lines: list[tuple[str, str]]) -> str:
-    """One line per entry, each at most about ``MAX_ERROR_CHARS`` (a value may quote a huge
-    key, mission or path)."""
-    width = max(len(k) for k, _ in lines)
-    return "\n".join(f"{k.ljust(width)}  {capped(v)}" for k, v in lines)
 
 
 def cmd_diff(args) -> int:
