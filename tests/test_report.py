@@ -74,6 +74,7 @@ def test_a_run_writes_its_timeline_and_its_report(run_dir):
     assert {r["device"] for r in timeline} == {"cpu:0", "cpu:1"}
     assert [r["label"] for r in timeline if r["method"] == "chat"] == ["proposer"] * 5  # one call per iteration
     assert "train/it1/base" in {r["label"] for r in timeline} and "train/it1/cand1" in {r["label"] for r in timeline}
+    assert {r["label"] for r in timeline if r["method"] == "verdict_probabilities"} == {"headroom"}
     assert all(0 <= r["start_s"] <= r["end_s"] for r in timeline)
     workers = json.loads((run_dir / "summary.json").read_text())["workers"]
     assert [sum(1 for r in timeline if r["device"] == d) for d in workers] == [w["items"] for w in workers.values()]

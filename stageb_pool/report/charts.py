@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-COLORS = {"train": "#1f77b4", "eval": "#2ca02c", "proposer": "#d62728", "final": "#9467bd",
+COLORS = {"headroom": "#ff7f0e", "train": "#1f77b4", "eval": "#2ca02c", "proposer": "#d62728", "final": "#9467bd",
           "audit": "#1f77b4", "distill": "#8c564b", "other": "#7f7f7f"}
 DECISION_COLORS = {"promoted": "#2ca02c", "rejected": "#d62728", "rejected_eval_veto": "#ff7f0e"}  # the gate's words
 _SIZE = re.compile(r'<svg([^>]*?) width="([\d.]+)pt" height="([\d.]+)pt"')
@@ -145,7 +145,8 @@ def worker_timeline(rows: list[dict], workers: list[str], wall_s: float | None) 
     ax.set_xlim(0, end)
     ax.set_xlabel("seconds since the pool was made (its workers start first; later gaps: idle)")
     ax.grid(axis="x", alpha=0.3)
-    order = [k for k in ("train", "eval", "final", "audit", "distill", "proposer", "other") if k in kinds_seen]
+    known = ("headroom", "train", "eval", "final", "audit", "distill", "proposer")
+    order = [k for k in known if k in kinds_seen] + [k for k in kinds_seen if k not in known]  # unknown: grey
     ax.legend([Patch(color=COLORS.get(k, COLORS["other"])) for k in order], order, fontsize=9,
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _svg(fig, "timeline", "busy and idle time per worker")

@@ -177,7 +177,8 @@ def run_headroom(runner, *, tickets: list, guidance: dict[str, str], settings: H
         part = sample[start:start + size]
         chunk = VerdictChunk(index, [t.text() for t in part], settings.max_prompt_tokens)
         tasks.append(runner.pool.submit("verdict_probabilities", chunk, guidance=guidance, profile=runner.profile,
-                                        result_type=VerdictChunkResult, cost=_prompt_chars(part, guidance)))
+                                        result_type=VerdictChunkResult, cost=_prompt_chars(part, guidance),
+                                        label="headroom"))
     progress = runner.progress
 
     def on_result(index, result):
