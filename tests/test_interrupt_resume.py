@@ -23,8 +23,8 @@ from processes import descendants, gone
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"
-SETTINGS = [  # small but long enough (about a second per iteration) to be interrupted in the middle
-    "model.path=tiny", "runner.epochs=12", "runner.chunk_size=4", "rule_search.early_stop.patience=12",
+SETTINGS = [  # small but long enough (a few seconds per iteration) to be interrupted in the middle
+    "model.path=tiny", "runner.epochs=6", "runner.chunk_size=4", "rule_search.early_stop.patience=6",
     "rule_search.train_pool_size=40", "rule_search.eval_pool_size=16",
     "rule_search.train_sampler.grid=[{temperature: 0.7, top_p: 0.9, max_new_tokens: 48}]",
     "rule_search.eval_sampler.grid=[{temperature: 0.7, top_p: 0.9, max_new_tokens: 48}]",
@@ -66,7 +66,7 @@ def test_ctrl_c_then_resume_reaches_the_uninterrupted_result(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert time.monotonic() - sent < 5
     assert all(gone(p) for p in children), [p for p in children if not gone(p)]
-    assert json.loads((mission_dir / "interrupted" / "state.json").read_text())["iteration"] < 12, \
+    assert json.loads((mission_dir / "interrupted" / "state.json").read_text())["iteration"] < 6, \
         "the run finished before the interrupt; make it longer"
 
     resumed = subprocess.run(command(tmp_path, "interrupted", "--resume"), env=env(), capture_output=True,

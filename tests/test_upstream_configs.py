@@ -16,6 +16,7 @@ from stageb_pool.app import cli
 from stageb_pool.app.config import load_config
 from stageb_pool.app.diff import diff_runs
 from stageb_pool.stageb.errors import InputError
+from stageb_pool.search.rundir_lock import lock_path
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = REPO / "tests" / "data" / "upstream"
@@ -321,12 +322,15 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
 
 
 def assert_only_the_run_directory_was_added(root: Path, before: dict, run_dir: Path) -> None:
-    """Inputs unchanged, and nothing written outside the run directory (its parents aside)."""
+    """Inputs unchanged, and nothing written outside the run directory (its parents and its
+    lock file beside it aside: search/rundir_lock.py)."""
     after = snapshot(root)
     assert {k: v for k, v in after.items() if k in before} == before
     run = run_dir.relative_to(root).as_posix()
     parents = {p.as_posix() for p in run_dir.relative_to(root).parents}
-    assert [k for k in after if k not in before and not (k == run or k.startswith(run + "/") or k in parents)] == []
+    lock = lock_path(run_dir).relative_to(root).as_posix()
+    assert [k for k in after if k not in before and not (k == run or k.startswith(run + "/") or k in parents
+                                                            or k == lock)] == []
 
 
 # The smoke config (rule search), debug.yaml (rule search, domain_map, chunks of 4) and an RRU
