@@ -76,6 +76,12 @@ def test_an_accepted_edit_names_its_candidate_and_every_evaluated_one_has_a_reas
     assert "2 evaluated: accepted upsert:b (RER 0.300)" in line and line.endswith("train acc 0.400 -> 0.430")
 
 
+def test_a_passing_candidate_that_lost_to_a_better_one_says_so():
+    out = outcome([evaluated(1, "upsert:a", 0.2, None), evaluated(2, "upsert:b", 0.3, None, True)], answer=PARSED)
+    assert decisions.iteration_row(out, "m").reasons[0] == (
+        "cand1 upsert:a: passed the gate, but another candidate had a larger RER")
+
+
 def test_a_rejected_iteration_shows_the_best_candidates_gate_reason():
     out = outcome([evaluated(1, "remove:g1", 0.0, "RER 0.000 < 0.050"), evaluated(2, "upsert:b", 0.021,
                                                                               "RER 0.021 < 0.050")], answer=PARSED)

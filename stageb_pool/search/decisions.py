@@ -57,7 +57,7 @@ def iteration_row(outcome, mission: str) -> IterationRow:
         decision = "accepted"
     else:
         decision = "rejected" if evaluated else "no_candidates"
-    reasons = [f"{_name(c)}: {'accepted' if c.applied else c.reason}" for c in evaluated]
+    reasons = [f"{_name(c)}: {_verdict(c)}" for c in evaluated]
     if not evaluated:
         reasons = _why_nothing(outcome)
     return IterationRow(
@@ -86,6 +86,13 @@ def _best(outcome):
         if best is None or c.gate.relative_error_reduction > best.gate.relative_error_reduction:
             best = c
     return best
+
+
+def _verdict(c) -> str:
+    """Accepted, the gate's (or the eval veto's) reason, or why a passing one lost."""
+    if c.applied:
+        return "accepted"
+    return c.reason or "passed the gate, but another candidate had a larger RER"
 
 
 def _name(c) -> str:
