@@ -40,6 +40,7 @@ import msgspec
 from ..engine.records import VerdictChunk, VerdictChunkResult
 from ..stageb.hashing import content_hash, stable_seed
 from .fileio import write_json
+from .rollout import prompt_chars
 
 HEADROOM_FILE = "judge_headroom.json"
 DECIMALS = 6  # rounding of every derived number in the file (the engine rounds P(pass) too)
@@ -177,7 +178,7 @@ def run_headroom(runner, *, tickets: list, guidance: dict[str, str], settings: H
         part = sample[start:start + size]
         chunk = VerdictChunk(index, [t.text() for t in part], settings.max_prompt_tokens)
         tasks.append(runner.pool.submit("verdict_probabilities", chunk, guidance=guidance, profile=runner.profile,
-                                        result_type=VerdictChunkResult, cost=_prompt_chars(part, guidance),
+                                        result_type=VerdictChunkResult, cost=prompt_chars(part, guidance),
                                         label="headroom"))
     progress = runner.progress
 
@@ -213,10 +214,3 @@ def run_headroom(runner, *, tickets: list, guidance: dict[str, str], settings: H
 def summary_entry(doc: dict) -> dict:
     """What summary.json repeats of the report."""
     return {key: doc[key] for key in SUMMARY_KEYS}
-
-
-def _prompt_chars(tickets: list, guidance: dict[str, str]) -> float:
-    """A chunk's expected work for the pool's most-expensive-first order (results do not
-    depend on it): its prompt characters."""
-    rules = sum(len(rule) for rule in guidance.values())
-    return float(sum(sum(len(text) for text in t.per_image.values()) + rules for t in tickets))

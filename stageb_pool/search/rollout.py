@@ -305,10 +305,14 @@ class RolloutRunner:
 def chunk_cost(tickets: list[Ticket], guidance: dict[str, str], sampler: SamplerConfig) -> float:
     """A chunk's expected work, for the pool to start the most expensive chunks first (a
     shorter tail than submission order; seeds do not depend on the order): its prompt
-    characters (each ticket's summaries plus the guidance) times the samples it generates."""
+    characters times the samples it generates."""
+    return prompt_chars(tickets, guidance) * len(sampler.grid) * sampler.samples_per_decode
+
+
+def prompt_chars(tickets: list[Ticket], guidance: dict[str, str]) -> float:
+    """The prompt characters of a chunk: each ticket's summaries plus the guidance."""
     guidance_chars = sum(len(rule) for rule in guidance.values())
-    prompt_chars = sum(sum(len(text) for text in t.per_image.values()) + guidance_chars for t in tickets)
-    return float(prompt_chars * len(sampler.grid) * sampler.samples_per_decode)
+    return float(sum(sum(len(text) for text in t.per_image.values()) + guidance_chars for t in tickets))
 
 
 def _check_chunk(result: ChunkResult, tickets: list[Ticket], key: str) -> None:
