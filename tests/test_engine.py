@@ -331,6 +331,46 @@ def test_constrained_samples_follow_the_two_line_protocol(engine, name, words):
                for s in samples if len(s.text) > len(texts[0].split("\n")[0]) + 10)
 
 
+def _tiny_tokenizer(*, decoder=None, normalizer=None):
+    from stageb_pool.engine import tiny
+
+    tok = tiny.build_tokenizer()
+    if decoder is not None:
+        tok.backend_tokenizer.decoder = decoder
+    if normalizer is not None:
+        tok.backend_tokenizer.normalizer = normalizer
+    return tok
+
+
+def test_a_byte_level_tokenizer_behind_a_decoder_sequence_is_read_as_bytes(profile):
+    """transformers 5.17 converts the embedded GGUF's tokenizer with the decoder sequence
+    below; llguidance then read 'Ġpass' as the bytes C4 A0 'pass', and the first token after a
+    space failed the grammar mid-generation (found on a GPU machine). The grammar must accept
+    the tokenizer's own encoding of a valid verdict line."""
+    from tokenizers import decoders
+
+    from stageb_pool.engine.constrained import Grammars, verdict_line_regex
+
+    tok = _tiny_tokenizer(decoder=decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Replace("▁", " "), decoders.ByteLevel()]))
+    width = len(tok)
+    line = tok("Verdict: pass\nReason: the bolt is tight", add_special_tokens=False)["input_ids"]
+    processor = Grammars(tok, width).processor(1, 0, regex=verdict_line_regex(profile.verdict))
+    for n in range(len(line)):
+        scores = processor(torch.tensor([line[:n]]), torch.zeros(1, width))
+        assert torch.isfinite(scores[0, line[n]]), tok.decode(line[: n + 1])
+
+
+def test_a_tokenizer_whose_bytes_llguidance_cannot_read_is_refused_in_plain_words():
+    from tokenizers import normalizers
+
+    from stageb_pool.engine.constrained import Grammars
+
+    tok = _tiny_tokenizer(normalizer=normalizers.Lowercase())  # its ids spell "verdict: pass"
+    with pytest.raises(ValueError, match="constrained decoding cannot use this tokenizer.*constrain_verdict"):
+        Grammars(tok, len(tok))
+
+
 def test_after_the_reason_line_only_the_end_of_turn_token_may_follow_a_newline(engine, profile):
     """The random tiny model never picks eos by itself: check the mask at the end of a reason."""
     from stageb_pool.engine.constrained import Grammars, verdict_line_regex

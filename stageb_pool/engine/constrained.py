@@ -67,6 +67,7 @@ class Grammars:
         self.end_id = tokenizer.eos_token_id
         self._tokenizer = llguidance.LLTokenizer(_tokenizer_json(tokenizer), n_vocab=vocab_size,
                                                  eos_token=self.end_id)
+        _check_token_bytes(self._tokenizer, tokenizer)
         self._grammars: dict[tuple[str, str], str] = {}
 
     def processor(self, rows: int, prompt_length: int, *, regex: str | None = None,
@@ -86,14 +87,54 @@ class Grammars:
 
 
 def _tokenizer_json(tokenizer) -> str:
-    """The fast tokenizer's full definition (added tokens included), without padding or
-    truncation, which llguidance rebuilds in Rust."""
+    """The fast tokenizer's full definition (added tokens included) as llguidance must read
+    it: without padding or truncation, which llguidance rebuilds in Rust, and with a plain
+    ByteLevel decoder where the tokenizer is byte-level.
+
+    llguidance reads a token's bytes as byte-level only when the decoder itself is ByteLevel.
+    transformers 5.17 converts the embedded GGUF's tokenizer with a decoder sequence
+    (ByteFallback, Fuse, Replace, ByteLevel) that decodes the same text, and llguidance then
+    took ``Ġany`` for the bytes C4 A0 ``any`` instead of `` any``: the first token with a
+    space failed the grammar (seen on a GPU machine)."""
+    import json
     from copy import copy
 
     backend = copy(tokenizer.backend_tokenizer)
     backend.no_padding()
     backend.no_truncation()
-    return backend.to_str()
+    definition = json.loads(backend.to_str())
+    decoder = definition.get("decoder") or {}
+    if decoder.get("type") == "Sequence" and _is_byte_level(definition.get("pre_tokenizer")):
+        byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+        if byte_level:
+            definition["decoder"] = byte_level[0]
+    return json.dumps(definition, ensure_ascii=False)
+
+
+def _is_byte_level(pre_tokenizer) -> bool:
+    if not pre_tokenizer:
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any(_is_byte_level(p) for p in pre_tokenizer.get("pretokenizers", []))
+    return pre_tokenizer.get("type") == "ByteLevel"
+
+
+# Text whose bytes llguidance must read back from the tokenizer's ids: the pieces the
+# grammars hold (labels after a space, JSON punctuation, a line break, non-ASCII verdict words).
+_PROBE = 'Verdict: pass\nReason: {"op": "upsert", "text": "any rule"} 不通过'
+
+
+def _check_token_bytes(lltokenizer, tokenizer) -> None:
+    """Refuse a tokenizer whose tokens llguidance reads as other bytes than the text they
+    encode: every mask would be wrong, and the run would fail mid-generation or, worse,
+    sample garbage. (A leading space is allowed: SentencePiece adds one.)"""
+    ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+    got = lltokenizer.decode_bytes(ids)
+    if got not in (_PROBE.encode(), b" " + _PROBE.encode()):
+        raise ValueError(
+            f"constrained decoding cannot use this tokenizer: llguidance reads its tokens for "
+            f"{_PROBE!r} as {got[:120]!r}; set the sampler's constrain_verdict and "
+            f"rule_search.constrain_proposer to false for this model")
 
 
 class GrammarProcessor:
