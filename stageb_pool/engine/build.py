@@ -66,6 +66,10 @@ def prepare_device(device: Device) -> None:
         # TF32 pinned off, so a run does not depend on a default that differs between versions.
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.backends.cudnn.fp32_precision = "ieee"
+        # cuDNN's attention, which sdpa prefers for bfloat16 on Hopper, gave a sampled chunk
+        # 4 different results in 8 repeats on an H100 (torch 2.11); without it, 8 of 8 alike
+        # at the same speed (bench/cuda_check.py repeat, docs/performance.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _pin_cuda_environment() -> None:
