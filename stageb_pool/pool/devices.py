@@ -133,6 +133,34 @@ def count_gpus() -> int:
     return 0
 
 
+def gpu_memory_bytes() -> dict[int, int] | None:
+    """Total memory of each GPU this process may use, by the index ``--gpus`` gives it
+    (relative to CUDA_VISIBLE_DEVICES), read with ``nvidia-smi``, never through torch.cuda;
+    None when it cannot be read (no driver, no nvidia-smi, a mask naming unknown GPUs)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    by_name: dict[str, int] = {}
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[2].isascii() and parts[2].isdigit():
+            mib = int(parts[2]) * 2**20
+            by_name[parts[0]] = by_name[parts[1]] = mib  # a mask may name a GPU by index or UUID
+    if out.returncode != 0 or not by_name:
+        return None
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if parent is None:
+        return {int(k): v for k, v in by_name.items() if k.isascii() and k.isdigit()}
+    names = [d.strip() for d in parent.split(",") if d.strip() and d.strip() != "-1"]
+    if not all(name in by_name for name in names):
+        return None
+    return {i: by_name[name] for i, name in enumerate(names)}
+
+
 _NUMBER = "([0-9]+)"  # ASCII digits only: str.isdigit accepts "²", and int() and \d accept "٣"
 _RANGE = re.compile(rf"{_NUMBER}(?:-{_NUMBER})?")
 _CPU = re.compile(rf"cpu(?::{_NUMBER})?")
