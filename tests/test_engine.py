@@ -766,3 +766,50 @@ def test_the_vllm_engine_module_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- GPU groups (issue 25)
+
+
+def test_the_tiny_model_split_over_a_device_map_gives_the_same_bytes(engine, profile):
+    """The group path (a layer map, accelerate's hooks forced) on CPU: the same bytes as the
+    model loaded whole. On GPUs the split moves work between devices of one kind, which the
+    determinism contract allows to differ between group sizes (docs/usage.md)."""
+    from stageb_pool.engine import models, sharding
+
+    model, tokenizer, name = models.load("tiny", dtype="float32", attn_implementation="sdpa",
+                                         shard_over=["cpu", "cpu"])
+    assert set(sharding.layer_split_map(model, ["cpu:a", "cpu:b"]).items()) >= {
+        ("model.layers.0", "cpu:a"), ("model.layers.1", "cpu:b"), ("model.embed_tokens", "cpu:a"),
+        ("model.norm", "cpu:b"), ("lm_head", "cpu:a")}  # the tied head stays with the embeddings
+    assert hasattr(model.model.layers[0], "_hf_hook")  # dispatched, not merely moved
+    sharded = Engine(model, tokenizer, CPU, model_name=name)
+    for ch in chunks_of(TICKETS[:6], size=3, grid=(SAMPLED, GREEDY)):
+        assert stable(rollout(sharded, ch, profile)) == stable(rollout(engine, ch, profile))
+
+
+def test_layer_maps_split_the_layers_into_equal_runs_in_group_order():
+    from stageb_pool.engine import sharding, tiny
+
+    model, _ = tiny.build(attn_implementation="sdpa")
+    model.model.layers.extend([model.model.layers[0]] * 5)  # 7 layers, weights shared: only names count
+    layers = [sharding.layer_split_map(model, ["g0", "g1", "g2"])[f"model.layers.{i}"] for i in range(7)]
+    assert layers == ["g0", "g0", "g0", "g1", "g1", "g2", "g2"]
+
+
+def test_the_group_size_is_in_the_engine_identity_and_the_resume_identity(engine, profile):
+    from pathlib import Path
+
+    from stageb_pool.app.config import load_config
+    from stageb_pool.app.identity import identity_document
+    from stageb_pool.stageb.hashing import content_hash
+
+    assert "gpus_per_worker" not in engine.info() and engine.sharding_facts() == {}  # one device: as before
+    grouped = Engine(engine.model, engine.tokenizer, Device("cuda", 0, 0, group=(0, 1)))
+    assert grouped.sharding_facts() == {"gpus_per_worker": 2, "sharding": "layers"}
+    info = {k: v for k, v in engine.info().items()}
+    assert content_hash({**info, **grouped.sharding_facts()}) != content_hash(info)  # the rollout cache key
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    docs = [identity_document(load_config(demo, [f"model.gpus_per_worker={g}"]), seed_guidance={}, profile=profile,
+                              proposer_system=None) for g in (1, 2)]
+    assert "gpus_per_worker" not in docs[0]["model"] and docs[1]["model"]["gpus_per_worker"] == 2
