@@ -50,7 +50,8 @@ class Device(msgspec.Struct, frozen=True):
 
     ``group``: every GPU of a worker that holds more than one, in order (``index`` is the
     first); ``()`` for a one-GPU or CPU worker, so a one-GPU Device is exactly what it was
-    before groups existed (same fields, same name, same JSON but this empty list).
+    before groups existed (same name, same mask, same threads; its JSON adds `group: []` and
+    `in_parent: false`).
 
     ``ordinal`` is the number torch gives the (first) GPU in the engine's process: 0 in a
     worker process, which sees only its own GPUs (CUDA_VISIBLE_DEVICES); ``index`` in inline
