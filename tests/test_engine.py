@@ -813,3 +813,28 @@ def test_the_group_size_is_in_the_engine_identity_and_the_resume_identity(engine
     docs = [identity_document(load_config(demo, [f"model.gpus_per_worker={g}"]), seed_guidance={}, profile=profile,
                               proposer_system=None) for g in (1, 2)]
     assert "gpus_per_worker" not in docs[0]["model"] and docs[1]["model"]["gpus_per_worker"] == 2
+
+
+def group_engine_on_cpu(device):
+    """A group worker's engine, on CPU: the tiny model through the layer map over one "cpu"
+    per GPU of the worker's group (a faked GPU listing: no GPU is touched)."""
+    from stageb_pool.engine import models
+
+    model, tokenizer, name = models.load("tiny", dtype="float32", attn_implementation="sdpa",
+                                         shard_over=["cpu"] * device.group_size)
+    return Engine(model, tokenizer, Device("cpu", device.index, device.rank, device.threads), model_name=name)
+
+
+def test_a_group_size_gives_the_same_bytes_on_one_group_and_on_two(engine, profile, monkeypatch):
+    """The determinism contract per group size: 1 group of 2 and 2 groups of 2 (forked, each
+    with its own CUDA_VISIBLE_DEVICES) give the bytes of the model loaded whole on CPU."""
+    from stageb_pool import Pool
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    chunks = chunks_of([ticket(i) for i in range(8)], 2, grid=[SAMPLED, GREEDY])
+    direct = [stable(rollout(engine, c, profile)) for c in chunks]
+    for gpus in ("0-1", "0-3"):
+        with Pool(group_engine_on_cpu, gpus=gpus, gpus_per_worker=2) as pool:
+            results = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
+            assert [d.visible_devices() for d in pool.devices] == ["0,1", "2,3"][:pool.size]
+        assert [stable(r) for r in results] == direct, gpus
