@@ -72,7 +72,9 @@ def _tied_heads(model) -> set[str]:
 def dispatch(model, devices: list[str]):
     """``model`` (built in memory, e.g. the tiny model) placed over ``devices`` by
     ``layer_split_map``. accelerate's hooks are forced even when every entry is the same
-    device, so a one-GPU (or CPU) test runs the very code path of a real group."""
+    device, so a one-GPU (or CPU) test runs the very code path of a real group. (On CPU,
+    accelerate treats the map's "cpu" entries as offloaded weights, loaded by the hooks at
+    each forward, and says so once; the arithmetic is the same.)"""
     from accelerate import dispatch_model
 
     return dispatch_model(model, layer_split_map(model, devices), main_device=devices[0], force_hooks=True)
