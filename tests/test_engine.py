@@ -838,3 +838,13 @@ def test_a_group_size_gives_the_same_bytes_on_one_group_and_on_two(engine, profi
             results = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
             assert [d.visible_devices() for d in pool.devices] == ["0,1", "2,3"][:pool.size]
         assert [stable(r) for r in results] == direct, gpus
+
+
+def test_vllm_takes_the_group_as_its_tensor_parallel_size():
+    from stageb_pool.engine.records import VllmSettings
+    from stageb_pool.engine.vllm_engine import llm_args
+
+    one = llm_args(Device("cuda", 3, 0), VllmSettings(), "bfloat16")
+    assert "tensor_parallel_size" not in one and "distributed_executor_backend" not in one  # as before groups
+    group = llm_args(Device("cuda", 0, 0, group=(0, 1, 2, 3)), VllmSettings(), "bfloat16")
+    assert group == {**one, "tensor_parallel_size": 4, "distributed_executor_backend": "mp"}

@@ -67,15 +67,8 @@ def prepare_environment(device: Device, threads: int) -> None:
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
 
-def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, stop: list[str] | None = None,
-                      trust_remote_code: bool = False, settings: VllmSettings = VllmSettings()) -> VllmEngine:
-    """Load ``path`` into an in-process vLLM engine on ``device`` (called in the worker)."""
-    threads = (settings.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
-    prepare_environment(device, threads)
-    folder = models.checkpoint_dir(path)
-    tokenizer = models.load_tokenizer(folder, trust_remote_code)
-    models.require_chat_template(tokenizer, path)
-    dtype = dtype or models.default_dtype(device.kind)
+def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
+    """The pinned ``vllm.LLM`` arguments of a worker on ``device`` (the model's own come after)."""
     args = dict(
         dtype=dtype, enforce_eager=True, max_model_len=settings.max_model_len,
         kv_cache_memory_bytes=int(settings.kv_cache_gib * GIB), enable_prefix_caching=True,
@@ -85,11 +78,24 @@ def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, st
     if settings.block_size is not None:
         args["block_size"] = settings.block_size
     if device.group_size > 1:
-        # The worker's GPU group (its CUDA_VISIBLE_DEVICES) as vLLM's tensor-parallel group.
-        # vLLM runs the shards with its own multiprocessing executor, children of this worker
-        # that die with it; the pool itself never touches torch.distributed.
+        # The worker's GPU group (its CUDA_VISIBLE_DEVICES) as vLLM's tensor-parallel group,
+        # run by vLLM's own multiprocessing executor (see the module docstring); the pool
+        # itself never touches torch.distributed.
         args["tensor_parallel_size"] = device.group_size
         args["distributed_executor_backend"] = "mp"
+    return args
+
+
+def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, stop: list[str] | None = None,
+                      trust_remote_code: bool = False, settings: VllmSettings = VllmSettings()) -> VllmEngine:
+    """Load ``path`` into an in-process vLLM engine on ``device`` (called in the worker)."""
+    threads = (settings.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
+    prepare_environment(device, threads)
+    folder = models.checkpoint_dir(path)
+    tokenizer = models.load_tokenizer(folder, trust_remote_code)
+    models.require_chat_template(tokenizer, path)
+    dtype = dtype or models.default_dtype(device.kind)
+    args = llm_args(device, settings, dtype)
     config = models.read_config(folder)
     if models.is_vision_language(config):
         args["limit_mm_per_prompt"] = {"image": 0, "video": 0}  # Qwen-VL checkpoints, text only
