@@ -848,3 +848,21 @@ def test_vllm_takes_the_group_as_its_tensor_parallel_size():
     assert "tensor_parallel_size" not in one and "distributed_executor_backend" not in one  # as before groups
     group = llm_args(Device("cuda", 0, 0, group=(0, 1, 2, 3)), VllmSettings(), "bfloat16")
     assert group == {**one, "tensor_parallel_size": 4, "distributed_executor_backend": "mp"}
+
+
+def _gpus_here() -> int:
+    from stageb_pool.pool.devices import count_gpus  # the driver's listing: CUDA is never initialised here
+
+    return count_gpus()
+
+
+@pytest.mark.skipif(_gpus_here() == 0, reason="needs a GPU: the layer-map path on real GPUs against one GPU per worker "
+                                                "(bench/gpu_groups_check.py, run in a child process)")
+def test_the_layer_map_on_the_gpus_gives_the_bytes_of_one_gpu_per_worker():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "gpu_groups_check.py"), "--tickets", "8", "--chunk", "4",
+                           "--max-new-tokens", "8"], capture_output=True, text=True, timeout=900, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "IDENTICAL" in proc.stdout
