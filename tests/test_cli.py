@@ -496,3 +496,100 @@ def test_upstream_config_through_the_cli(tmp_path):
     proc = run_cli("check", str(root / "configs/smoke/stage_b_tiny.yaml"), "--upstream-root", str(root),
                    "--set", "model.path=tiny", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+
+
+# --- GPU groups (issue 25): --gpus-per-worker, with a faked 4-GPU listing -------------------------
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    """A machine that lists 4 GPUs (count_gpus reads the mask; nothing touches CUDA), whose
+    nvidia-smi reports 1000 bytes on each."""
+    from stageb_pool.pool import devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: {i: 1000 for i in range(4)})
+
+
+def test_run_takes_gpus_per_worker_into_the_devices_and_the_config(fake_job, project, four_gpus):
+    calls = fake_job(lambda: 0)
+    cfg = str(project / "c.yaml")
+    assert cli.main(["--gpus", "0-3", "--gpus-per-worker", "2", cfg]) == 0
+    assert cli.main(["--gpus", "0-3", cfg, "--set", "model.gpus_per_worker=4"]) == 0
+    assert cli.main(["--gpus", "0-3", "--gpus-per-worker", "1", cfg]) == 0
+    assert [([d.gpus for d in devices], config.model.gpus_per_worker) for config, devices, _ in calls] == [
+        ([(0, 1), (2, 3)], 2), ([(0, 1, 2, 3)], 4), ([(0,), (1,), (2,), (3,)], 1)]
+    assert cli.main(["--gpus", "8", "--ray", "auto", "--gpus-per-worker", "4", cfg]) == 0
+    assert [d.gpus for d in calls[-1][1]] == [(0, 1, 2, 3), (4, 5, 6, 7)] and calls[-1][0].model.gpus_per_worker == 4
+
+
+@pytest.mark.parametrize("args, where, words", [
+    (["--gpus", "0-2", "--gpus-per-worker", "2"], "--gpus-per-worker", "--gpus '0-2' names 3 GPUs, not a multiple of 2"),
+    (["--gpus", "cpu:2", "--gpus-per-worker", "2"], "--gpus-per-worker", "applies to GPU workers only"),
+    (["--gpus", "0-1", "--set", "model.gpus_per_worker=3"], "c.yaml: model.gpus_per_worker", "not a multiple of 3"),
+    (["--gpus", "6", "--ray", "auto", "--gpus-per-worker", "4"], "--gpus-per-worker", "6 GPUs, not a multiple of 4"),
+    (["--gpus", "0-3", "--gpus-per-worker", "0"], "stageb-pool {command}", "must be from 1 to 16, got 0"),
+    (["--gpus", "0-3", "--gpus-per-worker", "two"], "stageb-pool {command}", "invalid int value: 'two'"),
+    (["--gpus", "0-3", "--set", "model.gpus_per_worker=17"], "model.gpus_per_worker", "<= 16"),
+])
+def test_group_sizes_that_do_not_fit_are_located_errors(fake_job, project, four_gpus, capsys, args, where, words):
+    fake_job(lambda: 0)
+    for command in (["run"], ["check"]):
+        assert cli.main([*command, str(project / "c.yaml"), *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and where.format(command=command[0]) in err and words in err, err
+
+
+def test_check_prints_the_worker_layout(project, four_gpus, capsys):
+    cfg = str(project / "c.yaml")
+    unmeasured = ["--set", "rule_search.train_sampler.max_prompt_tokens=null",  # no tokenizer: fast
+                  "--set", "rule_search.eval_sampler.max_prompt_tokens=null"]
+    assert cli.main(["check", cfg, "--gpus", "0-3", "--gpus-per-worker", "2", "--set", "model.path=tiny",
+                     *unmeasured]) == 0
+    out = capsys.readouterr().out
+    assert "workers        2 workers of 2 GPUs each" in out
+    assert "  w0           cuda:0,1 (GPUs 0, 1)" in out and "  w1           cuda:2,3 (GPUs 2, 3)" in out
+    assert "memory         the tiny test model (a few MB): no estimate needed" in out
+
+
+def write_checkpoint(folder: Path, shape=(10, 100)) -> Path:
+    """A checkpoint directory whose one safetensors file declares a bfloat16 tensor of ``shape``."""
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen2"}')
+    size = 2 * shape[0] * shape[1]
+    header = json.dumps({"w": {"dtype": "BF16", "shape": list(shape), "data_offsets": [0, size]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(size))
+    return folder
+
+
+def write_gguf(path: Path, dims=(100, 10)) -> Path:
+    """A GGUF (version 3) with one string and one array of metadata and one tensor of ``dims``."""
+    import struct
+
+    def text(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    kvs = (text("general.name") + struct.pack("<I", 8) + text("tiny")
+           + text("tokens") + struct.pack("<IIQ", 9, 8, 2) + text("a") + text("bc"))
+    tensor = text("w") + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", 0, 0)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 2) + kvs + tensor)
+    return path
+
+
+def test_the_memory_budget_reads_headers_only_and_warns_when_a_group_is_too_small(tmp_path, four_gpus):
+    from stageb_pool.app.config import load_config
+    from stageb_pool.app.describe import memory_lines
+    from stageb_pool.app.memory_budget import weight_bytes
+    from stageb_pool.pool.devices import parse_gpus
+
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    assert weight_bytes(ckpt, "bfloat16") == 2000 and weight_bytes(ckpt, "float32") == 4000
+    assert weight_bytes(write_gguf(tmp_path / "m.gguf"), "bfloat16") == 2000  # dequantised to the dtype
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    pairs = memory_lines(cfg, str(ckpt), parse_gpus("0-3", gpus_per_worker=2))  # 2000 B on 2 x 1000 B
+    assert pairs[0] == ("memory", "weights ~0.0 GiB per worker; a group of 2 GPUs has 0.0 GiB")
+    assert pairs[1][0] == "  WARNING" and "will not fit one group: it needs 100% of its GPU memory" in pairs[1][1]
+    [(_, line)] = memory_lines(cfg, str(ckpt), parse_gpus("0-3", gpus_per_worker=4))
+    assert line.endswith("(fits, 50%)")
+    assert memory_lines(cfg, str(ckpt), parse_gpus("cpu:2")) == []  # CPU workers: no GPU memory to compare

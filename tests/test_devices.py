@@ -99,3 +99,68 @@ def test_a_ray_pool_takes_the_kind_and_number_of_a_device_list():
     assert parse_ray_spec([Device("cpu", 0, 0)]) == ("cpu", 1)
     with pytest.raises(DeviceSpecError, match="all GPU workers or all CPU workers"):
         parse_ray_spec([Device("cpu", 0, 0), Device("cuda", 1, 1)])
+
+
+# -- GPU groups (issue 25): one worker per group of GPUs ------------------------------------------
+@pytest.mark.parametrize("spec, size, groups", [
+    ("0-7", 2, [(0, 1), (2, 3), (4, 5), (6, 7)]),
+    ("0,2,5-6", 2, [(0, 2), (5, 6)]),  # contiguous in the spec's order, not by number
+    ("0,1", 2, [(0, 1)]),  # the single-worker debugging case
+    ("7,6,5,4", 4, [(7, 6, 5, 4)]),
+])
+def test_groups_are_contiguous_in_the_specs_order(spec, size, groups):
+    devices = parse_gpus(spec, gpu_count=8, gpus_per_worker=size)
+    assert [d.gpus for d in devices] == groups and [d.rank for d in devices] == list(range(len(groups)))
+    assert [d.index for d in devices] == [g[0] for g in groups]
+    assert all(d.group_size == size and d.torch_devices == [f"cuda:{i}" for i in range(size)] for d in devices)
+    assert devices[0].name == "cuda:" + ",".join(map(str, groups[0]))
+
+
+def test_one_gpu_per_worker_is_exactly_the_devices_of_before():
+    assert parse_gpus("0-3", gpu_count=8, gpus_per_worker=1) == parse_gpus("0-3", gpu_count=8)
+    device = parse_gpus("3", gpu_count=8)[0]
+    assert device.group == () and device.gpus == (3,) and device.name == "cuda:3" and device.torch_devices == ["cuda:0"]
+
+
+@pytest.mark.parametrize("parent_mask, expected", [(None, ["0,1", "2,3"]), ("4,5,6,7", ["4,5", "6,7"]),
+                                                   ("7,3,1,0", ["7,3", "1,0"])])
+def test_a_group_sees_its_gpus_relative_to_the_parents_mask(monkeypatch, parent_mask, expected):
+    if parent_mask is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent_mask)
+    devices = parse_gpus("0-3", gpu_count=8, gpus_per_worker=2)
+    assert [d.visible_devices() for d in devices] == expected
+
+
+def test_forked_group_workers_get_their_mask_and_inline_sees_the_physical_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a fake 4-GPU listing: no GPU is touched
+    devices = parse_gpus("0-3", gpus_per_worker=2)
+    with Pool(DeviceReport, devices) as forked:
+        assert [w["mask"] for w in forked.worker_info] == ["4,5", "6,7"]
+    assert devices[1].in_this_process().torch_devices == ["cuda:2", "cuda:3"]
+
+
+@pytest.mark.parametrize("spec, size, message", [
+    ("0-2", 2, r"--gpus '0-2' names 3 GPUs, not a multiple of 2 GPUs per worker \(use 2 GPUs or"),
+    ("0", 2, "names 1 GPU, not a multiple of 2"),
+    ("cpu:2", 2, "applies to GPU workers only"),
+    ("0-7", 0, "GPUs per worker must be a whole number from 1 to 16"),
+    ("0-7", 17, "from 1 to 16"),
+])
+def test_group_sizes_that_do_not_fit_are_group_size_errors(spec, size, message):
+    with pytest.raises(DeviceSpecError, match=message) as info:
+        parse_gpus(spec, gpu_count=8, gpus_per_worker=size)
+    assert info.type.__name__ == "GroupSizeError"
+
+
+def test_ray_group_specs_count_gpus_and_number_groups_by_rank():
+    from stageb_pool.pool.devices import ray_devices, ray_workers
+
+    assert parse_ray_spec("8", gpus_per_worker=4) == ("cuda", 8) and ray_workers("cuda", 8, 4) == 2
+    assert [d.gpus for d in ray_devices("cuda", 8, 4)] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    with pytest.raises(DeviceSpecError, match="6 GPUs, not a multiple of 4"):
+        parse_ray_spec("6", gpus_per_worker=4)
+    with pytest.raises(DeviceSpecError, match="GPU workers only"):
+        parse_ray_spec("cpu:2", gpus_per_worker=2)
+    assert parse_ray_spec(parse_gpus("0-3", gpu_count=4, gpus_per_worker=2)) == ("cuda", 4)

@@ -806,3 +806,103 @@ def test_the_vllm_engine_module_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- GPU groups (issue 25)
+
+
+def test_the_tiny_model_split_over_a_device_map_gives_the_same_bytes(engine, profile):
+    """The group path (a layer map, accelerate's hooks forced) on CPU: the same bytes as the
+    model loaded whole. On GPUs the split moves work between devices of one kind, which the
+    determinism contract allows to differ between group sizes (docs/usage.md)."""
+    from stageb_pool.engine import models, sharding
+
+    model, tokenizer, name = models.load("tiny", dtype="float32", attn_implementation="sdpa",
+                                         shard_over=["cpu", "cpu"])
+    assert set(sharding.layer_split_map(model, ["cpu:a", "cpu:b"]).items()) >= {
+        ("model.layers.0", "cpu:a"), ("model.layers.1", "cpu:b"), ("model.embed_tokens", "cpu:a"),
+        ("model.norm", "cpu:b"), ("lm_head", "cpu:a")}  # the tied head stays with the embeddings
+    assert hasattr(model.model.layers[0], "_hf_hook")  # dispatched, not merely moved
+    sharded = Engine(model, tokenizer, CPU, model_name=name)
+    for ch in chunks_of(TICKETS[:6], size=3, grid=(SAMPLED, GREEDY)):
+        assert stable(rollout(sharded, ch, profile)) == stable(rollout(engine, ch, profile))
+
+
+def test_layer_maps_split_the_layers_into_equal_runs_in_group_order():
+    from stageb_pool.engine import sharding, tiny
+
+    model, _ = tiny.build(attn_implementation="sdpa")
+    model.model.layers.extend([model.model.layers[0]] * 5)  # 7 layers, weights shared: only names count
+    layers = [sharding.layer_split_map(model, ["g0", "g1", "g2"])[f"model.layers.{i}"] for i in range(7)]
+    assert layers == ["g0", "g0", "g0", "g1", "g1", "g2", "g2"]
+
+
+def test_the_group_size_is_in_the_engine_identity_and_the_resume_identity(engine, profile):
+    from pathlib import Path
+
+    from stageb_pool.app.config import load_config
+    from stageb_pool.app.identity import identity_document
+    from stageb_pool.stageb.hashing import content_hash
+
+    assert "gpus_per_worker" not in engine.info() and engine.sharding_facts() == {}  # one device: as before
+    grouped = Engine(engine.model, engine.tokenizer, Device("cuda", 0, 0, group=(0, 1)))
+    assert grouped.sharding_facts() == {"gpus_per_worker": 2, "sharding": "layers"}
+    info = {k: v for k, v in engine.info().items()}
+    assert content_hash({**info, **grouped.sharding_facts()}) != content_hash(info)  # the rollout cache key
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    docs = [identity_document(load_config(demo, [f"model.gpus_per_worker={g}"]), seed_guidance={}, profile=profile,
+                              proposer_system=None) for g in (1, 2)]
+    assert "gpus_per_worker" not in docs[0]["model"] and docs[1]["model"]["gpus_per_worker"] == 2
+
+
+def group_engine_on_cpu(device):
+    """A group worker's engine, on CPU: the tiny model through the layer map over one "cpu"
+    per GPU of the worker's group (a faked GPU listing: no GPU is touched)."""
+    from stageb_pool.engine import models
+
+    model, tokenizer, name = models.load("tiny", dtype="float32", attn_implementation="sdpa",
+                                         shard_over=["cpu"] * device.group_size)
+    return Engine(model, tokenizer, Device("cpu", device.index, device.rank, device.threads), model_name=name)
+
+
+def test_a_group_size_gives_the_same_bytes_on_one_group_and_on_two(engine, profile, monkeypatch):
+    """The determinism contract per group size: 1 group of 2 and 2 groups of 2 (forked, each
+    with its own CUDA_VISIBLE_DEVICES) give the bytes of the model loaded whole on CPU."""
+    from stageb_pool import Pool
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    chunks = chunks_of([ticket(i) for i in range(8)], 2, grid=[SAMPLED, GREEDY])
+    direct = [stable(rollout(engine, c, profile)) for c in chunks]
+    for gpus in ("0-1", "0-3"):
+        with Pool(group_engine_on_cpu, gpus=gpus, gpus_per_worker=2) as pool:
+            results = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
+            assert [d.visible_devices() for d in pool.devices] == ["0,1", "2,3"][:pool.size]
+        assert [stable(r) for r in results] == direct, gpus
+
+
+def test_vllm_takes_the_group_as_its_tensor_parallel_size():
+    from stageb_pool.engine.records import VllmSettings
+    from stageb_pool.engine.vllm_engine import llm_args
+
+    one = llm_args(Device("cuda", 3, 0), VllmSettings(), "bfloat16")
+    assert "tensor_parallel_size" not in one and "distributed_executor_backend" not in one  # as before groups
+    group = llm_args(Device("cuda", 0, 0, group=(0, 1, 2, 3)), VllmSettings(), "bfloat16")
+    assert group == {**one, "tensor_parallel_size": 4, "distributed_executor_backend": "mp"}
+
+
+def _gpus_here() -> int:
+    from stageb_pool.pool.devices import count_gpus  # the driver's listing: CUDA is never initialised here
+
+    return count_gpus()
+
+
+@pytest.mark.skipif(_gpus_here() == 0, reason="needs a GPU: the layer-map path on real GPUs against one GPU per worker "
+                                                "(bench/gpu_groups_check.py, run in a child process)")
+def test_the_layer_map_on_the_gpus_gives_the_bytes_of_one_gpu_per_worker():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "gpu_groups_check.py"), "--tickets", "8", "--chunk", "4",
+                           "--max-new-tokens", "8"], capture_output=True, text=True, timeout=900, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "IDENTICAL" in proc.stdout

@@ -41,7 +41,8 @@ ALLOWED_INTERNAL = {
 ALLOWED_EXTERNAL = {
     "pool": {"msgspec", "ray"},  # ray only lazily, in the Ray backend's modules (tests/test_pool.py)
     "stageb": {"msgspec", "yaml"},
-    "engine": {"msgspec", "torch", "transformers", "tokenizers", "llguidance", "vllm", "tqdm"},
+    # accelerate: a GPU group's device map and its hooks (engine/sharding.py); already a dependency
+    "engine": {"msgspec", "torch", "transformers", "tokenizers", "llguidance", "vllm", "tqdm", "accelerate"},
     "search": {"msgspec"},
     "app": {"msgspec", "yaml", "tqdm"},
     "report": {"matplotlib"},  # only lazily, while building a report (tests/test_report.py)

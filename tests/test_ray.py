@@ -267,3 +267,32 @@ def test_ctrl_c_leaves_no_actor_and_no_cluster_behind(ray_cluster, tmp_path):
     assert not (home / ".ray" / "auth_token").exists()  # token auth from the environment, no file
     assert "Traceback" not in err, err[-3000:]
 
+
+
+# -- GPU groups (issue 25) -----------------------------------------------------------------------
+def test_a_gpu_group_is_one_bundle_of_its_gpus_and_one_actor(ray_free):
+    with ray_pool(gpus=str(GPUS), gpus_per_worker=2, task_timeout=60) as pool:
+        assert pool.size == 2 and [d.gpus for d in pool.devices] == [(0, 1), (2, 3)]
+        assert [sorted(p["gpu_ids"]) for p in pool.placement] in ([["0", "1"], ["2", "3"]], [["2", "3"], ["0", "1"]])
+        assert pool.map("echo", [1, 2, 3])[0]["item"] == 1
+        assert ray_free.available_resources().get("GPU", 0) == 0  # two bundles of 2 GPUs hold all 4
+
+
+def test_a_group_larger_than_every_node_is_refused_at_once(ray_free):
+    with pytest.raises(PoolError, match=r"a worker's GPUs must be on one node, and no node of the cluster has 8 "
+                                        r"\(the largest has 4\)"):
+        ray_pool(gpus="8", gpus_per_worker=8, placement_timeout=30)
+
+
+def test_groups_that_fit_in_total_but_not_per_node_are_refused():
+    from stageb_pool.pool.ray_cluster import place
+
+    class ThreeNodesOfThreeGpus:  # enough GPUs in total (9) for four groups of 2, but a group never spans nodes
+        def nodes(self):
+            return [{"Alive": True, "Resources": {"GPU": 3.0, "CPU": 8.0}}] * 3
+
+        def cluster_resources(self):
+            return {"GPU": 9.0, "CPU": 24.0}
+
+    with pytest.raises(PoolError, match="whole bundles on single nodes, and the nodes hold only 3"):
+        place(ThreeNodesOfThreeGpus(), [{"GPU": 2.0}] * 4, 1.0, "test")

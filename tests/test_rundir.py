@@ -95,9 +95,21 @@ def test_refusals(tmp_path, setup, kw, message):
     assert tree_digest(tmp_path) == before
 
 
+def test_run_json_records_the_worker_layout_of_gpu_groups():
+    from stageb_pool.search.rundir import run_json_document
+
+    doc = run_json_document(config={}, provenance={}, devices=parse_gpus("0-3", gpu_count=4, gpus_per_worker=2),
+                            workers=2, debug=False, started_at="t", argv=[])
+    inv = doc["invocation"]
+    assert inv["gpus"] == "0,1,2,3" and inv["workers"] == 2 and inv["gpus_per_worker"] == 2
+    assert inv["layout"] == [{"rank": 0, "device": "cuda:0,1", "gpus": [0, 1]},
+                             {"rank": 1, "device": "cuda:2,3", "gpus": [2, 3]}]
+
+
 def test_gpus_spec_and_rollouts_path():
     assert gpus_spec(parse_gpus("cpu:3")) == "cpu:3"
     assert gpus_spec(parse_gpus("0,2,5-6", gpu_count=8)) == "0,2,5,6"
+    assert gpus_spec(parse_gpus("0,2,5-6", gpu_count=8, gpus_per_worker=2)) == "0,2,5,6"  # every GPU of every group
     assert rollouts_path("/r", "train/it3/cand2") == Path("/r/rollouts/train-it3-cand2.jsonl")
 
 
@@ -178,6 +190,8 @@ def test_run_json_content(tmp_path):
     assert prov["engine"]["engine"] == "fake"
     inv = doc["invocation"]
     assert (inv["gpus"], inv["workers"], inv["debug"], inv["argv"]) == ("cpu:2", 2, False, ["stageb-pool", "--audit"])
+    assert inv["gpus_per_worker"] == 1 and inv["layout"] == [{"rank": 0, "device": "cpu:0", "gpus": []},
+                                                             {"rank": 1, "device": "cpu:1", "gpus": []}]
     assert inv["started_at"].endswith("Z")
 
 

@@ -1,8 +1,9 @@
 """The ``stageb-pool`` command: run, check, diff, report and import-config.
 
-    stageb-pool [run] --gpus SPEC CONFIG [--audit] [--resume | --overwrite] [--wait] [--debug | --ray ADDRESS]
-                      [--log-level LEVEL] [--upstream-root DIR] [--set key.path=value ...]
-    stageb-pool check CONFIG [--audit] [--upstream-root DIR] [--set key.path=value ...]
+    stageb-pool [run] --gpus SPEC CONFIG [--gpus-per-worker N] [--audit] [--resume | --overwrite] [--wait]
+                      [--debug | --ray ADDRESS] [--log-level LEVEL] [--upstream-root DIR] [--set key.path=value ...]
+    stageb-pool check CONFIG [--gpus SPEC] [--gpus-per-worker N] [--ray ADDRESS] [--audit] [--upstream-root DIR]
+                      [--set key.path=value ...]
     stageb-pool diff RUN_A RUN_B [--max N]
     stageb-pool report RUN_DIR [-o FILE]
     stageb-pool import-config UPSTREAM_CONFIG [--upstream-root DIR] [-o FILE]
@@ -85,6 +86,13 @@ def _add_config(p: argparse.ArgumentParser, *, audit: bool = True) -> None:
                        help="baseline audit only (same as mode: audit; --jump-reflection is upstream's name)")
 
 
+def _add_group_size(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus-per-worker", type=int, metavar="N",
+                   help="GPUs each worker shards its model over (a judge larger than one GPU): one worker per "
+                        "group of N GPUs, contiguous in --gpus order; the GPU count must be a multiple of N "
+                        "(default: model.gpus_per_worker, 1)")
+
+
 def _log_level(text: str) -> str:
     level = text.lower()
     return UPSTREAM_LOG_LEVELS.get(level, level)
@@ -100,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(run)
     run.add_argument("--gpus", required=True, metavar="SPEC",
                      help="devices: 0-7, 0,2,5, 0, cpu (one CPU worker) or cpu:N")
+    _add_group_size(run)
     again = run.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the run directory from its last completed iteration")
     again.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
@@ -121,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a config and its inputs and show what a run would do (no model)")
     _add_config(check)
+    check.add_argument("--gpus", metavar="SPEC",
+                       help="the devices the run would use: check then prints its workers and their GPU groups "
+                            "and whether the model fits one group's GPU memory (nothing touches CUDA)")
+    _add_group_size(check)
+    check.add_argument("--ray", metavar="ADDRESS",
+                       help="as for run: --gpus is then a GPU count (check does not connect to the cluster)")
     _add_set(check)
 
     imp = sub.add_parser("import-config", help="write an upstream Stage-B config as a stageb-pool config")
@@ -202,14 +217,14 @@ def resume_command(argv: list[str]) -> str:
 
 def cmd_run(args) -> int:
     from .config import load_config
-    from .job import resolve_devices, run_job
+    from .job import run_job
 
     # Only for the run's life: a caller of main() in-process gets its own handlers back.
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in STOP_SIGNALS}
     try:
-        devices = resolve_devices(args.gpus, ray=args.ray is not None)
         path = config_path(args)
         config = load_config(path, args.overrides, upstream_root=args.upstream_root)
+        config, devices = devices_of_run(args, config, path)
         return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite,
                        debug=args.debug, config_path=path, ray_address=args.ray, wait=args.wait)
     finally:
@@ -217,10 +232,32 @@ def cmd_run(args) -> int:
             signal.signal(sig, handler)
 
 
+def devices_of_run(args, config, path: str):
+    """``(config, devices)``: the workers of ``--gpus`` with ``--gpus-per-worker`` (written into
+    ``model.gpus_per_worker``) or else the config's ``model.gpus_per_worker``; a group size
+    that does not fit the spec is located where it was given."""
+    from .job import resolve_devices, with_gpus_per_worker
+
+    if args.gpus_per_worker is not None and not 1 <= args.gpus_per_worker <= 16:
+        # The same bound as the config key; checked here so the message names the option.
+        raise UsageError(f"argument --gpus-per-worker: must be from 1 to 16, got {args.gpus_per_worker}",
+                         f"stageb-pool {args.command}")
+    config = with_gpus_per_worker(config, args.gpus_per_worker)
+    where = "--gpus-per-worker" if args.gpus_per_worker is not None else f"{os.path.abspath(path)}: model.gpus_per_worker"
+    devices = resolve_devices(args.gpus, ray=args.ray is not None, gpus_per_worker=config.model.gpus_per_worker,
+                              group_location=where)
+    return config, devices
+
+
 def cmd_check(args) -> int:
     from .describe import describe
 
-    print(describe(config_path(args), args.overrides, audit=args.audit, upstream_root=args.upstream_root))
+    if args.gpus is None and (args.gpus_per_worker is not None or args.ray is not None):
+        raise UsageError("--gpus-per-worker and --ray describe the workers of a --gpus spec: give --gpus too",
+                         "stageb-pool check")
+    print(describe(config_path(args), args.overrides, audit=args.audit, upstream_root=args.upstream_root,
+                   devices_of=(lambda config, path: devices_of_run(args, config, path)) if args.gpus else None,
+                   ray=args.ray is not None))
     return EXIT_OK
 
 

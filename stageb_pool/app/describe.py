@@ -7,9 +7,15 @@ import os
 
 from .cli import capped
 
-def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_root: str | None = None) -> str:
+def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_root: str | None = None,
+             devices_of=None, ray: bool = False) -> str:
     """Validate the config and every input a run reads (without loading a model) and
-    describe what the run would do. Raises InputError like the run itself would."""
+    describe what the run would do. Raises InputError like the run itself would.
+
+    ``devices_of(config, config_path)`` -> ``(config, devices)``: the workers of the run's
+    device options (``--gpus``, ``--gpus-per-worker``, ``--ray``); when given, the worker
+    layout and the memory budget are described too (nothing touches CUDA); ``ray``: the
+    workers are Ray actors, whose GPUs Ray chooses."""
     from ..search.distill import DISTILL_DEFAULT
     from ..search.rundir import check_inside, run_dir_exists, run_dir_path
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
@@ -20,6 +26,9 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     from .prompt_budget import measure_lines, rules_summary, sampler_caps
 
     cfg = with_mode(load_config(config_path, overrides, upstream_root=upstream_root), audit)
+    devices = None
+    if devices_of is not None:
+        cfg, devices = devices_of(cfg, config_path)
     inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
     tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
@@ -43,6 +52,8 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
                      f"{', '.join(list(g.experiences)[:10])}{', ...' if len(g.experiences) > 10 else ''}"),
         ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir_exists(run_dir) else "")),
     ]
+    if devices is not None:
+        lines += layout_lines(devices, ray=ray) + memory_lines(cfg, inputs.model_path, devices, ray=ray)
     dist = cfg.stage_b_distillation
     when = "after the audit" if cfg.mode == "audit" else "after the loop, with the final guidance"
     lines.append(("distill", f"{dist.distill_size} tickets {when} -> "
@@ -75,6 +86,44 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
         ("iterations", f"at most {cfg.runner.epochs} (early stop after {rs.early_stop.patience} without an accepted edit)"),
     ]
     return _table(lines + measure_lines(cfg, inputs, sampler_caps(cfg, tickets)))
+
+
+def layout_lines(devices, *, ray: bool = False) -> list[tuple[str, str]]:
+    """The workers a run would start and the GPUs each holds (what run.json's layout records).
+    Under Ray the GPUs are numbered in rank order: which ones they are is Ray's choice."""
+    size = devices[0].group_size
+    kind = "CPU" if devices[0].kind == "cpu" else f"{size} GPU{'s' if size != 1 else ''}"
+    lines = [("workers", f"{len(devices)} worker{'s' if len(devices) != 1 else ''} of {kind} each")]
+    if ray:
+        where = f"its {size} GPUs on one node" if size > 1 else "its GPU"
+        lines.append(("  placement", f"Ray actors, one bundle per worker ({where}); Ray chooses the nodes and GPUs"))
+    shown = devices if len(devices) <= 16 else devices[:8]
+    lines += [(f"  w{d.rank}", d.name + (f" (GPUs {', '.join(map(str, d.gpus))})" if d.group_size > 1 else ""))
+              for d in shown]
+    if len(shown) < len(devices):
+        lines.append(("  ...", f"{len(devices) - len(shown)} more, up to w{devices[-1].rank} {devices[-1].name}"))
+    return lines
+
+
+def memory_lines(cfg, model_path: str, devices, *, ray: bool = False) -> list[tuple[str, str]]:
+    """The memory budget check: the model's weight bytes (from its file headers) against one
+    group's GPU memory (nvidia-smi); a warning when it will not fit. Only for GPU workers;
+    under Ray the GPUs are the cluster's, not this machine's, so only the weights are shown."""
+    from ..engine.model_path import embedded_gguf_path
+    from ..pool.devices import gpu_memory_bytes
+    from .memory_budget import GIB, HeaderError, budget_lines, weight_bytes
+
+    if devices[0].kind != "cuda":
+        return []
+    if model_path == "tiny":
+        return [("memory", "the tiny test model (a few MB): no estimate needed")]
+    source = embedded_gguf_path() if model_path == "embedded" else model_path
+    try:
+        weights = weight_bytes(source, cfg.model.dtype or "bfloat16")
+    except (HeaderError, OSError) as err:
+        return [("memory", f"no estimate: {err}")]
+    kv = int(cfg.model.vllm.kv_cache_gib * GIB) if cfg.model.engine == "vllm" else 0
+    return budget_lines(devices, weights, extra_bytes=kv, gpu_memory=None if ray else gpu_memory_bytes())
 
 
 def _k(sampler) -> str:

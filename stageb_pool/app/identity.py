@@ -34,6 +34,10 @@ def identity_document(config, *, seed_guidance, profile, proposer_system: str | 
         for name in parents:
             node = node[name]
         node.pop(key, None)
+    if doc["model"].get("gpus_per_worker") == 1:
+        # One GPU per worker is what every run before GPU groups did: left out, so their
+        # identity (and a resume of them) stays the same; any other group size is compared.
+        doc["model"].pop("gpus_per_worker")
     doc["guidance"]["path"] = f"content:{content_hash(seed_guidance)}"
     doc["prompt"]["profile"] = f"content:{content_hash(profile)}"
     doc["rule_search"]["proposer_prompt_path"] = (

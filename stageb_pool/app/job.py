@@ -20,6 +20,7 @@ import msgspec
 
 from ..engine.model_path import check_engine, check_model_path
 from ..pool import Device, DeviceSpecError, Pool, parse_gpus, parse_ray_spec
+from ..pool.devices import GroupSizeError, ray_devices
 from ..report import REPORT_FILE, TIMELINE_FILE, render_report
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
@@ -80,17 +81,31 @@ def load_inputs(config) -> _Inputs:
     return _Inputs(mission, ingest, run_order, profile, model_path, seed_guidance, proposer_system)
 
 
-def resolve_devices(spec, *, ray: bool = False) -> list[Device]:
-    """The devices of a ``--gpus`` spec; a bad spec is an InputError located at ``--gpus``.
+def resolve_devices(spec, *, ray: bool = False, gpus_per_worker: int = 1,
+                    group_location: str = "--gpus-per-worker") -> list[Device]:
+    """The devices of a ``--gpus`` spec, one per worker (a group of ``gpus_per_worker`` GPUs
+    each); a bad spec is an InputError located at ``--gpus``, a group size that does not fit
+    it one located at ``group_location`` (the option, or the config key it came from).
     Under Ray (``--ray``) the spec is a GPU count or ``cpu:N``: Ray chooses the GPUs, so the
     devices are numbered by rank."""
     try:
         if ray:
-            kind, count = parse_ray_spec(spec)
-            return [Device(kind, rank, rank) for rank in range(count)]
-        return parse_gpus(spec)
+            kind, count = parse_ray_spec(spec, gpus_per_worker=gpus_per_worker)
+            return ray_devices(kind, count, gpus_per_worker)
+        return parse_gpus(spec, gpus_per_worker=gpus_per_worker)
+    except GroupSizeError as err:
+        raise InputError(str(err), group_location) from None
     except DeviceSpecError as err:
         raise InputError(str(err), "--gpus") from None
+
+
+def with_gpus_per_worker(config, gpus_per_worker: int | None):
+    """The config with ``--gpus-per-worker`` (when given) in ``model.gpus_per_worker``, so the
+    resolved config in run.json and the resume identity hold the group size the run used."""
+    if gpus_per_worker is None or gpus_per_worker == config.model.gpus_per_worker:
+        return config
+    model = msgspec.structs.replace(config.model, gpus_per_worker=gpus_per_worker)
+    return msgspec.structs.replace(config, model=model)
 
 
 def engine_factory_for(model_config, model_path: str):
@@ -131,7 +146,8 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     started_at = rundir.utc_now()
     config = with_mode(config, audit)
     if not isinstance(devices, list):
-        devices = resolve_devices(devices, ray=ray_address is not None)
+        devices = resolve_devices(devices, ray=ray_address is not None, gpus_per_worker=config.model.gpus_per_worker,
+                                  group_location="model.gpus_per_worker")
     if debug:
         devices = devices[:1]
 

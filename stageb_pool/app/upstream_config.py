@@ -48,7 +48,8 @@ SAME_KEYS = (
 DISTILL_KEYS = ("distill_size", "distill_seed", "distill_temperature")
 # Upstream keys with no effect in a rule search or here, and why (an import comment each).
 NO_EFFECT = {
-    "model.device_map": "each GPU runs its own worker with a whole model (choose GPUs with --gpus)",
+    "model.device_map": "each GPU runs its own worker with a whole model (choose GPUs with --gpus; a model larger "
+    "than one GPU: --gpus-per-worker)",
     "guidance.reset_on_rerun": "a run starts from guidance.path unless it is resumed (--resume)",
     "reflection": "not used by the rule search: the proposer is configured by rule_search.proposer_*",
     "output.group_report": "upstream ignores it",

@@ -48,8 +48,11 @@ def _build_transformers(device: Device, path, dtype, attn_implementation, trust_
     prepare_device(device)
     dtype = dtype or models.default_dtype(device.kind)
     attn = attn_implementation or models.default_attn_implementation(device.kind, dtype)
+    # A worker of more than one GPU shards its model over them; one GPU loads it whole, as always.
+    shard_over = device.torch_devices if device.group_size > 1 else None
     model, tokenizer, name = models.load(path, dtype=dtype, attn_implementation=attn,
-                                         trust_remote_code=trust_remote_code, device=device.torch_device)
+                                         trust_remote_code=trust_remote_code, device=device.torch_device,
+                                         shard_over=shard_over)
     return Engine(model, tokenizer, device, stop=stop, model_path=models.check_model_path(path), model_name=name)
 
 

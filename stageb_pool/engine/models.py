@@ -222,19 +222,25 @@ def is_vision_language(config: dict) -> bool:
 
 
 def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: bool = False,
-         device: str = "cpu"):
+         device: str = "cpu", shard_over: list[str] | None = None):
     """``(model, tokenizer, name)`` for a path accepted by ``check_model_path``, in ``dtype``,
-    with its weights placed directly on ``device`` (a torch device string).
+    with its weights placed directly on ``device`` (a torch device string), or, with
+    ``shard_over`` (the torch devices of a worker's GPU group), split over them by
+    ``sharding.layer_split_map``.
 
     A checkpoint that fails to load becomes an ``InputError`` naming the path.
     """
     resolved = check_model_path(path)
     _quiet_transformers()
     if resolved == "tiny":
-        from . import tiny
+        from . import sharding, tiny
 
         model, tokenizer = tiny.build(attn_implementation=attn_implementation)
+        if shard_over:
+            return sharding.dispatch(model.to(dtype=torch_dtype(dtype)), shard_over), tokenizer, tiny.NAME
         return model.to(device=device, dtype=torch_dtype(dtype)), tokenizer, tiny.NAME
+    if shard_over:
+        device = shard_over  # _load_dir and _load_gguf turn a device list into the layer map
     try:
         if resolved == "embedded":
             model, tokenizer = _load_dir(ensure_embedded(), dtype, attn_implementation, trust_remote_code, device)
@@ -269,7 +275,20 @@ def _quiet_transformers() -> None:
     tqdm.tqdm.monitor_interval = 0
 
 
-def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_code: bool, device: str):
+def _device_map(device: str | list[str], cls, config_source: dict, trust_remote_code: bool):
+    """``device`` as from_pretrained's ``device_map``: a device string as it is, a list of
+    devices (a GPU group) as the layer map computed on a weightless copy of the model."""
+    if isinstance(device, str):
+        return device
+    from transformers import AutoConfig
+
+    from . import sharding
+
+    config = AutoConfig.from_pretrained(**config_source, trust_remote_code=trust_remote_code)
+    return sharding.layer_split_map(sharding.empty_model(config, cls, trust_remote_code=trust_remote_code), device)
+
+
+def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_code: bool, device: str | list[str]):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = read_config(folder)
@@ -279,7 +298,7 @@ def _load_dir(folder: Path, dtype: str, attn_implementation: str, trust_remote_c
         dtype=torch_dtype(dtype),
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
-        device_map=device,
+        device_map=_device_map(device, cls, {"pretrained_model_name_or_path": folder}, trust_remote_code),
     )
     return model.eval(), load_tokenizer(folder, trust_remote_code)
 
@@ -305,12 +324,13 @@ def _processor_chat_template(folder: Path) -> str | None:
     return None
 
 
-def _load_gguf(path: Path, dtype: str, attn_implementation: str, device: str):
+def _load_gguf(path: Path, dtype: str, attn_implementation: str, device: str | list[str]):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    source = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch_dtype(dtype), attn_implementation=attn_implementation,
-        device_map=device,
+        device_map=_device_map(device, AutoModelForCausalLM, source, False),
     )
     return model.eval(), tokenizer

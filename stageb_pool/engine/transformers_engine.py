@@ -26,7 +26,7 @@ import torch
 from ..pool.devices import Device
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
-from . import chat_text, models, verdict_scoring
+from . import chat_text, models, sharding, verdict_scoring
 from .constrained import Grammars, verdict_line_regex
 from .records import (
     ChatRequest,
@@ -104,7 +104,16 @@ class Engine:
             "attn_implementation": self.attn_implementation,
             "stop": self.stop_strings,
             "llguidance": importlib.metadata.version("llguidance"),  # constrained decoding
+            **self.sharding_facts(),
         }
+
+    def sharding_facts(self) -> dict:
+        """How the model is spread over the worker's GPU group: part of the identity, since
+        another group size may give other bits. Nothing for one GPU, so the identity (and the
+        rollout cache key) of a one-GPU worker is what it was before groups existed."""
+        if self.device.group_size == 1:
+            return {}
+        return {"gpus_per_worker": self.device.group_size, "sharding": sharding.SHARDING}
 
     # ------------------------------------------------------------ rollout
 

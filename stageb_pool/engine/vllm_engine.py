@@ -4,7 +4,10 @@ attention and prefix caching.
 
 It runs inside the pool worker: the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so a killed or timed-out worker leaves no grandchild holding the device, and vllm is imported
-only here, in the worker, after the fork.
+only here, in the worker, after the fork. A worker of a GPU group (``model.gpus_per_worker``
+> 1) is the exception: vLLM shards the model with ``tensor_parallel_size`` = the group size
+and its own multiprocessing executor, whose shard processes are the worker's children
+(vLLM stops them when the worker exits; a SIGKILLed worker relies on vLLM's own watchdog).
 
 Determinism (docs/architecture.md, "Determinism contract"):
 - one ``generate`` per chunk with one request per (ticket, decode, sample), each with its own
@@ -64,6 +67,25 @@ def prepare_environment(device: Device, threads: int) -> None:
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
 
+def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
+    """The pinned ``vllm.LLM`` arguments of a worker on ``device`` (the model's own come after)."""
+    args = dict(
+        dtype=dtype, enforce_eager=True, max_model_len=settings.max_model_len,
+        kv_cache_memory_bytes=int(settings.kv_cache_gib * GIB), enable_prefix_caching=True,
+        enable_chunked_prefill=False, max_num_seqs=settings.max_num_seqs, seed=0,
+        generation_config="vllm",  # the checkpoint's sampling defaults never apply
+    )
+    if settings.block_size is not None:
+        args["block_size"] = settings.block_size
+    if device.group_size > 1:
+        # The worker's GPU group (its CUDA_VISIBLE_DEVICES) as vLLM's tensor-parallel group,
+        # run by vLLM's own multiprocessing executor (see the module docstring); the pool
+        # itself never touches torch.distributed.
+        args["tensor_parallel_size"] = device.group_size
+        args["distributed_executor_backend"] = "mp"
+    return args
+
+
 def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, stop: list[str] | None = None,
                       trust_remote_code: bool = False, settings: VllmSettings = VllmSettings()) -> VllmEngine:
     """Load ``path`` into an in-process vLLM engine on ``device`` (called in the worker)."""
@@ -73,14 +95,7 @@ def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, st
     tokenizer = models.load_tokenizer(folder, trust_remote_code)
     models.require_chat_template(tokenizer, path)
     dtype = dtype or models.default_dtype(device.kind)
-    args = dict(
-        dtype=dtype, enforce_eager=True, max_model_len=settings.max_model_len,
-        kv_cache_memory_bytes=int(settings.kv_cache_gib * GIB), enable_prefix_caching=True,
-        enable_chunked_prefill=False, max_num_seqs=settings.max_num_seqs, seed=0,
-        generation_config="vllm",  # the checkpoint's sampling defaults never apply
-    )
-    if settings.block_size is not None:
-        args["block_size"] = settings.block_size
+    args = llm_args(device, settings, dtype)
     config = models.read_config(folder)
     if models.is_vision_language(config):
         args["limit_mm_per_prompt"] = {"image": 0, "video": 0}  # Qwen-VL checkpoints, text only
@@ -132,7 +147,9 @@ class VllmEngine:
             "model": self.model_name,
             "stop": self.stop_strings,
             "llguidance": importlib.metadata.version("llguidance"),
-            "vllm_settings": self.settings,
+            "vllm_settings": self.settings,  # holds tensor_parallel_size for a group of GPUs
+            **({"gpus_per_worker": self.device.group_size, "sharding": "tensor_parallel"}
+               if self.device.group_size > 1 else {}),
         }
 
     # ------------------------------------------------------------ rollout

@@ -3,6 +3,10 @@
 The parent must never initialise CUDA (a forked child could not use it), so GPUs are
 counted from the driver's /proc entries or ``nvidia-smi``, never through torch.cuda.
 
+A worker may hold a group of GPUs (``gpus_per_worker``, issue 25): a judge too large for one
+GPU is sharded over the group by the worker's engine, and the pool keeps one worker per group.
+Groups are contiguous in the spec's order (``0-7`` in pairs: 0,1 / 2,3 / 4,5 / 6,7).
+
 A spec is untrusted input: only ASCII digits count as numbers, GPU ranges are checked
 against the GPUs present before anything is expanded, at most ``MAX_CPU_WORKERS`` CPU
 workers may be asked for, and every problem is a ``DeviceSpecError`` that quotes at most
@@ -24,45 +28,89 @@ MAX_CPU_WORKERS = 64
 # Workers one Ray pool may ask for (GPUs of a cluster, or CPU workers); far above any cluster
 # this project runs on, and it keeps a typo from building a huge placement request.
 MAX_RAY_WORKERS = 4096
+# GPUs one worker may hold. The largest single machines have 16 GPUs; more than that in
+# one group would have to span nodes, which a group never does.
+MAX_GPUS_PER_WORKER = 16
 
 
 class DeviceSpecError(ValueError):
     """A ``--gpus`` spec that cannot be read or names devices that do not exist."""
 
 
-class Device(msgspec.Struct, frozen=True):
-    """A worker's device. ``index`` is the physical GPU index (as the user wrote it) or the
-    CPU worker's number; ``rank`` is the worker's position in the pool; ``threads`` is the
-    torch intra-op thread count the worker sets before its first torch op.
+class GroupSizeError(DeviceSpecError):
+    """A GPUs-per-worker value that does not fit the spec (not a divisor of its GPU count,
+    or a CPU spec); the CLI locates it at ``--gpus-per-worker`` (or the config key)."""
 
-    ``ordinal`` is the number torch gives this GPU in the engine's process: 0 in a worker
-    process, which sees only its own GPU (CUDA_VISIBLE_DEVICES); ``index`` in inline mode,
-    where the engine runs in the parent, which sees every GPU of the spec."""
+
+class Device(msgspec.Struct, frozen=True):
+    """A worker's device. ``index`` is the physical GPU index (as the user wrote it; the
+    first GPU of a group) or the CPU worker's number; ``rank`` is the worker's position in
+    the pool; ``threads`` is the torch intra-op thread count the worker sets before its
+    first torch op.
+
+    ``group``: every GPU of a worker that holds more than one, in order (``index`` is the
+    first); ``()`` for a one-GPU or CPU worker, so a one-GPU Device is exactly what it was
+    before groups existed (same name, same mask, same threads; its JSON adds `group: []` and
+    `in_parent: false`).
+
+    ``ordinal`` is the number torch gives the (first) GPU in the engine's process: 0 in a
+    worker process, which sees only its own GPUs (CUDA_VISIBLE_DEVICES); ``index`` in inline
+    mode, where the engine runs in the parent, which sees every GPU of the spec."""
 
     kind: str  # "cuda" | "cpu"
     index: int
     rank: int
     threads: int = 1
     ordinal: int = 0
+    group: tuple[int, ...] = ()
+    in_parent: bool = False  # set by in_this_process: the engine runs in the parent (inline)
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """The physical GPUs this worker holds (one for an ungrouped GPU worker, none on CPU)."""
+        if self.kind != "cuda":
+            return ()
+        return self.group or (self.index,)
+
+    @property
+    def group_size(self) -> int:
+        """GPUs per worker: 1 for an ungrouped GPU worker and for a CPU worker."""
+        return max(1, len(self.gpus))
 
     @property
     def name(self) -> str:
+        if len(self.gpus) > 1:
+            return f"{self.kind}:{','.join(str(g) for g in self.gpus)}"
         return f"{self.kind}:{self.index}"
 
     @property
     def torch_device(self) -> str:
+        """The device the engine puts its inputs on: the (first) GPU of the worker, or cpu."""
         return f"cuda:{self.ordinal}" if self.kind == "cuda" else "cpu"
+
+    @property
+    def torch_devices(self) -> list[str]:
+        """Every GPU of the worker as torch numbers it in the engine's process: cuda:0..n-1
+        in a worker process (its CUDA_VISIBLE_DEVICES lists just its group); the physical
+        indices in inline mode (``in_parent``: the parent sees every GPU of the spec)."""
+        if self.kind != "cuda":
+            return ["cpu"]
+        if self.in_parent:
+            return [f"cuda:{g}" for g in self.gpus]
+        return [f"cuda:{self.ordinal + i}" for i in range(len(self.gpus))]
 
     def in_this_process(self) -> Device:
         """This device as seen by an engine built in the parent itself (inline mode)."""
-        return msgspec.structs.replace(self, ordinal=self.index if self.kind == "cuda" else 0)
+        return msgspec.structs.replace(self, ordinal=self.index if self.kind == "cuda" else 0, in_parent=True)
 
     def visible_devices(self) -> str:
-        """The CUDA_VISIBLE_DEVICES value for this worker, relative to the parent's own."""
+        """The CUDA_VISIBLE_DEVICES value for this worker, relative to the parent's own:
+        its GPUs, comma-separated, as the parent's mask names them."""
         parent = os.environ.get("CUDA_VISIBLE_DEVICES")
         if parent is None:
-            return str(self.index)
-        return [d.strip() for d in parent.split(",") if d.strip()][self.index]
+            return ",".join(str(g) for g in self.gpus)
+        visible = [d.strip() for d in parent.split(",") if d.strip()]
+        return ",".join(visible[g] for g in self.gpus)
 
 
 def available_cpus() -> int:
@@ -84,6 +132,34 @@ def count_gpus() -> int:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
         return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
     return 0
+
+
+def gpu_memory_bytes() -> dict[int, int] | None:
+    """Total memory of each GPU this process may use, by the index ``--gpus`` gives it
+    (relative to CUDA_VISIBLE_DEVICES), read with ``nvidia-smi``, never through torch.cuda;
+    None when it cannot be read (no driver, no nvidia-smi, a mask naming unknown GPUs)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    by_name: dict[str, int] = {}
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[2].isascii() and parts[2].isdigit():
+            mib = int(parts[2]) * 2**20
+            by_name[parts[0]] = by_name[parts[1]] = mib  # a mask may name a GPU by index or UUID
+    if out.returncode != 0 or not by_name:
+        return None
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if parent is None:
+        return {int(k): v for k, v in by_name.items() if k.isascii() and k.isdigit()}
+    names = [d.strip() for d in parent.split(",") if d.strip() and d.strip() != "-1"]
+    if not all(name in by_name for name in names):
+        return None
+    return {i: by_name[name] for i, name in enumerate(names)}
 
 
 _NUMBER = "([0-9]+)"  # ASCII digits only: str.isdigit accepts "²", and int() and \d accept "٣"
@@ -125,6 +201,31 @@ def _gpu_ranges(spec: str) -> list[tuple[int, int, str]]:
     return ranges
 
 
+def check_gpus_per_worker(gpus_per_worker) -> int:
+    """``gpus_per_worker`` as an int in 1..``MAX_GPUS_PER_WORKER``, or a DeviceSpecError."""
+    if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, int) \
+            or not 1 <= gpus_per_worker <= MAX_GPUS_PER_WORKER:
+        raise GroupSizeError(f"GPUs per worker must be a whole number from 1 to {MAX_GPUS_PER_WORKER}, "
+                             f"got {_quote(str(gpus_per_worker))}")
+    return gpus_per_worker
+
+
+def _refuse_cpu_groups(spec: str, gpus_per_worker: int) -> None:
+    # Refused rather than ignored: a config written for 2-GPU groups run on cpu:N would
+    # otherwise silently change its engine identity (group size) and so its results.
+    if gpus_per_worker != 1:
+        raise GroupSizeError(f"{_quote(spec)}: GPUs per worker ({gpus_per_worker}) applies to GPU workers only; "
+                             "each CPU worker holds one whole model (leave it at 1 with cpu or cpu:N)")
+
+
+def _check_multiple(count: int, gpus_per_worker: int, what: str) -> None:
+    if count % gpus_per_worker:
+        below = count - count % gpus_per_worker
+        hint = f"use {below} GPUs or" if below else "name more GPUs or use"
+        raise GroupSizeError(f"{what} {count} GPU{'s' if count != 1 else ''}, not a multiple of {gpus_per_worker} "
+                             f"GPUs per worker ({hint} a group size that divides {count})")
+
+
 def _cpu_devices(spec: str, cpus: int) -> list[Device]:
     m = _CPU.fullmatch(spec)
     n = 1 if m.group(1) is None else _int(m.group(1))
@@ -136,14 +237,18 @@ def _cpu_devices(spec: str, cpus: int) -> list[Device]:
     return [Device("cpu", i, i, threads) for i in range(n)]
 
 
-def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> list[Device]:
+def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpus_per_worker: int = 1) -> list[Device]:
     """``"0-7"``, ``"0,2,5-6"``, ``"0"``, ``[0, 1]``, ``"cpu"`` (one CPU worker), ``"cpu:N"``.
 
     GPU indices are checked against the GPUs that exist (``gpu_count``, counted when not
     given); an index that does not exist is an error naming the ones that do.
     CPU workers (at most ``MAX_CPU_WORKERS``) split the available cores between them (at
     least one thread each).
+
+    ``gpus_per_worker``: one worker per group of that many GPUs, contiguous in the spec's
+    order; the GPU count must be a multiple of it, and a CPU spec takes only 1.
     """
+    gpus_per_worker = check_gpus_per_worker(gpus_per_worker)
     if isinstance(spec, int):
         spec = str(spec)
     if isinstance(spec, list):
@@ -153,6 +258,7 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> 
     if spec == "cpu" or spec.startswith("cpu:"):
         if not _CPU.fullmatch(spec):
             raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
+        _refuse_cpu_groups(spec, gpus_per_worker)
         return _cpu_devices(spec, cpus)
     ranges = _gpu_ranges(spec)
     have = count_gpus() if gpu_count is None else gpu_count
@@ -164,18 +270,32 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None) -> 
     indices = [i for lo, hi, _ in ranges for i in range(lo, hi + 1)]
     if len(set(indices)) != len(indices):
         raise DeviceSpecError(f"GPU list {_quote(spec)} names a GPU twice")
-    threads = max(1, min(8, cpus // len(indices)))
-    return [Device("cuda", gpu, rank, threads) for rank, gpu in enumerate(indices)]
+    _check_multiple(len(indices), gpus_per_worker, f"--gpus {_quote(spec)} names")
+    if gpus_per_worker == 1:
+        threads = max(1, min(8, cpus // len(indices)))
+        return [Device("cuda", gpu, rank, threads) for rank, gpu in enumerate(indices)]
+    groups = [tuple(indices[i:i + gpus_per_worker]) for i in range(0, len(indices), gpus_per_worker)]
+    threads = max(1, min(8, cpus // len(groups)))  # one process per group: its threads, not its GPUs', count
+    return [Device("cuda", group[0], rank, threads, group=group) for rank, group in enumerate(groups)]
 
 
-def parse_ray_spec(spec: str | int | list[Device]) -> tuple[str, int]:
+def parse_ray_spec(spec: str | int | list[Device], *, gpus_per_worker: int = 1) -> tuple[str, int]:
     """``(kind, count)`` of a ``--gpus`` spec under the Ray backend, where Ray chooses the
-    GPUs: ``"32"`` (32 GPU workers anywhere in the cluster), ``"cpu"`` or ``"cpu:N"``; or of
-    a list of Device (only their kind and number count)."""
+    GPUs: ``"32"`` (32 GPUs anywhere in the cluster), ``"cpu"`` or ``"cpu:N"``; or of a list
+    of Device (only their kind, number and group size count). ``count`` is the number of
+    GPUs (or CPU workers): with ``gpus_per_worker`` G the pool has count / G workers, and
+    count must be a multiple of G (``ray_workers``)."""
+    gpus_per_worker = check_gpus_per_worker(gpus_per_worker)
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(d, Device) for d in spec):
         if len({d.kind for d in spec}) > 1:
             raise DeviceSpecError("a Ray pool's workers are all GPU workers or all CPU workers")
-        spec = f"cpu:{len(spec)}" if spec[0].kind == "cpu" else str(len(spec))
+        if len({d.group_size for d in spec}) > 1:
+            raise GroupSizeError("a Ray pool's GPU workers all hold the same number of GPUs")
+        if spec[0].kind == "cuda" and spec[0].group_size > 1:
+            if gpus_per_worker not in (1, spec[0].group_size):
+                raise GroupSizeError(f"the devices hold {spec[0].group_size} GPUs each, not {gpus_per_worker}")
+            gpus_per_worker = spec[0].group_size
+        spec = f"cpu:{len(spec)}" if spec[0].kind == "cpu" else str(sum(d.group_size for d in spec))
     spec = str(spec).strip()
     if spec == "cpu" or spec.startswith("cpu:"):
         m = _CPU.fullmatch(spec)
@@ -188,6 +308,25 @@ def parse_ray_spec(spec: str | int | list[Device]) -> tuple[str, int]:
     if n is None or n < 1:
         raise DeviceSpecError(f"{_quote(spec)}: with Ray, the GPU spec is a count of GPUs N >= 1 "
                               "(Ray chooses which), cpu or cpu:N")
-    if n > MAX_RAY_WORKERS:
+    if n > MAX_RAY_WORKERS * (gpus_per_worker if kind == "cuda" else 1):
         raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_RAY_WORKERS} Ray workers")
+    if kind == "cpu":
+        _refuse_cpu_groups(spec, gpus_per_worker)
+    else:
+        _check_multiple(n, gpus_per_worker, "--gpus asks Ray for")
     return kind, n
+
+
+def ray_workers(kind: str, count: int, gpus_per_worker: int = 1) -> int:
+    """The number of workers of a Ray pool of ``count`` GPUs (or CPU workers)."""
+    return count // gpus_per_worker if kind == "cuda" else count
+
+
+def ray_devices(kind: str, count: int, gpus_per_worker: int = 1, threads: int = 1) -> list[Device]:
+    """The devices of a Ray pool of ``count`` GPUs (or CPU workers), numbered by rank: Ray
+    chooses the physical GPUs, so a group's GPUs are numbered in rank order (rank r holds
+    r*G .. r*G+G-1 of the plan; ``Pool.placement`` tells which GPUs they are)."""
+    if kind != "cuda" or gpus_per_worker == 1:
+        return [Device(kind, rank, rank, threads) for rank in range(count)]
+    return [Device(kind, first, rank, threads, group=tuple(range(first, first + gpus_per_worker)))
+            for rank, first in enumerate(range(0, count, gpus_per_worker))]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .devices import Device, parse_gpus, parse_ray_spec
+from .devices import Device, DeviceSpecError, check_gpus_per_worker, parse_gpus, parse_ray_spec, ray_workers
 from .dispatch import Dispatcher
 from .errors import FrameTooLarge, PoolError, TaskCancelled
 from .forked import ForkedTransport
@@ -45,12 +45,17 @@ class Pool:
     or ``"cpu:N"``, and the workers are reserved within ``placement_timeout`` seconds or the
     pool fails naming the resources. Workers whose ``engine.info()`` differ are refused.
     Everything else (errors, restarts, snapshots, order, results) is the same.
+
+    ``gpus_per_worker=G``: one worker per group of G GPUs (contiguous in the spec's order;
+    under Ray, G GPUs of one node in the worker's bundle), its ``Device.group`` listing them
+    and its CUDA_VISIBLE_DEVICES set to them; the engine shards its model over the group.
+    The GPU count must be a multiple of G; a CPU spec takes only G=1 (DeviceSpecError).
     """
 
     def __init__(self, engine_factory, gpus="cpu:2", *, task_timeout: float | None = 600.0,
                  start_timeout: float | None = 600.0, max_restarts: int = 0, inline: bool = False,
                  max_frame_bytes: int = MAX_FRAME_BYTES, backend: str = "fork", ray_address: str = "auto",
-                 placement_timeout: float = 60.0):
+                 placement_timeout: float = 60.0, gpus_per_worker: int = 1):
         task_timeout = _checked_timeout("task_timeout", task_timeout)
         start_timeout = _checked_timeout("start_timeout", start_timeout)
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
@@ -59,9 +64,10 @@ class Pool:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if inline and backend != "fork":
             raise ValueError("inline=True runs the engine in this process: it takes no backend")
-        ray_spec = parse_ray_spec(gpus) if backend == "ray" else None  # (kind, count): Ray picks GPUs
-        self.devices = [] if ray_spec else _devices(gpus)
-        self.size = ray_spec[1] if ray_spec else len(self.devices)
+        # Under Ray, (kind, count, GPUs per worker): Ray picks the GPUs.
+        ray_spec = _ray_spec(gpus, gpus_per_worker) if backend == "ray" else None
+        self.devices = [] if ray_spec else _devices(gpus, gpus_per_worker)
+        self.size = ray_workers(*ray_spec) if ray_spec else len(self.devices)
         self.max_frame = max_frame_bytes
         self.stats = PoolStats.empty(self.size)
         self._snapshots = SnapshotStore(max_frame_bytes)
@@ -258,7 +264,18 @@ def _checked_timeout(name: str, seconds) -> float | None:
     return float(seconds)
 
 
-def _devices(gpus) -> list[Device]:
+def _devices(gpus, gpus_per_worker: int) -> list[Device]:
     if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(d, Device) for d in gpus):
+        if check_gpus_per_worker(gpus_per_worker) != 1:
+            raise DeviceSpecError("gpus_per_worker goes with a spec; a list of Device carries its groups itself")
         return list(gpus)
-    return parse_gpus(gpus)
+    return parse_gpus(gpus, gpus_per_worker=gpus_per_worker)
+
+
+def _ray_spec(gpus, gpus_per_worker: int) -> tuple[str, int, int]:
+    """``(kind, GPU or CPU-worker count, GPUs per worker)`` of a Ray pool; a list of Device
+    brings its own group size."""
+    kind, count = parse_ray_spec(gpus, gpus_per_worker=gpus_per_worker)
+    if isinstance(gpus, (list, tuple)) and gpus and isinstance(gpus[0], Device):
+        gpus_per_worker = gpus[0].group_size
+    return kind, count, gpus_per_worker if kind == "cuda" else 1

@@ -14,7 +14,7 @@ import secrets
 import signal
 import sys
 
-from .devices import Device
+from .devices import Device, ray_devices, ray_workers
 from .errors import PoolError
 
 # Plain-text actor output, one line per line, never merged across workers; no usage stats.
@@ -118,28 +118,38 @@ def _apply_auth_env() -> None:
 
 
 # -- planning and placement ---------------------------------------------------------------------
-def plan_workers(ray, kind: str, count: int) -> tuple[list[Device], list[dict]]:
-    """The devices and the placement bundles of ``count`` workers of ``kind`` on this cluster.
+def plan_workers(ray, kind: str, count: int, gpus_per_worker: int = 1) -> tuple[list[Device], list[dict]]:
+    """The devices and the placement bundles of the workers of ``count`` GPUs (or ``count``
+    CPU workers) on this cluster.
 
-    A GPU worker reserves one GPU and the CPUs that go with it on the poorest GPU node
-    (CPUs // GPUs, at most 8; 0 on a cluster that declares more GPUs than CPUs); its torch
-    thread count is that, at least 1, as on one machine. CPU workers share the cluster's
-    CPUs (fractions when there are more workers than CPUs). ``Device.index`` is the rank:
-    which node and GPU it lands on is Ray's choice (``Pool.placement`` tells)."""
+    A GPU worker reserves its group of ``gpus_per_worker`` GPUs in one bundle (a bundle
+    always lands on one node, so a group never spans nodes) and the CPUs that go with them on
+    the poorest node that can hold a group (CPUs // GPUs per GPU, at most 8 per worker; 0 on a
+    cluster that declares more GPUs than CPUs); its torch thread count is that, at least 1,
+    as on one machine. CPU workers share the cluster's CPUs (fractions when there are more
+    workers than CPUs). ``Device.index`` is the rank (times the group size): which node and
+    GPUs it lands on is Ray's choice (``Pool.placement`` tells)."""
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    workers = ray_workers(kind, count, gpus_per_worker)
     if kind == "cuda":
-        per_gpu = [int(n.get("CPU", 0) // n["GPU"]) for n in nodes if n.get("GPU", 0) >= 1]
-        cpus = min(min(per_gpu, default=0), MAX_THREADS)
-        bundle = {"GPU": 1.0, **({"CPU": float(cpus)} if cpus else {})}
+        fitting = [n for n in nodes if n.get("GPU", 0) >= gpus_per_worker]
+        if not fitting:
+            largest = max((n.get("GPU", 0) for n in nodes), default=0)
+            raise PoolError(f"cannot place a worker of {gpus_per_worker} GPUs: a worker's GPUs must be on one node, "
+                            f"and no node of the cluster has {gpus_per_worker} (the largest has {largest:g}); "
+                            "use fewer GPUs per worker, or add a node with that many")
+        per_gpu = [int(n.get("CPU", 0) // n["GPU"]) for n in fitting]
+        cpus = min(min(per_gpu, default=0) * gpus_per_worker, MAX_THREADS)
+        bundle = {"GPU": float(gpus_per_worker), **({"CPU": float(cpus)} if cpus else {})}
         threads = max(1, cpus)
     else:
-        share = sum(n.get("CPU", 0) for n in nodes) / count
+        share = sum(n.get("CPU", 0) for n in nodes) / workers
         largest = max((n.get("CPU", 0) for n in nodes), default=0)
         cpus = min(math.floor(share), largest) if share >= 1 else round(share, 4)
         bundle = {"CPU": float(cpus) if cpus > 0 else 0.0001}
         threads = max(1, int(cpus))
-    devices = [Device(kind, rank, rank, threads) for rank in range(count)]
-    return devices, [dict(bundle) for _ in range(count)]
+    devices = ray_devices(kind, count, gpus_per_worker, threads)
+    return devices, [dict(bundle) for _ in range(workers)]
 
 
 def place(ray, bundles: list[dict], timeout: float, name: str):
@@ -161,6 +171,10 @@ def place(ray, bundles: list[dict], timeout: float, name: str):
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     if not any(all(n.get(k, 0.0) >= v for k, v in bundles[0].items()) for n in nodes):
         short.append(f"one node with {_show(bundles[0])}, and no node has that much")
+    elif not short and (fit := sum(_bundles_per_node(n, bundles[0]) for n in nodes)) < len(bundles):
+        # Enough in total but not per node: three nodes of 3 GPUs hold only three 2-GPU
+        # groups (a bundle, so a group, never spans nodes).
+        short.append(f"whole bundles on single nodes, and the nodes hold only {fit}")
     if short:
         raise PoolError(f"cannot place {len(bundles)} workers of {_show(bundles[0])} each: they need "
                         f"{'; '.join(short)} (ask for fewer workers, or add nodes with `ray start`)")
@@ -181,6 +195,11 @@ def remove_group(group) -> None:
     from ray.util.placement_group import remove_placement_group
 
     remove_placement_group(group)
+
+
+def _bundles_per_node(node: dict, bundle: dict) -> int:
+    """How many copies of ``bundle`` fit on a node with the resources ``node``."""
+    return int(min((node.get(k, 0.0) + 1e-9) // v for k, v in bundle.items() if v > 0))
 
 
 def _show(bundle: dict) -> str:

@@ -315,10 +315,17 @@ def provenance(*, worker_info: dict | None, model_path: str, chunk_size: int,
 
 
 def gpus_spec(devices) -> str:
-    """The ``--gpus`` spec that gives these devices, e.g. ``"cpu:3"`` or ``"0,2,5"``."""
+    """The ``--gpus`` spec that gives these devices, e.g. ``"cpu:3"`` or ``"0,2,5"`` (every
+    GPU of every group: ``"0,1,2,3"`` for two workers of two GPUs)."""
     if devices and devices[0].kind == "cpu":
         return f"cpu:{len(devices)}"
-    return ",".join(str(d.index) for d in devices)
+    return ",".join(str(gpu) for d in devices for gpu in d.gpus)
+
+
+def worker_layout(devices) -> list[dict]:
+    """Each worker's rank and the GPUs it holds (its group; [] on CPU), for run.json and
+    ``check``: ``[{"rank": 0, "device": "cuda:0,1", "gpus": [0, 1]}, ...]``."""
+    return [{"rank": d.rank, "device": d.name, "gpus": list(d.gpus)} for d in devices]
 
 
 def run_json_document(*, config, provenance: dict, devices, workers: int, debug: bool, started_at: str,
@@ -335,6 +342,8 @@ def run_json_document(*, config, provenance: dict, devices, workers: int, debug:
         "invocation": {
             "gpus": gpus_spec(devices),
             "workers": workers,
+            "gpus_per_worker": devices[0].group_size if devices else 1,
+            "layout": worker_layout(devices),
             "threads": devices[0].threads if devices else None,
             "debug": debug,
             "argv": argv,

@@ -64,6 +64,7 @@ class ModelConfig(_Section, kw_only=True):
     stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
     engine: Literal["transformers", "vllm"] = "transformers"  # the generation engine in each worker (vllm: bin/setup-vllm)
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)  # the vllm engine's pinned settings
+    gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker); the GPU count must be a multiple
 
 
 class PromptConfig(_Section, kw_only=True):
@@ -182,7 +183,8 @@ class Config(_Section, kw_only=True):
 LEGACY_KEYS: dict[str, str] = {
     "model.model_name_or_path": "replaced by model.path",
     "model.torch_dtype": "replaced by model.dtype",
-    "model.device_map": "no longer needed: each GPU runs its own worker with a full model (choose GPUs with --gpus)",
+    "model.device_map": "no longer needed: each GPU runs its own worker with a full model (choose GPUs with --gpus); "
+    "a model larger than one GPU is sharded over model.gpus_per_worker GPUs (or --gpus-per-worker)",
     "model.attn_impl": "replaced by model.attn_implementation",
     "jump_reflection": "replaced by mode: audit (or the --audit flag)",
     "default_domain": "replaced by prompt.domain, with prompt.profile: bbu_rru (the default profile, generic, "
