@@ -68,7 +68,7 @@ def test_the_defaults_model_a_7_8b_model_on_one_h100():
     # tokens takes about half a second, the proposer's 512 tokens about 5 s.
     d = SimulatedSettings()
     assert (d.prefill_tokens_per_s, d.decode_step_s, d.decode_tokens_per_s, d.request_overhead_s) == (
-        20_000.0, 0.009, 3_000.0, 0.02)
+        20_000.0, 0.009, 12_000.0, 0.02)
     assert sim.rollout_seconds(d, chunk(), [300] * 16) == pytest.approx(0.02 + 4800 / 20_000 + 20 * 0.009)
     assert sim.chat_seconds(d, 3000, 512) == pytest.approx(0.02 + 0.15 + 512 * 0.009)
 
@@ -165,3 +165,22 @@ def test_one_and_eight_simulated_workers_give_identical_artifacts(tmp_path):
     assert summary["edits_accepted"] >= 1  # the gate saw a real gain
     differences = diff_runs(*runs)
     assert differences == [], format_differences(differences, *map(str, runs))
+
+
+def test_the_proposer_does_not_depend_on_the_process_hash_seed():
+    # Ray actors are not forked from the parent: each has its own string hash seed, so an
+    # answer that followed a set's order would differ between workers (the bench found it).
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, scripted_engine as se\n"
+            "from stageb_pool.engine.simulated_engine import proposed_rules\n"
+            "blocks = [f'S{i}: ticket_key=K{i}::fail; gt_label=fail; baseline_majority=pass\\n'\n"
+            "          f'stage_a_summaries:\\n  - image_1: ' + ' '.join(f'word{j}x' for j in range(i, i + 9))\n"
+            "          for i in range(6)]\n"
+            "print(proposed_rules(blocks, '7/proposer/it1'))\n")
+    answers = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed},
+                              cwd=os.path.dirname(__file__)).stdout for seed in ("1", "2", "3")}
+    assert len(answers) == 1

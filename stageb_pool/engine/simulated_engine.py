@@ -220,8 +220,11 @@ def proposed_rules(examples: list[str], seed_key: str) -> str:
     words = [set(_WORD.findall(text)) for text in summaries]
     # The fewer examples share a word, the more it looks like a defect than like the
     # summaries' structure; a seeded draw orders the words that tie.
+    # The draws follow the sorted words, never a set's order (which changes with each process's
+    # hash seed: a Ray actor is not forked from the parent, and would draw in another order).
     rng = random.Random(stable_seed(seed_key, "simulated proposer"))
-    ranked = sorted({w for ws in words for w in ws}, key=lambda w: (sum(w in ws for ws in words), rng.random(), w))
+    draws = {w: rng.random() for w in sorted({w for ws in words for w in ws})}
+    ranked = sorted(draws, key=lambda w: (sum(w in ws for ws in words), draws[w], w))
     picked = ranked[:PROPOSED_RULES]
     return json.dumps({"operations": [
         {"op": "upsert", "text": f"If any photo shows {word}, the verdict is fail.",
