@@ -69,7 +69,7 @@ class SimulatedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
     prefill_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 20_000.0  # prompt tokens read per second
     decode_step_s: Annotated[float, Meta(gt=0, le=3600)] = 0.009  # one decoding step of a small batch
-    decode_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 3_000.0  # generated tokens per second of a full batch
+    decode_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 12_000.0  # generated tokens per second of a full batch
     request_overhead_s: Annotated[float, Meta(ge=0, le=3600)] = 0.02  # fixed cost of every request (scheduling, sampling)
     time_scale: Annotated[float, Meta(ge=0, le=1e6)] = 1.0  # slept = modelled x this (0: no sleep, for tests)
     noise: Annotated[float, Meta(ge=0, le=1)] = 0.05  # probability that a sample's verdict flips
