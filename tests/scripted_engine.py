@@ -1,11 +1,12 @@
 """A scripted test engine for the rule search: it follows the guidance rules deterministically.
 
 Tickets carry hidden features in their summaries (``rust``, ``crack``, ``dust``, ``clean``);
-a ticket's ground truth is fail iff it shows rust or crack. The engine judges a ticket
-*fail* when a rule of the guidance says "If any photo shows <feature>, the verdict is fail."
-and the ticket shows that feature, else *pass*; then each sample flips with probability
-``noise``, drawn from the chunk's work-derived seed and the ticket key (never from a rank,
-never from the guidance, so a baseline and its candidates see the same flips). A good rule
+a ticket's ground truth is fail iff it shows rust or crack. The verdicts are the package's
+rule judge (``stageb_pool.engine.rule_judge``, shared with the simulated engine): *fail* when
+a rule of the guidance says "If any photo shows <feature>, the verdict is fail." and the
+ticket shows that feature, else *pass*; then each sample flips with probability ``noise``,
+drawn from the chunk's work-derived seed and the ticket key (never from a rank, never from
+the guidance, so a baseline and its candidates see the same flips). A good rule
 (rust) really lowers the error, a harmful one (clean) really raises it. With a sampler's
 ``max_prompt_tokens`` a ticket whose text plus guidance (a token per 4 characters) is longer
 is dropped, so a longer guidance drops more tickets.
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import msgspec
 
+from stageb_pool.engine import rule_judge
 from stageb_pool.engine.records import (
     ChatRequest,
     ChatResult,
@@ -48,7 +50,6 @@ from stageb_pool.stageb.hashing import content_hash, stable_seed
 
 MISSION = "Cabinet inspection"
 FEATURES = ("rust", "crack", "dust", "clean")
-_RULE = re.compile(r"shows (\w+)[^.]*verdict is fail", re.IGNORECASE)
 _ITERATION = re.compile(r"/proposer/it(\d+)$")
 
 
@@ -107,26 +108,23 @@ class ScriptedEngine:
         chunk = msgspec.convert(chunk, RolloutChunk)
         self.calls.append((chunk.seed_key, chunk.chunk_index, content_hash(guidance)))
         self.generations += len(chunk.tickets) * len(chunk.grid) * chunk.samples_per_decode
-        fail_features = {m.lower() for text in guidance.values() for m in _RULE.findall(text)}
+        conditions = rule_judge.fail_conditions(guidance)
         guidance_tokens = sum(len(text) for text in guidance.values()) // 4
         out = []
         for ticket in chunk.tickets:
-            text = " ".join(ticket.per_image.values()).lower()
+            text = rule_judge.ticket_text(ticket)
             if chunk.max_prompt_tokens is not None:  # the prompt is the ticket plus the guidance
                 tokens = 20 + len(text) // 4 + guidance_tokens
                 if tokens > chunk.max_prompt_tokens:
                     out.append(TicketRollout(key=ticket.key, prompt_tokens=tokens, dropped=True))
                     continue
-            hit = sorted(f for f in fail_features if re.search(rf"\b{re.escape(f)}\b", text))
+            verdict, why = rule_judge.judge(conditions, text)
             samples = []
             for d, decode in enumerate(chunk.grid):
                 for s in range(chunk.samples_per_decode):
-                    rng = random.Random(stable_seed(chunk.seed_key, chunk.chunk_index, d, decode.seed, s, ticket.key))
-                    verdict = "fail" if hit else "pass"
-                    if rng.random() < self.noise:
-                        verdict = "pass" if verdict == "fail" else "fail"
-                    why = f"shows {hit[0]}" if hit else "nothing wrong"
-                    body = f"Verdict: {verdict}\nReason: {why}"
+                    flipped = rule_judge.sample_verdict(verdict, self.noise, chunk.seed_key, chunk.chunk_index, d,
+                                                        decode.seed, s, ticket.key)
+                    body = rule_judge.answer_text(flipped, why)
                     samples.append(Sample(decode_index=d, sample_index=s, text=body,
                                           completion_tokens=len(body) // 4, finish_reason="stop"))
             out.append(TicketRollout(key=ticket.key, prompt_tokens=20 + len(text) // 4, samples=samples))

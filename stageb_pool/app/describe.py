@@ -46,7 +46,8 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     lines += [(f"  {what}", ", ".join(f"{k} {n}" for k, n in counts.items()))
               for what, counts in (("converted", ingest.converted), ("ignored", ingest.ignored)) if counts]
     lines += [
-        ("model", inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}"),
+        ("model", (inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}")
+         + _engine_note(cfg.model)),
         ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),
         ("guidance", f"{cfg.guidance.path}: step {g.step}, {rules_summary(g.experiences)}: "
                      f"{', '.join(list(g.experiences)[:10])}{', ...' if len(g.experiences) > 10 else ''}"),
@@ -152,3 +153,12 @@ def _table(lines: list[tuple[str, str]]) -> str:
     key, mission or path)."""
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {capped(v)}" for k, v in lines)
+
+
+def _engine_note(model) -> str:
+    """What ``check`` adds to the model line for an engine other than transformers; the
+    simulated engine says it judges no ticket with that model."""
+    if model.engine == "simulated":
+        return (" (engine simulated: a latency model for benchmarks, not a model; only its tokenizer counts "
+                "the prompt tokens)")
+    return f" (engine {model.engine})" if model.engine != "transformers" else ""

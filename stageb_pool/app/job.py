@@ -124,6 +124,7 @@ def engine_factory_for(model_config, model_path: str):
             stop=model_config.stop,
             engine=model_config.engine,
             vllm=model_config.vllm,
+            simulated=model_config.simulated,
         )
 
     return build

@@ -13,24 +13,32 @@ import os
 import msgspec
 
 from ..pool.devices import Device
-from .records import ENGINES, VllmSettings
+from .records import ENGINES, SimulatedSettings, VllmSettings
 
 _DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 
 
 def build_engine(device, *, engine: str = "transformers", path: str = "embedded", dtype: str | None = None,
                  attn_implementation: str | None = None, trust_remote_code: bool = False,
-                 stop: list[str] | None = None, vllm: VllmSettings = VllmSettings()):
-    """The ``engine`` ("transformers" or "vllm") for ``device``, with the model at ``path``.
+                 stop: list[str] | None = None, vllm: VllmSettings = VllmSettings(),
+                 simulated: SimulatedSettings = SimulatedSettings()):
+    """The ``engine`` ("transformers", "vllm" or "simulated") for ``device``, with the model
+    at ``path``.
 
     ``path``: ``"embedded"``, ``"tiny"``, a checkpoint directory or (transformers only) a
     ``.gguf`` file. ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU;
     ``attn_implementation`` (transformers) to flash_attention_2 when installed, on CUDA with
-    a 16-bit dtype, else sdpa. ``vllm``: the vLLM engine's pinned settings.
+    a 16-bit dtype, else sdpa. ``vllm``: the vLLM engine's pinned settings. ``simulated``:
+    the simulated engine's latency model (it loads no model, only ``path``'s tokenizer, and
+    never touches torch).
     """
     device = device if isinstance(device, Device) else msgspec.convert(device, Device)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
+    if engine == "simulated":
+        from .simulated_engine import build_simulated_engine
+
+        return build_simulated_engine(device, path=path, settings=simulated)
     if device.kind == "cuda":
         _pin_cuda_environment()
     if engine == "vllm":

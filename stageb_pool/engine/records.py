@@ -45,7 +45,7 @@ class SamplerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     constrain_verdict: bool = False
 
 
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "simulated")
 
 
 class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -60,6 +60,19 @@ class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     # low bits with another thread count, so following the cores (as transformers does)
     # would make cpu:1 and cpu:2 differ. None: the cores / workers share, as transformers.
     cpu_threads: Annotated[int, Meta(ge=1, le=4096)] | None = 1
+
+
+class SimulatedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The simulated engine's latency model (the config's ``model.simulated``; see
+    ``simulated_engine`` and docs/performance.md for the formula and where the defaults come
+    from: a vLLM-served 7-8B model on one H100). None of these changes a result's bytes."""
+
+    prefill_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 20_000.0  # prompt tokens read per second
+    decode_step_s: Annotated[float, Meta(gt=0, le=3600)] = 0.009  # one decoding step of a small batch
+    decode_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 12_000.0  # generated tokens per second of a full batch
+    request_overhead_s: Annotated[float, Meta(ge=0, le=3600)] = 0.02  # fixed cost of every request (scheduling, sampling)
+    time_scale: Annotated[float, Meta(ge=0, le=1e6)] = 1.0  # slept = modelled x this (0: no sleep, for tests)
+    noise: Annotated[float, Meta(ge=0, le=1)] = 0.05  # probability that a sample's verdict flips
 
 
 class RolloutChunk(msgspec.Struct, frozen=True):

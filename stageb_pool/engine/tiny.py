@@ -10,9 +10,11 @@ Byte-level decoding of random tokens can give ``\\ufffd`` and control characters
 
 from __future__ import annotations
 
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+# torch and transformers are imported inside the functions that need them: the simulated
+# engine counts tokens with the bare BPE (``build_bpe``) in every worker, and importing
+# them would cost each worker seconds of CPU.
 
 NAME = "tiny-qwen2"
 VOCAB_SIZE = 1024
@@ -51,9 +53,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on ``CORPUS`` (deterministic for a fixed tokenizers version),
-    ChatML chat template, left padding, eos ``<|im_end|>``."""
+def build_bpe() -> Tokenizer:
+    """The bare byte-level BPE trained on ``CORPUS`` (deterministic for a fixed tokenizers
+    version), without the transformers wrapper."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -65,8 +67,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def build_tokenizer():
+    """``build_bpe`` as a transformers ``PreTrainedTokenizerFast``: ChatML chat template, left
+    padding, eos ``<|im_end|>``."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=build_bpe(),
         bos_token="<|bos|>",
         eos_token="<|im_end|>",
         pad_token="<|pad|>",
@@ -75,13 +85,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer, *, seed: int = 0, attn_implementation: str = "sdpa", heads: int = 4) -> Qwen2ForCausalLM:
+def build_model(tokenizer, *, seed: int = 0, attn_implementation: str = "sdpa", heads: int = 4):
     """A 2-layer, hidden-64 Qwen2 whose weights depend only on ``seed``. ``heads`` sets the
     head size (64 / heads): 4 gives 16; vLLM's CPU attention needs 32 (``heads=2``).
 
     The global torch RNG is saved and restored around construction, so building the model
     never shifts the random numbers of the caller (the rollout seeds).
     """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=64,

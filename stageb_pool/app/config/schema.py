@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
-from ...engine.records import SamplerConfig, VllmSettings
+from ...engine.records import SamplerConfig, SimulatedSettings, VllmSettings
 
 # Constrained scalar types: msgspec checks these while converting and reports the key path.
 # Every number has an upper bound too: a value past it is a typo or an attack (a timeout of
@@ -62,9 +62,11 @@ class ModelConfig(_Section, kw_only=True):
     attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None: transformers' default
     trust_remote_code: bool = False  # passed to transformers when loading a checkpoint
     stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
-    engine: Literal["transformers", "vllm"] = "transformers"  # the generation engine in each worker (vllm: bin/setup-vllm)
+    # the generation engine in each worker (vllm: bin/setup-vllm; simulated: a latency model for benchmarks, not a model)
+    engine: Literal["transformers", "vllm", "simulated"] = "transformers"
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)  # the vllm engine's pinned settings
     gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker); the GPU count must be a multiple
+    simulated: SimulatedSettings = msgspec.field(default_factory=SimulatedSettings)  # the simulated engine's latency model
 
 
 class PromptConfig(_Section, kw_only=True):

@@ -1,0 +1,236 @@
+"""The simulated engine (``model.engine: simulated``): a latency model, not a model. It is a
+benchmarking tool: it answers every request the real engines answer, with deterministic
+verdicts, and sleeps the time a GPU serving a 7-8B model would take, so the whole rule search
+runs at the pace of N GPUs on a machine that has none (a sleeping worker uses no CPU, so 64
+of them fit two cores).
+
+Verdicts: ``rule_judge`` (the guidance's "If any photo shows X, the verdict is fail." rules,
+each sample flipped with probability ``noise`` by a work-derived seed), so a rule on a
+feature that goes with the labels really lowers the error and the gate accepts it.
+
+The proposer: from the examples it is shown (the most confidently wrong tickets), the
+``PROPOSED_RULES`` words of the falsely passed tickets' summaries that the fewest of them
+share (a word every example has is the summaries' structure, not a defect; ties ordered by a
+draw seeded by the request's seed key), each as "If any photo shows <word>, the verdict is
+fail.". Some are real defects and pass the gate, others are rejected: the loop does the work
+of a real search.
+
+The latency model (documented with its sources in docs/performance.md), per request:
+
+    seconds = request_overhead_s + sum over generate batches of
+              ( prompt tokens of the batch / prefill_tokens_per_s
+              + new tokens x max(decode_step_s, rows / decode_tokens_per_s) )
+
+A rollout chunk is one batch per (decode, sample) over its kept tickets (as the transformers
+engine generates it); a batch runs until its longest row stops, modelled as the decode's
+``max_new_tokens``. The proposer call is one batch of one row with its own prompt and
+``max_new_tokens``; the headroom check (verdict probabilities) is a prefill only. Prompt
+tokens are counted with the configured model's own tokenizer (``token_counter``) on the
+rendered messages, plus the chat template's few tokens per message (``CHAT_TOKENS_PER_MESSAGE``),
+so tickets with longer summaries cost more and a longer guidance costs every prompt more.
+The engine sleeps ``seconds x time_scale``; ``modelled_s`` adds up the unscaled seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+import msgspec
+
+from ..pool.devices import Device
+from ..stageb import prompts
+from ..stageb.hashing import stable_seed
+from . import chat_text, rule_judge
+from .records import (
+    ChatRequest,
+    ChatResult,
+    ChunkResult,
+    RolloutChunk,
+    Sample,
+    SimulatedSettings,
+    TicketRollout,
+    TicketVerdictProbability,
+    VerdictChunk,
+    VerdictChunkResult,
+)
+
+# ChatML wraps a message as "<|im_start|>role\n" ... "<|im_end|>\n" and the generation prompt
+# is "<|im_start|>assistant\n": a few tokens that rendering through the chat template (with
+# transformers, seconds of CPU in every worker) would count exactly.
+CHAT_TOKENS_PER_MESSAGE = 5
+GENERATION_PROMPT_TOKENS = 3
+PROPOSED_RULES = 3
+_EXAMPLE = re.compile(r"gt_label=(\w+); baseline_majority=(\w+)")
+_WORD = re.compile(r"[a-z]{4,}")
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def batch_seconds(settings: SimulatedSettings, prompt_tokens: list[int], new_tokens: int) -> float:
+    """Modelled seconds of one generate batch: its rows' prompts prefilled, then
+    ``new_tokens`` decoding steps of ``len(prompt_tokens)`` rows (``new_tokens=0``: prefill only)."""
+    rows = len(prompt_tokens)
+    if rows == 0:
+        return 0.0
+    step = max(settings.decode_step_s, rows / settings.decode_tokens_per_s)
+    return sum(prompt_tokens) / settings.prefill_tokens_per_s + new_tokens * step
+
+
+def rollout_seconds(settings: SimulatedSettings, chunk: RolloutChunk, kept_prompt_tokens: list[int]) -> float:
+    """Modelled seconds of a rollout chunk whose kept tickets have ``kept_prompt_tokens``."""
+    batches = sum(batch_seconds(settings, kept_prompt_tokens, decode.max_new_tokens) * chunk.samples_per_decode
+                  for decode in chunk.grid)
+    return settings.request_overhead_s + batches
+
+
+def chat_seconds(settings: SimulatedSettings, prompt_tokens: int, new_tokens: int) -> float:
+    """Modelled seconds of the proposer call: one row, its prompt, ``new_tokens`` steps."""
+    return settings.request_overhead_s + batch_seconds(settings, [prompt_tokens], new_tokens)
+
+
+# ----------------------------------------------------------------------------- token counts
+
+
+def token_counter(path: str):
+    """``count(texts) -> [tokens per text]`` with the tokenizer of ``model.path`` (as
+    ``models.check_model_path`` resolved it), loaded cheaply: the bare ``tokenizers`` BPE of
+    the tiny model or a checkpoint's ``tokenizer.json`` (the embedded model's converted copy
+    included); only a model without one (a .gguf file) loads the transformers tokenizer."""
+    from tokenizers import Tokenizer
+
+    from . import models, tiny
+
+    if path == "tiny":
+        fast = tiny.build_bpe()
+    else:
+        folder = models.ensure_embedded() if path == "embedded" else Path(path)
+        fast = Tokenizer.from_file(str(folder / "tokenizer.json")) if (folder / "tokenizer.json").is_file() else None
+    if fast is not None:
+        return lambda texts: [len(e.ids) for e in fast.encode_batch(list(texts), add_special_tokens=False)]
+    slow = models.tokenizer_only(path)
+    return lambda texts: [len(ids) for ids in slow(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class SimulatedEngine:
+    """The simulated engine on one (pretend) device: the real engines' methods, verdicts from
+    ``rule_judge``, a sleep from the latency model. ``count`` is a ``token_counter``."""
+
+    def __init__(self, device: Device, count, *, settings: SimulatedSettings = SimulatedSettings(),
+                 model_path: str = ""):
+        self.device = device
+        self.count = count
+        self.settings = settings
+        self.model_path = model_path
+        self.modelled_s = 0.0  # unscaled modelled seconds of every request so far
+
+    def info(self) -> dict:
+        """Provenance recorded in run.json: that this is a simulation, and its latency model."""
+        return {"engine": "simulated", "model": "none: the simulated engine (a latency model, not a model)",
+                "model_path": self.model_path, "simulated": msgspec.to_builtins(self.settings)}
+
+    def message_tokens(self, messages: list[dict]) -> int:
+        return self.messages_tokens([messages])[0]
+
+    def messages_tokens(self, conversations: list[list[dict]]) -> list[int]:
+        """Prompt tokens of each conversation (its contents, plus the chat template's tokens)."""
+        contents = [m["content"] for messages in conversations for m in messages]
+        counts = iter(self.count(contents))
+        return [sum(next(counts) + CHAT_TOKENS_PER_MESSAGE for _ in messages) + GENERATION_PROMPT_TOKENS
+                for messages in conversations]
+
+    def _prompt_tokens(self, tickets, guidance: dict[str, str], profile) -> list[int]:
+        return self.messages_tokens([prompts.build_messages(profile, guidance, t) for t in tickets])
+
+    def _sleep(self, seconds: float) -> None:
+        self.modelled_s += seconds
+        if self.settings.time_scale > 0:
+            time.sleep(seconds * self.settings.time_scale)
+
+    def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: prompts.PromptProfile) -> ChunkResult:
+        """Every sample of every kept ticket of ``chunk`` judged by ``rule_judge``; tickets over
+        ``max_prompt_tokens`` come back dropped. Sleeps the chunk's modelled time."""
+        start = time.perf_counter()
+        lengths = self._prompt_tokens(chunk.tickets, guidance, profile)
+        limit = chunk.max_prompt_tokens
+        conditions = rule_judge.fail_conditions(guidance)
+        tickets, generated, kept = [], 0, []
+        for ticket, n in zip(chunk.tickets, lengths):
+            if limit is not None and n > limit:
+                tickets.append(TicketRollout(ticket.key, n, dropped=True))
+                continue
+            kept.append(n)
+            verdict, why = rule_judge.judge(conditions, rule_judge.ticket_text(ticket))
+            texts = [rule_judge.answer_text(rule_judge.sample_verdict(verdict, self.settings.noise, chunk.seed_key,
+                                                                      chunk.chunk_index, d, decode.seed, s, ticket.key),
+                                            why, profile.verdict)
+                     for d, decode in enumerate(chunk.grid) for s in range(chunk.samples_per_decode)]
+            samples = [Sample(i // chunk.samples_per_decode, i % chunk.samples_per_decode, text, tokens, "stop")
+                       for i, (text, tokens) in enumerate(zip(texts, self.count(texts)))]
+            generated += sum(s.completion_tokens for s in samples)
+            tickets.append(TicketRollout(ticket.key, n, samples=samples))
+        self._sleep(rollout_seconds(self.settings, chunk, kept))
+        return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - start)
+
+    def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
+                              profile: prompts.PromptProfile) -> VerdictChunkResult:
+        """P(pass) from the rule judge's verdict (0.8 pass, 0.2 fail) plus a little noise from
+        the ticket key; a prefill of the kept prompts."""
+        start = time.perf_counter()
+        lengths = self._prompt_tokens(chunk.tickets, guidance, profile)
+        conditions = rule_judge.fail_conditions(guidance)
+        out, kept = [], []
+        for ticket, n in zip(chunk.tickets, lengths):
+            if chunk.max_prompt_tokens is not None and n > chunk.max_prompt_tokens:
+                out.append(TicketVerdictProbability(ticket.key, n, dropped=True))
+                continue
+            kept.append(n)
+            verdict, _ = rule_judge.judge(conditions, rule_judge.ticket_text(ticket))
+            jitter = random.Random(stable_seed("simulated p_pass", ticket.key)).random() * 0.1
+            out.append(TicketVerdictProbability(ticket.key, n, p_pass=round((0.8 if verdict == "pass" else 0.2)
+                                                                            + jitter - 0.05, 6)))
+        self._sleep(self.settings.request_overhead_s + batch_seconds(self.settings, kept, 0))
+        return VerdictChunkResult(chunk.chunk_index, out, time.perf_counter() - start)
+
+    def chat(self, request: ChatRequest) -> ChatResult:
+        """The proposer: rules on words of the falsely passed examples (module docstring).
+        Examples are dropped from the end until the prompt fits, as the real engines do."""
+        # fit_examples wants the prompt's ids; only their number matters here.
+        k, row, fits = chat_text.fit_examples(request, lambda messages: range(self.message_tokens(messages)))
+        if not fits:
+            return ChatResult(None, k, len(row))
+        text = proposed_rules(request.examples[:k], request.seed_key)
+        self._sleep(chat_seconds(self.settings, len(row), request.decode.max_new_tokens))
+        return ChatResult(text, k, len(row), self.count([text])[0], "stop")
+
+
+def proposed_rules(examples: list[str], seed_key: str) -> str:
+    """The simulated proposer's JSON answer for these example blocks (``proposer.render_example``)."""
+    wrongly_passed = [block for block in examples
+                      if (m := _EXAMPLE.search(block)) and m.group(1) == "fail" and m.group(2) == "pass"]
+    summaries = [" ".join(line for line in block.lower().splitlines() if line.startswith("  - "))
+                 for block in wrongly_passed]
+    words = [set(_WORD.findall(text)) for text in summaries]
+    # The fewer examples share a word, the more it looks like a defect than like the
+    # summaries' structure; a seeded draw orders the words that tie.
+    # The draws follow the sorted words, never a set's order (which changes with each process's
+    # hash seed: a Ray actor is not forked from the parent, and would draw in another order).
+    rng = random.Random(stable_seed(seed_key, "simulated proposer"))
+    draws = {w: rng.random() for w in sorted({w for ws in words for w in ws})}
+    ranked = sorted(draws, key=lambda w: (sum(w in ws for ws in words), draws[w], w))
+    picked = ranked[:PROPOSED_RULES]
+    return json.dumps({"operations": [
+        {"op": "upsert", "text": f"If any photo shows {word}, the verdict is fail.",
+         "rationale": f"the falsely passed tickets show {word}"} for word in picked]})
+
+
+def build_simulated_engine(device: Device, *, path: str, settings: SimulatedSettings) -> SimulatedEngine:
+    """The engine for a worker: ``path`` only chooses the tokenizer that counts the tokens."""
+    return SimulatedEngine(device, token_counter(path), settings=settings, model_path=path)
