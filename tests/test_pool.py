@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pool_scripts"))
 
-from engines import Echoed, Engine, FailingEngine, wait_for_path  # noqa: E402
+from engines import Echoed, Engine, FailingEngine, touch, wait_for_path  # noqa: E402
 from processes import gone, parent_pid  # noqa: E402
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout  # noqa: E402
@@ -227,6 +228,51 @@ def test_hang_raises_worker_timeout_and_kills_the_worker(tmp_path):
     assert (info.value.rank, info.value.device, info.value.index) == (0, "cpu:0", 0)
     assert "no answer within 0.5 s" in str(info.value)
     assert gone(hung) and all(gone(p) for p in processes)  # killed, reaped, pool closed
+
+
+class _ReleaseOnStallWarning(logging.Handler):
+    """Keeps the pool's stall warnings and lets the silent task finish after the second."""
+
+    def __init__(self, release: str):
+        super().__init__()
+        self.release_path, self.messages = release, []
+
+    def emit(self, record):
+        if "silent" in record.getMessage():
+            self.messages.append(record.getMessage())
+            if len(self.messages) == 2:
+                touch(self.release_path)
+
+
+def test_a_silent_task_is_named_in_a_warning_long_before_its_timeout(tmp_path):
+    release = str(tmp_path / "release")
+    handler = _ReleaseOnStallWarning(release)
+    logger = logging.getLogger("stageb_pool.pool.dispatch")
+    logger.addHandler(handler)
+    try:
+        with Pool(Engine, "cpu:2", stall_warning=0.2, task_timeout=600) as pool:
+            quiet = pool.submit("wait_for", release, label="train/it1")  # returns once released
+            assert pool.gather([quiet] + [pool.submit("square", 3)]) == [True, 9]
+            pid = pool.pids[quiet.ran_on]
+    finally:
+        logger.removeHandler(handler)
+    first, second = handler.messages  # the task was still silent: warned again, once per interval
+    assert first.startswith(f"worker {quiet.ran_on} (cpu:{quiet.ran_on}, pid {pid}) has been silent for ")
+    assert "in wait_for() on item 0 (train/it1); it is stopped at task_timeout 600 s" in first
+    assert float(first.split("silent for ")[1].split(" s")[0]) < float(second.split("silent for ")[1].split(" s")[0])
+
+
+def test_no_stall_warning_for_tasks_that_answer_in_time(caplog):
+    with caplog.at_level(logging.WARNING, "stageb_pool.pool.dispatch"):
+        with Pool(Engine, "cpu:2", stall_warning=600) as pool:
+            assert pool.map("square", range(6)) == [x * x for x in range(6)]
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "5", True])
+def test_a_stall_warning_that_is_not_a_number_of_seconds_is_refused(bad):
+    with pytest.raises(ValueError, match="stall_warning must be"):
+        Pool(Engine, "cpu:1", stall_warning=bad)
 
 
 @pytest.mark.parametrize("how", ["kill", "hang"])

@@ -212,7 +212,7 @@ def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, ove
     ray = ray_address is not None and not debug
     pool = Pool(
         factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
-        max_restarts=config.pool.max_restarts, inline=debug, backend="ray" if ray else "fork",
+        max_restarts=config.pool.max_restarts, stall_warning=config.pool.stall_warning, inline=debug, backend="ray" if ray else "fork",
         ray_address=ray_address or "auto", placement_timeout=config.pool.start_timeout,
     )
     try:

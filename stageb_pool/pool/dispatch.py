@@ -14,7 +14,9 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
   state it is in (engine start, the running task, exit report), and the mirror of its
   snapshot cache;
 - faults: a worker past its deadline is killed; once its exit is reported it is replaced
-  and its task retried (``max_restarts``, pool-wide), or the fault is raised.
+  and its task retried (``max_restarts``, pool-wide), or the fault is raised. Before that,
+  a task silent for ``stall_warning`` seconds is logged as a warning (and again after each
+  further ``stall_warning``), so a long wait names its worker well before the timeout.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import enum
 import heapq
 import json
+import logging
 import time
 from collections import Counter, deque
 from typing import NamedTuple, Protocol
@@ -33,6 +36,8 @@ from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTim
 from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snapshot, Task
 from .snapshots import SnapshotCache, SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
+
+log = logging.getLogger(__name__)
 
 EXIT_REPORT_GRACE = 0.5  # a worker that closed its channel must be reported exited by then, else it is killed
 KILL_REPORT_TIMEOUT = 10.0  # a killed worker whose exit is never reported means the pool is broken
@@ -120,6 +125,7 @@ class Slot:
         self.pid: int | None = None
         self.tasks: deque[TaskHandle] = deque()  # in flight, in the order the worker runs them
         self.started = 0.0  # when the running task (the first) started, as far as we know
+        self.next_warning: float | None = None  # when the running task's silence is next reported
         self.trouble: Trouble | None = None
         self.cache = SnapshotCache()
 
@@ -181,11 +187,12 @@ class Dispatcher:
 
     def __init__(self, transport: Transport, devices, snapshots: SnapshotStore, stats: PoolStats, *,
                  task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int,
-                 same_engines: bool = False, depth: int = 1):
+                 same_engines: bool = False, depth: int = 1, stall_warning: float | None = None):
         self.transport = transport
         self.devices = devices
         self.snapshots, self.stats = snapshots, stats
         self.task_timeout, self.start_timeout = task_timeout, start_timeout
+        self.stall_warning = stall_warning
         self.restarts_left = max_restarts
         self.max_frame = max_frame
         self.same_engines = same_engines  # refuse a worker whose engine.info() differs from the others'
@@ -227,7 +234,8 @@ class Dispatcher:
     # -- the event loop ---------------------------------------------------------------------
     def _step(self) -> None:
         self._dispatch()
-        deadlines = [slot.deadline for slot in self.slots if slot.deadline is not None]
+        deadlines = [t for slot in self.slots if slot.deadline is not None for t in
+                     (slot.deadline, slot.next_warning if slot.state is WorkerState.BUSY else None) if t is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         for event in self.transport.poll(timeout):
             slot = self.slots[event.rank]
@@ -258,8 +266,7 @@ class Dispatcher:
 
     def _send_task(self, slot: Slot, task: TaskHandle) -> None:
         if not slot.tasks:  # it starts at once; a later one when those before it are done
-            slot.started = time.monotonic()
-            slot.deadline = _deadline(self.task_timeout)
+            self._start_running(slot, time.monotonic())
         slot.state, task.ran_on = WorkerState.BUSY, slot.rank
         slot.tasks.append(task)
         messages = [Snapshot(key, msgspec.Raw(self.snapshots.data(key)), evict)
@@ -298,9 +305,9 @@ class Dispatcher:
             slot.tasks.popleft()
             if slot.state is WorkerState.BUSY:  # a killed one stays killed
                 if slot.tasks:  # the next one runs now
-                    slot.started, slot.deadline = now, _deadline(self.task_timeout)
+                    self._start_running(slot, now)
                 else:
-                    slot.state, slot.deadline = WorkerState.IDLE, None
+                    slot.state, slot.deadline, slot.next_warning = WorkerState.IDLE, None, None
             if isinstance(msg, Result):
                 self._outcomes.append(Outcome(task, raw=msg.value))
             else:
@@ -335,9 +342,24 @@ class Dispatcher:
             slot.trouble = Trouble(slot.state, None)
             slot.state, slot.deadline = WorkerState.LOST, time.monotonic() + EXIT_REPORT_GRACE
 
+    def _start_running(self, slot: Slot, now: float) -> None:
+        slot.started, slot.deadline = now, _deadline(self.task_timeout)
+        slot.next_warning = now + self.stall_warning if self.stall_warning else None
+
+    def _warn_stalled(self, slot: Slot, now: float) -> None:
+        task = slot.task
+        label = f" ({task.label})" if task is not None and task.label else ""
+        limit = f"; it is stopped at task_timeout {self.task_timeout:g} s" if self.task_timeout else ""
+        log.warning("worker %d (%s, pid %s) has been silent for %.1f s in %s() on item %s%s%s",
+                    slot.rank, slot.device.name, slot.pid, now - slot.started, task.method if task else "?",
+                    task.index if task else "?", label, limit)
+        slot.next_warning = now + self.stall_warning
+
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for slot in self.slots:
+            if slot.next_warning is not None and now >= slot.next_warning and slot.state is WorkerState.BUSY:
+                self._warn_stalled(slot, now)
             if slot.deadline is None or now < slot.deadline:
                 continue
             if slot.state is WorkerState.SPAWNING:
@@ -348,7 +370,7 @@ class Dispatcher:
             if slot.trouble is None:
                 limit = self.start_timeout if slot.state is WorkerState.STARTING else self.task_timeout
                 slot.trouble = Trouble(slot.state, limit)
-            slot.state, slot.deadline = WorkerState.KILLED, now + KILL_REPORT_TIMEOUT
+            slot.state, slot.deadline, slot.next_warning = WorkerState.KILLED, now + KILL_REPORT_TIMEOUT, None
             self.transport.kill(slot.rank)
 
     def _on_exited(self, slot: Slot, exited: WorkerExited) -> None:

@@ -35,7 +35,9 @@ class Pool:
     list of ``Device``. ``task_timeout``/``start_timeout`` are seconds (None: no limit).
     ``max_restarts``: how many dead or timed-out workers may be replaced (pool-wide); the
     task they were running is retried. ``inline=True`` runs the engine in this process.
-    ``max_frame_bytes`` bounds every message (items, snapshots, results). A timeout that is
+    ``stall_warning``: seconds a task may run without a result before a warning names its
+    worker (repeated after each further ``stall_warning``; None: never). ``max_frame_bytes``
+    bounds every message (items, snapshots, results). A timeout that is
     not a number of seconds in (0, ``MAX_TIMEOUT``], or a negative ``max_restarts``, is a
     ValueError naming the argument.
 
@@ -55,8 +57,9 @@ class Pool:
     def __init__(self, engine_factory, gpus="cpu:2", *, task_timeout: float | None = 600.0,
                  start_timeout: float | None = 600.0, max_restarts: int = 0, inline: bool = False,
                  max_frame_bytes: int = MAX_FRAME_BYTES, backend: str = "fork", ray_address: str = "auto",
-                 placement_timeout: float = 60.0, gpus_per_worker: int = 1):
+                 placement_timeout: float = 60.0, gpus_per_worker: int = 1, stall_warning: float | None = None):
         task_timeout = _checked_timeout("task_timeout", task_timeout)
+        stall_warning = _checked_timeout("stall_warning", stall_warning)
         start_timeout = _checked_timeout("start_timeout", start_timeout)
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
@@ -76,7 +79,7 @@ class Pool:
         self._closed = False
         self._runner = self._runner_for(engine_factory, inline, ray_spec, ray_address, placement_timeout,
                                         task_timeout=task_timeout, start_timeout=start_timeout,
-                                        max_restarts=max_restarts)
+                                        max_restarts=max_restarts, stall_warning=stall_warning)
         try:
             self._runner.start()
         except BaseException:

@@ -105,6 +105,9 @@ class PoolConfig(_Section, kw_only=True):
     task_timeout: Float(0, WEEK, open_low=True) = 600.0  # seconds a worker may spend on one request before it counts as stalled
     start_timeout: Float(0, WEEK, open_low=True) = 900.0  # seconds a worker may take to start and load its model
     max_restarts: Int(0, 1000) = 0  # worker replacements (with the work retried) before the run fails
+    # seconds a request may run without a result before a warning names its worker (then again
+    # after each further stall_warning); null: never. Long before task_timeout stops it.
+    stall_warning: Float(0, WEEK, open_low=True) | None = 120.0
 
 
 class RunnerConfig(_Section, kw_only=True):
