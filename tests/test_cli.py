@@ -225,8 +225,11 @@ def test_check_on_a_50_mb_ticket_line_is_fast_and_small(project, on_bad_line):
     assert cpu_s < 30 and rss_mb < 2048, (cpu_s, rss_mb)
 
 
-def test_check_refuses_a_model_without_a_chat_template(project):
-    """Issue 21: a base model (no chat template) was an internal error of the prompt measure."""
+@pytest.mark.parametrize("command", ["check", "run"])
+@pytest.mark.parametrize("caps", ["4096", "null"])
+def test_a_model_without_a_chat_template_is_refused_before_any_worker_loads_it(project, command, caps):
+    """Issue 21: a base model (no chat template) was an internal error of the prompt measure
+    in check, and a worker's start-up failure in a run; without prompt caps neither looked."""
     from stageb_pool.engine import tiny
 
     folder = project / "base-model"
@@ -234,8 +237,11 @@ def test_check_refuses_a_model_without_a_chat_template(project):
     tok.chat_template = None
     tok.save_pretrained(folder)
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    line = assert_one_line_error(run_cli("check", str(project / "c.yaml"), "--set", f"model.path={folder}"), 2)
+    sets = [f"model.path={folder}"] + [f"rule_search.{s}.max_prompt_tokens={caps}" for s in ("train_sampler", "eval_sampler")]
+    args = [command, str(project / "c.yaml"), *[a for s in sets for a in ("--set", s)]]
+    line = assert_one_line_error(run_cli(*args, *(["--gpus", "cpu:1"] if command == "run" else [])), 2)
     assert line == f"stageb-pool: error: {folder}: the tokenizer has no chat template (a base model, not an instruct/chat model?)"
+    assert not list(project.glob("runs/*/*/rollouts*"))  # no worker judged anything
 
 
 def test_a_deleted_working_directory_with_a_relative_config_is_a_located_error(project):

@@ -41,7 +41,7 @@ from .config import with_mode
 from .identity import run_identity
 from .outputs import check_distillation_target, check_outputs
 from .progress import Progress, pool_items_per_rank
-from .prompt_budget import refuse_oversized_guidance
+from .prompt_budget import refuse_unusable_prompts
 
 log = logging.getLogger("stageb_pool")
 
@@ -154,7 +154,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
 
     inputs = load_inputs(config)
     if engine_factory is None:  # the model's own tokenizer renders the prompts: check's decision
-        refuse_oversized_guidance(config, inputs)
+        refuse_unusable_prompts(config, inputs)
     run_dir = rundir.run_dir_path(config, inputs.mission)
     rundir.check_inside(run_dir, config.output.root)
     check_outputs(config, run_dir, config_path=config_path)

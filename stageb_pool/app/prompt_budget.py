@@ -49,8 +49,6 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
     """``check``'s lines about prompt lengths (raises InputError when a sampler's every
     ticket is over its cap)."""
     measured = [m for m in measured if m.cap is not None and m.tickets]
-    if not measured:
-        return [("prompt tokens", "not measured: no cap (max_prompt_tokens is null)")]
     try:
         from ..engine import models
 
@@ -61,6 +59,8 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
     # Every prompt is rendered with the chat template: a model without one (a base model's
     # GGUF) is bad input, said here as the workers would say it, not a failed render.
     models.require_chat_template(tokenizer, f"{cfg.model.path}")
+    if not measured:
+        return [("prompt tokens", "not measured: no cap (max_prompt_tokens is null)")]
     guidance = dict(inputs.seed_guidance.experiences)
     alone = guidance_verdict(tokenizer, cfg, inputs, measured)
     everyone = {t.key: t for m in measured for t in m.tickets}
@@ -97,10 +97,11 @@ def sampler_caps(cfg, tickets: list) -> list[Measured]:
             Measured("eval", "rule_search.eval_sampler.max_prompt_tokens", rs.eval_sampler.max_prompt_tokens, held)]
 
 
-def refuse_oversized_guidance(cfg, inputs) -> None:
-    """``run``'s copy of ``check``'s decision (``guidance_verdict``): InputError when the
-    guidance alone is over a sampler's cap, before any rollout. The tokenizer is loaded in a
-    forked helper process, so this process never imports the tokenizer's libraries (torch
+def refuse_unusable_prompts(cfg, inputs) -> None:
+    """``run``'s copy of ``check``'s decisions, before any worker loads the model: InputError
+    when the tokenizer has no chat template (every prompt is rendered with it) or when the
+    guidance alone is over a sampler's cap (``guidance_verdict``). The tokenizer is loaded in
+    a forked helper process, so this process never imports the tokenizer's libraries (torch
     among them) before it forks its workers; a tokenizer that cannot be loaded skips the
     check, as in ``check``."""
     import json
@@ -109,8 +110,6 @@ def refuse_oversized_guidance(cfg, inputs) -> None:
     from ..pool.fork import fork_child
 
     measured = [m for m in sampler_caps(cfg, inputs.tickets) if m.cap is not None and m.tickets]
-    if not measured:
-        return
     read, write = os.pipe()
 
     def helper():
