@@ -467,6 +467,25 @@ def test_parent_sigkill_takes_workers_and_zygote_down(tmp_path):
     assert wait_until(lambda: all(gone(p) for p in children), 5.0), [p for p in children if not gone(p)]
 
 
+@pytest.mark.parametrize("numpy_imported, cpus, environ, expected", [
+    (False, 16, {}, 0),
+    (True, 16, {}, 15),  # the H100 machine: `import torch` left 16 native threads
+    (True, 2, {}, 1),
+    (True, 1, {}, 0),
+    (True, 16, {"OMP_NUM_THREADS": "4"}, 3),
+    (True, 16, {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "8"}, 0),
+    (True, 16, {"GOTO_NUM_THREADS": "2"}, 1),
+    (True, 4, {"OPENBLAS_NUM_THREADS": "64"}, 3),  # capped by the CPUs
+    (True, 8, {"OPENBLAS_NUM_THREADS": "", "OMP_NUM_THREADS": "x"}, 7),  # unreadable: the CPUs
+    (True, 8, {"OMP_NUM_THREADS": "0"}, 7),
+    (True, 8, {"OMP_NUM_THREADS": "٣"}, 7),  # not an ASCII number
+])
+def test_numpys_blas_pool_is_allowed_for_in_the_fork_check(numpy_imported, cpus, environ, expected):
+    from stageb_pool.pool.fork import blas_threads
+
+    assert blas_threads(numpy_imported, cpus, environ) == expected
+
+
 def test_a_torch_op_in_the_parent_is_refused():
     # A torch op starts OpenMP threads in the parent; a forked child would deadlock.
     code = (

@@ -70,11 +70,12 @@ def check_fork_safe() -> None:
         # and may deadlock in any lock they held. They stay even after ray.shutdown().
         problems.append("Ray is initialised in this process (use backend='ray', or create fork pools before ray.init)")
     if os.path.isdir("/proc/self/task"):
-        # A clean interpreter has 1 thread; `import torch` starts exactly one more. Any other
-        # thread is usually torch's OpenMP pool, started by a torch op: a forked child that
-        # runs its own first op would then deadlock. A thread that was just joined can linger
-        # in /proc for a moment, so give the count a little time to settle.
-        clean = 1 + (torch is not None)
+        # A clean interpreter has 1 thread, plus the BLAS thread pool that `import numpy`
+        # starts (torch imports numpy). Any other thread is usually torch's OpenMP pool,
+        # started by a torch op: a forked child that runs its own first op would then
+        # deadlock. A thread that was just joined can linger in /proc for a moment, so give
+        # the count a little time to settle.
+        clean = 1 + blas_threads("numpy" in sys.modules, os.cpu_count() or 1, os.environ)
         deadline = time.monotonic() + 0.5
         while (native := len(os.listdir("/proc/self/task"))) > clean and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -90,6 +91,21 @@ def check_fork_safe() -> None:
             "Create the Pool as early as possible, before starting threads, running torch ops "
             "or initialising CUDA in the parent."
         )
+
+
+def blas_threads(numpy_imported: bool, cpus: int, environ) -> int:
+    """The worker threads numpy's OpenBLAS starts when numpy is imported: one fewer than its
+    thread count, which is ``OPENBLAS_NUM_THREADS`` (else ``GOTO_NUM_THREADS``, else
+    ``OMP_NUM_THREADS``) capped by the CPUs, or the CPUs. They are safe to fork from
+    (OpenBLAS stops them around a fork), and a 16-core GPU machine has 15 of them: counting
+    them as a hazard refused every pool created after `import torch` there."""
+    if not numpy_imported:
+        return 0
+    for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = environ.get(name, "").strip()
+        if value.isascii() and value.isdigit() and int(value) > 0:
+            return min(int(value), cpus) - 1
+    return cpus - 1
 
 
 def after_fork_in_child() -> None:
