@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import heapq
 import json
+import logging
 import time
 from collections import Counter, deque
 from typing import NamedTuple, Protocol
@@ -34,6 +35,7 @@ from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snap
 from .snapshots import SnapshotCache, SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
 
+log = logging.getLogger("stageb_pool.pool")
 EXIT_REPORT_GRACE = 0.5  # a worker that closed its channel must be reported exited by then, else it is killed
 KILL_REPORT_TIMEOUT = 10.0  # a killed worker whose exit is never reported means the pool is broken
 
@@ -358,17 +360,23 @@ class Dispatcher:
         where, tasks = slot.where(), list(slot.tasks)
         slot.state, slot.deadline = WorkerState.DEAD, None
         slot.tasks.clear()
+        if slot.trouble.timeout is not None:
+            fault = WorkerTimeout(slot.trouble.timeout, **where)
+        else:
+            fault = WorkerDied(exitcode=exited.exitcode, signal=exited.signal, cause=exited.cause, **where)
         if self.restarts_left > 0:
             self.restarts_left -= 1
             self.stats.restarts += 1
+            self.stats.restarts_by_rank[slot.rank] += 1
+            # The one trace of a fault the run survived (summary.json counts them per worker).
+            log.warning("%s; replacing it and retrying its work (restart %d, %d left)", fault, self.stats.restarts,
+                        self.restarts_left)
             for task in tasks:
                 if not task.done():
                     self.queue.retry(task)
             self._spawn(slot.rank)
             return
-        if slot.trouble.timeout is not None:
-            raise WorkerTimeout(slot.trouble.timeout, **where)
-        raise WorkerDied(exitcode=exited.exitcode, signal=exited.signal, cause=exited.cause, **where)
+        raise fault
 
     def _spawn(self, rank: int) -> None:
         self.slots[rank] = Slot(rank, self.devices[rank], _deadline(self.start_timeout))

@@ -1,5 +1,6 @@
-"""The Ray backend's cluster side: connecting (or starting a local cluster), planning one
-bundle per worker, and reserving them all through one placement group.
+"""The Ray backend's connection: connecting to a cluster (bounded: ``cluster_probe``) or
+starting a local one, and undoing what ``ray.init`` changes in this process. Planning and
+placing the workers is ``ray_placement``.
 
 ``ray`` is imported here lazily, never at module level: the fork backend and everything
 else in the package run without it (tests/test_layout.py and tests/test_ray.py check it).
@@ -8,18 +9,18 @@ Measured facts behind the choices (ray 2.60, docs/performance.md) are in the com
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import signal
 import sys
+import time
 
-from .devices import Device
+from .cluster_probe import CONNECT_TIMEOUT, check_reachable
 from .errors import PoolError
+from .ray_logs import ray_logs_to_stderr
 
 # Plain-text actor output, one line per line, never merged across workers; no usage stats.
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0"}
-MAX_THREADS = 8  # torch threads per GPU worker, as the fork backend's devices.parse_gpus
 
 
 def import_ray():
@@ -37,12 +38,15 @@ class RayConnection:
     ``address``: ``"auto"`` (the cluster started with ``ray start`` on this machine, or at
     ``RAY_ADDRESS``), ``"local"`` (a new single-machine cluster, shut down by ``close``),
     or ``"host:port"``. If Ray is already initialised in this process (a notebook, the test
-    session), that connection is used and left open."""
+    session), that connection is used and left open. Connecting to an existing cluster takes
+    at most ``connect_timeout`` seconds (``cluster_probe``): ``ray.init`` alone retries an
+    unreachable address for more than 10 minutes."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT):
         self.started = False
         self._saved_env: dict[str, str | None] = {}
         self._saved_sigterm = None
+        self._log_redirect = None
         loaded = sys.modules.get("ray")
         already = loaded is not None and loaded.is_initialized()
         if not already:
@@ -56,8 +60,18 @@ class RayConnection:
             raise
         if already:
             return
+        target = address
         if address == "local":
             _apply_auth_env()  # ray may have been imported before the env was set
+        else:
+            deadline = time.monotonic() + connect_timeout
+            try:
+                target = check_reachable(address, connect_timeout)
+            except PoolError:
+                self.close()
+                raise
+            # ray.init's own GCS retries (about 1 s each) within what is left of the bound.
+            self._setenv("RAY_gcs_server_port_wait_time_s", str(max(1, int(deadline - time.monotonic()))))
         # ray.init replaces the SIGTERM handler with one that calls sys.exit, and keeps it
         # after shutdown: restore ours in close().
         self._saved_sigterm = signal.getsignal(signal.SIGTERM)
@@ -66,13 +80,14 @@ class RayConnection:
             kwargs["include_dashboard"] = False  # the API server still runs; nothing is served
         try:
             self.started = True  # from here on, close() shuts Ray down
-            self.ray.init(address=address, **kwargs)
+            self.ray.init(address=target, **kwargs)
         except BaseException as exc:  # Ctrl-C included: leave no half-started cluster behind
             self.close()
             if not isinstance(exc, (ConnectionError, RuntimeError, ValueError)):
                 raise
             hint = " (start one with `ray start --head`, or use address 'local')" if address == "auto" else ""
             raise PoolError(f"cannot connect to the Ray cluster at {address!r}{hint}: {exc}") from None
+        self._log_redirect = ray_logs_to_stderr()
 
     def _setenv(self, name: str, value: str) -> None:
         if name not in os.environ:
@@ -80,11 +95,15 @@ class RayConnection:
             os.environ[name] = value
 
     def close(self) -> None:
-        """Shut Ray down if this connection started it; restore SIGTERM and the env."""
+        """Shut Ray down if this connection started it; restore SIGTERM, Ray's log printer
+        and the env."""
         if self.started:
             self.started = False
             if self.ray.is_initialized():
                 self.ray.shutdown()
+        if self._log_redirect is not None:
+            self._log_redirect()
+            self._log_redirect = None
         if self._saved_sigterm is not None:
             signal.signal(signal.SIGTERM, self._saved_sigterm)
             self._saved_sigterm = None
@@ -115,73 +134,3 @@ def _apply_auth_env() -> None:
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
-
-
-# -- planning and placement ---------------------------------------------------------------------
-def plan_workers(ray, kind: str, count: int) -> tuple[list[Device], list[dict]]:
-    """The devices and the placement bundles of ``count`` workers of ``kind`` on this cluster.
-
-    A GPU worker reserves one GPU and the CPUs that go with it on the poorest GPU node
-    (CPUs // GPUs, at most 8; 0 on a cluster that declares more GPUs than CPUs); its torch
-    thread count is that, at least 1, as on one machine. CPU workers share the cluster's
-    CPUs (fractions when there are more workers than CPUs). ``Device.index`` is the rank:
-    which node and GPU it lands on is Ray's choice (``Pool.placement`` tells)."""
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if kind == "cuda":
-        per_gpu = [int(n.get("CPU", 0) // n["GPU"]) for n in nodes if n.get("GPU", 0) >= 1]
-        cpus = min(min(per_gpu, default=0), MAX_THREADS)
-        bundle = {"GPU": 1.0, **({"CPU": float(cpus)} if cpus else {})}
-        threads = max(1, cpus)
-    else:
-        share = sum(n.get("CPU", 0) for n in nodes) / count
-        largest = max((n.get("CPU", 0) for n in nodes), default=0)
-        cpus = min(math.floor(share), largest) if share >= 1 else round(share, 4)
-        bundle = {"CPU": float(cpus) if cpus > 0 else 0.0001}
-        threads = max(1, int(cpus))
-    devices = [Device(kind, rank, rank, threads) for rank in range(count)]
-    return devices, [dict(bundle) for _ in range(count)]
-
-
-def place(ray, bundles: list[dict], timeout: float, name: str):
-    """Reserve every bundle in one PACK placement group (PACK fills a node before the next,
-    so 32 GPU bundles fill four 8-GPU nodes; STRICT_SPREAD would wait for 32 nodes).
-
-    Ray reports an impossible group and one blocked by other jobs the same way (PENDING,
-    NO_RESOURCES, forever), so an impossible request is found by hand first, and the wait
-    is bounded; both errors name the resources."""
-    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for key, value in bundle.items():
-            need[key] = need.get(key, 0.0) + value
-    total = ray.cluster_resources()
-    short = [f"{value:g} {key} in total, the cluster has {total.get(key, 0.0):g}"
-             for key, value in need.items() if value > total.get(key, 0.0) + 1e-9]
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if not any(all(n.get(k, 0.0) >= v for k, v in bundles[0].items()) for n in nodes):
-        short.append(f"one node with {_show(bundles[0])}, and no node has that much")
-    if short:
-        raise PoolError(f"cannot place {len(bundles)} workers of {_show(bundles[0])} each: they need "
-                        f"{'; '.join(short)} (ask for fewer workers, or add nodes with `ray start`)")
-    group = placement_group(bundles, strategy="PACK", name=name)
-    ready, _ = ray.wait([group.ready()], timeout=timeout)
-    if ready:
-        return group
-    state = placement_group_table(group)
-    free = ray.available_resources()
-    remove_placement_group(group)
-    held = ", ".join(f"{key} {free.get(key, 0.0):g} of {total.get(key, 0.0):g} free" for key in need)
-    raise PoolError(f"could not reserve {len(bundles)} workers of {_show(bundles[0])} each within {timeout:g} s "
-                    f"(placement group {state['state']}, {state['stats']['scheduling_state']}): {held}; "
-                    "other jobs hold the rest")
-
-
-def remove_group(group) -> None:
-    from ray.util.placement_group import remove_placement_group
-
-    remove_placement_group(group)
-
-
-def _show(bundle: dict) -> str:
-    return " + ".join(f"{value:g} {key}" for key, value in bundle.items())

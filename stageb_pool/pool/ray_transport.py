@@ -9,6 +9,12 @@ Ray error (the actor's process died) is a death. Ray's own restarts and retries 
 dispatcher replaces a dead or stalled actor in the same bundle and retries its task. A
 stalled actor is killed (``ray.cancel`` does not stop a running actor task).
 
+A replacement is created only once its bundle sits on a live node: after a node loss Ray
+moves the lost bundles of the placement group to other nodes (and kills any actor still
+using the old ones), so an actor created before that would die too and cost a second
+restart. Until then the replacement waits here; if no live node has the bundle's resources
+free, the run fails saying so instead of waiting for ``start_timeout``.
+
 ``ray`` is imported lazily (``ray_cluster.import_ray``); this module is only imported for
 ``Pool(backend="ray")``.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import traceback
 
 import msgspec
@@ -27,9 +34,14 @@ from .devices import Device
 from .dispatch import WorkerExited, WorkerMessage, WorkerStarted
 from .errors import PoolError, ProtocolError
 from .protocol import InitFailed, Ready, Snapshot, Task
-from .ray_cluster import RayConnection, place, plan_workers, remove_group
+from .ray_cluster import RayConnection
+from .ray_placement import live_nodes, place, plan_workers, remove_group, show
 from .tasks import PoolStats
 from .worker import exception_summary, limit_threads, run_task, start_engine
+
+
+REPLACE_POLL = 0.2  # seconds between looks at a waiting replacement's bundle
+REPLACE_GRACE = 2.0  # seconds a replacement may find no node with room before the run fails
 
 
 class RayWorker:
@@ -81,10 +93,10 @@ class RayTransport:
     rank, where its actor runs (node id and address, Ray's GPU ids, pid)."""
 
     def __init__(self, spec: tuple[str, int], engine_factory, max_frame: int, stats: PoolStats, *,
-                 address: str, placement_timeout: float):
+                 address: str, placement_timeout: float, connect_timeout: float):
         self.max_frame = max_frame
         self.stats = stats
-        self.connection = RayConnection(address)
+        self.connection = RayConnection(address, connect_timeout)
         ray = self.ray = self.connection.ray
         self.group = None
         try:
@@ -99,8 +111,39 @@ class RayTransport:
         self.placement: list[dict] = [{} for _ in self.devices]
         self.inflight: dict = {}  # ObjectRef -> (rank, actor): the ready() and run() calls not yet answered
         self.events: list = []
+        self.waiting: dict[int, float] = {}  # rank -> since when its replacement waits for a live bundle
 
     def spawn(self, rank: int) -> None:
+        if self.actors[rank] is None:  # the first actor: the group was just placed
+            self._create(rank)
+        else:  # a replacement: created by poll once its bundle is on a live node
+            self.waiting[rank] = time.monotonic()
+            self._create_waiting()
+
+    def _create_waiting(self) -> None:
+        """Create the replacements whose bundles are on live nodes; fail for one that no live
+        node can take (after ``REPLACE_GRACE``: Ray's view of free resources lags a little)."""
+        if not self.waiting:
+            return
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table(self.group)
+        nodes = live_nodes(self.ray)
+        alive = {node.id for node in nodes}
+        for rank, since in list(self.waiting.items()):
+            if table["state"] == "CREATED" and table["bundles_to_node_id"].get(rank) in alive:
+                del self.waiting[rank]
+                self._create(rank)
+                continue
+            bundle = self.bundles[rank]
+            fits = any(all(n.free.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for n in nodes)
+            if not fits and time.monotonic() - since > REPLACE_GRACE:
+                free = "; ".join(f"{n.label()}: " + ", ".join(f"{n.free.get(k, 0.0):g} {k}" for k in bundle)
+                                 for n in nodes) or "no live node"
+                raise PoolError(f"worker {rank} ({self.devices[rank].name}) cannot be re-placed: no live node has "
+                                f"{show(bundle)} free (free now: {free}); the placement group is {table['state']}")
+
+    def _create(self, rank: int) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self.bundles[rank]
@@ -131,6 +174,9 @@ class RayTransport:
             self.events.append(WorkerExited(rank, None, None, "killed by the pool"))
 
     def poll(self, timeout: float | None) -> list:
+        if self.waiting:  # look again for a live bundle every REPLACE_POLL seconds
+            self._create_waiting()
+            timeout = REPLACE_POLL if timeout is None else min(timeout, REPLACE_POLL)
         events, self.events = self.events, []
         if not self.inflight:
             if events or timeout is not None:
@@ -184,7 +230,7 @@ class RayTransport:
             ray.kill(actor, no_restart=True)  # in case it only looks dead: free its bundle
             # Its other calls fail the same way: one exit per actor, then its tasks are retried.
             self.inflight = {r: v for r, v in self.inflight.items() if v[1] is not actor}
-            return WorkerExited(rank, None, None, _cause(exc))
+            return WorkerExited(rank, None, None, f"{_cause(exc)}{self._where(rank)}")
         self.stats.bytes_received += len(data)
         messages = protocol.FrameReader(self.max_frame).feed(data)
         if len(messages) != 1:
@@ -194,15 +240,35 @@ class RayTransport:
             self.placement[rank] = msg.info.pop("ray", {})
         return WorkerMessage(rank, msg)
 
+    def _where(self, rank: int) -> str:
+        """" on node 10.0.0.1 (1a2b3c4d), now dead": the node of the actor of ``rank``, from
+        its Ready (or, for one that died starting, from its bundle), and whether it is alive."""
+        node_id, ip = self.placement[rank].get("node_id"), self.placement[rank].get("node_ip")
+        try:
+            nodes = {n["NodeID"]: n for n in self.ray.nodes()}
+            if node_id is None:
+                from ray.util.placement_group import placement_group_table
+
+                node_id = placement_group_table(self.group)["bundles_to_node_id"].get(rank)
+            node = nodes.get(node_id)
+        except Exception:  # noqa: BLE001 - the cluster itself may be gone: say what is known
+            node = None
+        if node_id is None:
+            return ""
+        ip = ip or (node or {}).get("NodeManagerAddress", "?")
+        state = "" if node is None else (", still alive" if node.get("Alive") else ", now dead")
+        return f" on node {ip} ({node_id[:8]}{state})"
+
 
 def _cause(exc: BaseException) -> str:
-    """Ray's own explanation of a death, in one line (it reports no exit code or signal):
-    "The actor is dead because its worker process has died (Worker unexpectedly exits with
-    a connection error code 2. End of file.)"."""
+    """Ray's own explanation of a death, in one line and in full (it reports no exit code or
+    signal): "The actor is dead because its worker process has died (Worker unexpectedly
+    exits with a connection error code 2. End of file.)"; Ray's list of common causes and
+    the actor's repr are left out."""
     text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # no colour codes, one line
     why = re.search(r"The actor (?:is dead|died) because .*?\.(?=\s|$)", text)
     detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text)
     if why is None:
-        return f"{type(exc).__name__}: {text[:200]}"
-    cause = why.group(0).rstrip(".")[:200]
-    return f"{cause} ({detail.group(1).strip()[:200]})" if detail else cause
+        return f"{type(exc).__name__}: {text}"
+    cause = why.group(0).rstrip(".")
+    return f"{cause} ({detail.group(1).strip()})" if detail else cause

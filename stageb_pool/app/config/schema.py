@@ -102,6 +102,7 @@ class PoolConfig(_Section, kw_only=True):
     task_timeout: Float(0, WEEK, open_low=True) = 600.0  # seconds a worker may spend on one request before it counts as stalled
     start_timeout: Float(0, WEEK, open_low=True) = 900.0  # seconds a worker may take to start and load its model
     max_restarts: Int(0, 1000) = 0  # worker replacements (with the work retried) before the run fails
+    connect_timeout: Float(0, WEEK, open_low=True) = 45.0  # --ray: seconds to reach the cluster before the run fails
 
 
 class RunnerConfig(_Section, kw_only=True):
