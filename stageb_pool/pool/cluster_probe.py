@@ -32,7 +32,7 @@ def check_reachable(address: str, timeout: float) -> str:
     address and the cause, within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     gcs, source = resolve(address)
-    named = f"{address!r}" if gcs == address else f"{address!r} ({source}: {gcs})"
+    named = f"{address!r}" if gcs == address else f"{address!r} ({source} {gcs})"
     host, _, port = gcs.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic())):
@@ -55,8 +55,11 @@ def check_reachable(address: str, timeout: float) -> str:
         mine = "" if address != "auto" else (
             "; 'auto' never joins a cluster it cannot authenticate to: it may be another run's private "
             "cluster (give --ray HOST:PORT, or start your own with `ray start --head`)")
-        raise PoolError(f"cannot connect to the Ray cluster at {named}: it refused this process's auth token "
-                        f"(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token){mine}: {_first_sentence(error)}")
+        sent = ("this process's auth token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+                if os.environ.get("RAY_AUTH_MODE") == "token" else
+                "this process, which sent no auth token (set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN)")
+        raise PoolError(f"cannot connect to the Ray cluster at {named}: it refused {sent}{mine}: "
+                        f"{_first_sentence(error)}")
     raise PoolError(f"cannot connect to the Ray cluster at {named}: {type(error).__name__}: {_first_sentence(error)}")
 
 
@@ -65,7 +68,10 @@ def resolve(address: str) -> tuple[str, str]:
     then the cluster ``ray start`` last started on this machine, then a running gcs_server)."""
     from ray._private import services
 
-    source = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "found on this machine"
+    if address != "auto":
+        source = "resolved"  # Ray replaces 127.0.0.1 and localhost by this machine's address
+    else:
+        source = "from RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "found on this machine"
     try:
         gcs = services.canonicalize_bootstrap_address(address)
     except (ConnectionError, ValueError) as exc:

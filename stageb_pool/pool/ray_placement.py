@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from typing import NamedTuple
 
 from .devices import Device
@@ -22,13 +23,16 @@ log = logging.getLogger("stageb_pool.pool")
 MAX_THREADS = 8  # torch threads per GPU worker, as the fork backend's devices.parse_gpus
 RESOURCE_UNIT = 10_000  # Ray keeps resources in units of 1/10000: shares are rounded down to one
 EPS = 1e-9
+RAYLET_PROBE_TIMEOUT = 1.0  # seconds; a raylet on a live node answers in milliseconds
 
 
 class Node(NamedTuple):
-    """A live node: its id, its address, its total and its free resources."""
+    """A live node (as the GCS sees it): its id, its address and raylet port, its total and
+    its free resources."""
 
     id: str
     ip: str
+    port: int
     total: dict
     free: dict
 
@@ -41,8 +45,20 @@ def live_nodes(ray) -> list[Node]:
     from ray._private.state import available_resources_per_node
 
     free = available_resources_per_node()
-    return [Node(n["NodeID"], n.get("NodeManagerAddress", "?"), dict(n["Resources"]), dict(free.get(n["NodeID"], {})))
+    return [Node(n["NodeID"], n.get("NodeManagerAddress", "?"), int(n.get("NodeManagerPort") or 0),
+                 dict(n["Resources"]), dict(free.get(n["NodeID"], {})))
             for n in ray.nodes() if n.get("Alive")]
+
+
+def raylet_answers(node: Node, timeout: float = RAYLET_PROBE_TIMEOUT) -> bool:
+    """Whether the node's raylet accepts a connection now. The GCS keeps a node whose raylet
+    died "alive" until its health checks fail (about 15 s with Ray's defaults); an actor on it
+    is reported unavailable at once, and a replacement placed there would die too."""
+    try:
+        with socket.create_connection((node.ip, node.port), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def plan_workers(ray, kind: str, count: int) -> tuple[list[Device], list[dict]]:

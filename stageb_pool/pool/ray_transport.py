@@ -35,7 +35,7 @@ from .dispatch import WorkerExited, WorkerMessage, WorkerStarted
 from .errors import PoolError, ProtocolError
 from .protocol import InitFailed, Ready, Snapshot, Task
 from .ray_cluster import RayConnection
-from .ray_placement import live_nodes, place, plan_workers, remove_group, show
+from .ray_placement import live_nodes, place, plan_workers, raylet_answers, remove_group, show
 from .tasks import PoolStats
 from .worker import exception_summary, limit_threads, run_task, start_engine
 
@@ -111,25 +111,28 @@ class RayTransport:
         self.placement: list[dict] = [{} for _ in self.devices]
         self.inflight: dict = {}  # ObjectRef -> (rank, actor): the ready() and run() calls not yet answered
         self.events: list = []
-        self.waiting: dict[int, float] = {}  # rank -> since when its replacement waits for a live bundle
+        self.waiting: dict[int, float | None] = {}  # rank -> since when no live node has room for it (None: room)
+        self.suspects: set[str] = set()  # nodes where an actor died: live only if their raylet answers
 
     def spawn(self, rank: int) -> None:
         if self.actors[rank] is None:  # the first actor: the group was just placed
             self._create(rank)
         else:  # a replacement: created by poll once its bundle is on a live node
-            self.waiting[rank] = time.monotonic()
+            self.waiting[rank] = None
             self._create_waiting()
 
     def _create_waiting(self) -> None:
         """Create the replacements whose bundles are on live nodes; fail for one that no live
-        node can take (after ``REPLACE_GRACE``: Ray's view of free resources lags a little)."""
+        node has had room for during ``REPLACE_GRACE`` (while Ray moves a bundle, the node it
+        moves to shows its resources taken and the group still RESCHEDULING)."""
         if not self.waiting:
             return
         from ray.util.placement_group import placement_group_table
 
         table = placement_group_table(self.group)
-        nodes = live_nodes(self.ray)
+        nodes = self._live_nodes()
         alive = {node.id for node in nodes}
+        now = time.monotonic()
         for rank, since in list(self.waiting.items()):
             if table["state"] == "CREATED" and table["bundles_to_node_id"].get(rank) in alive:
                 del self.waiting[rank]
@@ -137,11 +140,21 @@ class RayTransport:
                 continue
             bundle = self.bundles[rank]
             fits = any(all(n.free.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for n in nodes)
-            if not fits and time.monotonic() - since > REPLACE_GRACE:
+            self.waiting[rank] = None if fits else (now if since is None else since)
+            if not fits and since is not None and now - since > REPLACE_GRACE:
                 free = "; ".join(f"{n.label()}: " + ", ".join(f"{n.free.get(k, 0.0):g} {k}" for k in bundle)
                                  for n in nodes) or "no live node"
                 raise PoolError(f"worker {rank} ({self.devices[rank].name}) cannot be re-placed: no live node has "
                                 f"{show(bundle)} free (free now: {free}); the placement group is {table['state']}")
+
+    def _live_nodes(self) -> list:
+        """The GCS's live nodes, less those where an actor died and whose raylet does not
+        answer (lost, but not yet declared dead by the GCS)."""
+        nodes = live_nodes(self.ray)
+        for node in nodes:
+            if node.id in self.suspects and raylet_answers(node):
+                self.suspects.discard(node.id)  # only the actor died
+        return [node for node in nodes if node.id not in self.suspects]
 
     def _create(self, rank: int) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -240,24 +253,34 @@ class RayTransport:
             self.placement[rank] = msg.info.pop("ray", {})
         return WorkerMessage(rank, msg)
 
-    def _where(self, rank: int) -> str:
-        """" on node 10.0.0.1 (1a2b3c4d), now dead": the node of the actor of ``rank``, from
-        its Ready (or, for one that died starting, from its bundle), and whether it is alive."""
-        node_id, ip = self.placement[rank].get("node_id"), self.placement[rank].get("node_ip")
-        try:
-            nodes = {n["NodeID"]: n for n in self.ray.nodes()}
-            if node_id is None:
-                from ray.util.placement_group import placement_group_table
+    def _node_of(self, rank: int) -> str | None:
+        """The node of the actor of ``rank``: from its Ready, or (one that died starting) its bundle's."""
+        node_id = self.placement[rank].get("node_id")
+        if node_id is None:
+            from ray.util.placement_group import placement_group_table
 
-                node_id = placement_group_table(self.group)["bundles_to_node_id"].get(rank)
-            node = nodes.get(node_id)
+            node_id = placement_group_table(self.group)["bundles_to_node_id"].get(rank)
+        return node_id
+
+    def _where(self, rank: int) -> str:
+        """"; it ran on node 10.0.0.1 (1a2b3c4d), whose raylet does not answer": the node of
+        the dead actor of ``rank`` and what is known of it; the node becomes a suspect."""
+        try:
+            node_id = self._node_of(rank)
+            node = next((n for n in live_nodes(self.ray) if n.id == node_id), None)
         except Exception:  # noqa: BLE001 - the cluster itself may be gone: say what is known
-            node = None
+            return ""
         if node_id is None:
             return ""
-        ip = ip or (node or {}).get("NodeManagerAddress", "?")
-        state = "" if node is None else (", still alive" if node.get("Alive") else ", now dead")
-        return f" on node {ip} ({node_id[:8]}{state})"
+        self.suspects.add(node_id)
+        ip = self.placement[rank].get("node_ip") or (node.ip if node else "?")
+        if node is None:
+            state = "which Ray has declared dead"
+        elif raylet_answers(node):
+            state = "which is still up"
+        else:
+            state = "whose raylet does not answer (the node is lost)"
+        return f"; it ran on node {ip} ({node_id[:8]}), {state}"
 
 
 def _cause(exc: BaseException) -> str:
