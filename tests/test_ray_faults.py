@@ -25,6 +25,7 @@ SCRIPTS = os.path.join(TESTS, "pool_scripts")
 sys.path.insert(0, SCRIPTS)
 
 from engines import wait_for_path  # noqa: E402
+from processes import descendants, gone  # noqa: E402
 
 from stageb_pool.pool.ray_placement import cpu_share, pack  # noqa: E402
 
@@ -84,6 +85,51 @@ def driver(code: str, server: ClusterServer | None, timeout: float = 120, token:
 
 
 POOL = "from engines import Uniform\nfrom stageb_pool import Pool, PoolError\nimport json, time\n"
+
+
+# -- a driver that dies ------------------------------------------------------------------------------
+@ray_marked
+def test_a_sigkilled_driver_of_its_own_local_cluster_leaves_no_process_behind(tmp_path):
+    """Runs first, before the module's cluster exists. Without the pool's watcher
+    (stageb_pool/pool/ray_reaper.py) Ray's agents outlive the driver by about 60 s."""
+    pytest.importorskip("ray", reason="Ray is not installed: .venv/bin/python -m pip install -e '.[ray]'")
+    child = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "run_ray_pool.py"), str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env=child_env(HOME=str(tmp_path)))
+    try:
+        assert wait_for_path(str(tmp_path / "pids.json"), 120), "the pool never started"
+        assert wait_until(lambda: len(list(tmp_path.glob("started.*"))) == 2, 30)  # both actors inside a task
+        cluster = descendants(child.pid)
+        names = {pid: _name(pid) for pid in cluster}
+        assert any(name.startswith("ray::DashboardAgent") for name in names.values()), names
+        child.kill()
+        child.wait(10)
+        started = time.monotonic()
+        assert wait_until(lambda: all(gone(pid) for pid in cluster), 10), \
+            {pid: names[pid] for pid in cluster if not gone(pid)}
+        print(f"a SIGKILLed driver's local cluster ({len(cluster)} processes) gone in "
+              f"{time.monotonic() - started:.1f} s")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return "?"
 
 
 # -- connecting -------------------------------------------------------------------------------------

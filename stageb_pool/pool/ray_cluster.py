@@ -18,6 +18,7 @@ import time
 from .cluster_probe import CONNECT_TIMEOUT, check_reachable
 from .errors import PoolError
 from .ray_logs import ray_logs_to_stderr
+from .ray_reaper import Reaper
 
 # Plain-text actor output, one line per line, never merged across workers; no usage stats.
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0"}
@@ -47,6 +48,7 @@ class RayConnection:
         self._saved_env: dict[str, str | None] = {}
         self._saved_sigterm = None
         self._log_redirect = None
+        self._reaper = None
         loaded = sys.modules.get("ray")
         already = loaded is not None and loaded.is_initialized()
         if not already:
@@ -63,6 +65,7 @@ class RayConnection:
         target = address
         if address == "local":
             _apply_auth_env()  # ray may have been imported before the env was set
+            self._reaper = Reaper()  # stops the cluster if this process dies without closing it
         else:
             deadline = time.monotonic() + connect_timeout
             try:
@@ -101,6 +104,9 @@ class RayConnection:
             self.started = False
             if self.ray.is_initialized():
                 self.ray.shutdown()
+        if self._reaper is not None:
+            self._reaper.stop()
+            self._reaper = None
         if self._log_redirect is not None:
             self._log_redirect()
             self._log_redirect = None
