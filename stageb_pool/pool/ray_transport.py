@@ -192,7 +192,10 @@ class RayTransport:
             timeout = REPLACE_POLL if timeout is None else min(timeout, REPLACE_POLL)
         events, self.events = self.events, []
         if not self.inflight:
-            if events or timeout is not None:
+            if events:
+                return events
+            if timeout is not None:  # nothing can answer: only the clock (a deadline, a waiting replacement)
+                time.sleep(timeout)
                 return events
             raise PoolError("the Ray backend was asked to wait with nothing in flight")
         refs = list(self.inflight)
