@@ -62,6 +62,8 @@ class ClusterServer:
         return self._read()
 
     def close(self) -> None:
+        if self.proc.stdin.closed:
+            return
         self.proc.stdin.close()
         try:
             self.proc.wait(60)
@@ -191,7 +193,7 @@ print(json.dumps(out))
 # -- node loss ---------------------------------------------------------------------------------------
 @ray_marked
 def test_a_lost_node_costs_one_restart_and_no_capacity_is_a_clear_error(cluster, tmp_path):
-    """Runs last in this module: it leaves the cluster with no worker node."""
+    """Runs after the other tests of the cluster but one: it takes both nodes away (and adds one back)."""
     driver_proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "ray_node_loss.py"), cluster.address,
                                     str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    env=child_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=cluster.token))
@@ -229,6 +231,50 @@ def test_a_lost_node_costs_one_restart_and_no_capacity_is_a_clear_error(cluster,
     print(f"node loss detected in {detected_s:.1f} s, round 1 done {recovered_s:.1f} s after the loss, "
           f"no-capacity error {failed_s:.1f} s after the second loss")
     assert failed_s < 60
+    assert len(cluster.ask("add")["nodes"]) == 1  # a node for the next test
+
+
+@ray_marked
+def test_a_cluster_lost_while_the_pool_is_idle_is_a_pool_error_on_the_next_call(cluster):
+    """Runs after every other test of the cluster: it shuts the cluster down."""
+    code = POOL + f"""
+import sys
+pool = Pool(Uniform, "cpu:1", backend="ray", ray_address={cluster.address!r})
+print("up", flush=True)
+sys.stdin.readline()  # the cluster is gone now
+started = time.monotonic()
+try:
+    pool.map("square", [1, 2])
+except PoolError as exc:
+    print(json.dumps([time.monotonic() - started, str(exc)]), flush=True)
+pool.close()
+"""
+    env = child_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=cluster.token)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        up = proc.stdout.readline().strip()
+        assert up == "up", proc.stderr.read()[-3000:]
+        cluster.close()
+        host, port = cluster.address.rsplit(":", 1)
+        assert wait_until(lambda: _refused(host, int(port)), 30)  # the head is gone
+        out, err = proc.communicate("go\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]  # not ended by Ray
+    elapsed, message = json.loads(out.strip().splitlines()[-1])
+    assert message == f"lost the Ray cluster at {cluster.address}: its head (GCS) no longer answers; every worker is gone"
+    assert elapsed < 10
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return False
+    except OSError:
+        return True
 
 
 # -- packing arithmetic (no cluster) ---------------------------------------------------------------

@@ -63,6 +63,18 @@ def check_reachable(address: str, timeout: float) -> str:
     raise PoolError(f"cannot connect to the Ray cluster at {named}: {type(error).__name__}: {_first_sentence(error)}")
 
 
+def gcs_answers(gcs: str, timeout: float = 1.0) -> bool:
+    """Whether the cluster's GCS still accepts a connection. Ray's own state queries block
+    while the GCS is gone (and the process is terminated 60 s after it went), so the pool
+    asks this first whenever a worker died."""
+    host, _, port = gcs.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def resolve(address: str) -> tuple[str, str]:
     """``(host:port, where it came from)``: Ray's own lookup for ``"auto"`` (``RAY_ADDRESS``,
     then the cluster ``ray start`` last started on this machine, then a running gcs_server)."""

@@ -28,6 +28,9 @@ QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_COLOR_P
              "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"}
 
 
+GCS_LOSS_PATIENCE = 7 * 24 * 3600  # seconds this driver survives a lost head (Ray's default: 60)
+
+
 def import_ray():
     try:
         import ray
@@ -79,6 +82,11 @@ class RayConnection:
                 raise
             # ray.init's own GCS retries (about 1 s each) within what is left of the bound.
             self._setenv("RAY_gcs_server_port_wait_time_s", str(max(1, int(deadline - time.monotonic()))))
+            # Ray ends a driver 60 s after it lost the GCS, even an idle one (exit 1, no
+            # exception); the pool notices a lost head itself (RayTransport._check_cluster) and
+            # raises on the next call, so this process waits a week instead (measured: 70 s idle
+            # after the loss, then a PoolError). Not for a local cluster: its processes inherit it.
+            self._setenv("RAY_gcs_rpc_server_reconnect_timeout_s", str(GCS_LOSS_PATIENCE))
         # ray.init replaces the SIGTERM handler with one that calls sys.exit, and keeps it
         # after shutdown: restore ours in close().
         self._saved_sigterm = signal.getsignal(signal.SIGTERM)

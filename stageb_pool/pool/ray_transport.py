@@ -30,6 +30,7 @@ import msgspec
 
 from . import protocol
 from .calls import Calls
+from .cluster_probe import gcs_answers
 from .devices import Device
 from .dispatch import WorkerExited, WorkerMessage, WorkerStarted
 from .errors import PoolError, ProtocolError
@@ -103,7 +104,12 @@ class RayTransport:
             self.devices, self.bundles = plan_workers(ray, *spec)
             self.group = place(ray, self.bundles, placement_timeout, name=f"stageb_pool-{os.getpid()}-{id(self):x}")
             self.actor_class = ray.remote(RayWorker)
-            self.factory = ray.put(engine_factory)  # shipped once (Ray pickles it), not per actor
+            # Passed to each actor as an argument, never ray.put: an object this process owns
+            # in the object store makes Ray end the whole process at once when the cluster
+            # dies (measured: exit 1, no exception, even with the pool idle). A factory over
+            # 100 KiB is put there by Ray anyway: keep factories small (a class, a partial).
+            self.factory = engine_factory
+            self.gcs_address = ray.get_runtime_context().gcs_address
         except BaseException:
             self.close([])
             raise
@@ -129,6 +135,7 @@ class RayTransport:
             return
         from ray.util.placement_group import placement_group_table
 
+        self._check_cluster()
         table = placement_group_table(self.group)
         nodes = self._live_nodes()
         alive = {node.id for node in nodes}
@@ -218,9 +225,11 @@ class RayTransport:
 
     def close(self, busy: list[int]) -> None:
         """Kill every actor (an engine holds nothing worth a graceful stop), remove the
-        placement group, and shut Ray down if this pool started it."""
+        placement group, and shut Ray down if this pool started it. A cluster whose head is
+        gone holds nothing to free, and Ray's calls would block: they are skipped."""
         ray = self.ray
-        if ray.is_initialized():
+        gcs = getattr(self, "gcs_address", None)
+        if ray.is_initialized() and (gcs is None or gcs_answers(gcs)):
             for actor in getattr(self, "actors", []):
                 if actor is not None:
                     try:
@@ -246,6 +255,7 @@ class RayTransport:
             ray.kill(actor, no_restart=True)  # in case it only looks dead: free its bundle
             # Its other calls fail the same way: one exit per actor, then its tasks are retried.
             self.inflight = {r: v for r, v in self.inflight.items() if v[1] is not actor}
+            self._check_cluster()
             return WorkerExited(rank, None, None, f"{_cause(exc)}{self._where(rank)}")
         self.stats.bytes_received += len(data)
         messages = protocol.FrameReader(self.max_frame).feed(data)
@@ -255,6 +265,13 @@ class RayTransport:
         if isinstance(msg, Ready):
             self.placement[rank] = msg.info.pop("ray", {})
         return WorkerMessage(rank, msg)
+
+    def _check_cluster(self) -> None:
+        """A worker died or waits for a node: first make sure the cluster itself is there
+        (Ray's state queries would block without its GCS)."""
+        if not gcs_answers(self.gcs_address):
+            raise PoolError(f"lost the Ray cluster at {self.gcs_address}: its head (GCS) no longer answers; "
+                            "every worker is gone")
 
     def _node_of(self, rank: int) -> str | None:
         """The node of the actor of ``rank``: from its Ready, or (one that died starting) its bundle's."""
