@@ -287,6 +287,19 @@ def test_a_replacement_gets_the_task_first_and_the_snapshots_again(clock, how):
         "Snapshot", "Task0", "Snapshot", "Task0", "Task1"]
 
 
+@pytest.mark.parametrize("how, cause", [("hang_once", "in hang_once() on item 0: no answer within 5 s"),
+                                        ("die_once", "in die_once() on item 0: worker process died")])
+def test_every_restart_is_logged_with_its_cause_and_counted_per_worker(clock, caplog, how, cause):
+    t = ScriptedTransport(clock)
+    d, store = make(t, 2, task_timeout=5.0, max_restarts=1)
+    with caplog.at_level("WARNING", logger="stageb_pool.pool"):
+        assert run(d, [task(store, 0, how, item=3, rank=1)]) == {0: 9}
+    assert d.stats.restarts_by_rank == [0, 1]
+    [record] = [r.getMessage() for r in caplog.records if r.name == "stageb_pool.pool"]
+    assert record.startswith(f"worker 1 (cpu:1) {cause}") and record.endswith(
+        "; replacing it and retrying its work (restart 1, 0 left)"), record
+
+
 def test_the_restart_budget_is_pool_wide(clock):
     d, store = make(ScriptedTransport(clock), 2, max_restarts=1)
     with pytest.raises(WorkerDied):

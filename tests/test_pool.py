@@ -247,7 +247,7 @@ class _ReleaseOnStallWarning(logging.Handler):
 def test_a_silent_task_is_named_in_a_warning_long_before_its_timeout(tmp_path):
     release = str(tmp_path / "release")
     handler = _ReleaseOnStallWarning(release)
-    logger = logging.getLogger("stageb_pool.pool.dispatch")
+    logger = logging.getLogger("stageb_pool.pool")
     logger.addHandler(handler)
     try:
         with Pool(Engine, "cpu:2", stall_warning=0.2, task_timeout=600) as pool:
@@ -263,7 +263,7 @@ def test_a_silent_task_is_named_in_a_warning_long_before_its_timeout(tmp_path):
 
 
 def test_no_stall_warning_for_tasks_that_answer_in_time(caplog):
-    with caplog.at_level(logging.WARNING, "stageb_pool.pool.dispatch"):
+    with caplog.at_level(logging.WARNING, "stageb_pool.pool"):
         with Pool(Engine, "cpu:2", stall_warning=600) as pool:
             assert pool.map("square", range(6)) == [x * x for x in range(6)]
     assert not caplog.records
@@ -516,7 +516,7 @@ def test_ray_is_imported_only_lazily_and_only_by_the_ray_backend():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "ray" or n.startswith("ray.") for n in names):
-                assert path.name in ("ray_cluster.py", "ray_transport.py"), f"{path.name} imports ray"
+                assert path.name.startswith("ray_") or path.name == "cluster_probe.py", f"{path.name} imports ray"
                 assert id(node) not in top_level, f"{path.name}:{node.lineno} imports ray at module level"
 
 

@@ -32,7 +32,7 @@ VOLATILE_PATHS: dict[str, tuple[str, ...]] = {
     "run.json": ("invocation", "config.output", "config.stage_a_paths", "config.guidance.path",
                  "config.prompt.profile", "config.rule_search.proposer_prompt_path",
                  "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path"),
-    "summary.json": ("timing", "workers"),  # wall time per phase; throughput per worker
+    "summary.json": ("timing", "workers"),  # wall time per phase; throughput and restarts per worker
 }
 
 # Whole files, present or not: which worker ran which task when (pool_timeline.jsonl), and

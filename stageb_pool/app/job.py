@@ -214,6 +214,7 @@ def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, ove
         factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
         max_restarts=config.pool.max_restarts, stall_warning=config.pool.stall_warning, inline=debug, backend="ray" if ray else "fork",
         ray_address=ray_address or "auto", placement_timeout=config.pool.start_timeout,
+        connect_timeout=config.pool.connect_timeout,
     )
     try:
         run_json["devices"] = devices = pool.devices  # under Ray: the threads its plan gave each worker
@@ -346,12 +347,14 @@ def write_report(run_dir) -> bool:
 
 
 def worker_throughput(pool, tickets_by_rank: dict[int, int] | None = None) -> dict:
-    """Per worker: items done, busy seconds (from pool.stats), rollout tickets and tickets/s."""
+    """Per worker: items done, busy seconds (from pool.stats), rollout tickets, tickets/s and
+    how many times it was replaced (restarts: they depend on faults, not on the inputs)."""
     items, busy = pool.stats.items, pool.stats.busy_s  # per rank
     out = {}
     for rank, device in enumerate(pool.devices):
         n, s = items[rank], busy[rank]
         tickets = (tickets_by_rank or {}).get(rank, 0)
         out[device.name] = {"items": n, "busy_s": round(float(s), 3), "rollout_tickets": tickets,
-                            "tickets_per_s": round(tickets / s, 3) if s > 0 else None}
+                            "tickets_per_s": round(tickets / s, 3) if s > 0 else None,
+                            "restarts": pool.stats.restarts_by_rank[rank]}
     return out

@@ -23,21 +23,21 @@ from __future__ import annotations
 
 import enum
 import heapq
-import json
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import NamedTuple, Protocol
 
 import msgspec
 
 from . import protocol
+from .engine_agreement import refuse_different_engines
 from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTimeout
 from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snapshot, Task
 from .snapshots import SnapshotCache, SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stageb_pool.pool")
 
 EXIT_REPORT_GRACE = 0.5  # a worker that closed its channel must be reported exited by then, else it is killed
 KILL_REPORT_TIMEOUT = 10.0  # a killed worker whose exit is never reported means the pool is broken
@@ -318,24 +318,9 @@ class Dispatcher:
             raise ProtocolError(f"worker {slot.rank} sent an unexpected {name}")
 
     def _check_engines(self, new: Slot | None = None) -> None:
-        """Byte-identical results need the same GPU model and software on every worker
-        (docs/architecture.md, determinism contract): refuse a worker whose engine.info()
-        differs from the others' (from the majority's at start, naming the odd worker)."""
         ready = [s.rank for s in self.slots if s.state in (WorkerState.IDLE, WorkerState.BUSY)]
-        if new is not None:
-            ready = [r for r in ready if r != new.rank] + [new.rank]  # the newcomer is the odd one
-        kinds = Counter(_canonical(self.worker_info[r]) for r in ready)
-        majority = kinds.most_common(1)[0][0] if new is None else _canonical(self.worker_info[ready[0]])
-        odd = next((r for r in ready if _canonical(self.worker_info[r]) != majority), None)
-        if odd is None:
-            return
-        ref = next(r for r in ready if _canonical(self.worker_info[r]) == majority)
-        info, reference = self.worker_info[odd], self.worker_info[ref]
-        diff = "; ".join(f"{key}: {info.get(key)!r} where worker {ref} has {reference.get(key)!r}"
-                         for key in sorted(set(info) | set(reference)) if info.get(key) != reference.get(key))
-        raise PoolError(f"worker {odd} ({self.devices[odd].name}) reports a different engine ({diff}): "
-                        "results would depend on which worker ran which chunk; run on GPUs of one model "
-                        "with the same software on every node")
+        refuse_different_engines(self.worker_info, ready, [d.name for d in self.devices],
+                                 newcomer=None if new is None else new.rank)
 
     def _on_closed(self, slot: Slot) -> None:
         if slot.state in (WorkerState.STARTING, WorkerState.IDLE, WorkerState.BUSY):
@@ -380,25 +365,27 @@ class Dispatcher:
         where, tasks = slot.where(), list(slot.tasks)
         slot.state, slot.deadline = WorkerState.DEAD, None
         slot.tasks.clear()
+        if slot.trouble.timeout is not None:
+            fault = WorkerTimeout(slot.trouble.timeout, **where)
+        else:
+            fault = WorkerDied(exitcode=exited.exitcode, signal=exited.signal, cause=exited.cause, **where)
         if self.restarts_left > 0:
             self.restarts_left -= 1
             self.stats.restarts += 1
+            self.stats.restarts_by_rank[slot.rank] += 1
+            # The one trace of a fault the run survived (summary.json counts them per worker).
+            log.warning("%s; replacing it and retrying its work (restart %d, %d left)", fault, self.stats.restarts,
+                        self.restarts_left)
             for task in tasks:
                 if not task.done():
                     self.queue.retry(task)
             self._spawn(slot.rank)
             return
-        if slot.trouble.timeout is not None:
-            raise WorkerTimeout(slot.trouble.timeout, **where)
-        raise WorkerDied(exitcode=exited.exitcode, signal=exited.signal, cause=exited.cause, **where)
+        raise fault
 
     def _spawn(self, rank: int) -> None:
         self.slots[rank] = Slot(rank, self.devices[rank], _deadline(self.start_timeout))
         self.transport.spawn(rank)
-
-
-def _canonical(info: dict) -> str:
-    return json.dumps(info, sort_keys=True, default=str)
 
 
 def _deadline(seconds: float | None) -> float | None:

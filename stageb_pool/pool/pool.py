@@ -19,6 +19,7 @@ from .dispatch import Dispatcher
 from .errors import FrameTooLarge, PoolError, TaskCancelled
 from .forked import ForkedTransport
 from .inline import InlineRunner
+from .cluster_probe import CONNECT_TIMEOUT
 from .protocol import MAX_FRAME_BYTES, encode
 from .snapshots import SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
@@ -45,7 +46,8 @@ class Pool:
     at ``ray_address`` (``"auto"``: the one ``ray start`` started; ``"local"``: a new one on
     this machine, stopped by ``close``; ``"host:port"``); ``gpus`` is then a count (``"32"``)
     or ``"cpu:N"``, and the workers are reserved within ``placement_timeout`` seconds or the
-    pool fails naming the resources. Workers whose ``engine.info()`` differ are refused.
+    pool fails naming the resources. An existing cluster must answer and accept this process
+    within ``connect_timeout`` seconds, or the pool fails naming the address and the cause. Workers whose ``engine.info()`` differ are refused.
     Everything else (errors, restarts, snapshots, order, results) is the same.
 
     ``gpus_per_worker=G``: one worker per group of G GPUs (contiguous in the spec's order;
@@ -57,7 +59,8 @@ class Pool:
     def __init__(self, engine_factory, gpus="cpu:2", *, task_timeout: float | None = 600.0,
                  start_timeout: float | None = 600.0, max_restarts: int = 0, inline: bool = False,
                  max_frame_bytes: int = MAX_FRAME_BYTES, backend: str = "fork", ray_address: str = "auto",
-                 placement_timeout: float = 60.0, gpus_per_worker: int = 1, stall_warning: float | None = None):
+                 placement_timeout: float = 60.0, gpus_per_worker: int = 1, stall_warning: float | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT):
         task_timeout = _checked_timeout("task_timeout", task_timeout)
         stall_warning = _checked_timeout("stall_warning", stall_warning)
         start_timeout = _checked_timeout("start_timeout", start_timeout)
@@ -77,7 +80,8 @@ class Pool:
         self._unfinished: dict[int, TaskHandle] = {}  # by id: submitted, not yet finished
         self._next_id = 0
         self._closed = False
-        self._runner = self._runner_for(engine_factory, inline, ray_spec, ray_address, placement_timeout,
+        ray_limits = dict(placement_timeout=placement_timeout, connect_timeout=connect_timeout)
+        self._runner = self._runner_for(engine_factory, inline, ray_spec, ray_address, ray_limits,
                                         task_timeout=task_timeout, start_timeout=start_timeout,
                                         max_restarts=max_restarts, stall_warning=stall_warning)
         try:
@@ -86,7 +90,7 @@ class Pool:
             self.close()
             raise
 
-    def _runner_for(self, engine_factory, inline: bool, ray_spec, ray_address: str, placement_timeout, **limits):
+    def _runner_for(self, engine_factory, inline: bool, ray_spec, ray_address: str, ray_limits: dict, **limits):
         """The inline runner, or the dispatcher over the fork or the Ray transport."""
         if inline:
             return InlineRunner(engine_factory, self.devices[0], self._snapshots, self.stats, self.max_frame)
@@ -96,7 +100,7 @@ class Pool:
             from .ray_transport import RayTransport  # imports ray; never on the fork path
 
             transport = RayTransport(ray_spec, engine_factory, self.max_frame, self.stats, address=ray_address,
-                                     placement_timeout=_checked_timeout("placement_timeout", placement_timeout))
+                                     **{name: _checked_timeout(name, value) for name, value in ray_limits.items()})
             self.devices = transport.devices  # planned from the cluster's resources
         # Under Ray the next task waits in the actor: Ray's ~1 ms round trip is not spent idle.
         return Dispatcher(transport, self.devices, self._snapshots, self.stats, max_frame=self.max_frame,

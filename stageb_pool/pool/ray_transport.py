@@ -9,6 +9,12 @@ Ray error (the actor's process died) is a death. Ray's own restarts and retries 
 dispatcher replaces a dead or stalled actor in the same bundle and retries its task. A
 stalled actor is killed (``ray.cancel`` does not stop a running actor task).
 
+A replacement is created only once its bundle sits on a live node: after a node loss Ray
+moves the lost bundles of the placement group to other nodes (and kills any actor still
+using the old ones), so an actor created before that would die too and cost a second
+restart. Until then the replacement waits here; if no live node has the bundle's resources
+free, the run fails saying so instead of waiting for ``start_timeout``.
+
 ``ray`` is imported lazily (``ray_cluster.import_ray``); this module is only imported for
 ``Pool(backend="ray")``.
 """
@@ -17,19 +23,26 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import traceback
 
 import msgspec
 
 from . import protocol
 from .calls import Calls
+from .cluster_probe import gcs_answers
 from .devices import Device
 from .dispatch import WorkerExited, WorkerMessage, WorkerStarted
 from .errors import PoolError, ProtocolError
 from .protocol import InitFailed, Ready, Snapshot, Task
-from .ray_cluster import RayConnection, place, plan_workers, remove_group
+from .ray_cluster import RayConnection
+from .ray_placement import live_nodes, place, plan_workers, raylet_answers, remove_group, show
 from .tasks import PoolStats
 from .worker import exception_summary, limit_threads, run_task, start_engine
+
+
+REPLACE_POLL = 0.2  # seconds between looks at a waiting replacement's bundle
+REPLACE_GRACE = 2.0  # seconds a replacement may find no node with room before the run fails
 
 
 class RayWorker:
@@ -82,17 +95,22 @@ class RayTransport:
     rank, where its actor runs (node id and address, Ray's GPU ids, pid)."""
 
     def __init__(self, spec: tuple[str, int, int], engine_factory, max_frame: int, stats: PoolStats, *,
-                 address: str, placement_timeout: float):
+                 address: str, placement_timeout: float, connect_timeout: float):
         self.max_frame = max_frame
         self.stats = stats
-        self.connection = RayConnection(address)
+        self.connection = RayConnection(address, connect_timeout)
         ray = self.ray = self.connection.ray
         self.group = None
         try:
             self.devices, self.bundles = plan_workers(ray, *spec)
             self.group = place(ray, self.bundles, placement_timeout, name=f"stageb_pool-{os.getpid()}-{id(self):x}")
             self.actor_class = ray.remote(RayWorker)
-            self.factory = ray.put(engine_factory)  # shipped once (Ray pickles it), not per actor
+            # Passed to each actor as an argument, never ray.put: an object this process owns
+            # in the object store makes Ray end the whole process at once when the cluster
+            # dies (measured: exit 1, no exception, even with the pool idle). A factory over
+            # 100 KiB is put there by Ray anyway: keep factories small (a class, a partial).
+            self.factory = engine_factory
+            self.gcs_address = ray.get_runtime_context().gcs_address
         except BaseException:
             self.close([])
             raise
@@ -100,8 +118,53 @@ class RayTransport:
         self.placement: list[dict] = [{} for _ in self.devices]
         self.inflight: dict = {}  # ObjectRef -> (rank, actor): the ready() and run() calls not yet answered
         self.events: list = []
+        self.waiting: dict[int, float | None] = {}  # rank -> since when no live node has room for it (None: room)
+        self.suspects: set[str] = set()  # nodes where an actor died: live only if their raylet answers
 
     def spawn(self, rank: int) -> None:
+        if self.actors[rank] is None:  # the first actor: the group was just placed
+            self._create(rank)
+        else:  # a replacement: created by poll once its bundle is on a live node
+            self.waiting[rank] = None
+            self._create_waiting()
+
+    def _create_waiting(self) -> None:
+        """Create the replacements whose bundles are on live nodes; fail for one that no live
+        node has had room for during ``REPLACE_GRACE`` (while Ray moves a bundle, the node it
+        moves to shows its resources taken and the group still RESCHEDULING)."""
+        if not self.waiting:
+            return
+        from ray.util.placement_group import placement_group_table
+
+        self._check_cluster()
+        table = placement_group_table(self.group)
+        nodes = self._live_nodes()
+        alive = {node.id for node in nodes}
+        now = time.monotonic()
+        for rank, since in list(self.waiting.items()):
+            if table["state"] == "CREATED" and table["bundles_to_node_id"].get(rank) in alive:
+                del self.waiting[rank]
+                self._create(rank)
+                continue
+            bundle = self.bundles[rank]
+            fits = any(all(n.free.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for n in nodes)
+            self.waiting[rank] = None if fits else (now if since is None else since)
+            if not fits and since is not None and now - since > REPLACE_GRACE:
+                free = "; ".join(f"{n.label()}: " + ", ".join(f"{n.free.get(k, 0.0):g} {k}" for k in bundle)
+                                 for n in nodes) or "no live node"
+                raise PoolError(f"worker {rank} ({self.devices[rank].name}) cannot be re-placed: no live node has "
+                                f"{show(bundle)} free (free now: {free}); the placement group is {table['state']}")
+
+    def _live_nodes(self) -> list:
+        """The GCS's live nodes, less those where an actor died and whose raylet does not
+        answer (lost, but not yet declared dead by the GCS)."""
+        nodes = live_nodes(self.ray)
+        for node in nodes:
+            if node.id in self.suspects and raylet_answers(node):
+                self.suspects.discard(node.id)  # only the actor died
+        return [node for node in nodes if node.id not in self.suspects]
+
+    def _create(self, rank: int) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self.bundles[rank]
@@ -132,9 +195,15 @@ class RayTransport:
             self.events.append(WorkerExited(rank, None, None, "killed by the pool"))
 
     def poll(self, timeout: float | None) -> list:
+        if self.waiting:  # look again for a live bundle every REPLACE_POLL seconds
+            self._create_waiting()
+            timeout = REPLACE_POLL if timeout is None else min(timeout, REPLACE_POLL)
         events, self.events = self.events, []
         if not self.inflight:
-            if events or timeout is not None:
+            if events:
+                return events
+            if timeout is not None:  # nothing can answer: only the clock (a deadline, a waiting replacement)
+                time.sleep(timeout)
                 return events
             raise PoolError("the Ray backend was asked to wait with nothing in flight")
         refs = list(self.inflight)
@@ -157,9 +226,11 @@ class RayTransport:
 
     def close(self, busy: list[int]) -> None:
         """Kill every actor (an engine holds nothing worth a graceful stop), remove the
-        placement group, and shut Ray down if this pool started it."""
+        placement group, and shut Ray down if this pool started it. A cluster whose head is
+        gone holds nothing to free, and Ray's calls would block: they are skipped."""
         ray = self.ray
-        if ray.is_initialized():
+        gcs = getattr(self, "gcs_address", None)
+        if ray.is_initialized() and (gcs is None or gcs_answers(gcs)):
             for actor in getattr(self, "actors", []):
                 if actor is not None:
                     try:
@@ -185,7 +256,8 @@ class RayTransport:
             ray.kill(actor, no_restart=True)  # in case it only looks dead: free its bundle
             # Its other calls fail the same way: one exit per actor, then its tasks are retried.
             self.inflight = {r: v for r, v in self.inflight.items() if v[1] is not actor}
-            return WorkerExited(rank, None, None, _cause(exc))
+            self._check_cluster()
+            return WorkerExited(rank, None, None, f"{_cause(exc)}{self._where(rank)}")
         self.stats.bytes_received += len(data)
         messages = protocol.FrameReader(self.max_frame).feed(data)
         if len(messages) != 1:
@@ -195,15 +267,52 @@ class RayTransport:
             self.placement[rank] = msg.info.pop("ray", {})
         return WorkerMessage(rank, msg)
 
+    def _check_cluster(self) -> None:
+        """A worker died or waits for a node: first make sure the cluster itself is there
+        (Ray's state queries would block without its GCS)."""
+        if not gcs_answers(self.gcs_address):
+            raise PoolError(f"lost the Ray cluster at {self.gcs_address}: its head (GCS) no longer answers; "
+                            "every worker is gone")
+
+    def _node_of(self, rank: int) -> str | None:
+        """The node of the actor of ``rank``: from its Ready, or (one that died starting) its bundle's."""
+        node_id = self.placement[rank].get("node_id")
+        if node_id is None:
+            from ray.util.placement_group import placement_group_table
+
+            node_id = placement_group_table(self.group)["bundles_to_node_id"].get(rank)
+        return node_id
+
+    def _where(self, rank: int) -> str:
+        """"; it ran on node 10.0.0.1 (1a2b3c4d), whose raylet does not answer": the node of
+        the dead actor of ``rank`` and what is known of it; the node becomes a suspect."""
+        try:
+            node_id = self._node_of(rank)
+            node = next((n for n in live_nodes(self.ray) if n.id == node_id), None)
+        except Exception:  # noqa: BLE001 - the cluster itself may be gone: say what is known
+            return ""
+        if node_id is None:
+            return ""
+        self.suspects.add(node_id)
+        ip = self.placement[rank].get("node_ip") or (node.ip if node else "?")
+        if node is None:
+            state = "which Ray has declared dead"
+        elif raylet_answers(node):
+            state = "which is still up"
+        else:
+            state = "whose raylet does not answer (the node is lost)"
+        return f"; it ran on node {ip} ({node_id[:8]}), {state}"
+
 
 def _cause(exc: BaseException) -> str:
-    """Ray's own explanation of a death, in one line (it reports no exit code or signal):
-    "The actor is dead because its worker process has died (Worker unexpectedly exits with
-    a connection error code 2. End of file.)"."""
+    """Ray's own explanation of a death, in one line and in full (it reports no exit code or
+    signal): "The actor is dead because its worker process has died (Worker unexpectedly
+    exits with a connection error code 2. End of file.)"; Ray's list of common causes and
+    the actor's repr are left out."""
     text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # no colour codes, one line
     why = re.search(r"The actor (?:is dead|died) because .*?\.(?=\s|$)", text)
     detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text)
     if why is None:
-        return f"{type(exc).__name__}: {text[:200]}"
-    cause = why.group(0).rstrip(".")[:200]
-    return f"{cause} ({detail.group(1).strip()[:200]})" if detail else cause
+        return f"{type(exc).__name__}: {text}"
+    cause = why.group(0).rstrip(".")
+    return f"{cause} ({detail.group(1).strip()})" if detail else cause

@@ -21,6 +21,7 @@ class PoolStats(msgspec.Struct):
     items: list[int]  # tasks completed, per rank
     busy_s: list[float]  # seconds with a task in flight, per rank
     restarts: int
+    restarts_by_rank: list[int]  # replacements of each rank's worker (each is also logged)
     # One (rank, method, label, start_s, end_s) per completed task, seconds from ``origin``
     # (the pool's start): the per-worker timeline of a run's report. A tuple append per task
     # costs about a microsecond; busy_s of a rank is the sum of its intervals.
@@ -29,7 +30,7 @@ class PoolStats(msgspec.Struct):
 
     @classmethod
     def empty(cls, size: int) -> "PoolStats":
-        return cls({}, {}, 0, 0, 0, [0] * size, [0.0] * size, 0, [], time.monotonic())
+        return cls({}, {}, 0, 0, 0, [0] * size, [0.0] * size, 0, [0] * size, [], time.monotonic())
 
     def record(self, rank: int, task: "TaskHandle", start: float, end: float) -> None:
         """Count a completed task of ``rank`` that ran from ``start`` to ``end`` (monotonic)."""

@@ -108,6 +108,7 @@ class PoolConfig(_Section, kw_only=True):
     # seconds a request may run without a result before a warning names its worker (then again
     # after each further stall_warning); null: never. Long before task_timeout stops it.
     stall_warning: Float(0, WEEK, open_low=True) | None = 120.0
+    connect_timeout: Float(0, WEEK, open_low=True) = 45.0  # --ray: seconds to reach the cluster before the run fails
 
 
 class RunnerConfig(_Section, kw_only=True):

@@ -1,0 +1,198 @@
+"""The Ray backend's placement: planning one bundle per worker, checking that the whole request
+packs onto the live nodes, and reserving it through one placement group.
+
+Ray reports a placement group that can never be placed and one that other jobs block the same
+way (PENDING, NO_RESOURCES, forever), and it checks nothing before accepting one. So the pool
+packs the request itself, bundle by bundle onto the live nodes (first fit, largest bundle
+first: exact for the pool's equal bundles), first against the nodes' totals (impossible:
+fail at once) and then against what is free now (busy: wait, bounded, and say why).
+Imports ray lazily, like every Ray module of the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from typing import NamedTuple
+
+from .devices import Device, ray_devices, ray_workers
+from .errors import PoolError
+
+log = logging.getLogger("stageb_pool.pool")
+MAX_THREADS = 8  # torch threads per GPU worker, as the fork backend's devices.parse_gpus
+RESOURCE_UNIT = 10_000  # Ray keeps resources in units of 1/10000: shares are rounded down to one
+EPS = 1e-9
+RAYLET_PROBE_TIMEOUT = 1.0  # seconds; a raylet on a live node answers in milliseconds
+
+
+class Node(NamedTuple):
+    """A live node (as the GCS sees it): its id, its address and raylet port, its total and
+    its free resources."""
+
+    id: str
+    ip: str
+    port: int
+    total: dict
+    free: dict
+
+    def label(self) -> str:
+        return f"node {self.ip} ({self.id[:8]})"
+
+
+def live_nodes(ray) -> list[Node]:
+    """Every live node, with what it has and what is free on it now."""
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    return [Node(n["NodeID"], n.get("NodeManagerAddress", "?"), int(n.get("NodeManagerPort") or 0),
+                 dict(n["Resources"]), dict(free.get(n["NodeID"], {})))
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def raylet_answers(node: Node, timeout: float = RAYLET_PROBE_TIMEOUT) -> bool:
+    """Whether the node's raylet accepts a connection now. The GCS keeps a node whose raylet
+    died "alive" until its health checks fail (about 15 s with Ray's defaults); an actor on it
+    is reported unavailable at once, and a replacement placed there would die too."""
+    try:
+        with socket.create_connection((node.ip, node.port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def plan_workers(ray, kind: str, count: int, gpus_per_worker: int = 1) -> tuple[list[Device], list[dict]]:
+    """The devices and the placement bundles of the workers of ``count`` GPUs (or ``count``
+    CPU workers) on this cluster.
+
+    A GPU worker reserves its group of ``gpus_per_worker`` GPUs in one bundle (a bundle
+    always lands on one node, so a group never spans nodes) and the CPUs that go with them on
+    the poorest node that can hold a group (CPUs // GPUs per GPU, at most 8 per worker; 0 on a
+    cluster that declares more GPUs than CPUs); its torch thread count is that, at least 1,
+    as on one machine. CPU workers share the cluster's CPUs: the largest share that packs
+    ``count`` bundles onto the nodes (whole CPUs when one or more each; else a fraction,
+    rounded down to Ray's unit, so 3 workers on 2 CPUs take 0.6666 each, never 2.0001 in
+    all). ``Device.index`` is the rank (times the group size): which node and GPUs it lands
+    on is Ray's choice (``Pool.placement`` tells)."""
+    nodes = live_nodes(ray)
+    workers = ray_workers(kind, count, gpus_per_worker)
+    if kind == "cuda":
+        fitting = [n for n in nodes if n.total.get("GPU", 0) >= gpus_per_worker]
+        if not fitting:
+            largest = max((n.total.get("GPU", 0) for n in nodes), default=0)
+            raise PoolError(f"cannot place a worker of {gpus_per_worker} GPUs: a worker's GPUs must be on one node, "
+                            f"and no node of the cluster has {gpus_per_worker} (the largest has {largest:g}); "
+                            "use fewer GPUs per worker, or add a node with that many")
+        per_gpu = [int(n.total.get("CPU", 0) // n.total["GPU"]) for n in fitting]
+        cpus = min(min(per_gpu, default=0) * gpus_per_worker, MAX_THREADS)
+        bundle = {"GPU": float(gpus_per_worker), **({"CPU": float(cpus)} if cpus else {})}
+        threads = max(1, cpus)
+    else:
+        cpus = cpu_share([n.total.get("CPU", 0.0) for n in nodes], workers)
+        if cpus is None:
+            raise PoolError(f"cannot place {workers} CPU workers: the cluster's live nodes have no CPU to share "
+                            f"({_describe(nodes, ['CPU'], free=False)})")
+        bundle = {"CPU": float(cpus)}
+        threads = max(1, int(cpus))
+    devices = ray_devices(kind, count, gpus_per_worker, threads)
+    return devices, [dict(bundle) for _ in range(workers)]
+
+
+def cpu_share(cpus: list[float], count: int) -> float | None:
+    """The largest CPU share per worker such that ``count`` of them pack onto nodes with
+    ``cpus`` CPUs each: whole CPUs where at least one each fits, else a fraction (a node's
+    CPUs over a whole number of workers, rounded down to Ray's unit); None without CPUs."""
+    fits = lambda share: sum(math.floor(c / share + EPS) for c in cpus) >= count  # noqa: E731
+    whole = [s for s in range(int(max(cpus, default=0)), 0, -1) if fits(s)]
+    if whole:
+        return float(whole[0])
+    shares = {math.floor(c / k * RESOURCE_UNIT) / RESOURCE_UNIT for c in cpus for k in range(1, count + 1)}
+    usable = sorted((s for s in shares if s > 0 and fits(s)), reverse=True)
+    return usable[0] if usable else None
+
+
+def pack(bundles: list[dict], capacity: list[dict]) -> list[int | None]:
+    """Which node (index into ``capacity``) takes each bundle, first fit, largest bundles
+    first; None for a bundle that fits nowhere."""
+    left = [dict(c) for c in capacity]
+    where: list[int | None] = [None] * len(bundles)
+    for i in sorted(range(len(bundles)), key=lambda i: sorted(bundles[i].values(), reverse=True), reverse=True):
+        for n, free in enumerate(left):
+            if all(free.get(key, 0.0) + EPS >= value for key, value in bundles[i].items()):
+                for key, value in bundles[i].items():
+                    free[key] = free.get(key, 0.0) - value
+                where[i] = n
+                break
+    return where
+
+
+def check_fits(ray, bundles: list[dict]) -> bool:
+    """Raise a PoolError at once when the live nodes could never hold ``bundles``, naming per
+    node what it has and what was asked; else whether they fit in what is free now."""
+    nodes = live_nodes(ray)
+    if None in pack(bundles, [n.total for n in nodes]):
+        fit = sum(w is not None for w in pack(bundles, [n.total for n in nodes]))
+        raise PoolError(f"cannot place {_request(bundles)}: the cluster's live nodes could hold {fit} "
+                        f"({_describe(nodes, _keys(bundles), free=False)}) (ask for fewer workers, or add nodes "
+                        "with `ray start`)")
+    return None not in pack(bundles, [n.free for n in nodes])
+
+
+def place(ray, bundles: list[dict], timeout: float, name: str):
+    """Reserve every bundle in one PACK placement group (PACK fills a node before the next,
+    so 32 GPU bundles fill four 8-GPU nodes; STRICT_SPREAD would wait for 32 nodes).
+
+    An impossible request fails at once (``check_fits``). One that fits the cluster but not
+    what is free now is waited for at most ``timeout`` seconds, saying so, and then fails
+    naming what is free on each node."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    free_now = check_fits(ray, bundles)
+    if not free_now:
+        log.warning("the cluster can hold %s, but other jobs hold the resources now; waiting up to %g s for them",
+                    _request(bundles), timeout)
+    group = placement_group(bundles, strategy="PACK", name=name)
+    ready, _ = ray.wait([group.ready()], timeout=timeout)
+    if ready:
+        return group
+    state = placement_group_table(group)
+    remove_placement_group(group)
+    nodes = live_nodes(ray)
+    raise PoolError(f"could not reserve {_request(bundles)} within {timeout:g} s (placement group "
+                    f"{state['state']}, {state['stats']['scheduling_state']}): the cluster can hold them, but other "
+                    f"jobs hold the resources (free now: {_describe(nodes, _keys(bundles), free=True)})")
+
+
+def remove_group(group) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(group)
+
+
+def show(bundle: dict) -> str:
+    """A bundle as a person reads it: "1 GPU + 2 CPU"."""
+    return " + ".join(f"{value:g} {key}" for key, value in bundle.items()) or "nothing"
+
+
+def _request(bundles: list[dict]) -> str:
+    if all(b == bundles[0] for b in bundles):
+        return f"{len(bundles)} workers of {show(bundles[0])} each"
+    return f"{len(bundles)} workers of {', '.join(show(b) for b in bundles)}"
+
+
+def _keys(bundles: list[dict]) -> list[str]:
+    return sorted({key for bundle in bundles for key in bundle})
+
+
+def _describe(nodes: list[Node], keys: list[str], *, free: bool) -> str:
+    """Per node, the resources asked for: "node 10.0.0.1 (1a2b3c4d): 2 CPU, 0 GPU"."""
+    if not nodes:
+        return "no live node"
+
+    def amounts(node: Node) -> str:
+        have = node.free if free else node.total
+        if free:
+            return ", ".join(f"{have.get(k, 0.0):g} of {node.total.get(k, 0.0):g} {k}" for k in keys)
+        return ", ".join(f"{have.get(k, 0.0):g} {k}" for k in keys)
+
+    return "; ".join(f"{node.label()}: {amounts(node)}" for node in nodes)
