@@ -78,7 +78,7 @@ def plan_workers(ray, kind: str, count: int, gpus_per_worker: int = 1) -> tuple[
     workers = ray_workers(kind, count, gpus_per_worker)
     if kind == "cuda":
         fitting = [n for n in nodes if n.total.get("GPU", 0) >= gpus_per_worker]
-        if not fitting:
+        if not fitting and gpus_per_worker > 1:  # one GPU per worker: the packing says what is missing
             largest = max((n.total.get("GPU", 0) for n in nodes), default=0)
             raise PoolError(f"cannot place a worker of {gpus_per_worker} GPUs: a worker's GPUs must be on one node, "
                             f"and no node of the cluster has {gpus_per_worker} (the largest has {largest:g}); "
