@@ -409,6 +409,7 @@ def test_the_constraint_option_is_in_the_config_hash_and_the_rollout_cache_key(p
     from stageb_pool.app.config import load_config
     from stageb_pool.app.identity import identity_document
     from stageb_pool.search.rollout import RolloutRunner, RolloutSpec
+    from stageb_pool.stageb.hashing import content_hash
     from stageb_pool.stageb.tickets import Ticket
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -422,7 +423,7 @@ def test_the_constraint_option_is_in_the_config_hash_and_the_rollout_cache_key(p
         runner = RolloutRunner(pool, profile, chunk_size=2)
         for on in (False, True, False):
             runner.run(RolloutSpec("r", "7/train", tickets, GUIDANCE,
-                                   msgspec.structs.replace(sampler, constrain_verdict=on)))
+                                   msgspec.structs.replace(sampler, constrain_verdict=on), content_hash(GUIDANCE)))
         assert pool.stats.items[0] == 2  # off, then on; the second "off" came from the cache
 
 
