@@ -26,7 +26,7 @@ from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
 from ..search.fileio import atomic_write_bytes, write_json, write_jsonl
-from ..search.guidance_store import GUIDANCE_FILE, GuidanceRepository
+from ..search.guidance_store import GUIDANCE_FILE, GuidanceStore
 from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
@@ -159,7 +159,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     rundir.check_inside(run_dir, config.output.root)
     check_outputs(config, run_dir, config_path=config_path)
     identity = run_identity(config, inputs) if config.mode == "search" else None
-    repo = GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
+    store = GuidanceStore(run_dir, inputs.mission, config.guidance.retention)
     run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
     prov = dict(model_path=config.model.path, chunk_size=config.runner.chunk_size,
                 profile_hash=content_hash(inputs.profile),
@@ -168,7 +168,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     # cannot be written is a located error that leaves nothing behind.
     first_run_json = rundir.encoded(rundir.run_json_document(
         workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov), **run_json), rundir.RUN_JSON)
-    seed_guidance = rundir.encoded(repo.document(inputs.seed_guidance), GUIDANCE_FILE)
+    seed_guidance = rundir.encoded(store.document(inputs.seed_guidance), GUIDANCE_FILE)
     rundir.check_preparable(run_dir, overwrite=overwrite, resume=resume)  # refused: no lock file is made
     check_distillation_target(config, run_dir, overwrite=overwrite, resume=resume)
     if resume:  # read-only checks, before the lock file is written; the search checks the state again
@@ -177,12 +177,12 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
             # Reads state.json, guidance.json and the committed rows, writes nothing. The train
             # keys are the search's own split (RuleSearch makes the same call).
             train, _ = split_eval_pool(inputs.tickets, config.rule_search.eval_pool_size, config.seed)
-            state_mod.preflight_resume(run_dir, identity, train_keys=[t.key for t in train], store=repo,
+            state_mod.preflight_resume(run_dir, identity, train_keys=[t.key for t in train], store=store,
                                        start_sampler=state_mod.start_sampler(len(train), config.rule_search,
                                                                              config.seed))
     lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
     try:
-        return _run_locked(config, devices, inputs=inputs, run_dir=run_dir, repo=repo, identity=identity,
+        return _run_locked(config, devices, inputs=inputs, run_dir=run_dir, store=store, identity=identity,
                            resume=resume, overwrite=overwrite, first_run_json=first_run_json,
                            seed_guidance=seed_guidance, run_json=run_json, prov=prov, debug=debug,
                            engine_factory=engine_factory, ray_address=ray_address, started=started)
@@ -190,7 +190,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         lock.release()
 
 
-def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, overwrite, first_run_json,
+def _run_locked(config, devices, *, inputs, run_dir, store, identity, resume, overwrite, first_run_json,
                 seed_guidance, run_json, prov, debug, engine_factory, ray_address, started) -> int:
     """``run_job`` from the moment it owns the run directory."""
     start = rundir.start_run_dir(run_dir, overwrite=overwrite, resume=resume)
@@ -201,8 +201,8 @@ def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, ove
         # run.json first: it marks the directory as a stageb-pool run even if the start fails
         # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
         atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)
-        if not (resume and repo.exists()):
-            atomic_write_bytes(repo.path, seed_guidance)
+        if not (resume and store.exists()):
+            atomic_write_bytes(store.path, seed_guidance)
     except BaseException:
         start.roll_back()  # after an --overwrite: the old run goes back in place
         raise
@@ -239,11 +239,13 @@ def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, ove
                                                   settings=headroom_settings(config), run_dir=run_dir, log=log))
         headroom_s = round(time.monotonic() - headroom_started, 3)
         if config.mode == "audit":
-            summary = run_audit(runner, tickets=inputs.tickets, guidance=repo.load(),
+            # The seed guidance, just written; a resumed audit keeps the file it finds.
+            guidance = store.load() if resume else inputs.seed_guidance
+            summary = run_audit(runner, tickets=inputs.tickets, guidance=guidance,
                                 settings=audit_settings(config, inputs), run_dir=run_dir, log=log,
                                 headroom=headroom)
         else:
-            summary = run_search(runner=runner, store=repo, run_dir=run_dir, tickets=inputs.tickets,
+            summary = run_search(runner=runner, store=store, run_dir=run_dir, tickets=inputs.tickets,
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
                                  identity=identity, resume=resume, log=log, headroom=headroom)
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
