@@ -1,8 +1,8 @@
 """Text in and out of a chat model, shared by the engines: rendering messages with the
 tokenizer's chat template, the stop strings, and cleaning a decoded completion.
 
-Stops follow upstream (behaviours 16): the end-of-turn strings are always there, and
-``model.stop`` adds to them; it never replaces them.
+Stops follow upstream (docs/migrating.md, ``<sampler>.grid[].stop``): the end-of-turn
+strings are always there, and ``model.stop`` adds to them; it never replaces them.
 
 """
 

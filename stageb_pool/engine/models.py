@@ -94,7 +94,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The tensors are plain fp32 after dequantization, but transformers still tags the model
-    # as GGUF-quantized and refuses to serialize it (environment.md 2.4): clear the tag.
+    # as GGUF-quantized and refuses to serialize it: clear the tag.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")
