@@ -28,7 +28,7 @@ import pytest
 import scripted_engine as se
 
 from stageb_pool.app import config as config_mod
-from stageb_pool.app import job
+from stageb_pool.app import job, plan
 from stageb_pool.app.diff import VOLATILE_FILES, diff_runs, format_differences
 from stageb_pool.app.identity import run_identity
 from stageb_pool.search import state as state_mod
@@ -608,7 +608,7 @@ def test_preflight_resume_checks_without_touching_anything(tmp_path):
     run_dir = tmp_path / "out" / se.MISSION / "run"
     cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     cfg = config_mod.load_config(cfg_path)
-    inputs = job.load_inputs(cfg)
+    inputs = plan.load_inputs(cfg)
     train, _ = split_eval_pool(inputs.tickets, cfg.rule_search.eval_pool_size, cfg.seed)
     extra = dict(train_keys=[t.key for t in train], store=GuidanceStore(run_dir, se.MISSION),
                  start_sampler=state_mod.start_sampler(len(train), cfg.rule_search, cfg.seed))

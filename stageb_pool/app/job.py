@@ -12,13 +12,11 @@ owns a run directory at a time.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from pathlib import Path
 
 import msgspec
 
-from ..engine.model_path import check_engine, check_model_path
 from ..pool import Device, DeviceSpecError, Pool, parse_gpus, parse_ray_spec
 from ..pool.devices import GroupSizeError, ray_devices
 from ..report import REPORT_FILE, TIMELINE_FILE, render_report
@@ -31,54 +29,14 @@ from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
 from ..search.settings import SearchSettings
-from ..stageb import guidance as guidance_mod
-from ..stageb import prompts
-from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import split_eval_pool
-from .config import with_mode
-from .identity import run_identity
-from .outputs import check_distillation_target, check_outputs
+from .outputs import check_distillation_target
 from .progress import Progress, pool_items_per_rank
-from .prompt_budget import refuse_unusable_prompts
+from .plan import RunInputs, plan_run
 
 log = logging.getLogger("stageb_pool")
-
-
-class _Inputs(msgspec.Struct):
-    mission: str
-    ingest: object
-    tickets: list
-    profile: object
-    model_path: str
-    seed_guidance: object
-    proposer_system: str | None  # the proposer's system prompt (search mode only)
-
-
-def load_inputs(config) -> _Inputs:
-    """Read and validate every input file; raises InputError with a location on bad input."""
-    exclude = tickets_mod.load_exclusions(
-        config.ticket_filter.exclude_ticket_keys, config.ticket_filter.exclude_ticket_keys_path
-    )
-
-    ingest = tickets_mod.load_tickets(config.stage_a_paths, on_bad_line=config.ingest.on_bad_line,
-                                      exclude_keys=exclude, max_line_bytes=config.ingest.max_line_bytes)
-    # The mission (from the tickets) picks the profile's domain, and the profile may ask
-    # for upstream's BBU summary clean-up (bbu_rru), applied to the tickets already loaded.
-    mission = ingest.tickets[0].mission
-    profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain_for(mission))
-    if profile.options.bbu_cleanup:
-        ingest = msgspec.structs.replace(ingest, tickets=tickets_mod.bbu_clean_tickets(ingest.tickets))
-    model_path = check_model_path(config.model.path)
-    check_engine(config.model.engine)
-    seed_guidance = guidance_mod.load_guidance(config.guidance.path, mission)
-    proposer_system = None
-    if config.mode == "search":
-        proposer_system = prompts.load_proposer_prompt(config.prompt.profile, config.rule_search.proposer_prompt_path)
-    run_order = list(ingest.tickets)
-    random.Random(config.seed).shuffle(run_order)  # upstream run order (3.1 step 7)
-    return _Inputs(mission, ingest, run_order, profile, model_path, seed_guidance, proposer_system)
 
 
 def resolve_devices(spec, *, ray: bool = False, gpus_per_worker: int = 1,
@@ -145,20 +103,16 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     ``wait`` (``--wait``), waited for."""
     started = time.monotonic()
     started_at = rundir.utc_now()
-    config = with_mode(config, audit)
     if not isinstance(devices, list):
         devices = resolve_devices(devices, ray=ray_address is not None, gpus_per_worker=config.model.gpus_per_worker,
                                   group_location="model.gpus_per_worker")
     if debug:
         devices = devices[:1]
 
-    inputs = load_inputs(config)
-    if engine_factory is None:  # the model's own tokenizer renders the prompts: check's decision
-        refuse_unusable_prompts(config, inputs)
-    run_dir = rundir.run_dir_path(config, inputs.mission)
-    rundir.check_inside(run_dir, config.output.root)
-    check_outputs(config, run_dir, config_path=config_path)
-    identity = run_identity(config, inputs) if config.mode == "search" else None
+    # The model's own tokenizer renders the prompts (check's decision) unless a test injects an engine.
+    plan = plan_run(config, audit=audit, config_path=config_path, check_prompts=engine_factory is None)
+    config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
+    identity = plan.identity() if config.mode == "search" else None
     store = GuidanceStore(run_dir, inputs.mission, config.guidance.retention)
     run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
     prov = dict(model_path=config.model.path, chunk_size=config.runner.chunk_size,
@@ -269,7 +223,7 @@ def close_after_failure(pool) -> None:
         log.warning("closing the pool after the failure: %s: %s", type(err).__name__, err)
 
 
-def search_settings(config, inputs: _Inputs) -> SearchSettings:
+def search_settings(config, inputs: RunInputs) -> SearchSettings:
     """The plain values the rule search reads, from the resolved config."""
     return SearchSettings(seed=config.seed, mission=inputs.mission, epochs=config.runner.epochs,
                           rule_search=config.rule_search, distill=config.stage_b_distillation,
@@ -283,7 +237,7 @@ def headroom_settings(config) -> HeadroomSettings:
                             max_prompt_tokens=config.rule_search.train_sampler.max_prompt_tokens)
 
 
-def audit_settings(config, inputs: _Inputs) -> AuditSettings:
+def audit_settings(config, inputs: RunInputs) -> AuditSettings:
     """The plain values the audit reads, from the resolved config and the ingest report."""
     return AuditSettings(seed=config.seed, mission=inputs.mission, sampler=config.rule_search.train_sampler,
                          logging_steps=config.runner.logging_steps,
