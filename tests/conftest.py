@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # torch computing with >1 OpenMP thread in this process makes every worker forked later
-# that uses >1 thread hang (GNU OpenMP; environment.md section 4). Torch work done in the
+# that uses >1 thread hang (GNU OpenMP; docs/architecture.md, "Fork first"). Torch work done in the
 # test process itself (inline pools, in-process engines) therefore runs single-threaded.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"

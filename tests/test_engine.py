@@ -20,7 +20,7 @@ from stageb_pool.engine.records import (
     VerdictChunk,
     VerdictChunkResult,
 )
-from stageb_pool.engine import verdict_scoring
+from stageb_pool.engine import chat_text, verdict_scoring
 from stageb_pool.engine.transformers_engine import Engine
 from stageb_pool.pool.devices import Device
 from stageb_pool.stageb import prompts
@@ -100,7 +100,7 @@ def test_rollout_answers_every_ticket_in_order_with_all_candidates(engine, profi
             if s.finish_reason == "length":
                 assert s.completion_tokens == grid[s.decode_index].max_new_tokens
             else:
-                assert s.finish_reason == "stop" and s.token_ids[-1] in engine.stop_ids
+                assert s.finish_reason == "stop" and s.token_ids[-1] in engine.text.stop_ids
             total += s.completion_tokens
     assert result.generated_tokens == total
     assert result.elapsed_s > 0
@@ -201,7 +201,7 @@ def test_out_of_memory_on_a_chunk_names_the_chunk_its_tickets_and_prompt_lengths
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(engine.model, "generate", exhausted)
-    counts = [len(engine.tokenizer(engine._render(prompts.build_messages(profile, GUIDANCE, t)))["input_ids"])
+    counts = [len(engine.text.prompt_ids(prompts.build_messages(profile, GUIDANCE, t)))
               for t in TICKETS[:3]]
     with pytest.raises(ChunkOutOfMemory) as info:
         rollout(engine, chunk(5, TICKETS[:3], seed_key="7/eval"), profile)
@@ -229,7 +229,7 @@ def test_a_configured_stop_token_ends_the_sample_and_the_text(profile):
     assert greedy.finish_reason == "length"
     stop_token = plain.tokenizer.convert_ids_to_tokens(greedy.token_ids[4])
     stopping = build_engine(CPU, path="tiny", stop=[stop_token])
-    assert stopping.stop_strings == ["<|im_end|>", "<|endoftext|>", stop_token]
+    assert stopping.text.stop_strings == ["<|im_end|>", "<|endoftext|>", stop_token]
     s = rollout(stopping, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
     first = greedy.token_ids.index(greedy.token_ids[4])
     assert s.finish_reason == "stop"
@@ -255,7 +255,7 @@ def test_configured_stops_add_to_the_end_of_turn_tokens(engine, profile, monkeyp
     """model.stop adds stops (upstream): the end-of-turn tokens always stop generation."""
     stopping = build_engine(CPU, path="tiny", stop=extra)
     defaults = ["<|im_end|>", "<|endoftext|>"]
-    assert stopping.stop_strings == list(dict.fromkeys(defaults + extra))
+    assert stopping.text.stop_strings == list(dict.fromkeys(defaults + extra))
     seen = []
     real = stopping.model.generate
     monkeypatch.setattr(stopping.model, "generate", lambda **kw: seen.append(kw["eos_token_id"]) or real(**kw))
@@ -265,8 +265,8 @@ def test_configured_stops_add_to_the_end_of_turn_tokens(engine, profile, monkeyp
 
 
 def test_default_stops_are_eos_im_end_and_endoftext(engine):
-    assert engine.stop_strings == ["<|im_end|>", "<|endoftext|>"]
-    assert engine.stop_ids == engine.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert engine.text.stop_strings == ["<|im_end|>", "<|endoftext|>"]
+    assert engine.text.stop_ids == engine.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert engine.tokenizer.padding_side == "left"
 
 
@@ -285,7 +285,7 @@ def test_default_stops_are_eos_im_end_and_endoftext(engine):
     ],
 )
 def test_texts_are_cut_at_the_first_stop_string_and_stripped(engine, raw, clean):
-    assert engine._clean(raw) == clean
+    assert chat_text.clean(raw, engine.text.stop_strings) == clean
 
 
 def test_templates_without_enable_thinking_are_retried(engine, profile, monkeypatch):
@@ -409,6 +409,7 @@ def test_the_constraint_option_is_in_the_config_hash_and_the_rollout_cache_key(p
     from stageb_pool.app.config import load_config
     from stageb_pool.app.identity import identity_document
     from stageb_pool.search.rollout import RolloutRunner, RolloutSpec
+    from stageb_pool.stageb.hashing import content_hash
     from stageb_pool.stageb.tickets import Ticket
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -422,7 +423,7 @@ def test_the_constraint_option_is_in_the_config_hash_and_the_rollout_cache_key(p
         runner = RolloutRunner(pool, profile, chunk_size=2)
         for on in (False, True, False):
             runner.run(RolloutSpec("r", "7/train", tickets, GUIDANCE,
-                                   msgspec.structs.replace(sampler, constrain_verdict=on)))
+                                   msgspec.structs.replace(sampler, constrain_verdict=on), content_hash(GUIDANCE)))
         assert pool.stats.items[0] == 2  # off, then on; the second "off" came from the cache
 
 

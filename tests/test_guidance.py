@@ -17,7 +17,7 @@ from stageb_pool.stageb.guidance import (
     apply_operation,
     load_guidance,
 )
-from stageb_pool.search.guidance_store import GuidanceRepository
+from stageb_pool.search.guidance_store import GuidanceStore
 from stageb_pool.stageb.hashing import content_hash
 
 M = "BBU安装方式检查（正装）"
@@ -62,6 +62,17 @@ def test_hash_depends_on_experiences_only():
     b = G({"G1": "y", "G0": "x"}, step=9)
     assert a.hash == b.hash
     assert a.hash != G({"G0": "x", "G1": "z"}).hash
+
+
+def test_hash_is_computed_once_per_value(monkeypatch):
+    from stageb_pool.stageb import guidance as guidance_mod
+
+    calls = []
+    monkeypatch.setattr(guidance_mod, "content_hash", lambda value: calls.append(value) or content_hash(value))
+    g = G({"G0": "x"})
+    assert g.hash == g.hash == content_hash({"G0": "x"})
+    assert len(calls) == 1
+    assert msgspec.to_builtins(g) == {"step": 3, "updated_at": T0, "experiences": {"G0": "x"}, "metadata": {}}
 
 
 def test_focus_is_promoted_into_g0(tmp_path):
@@ -345,14 +356,14 @@ def test_new_rationale_replaces_old():
     assert new.metadata["G1"].hit_count == 1 and new.metadata["G1"].confidence == pytest.approx(1 / (1 + 1e-5))
 
 
-# ----------------------------------------------------------------------------- repository
+# ----------------------------------------------------------------------------- store
 
-def repo(tmp_path, retention=2):
-    return GuidanceRepository(tmp_path / "run", M, retention)
+def store(tmp_path, retention=2):
+    return GuidanceStore(tmp_path / "run", M, retention)
 
 
 def test_write_and_load_round_trip(tmp_path):
-    r = repo(tmp_path)
+    r = store(tmp_path)
     assert not r.exists()
     g = apply(G(BASE), op="upsert", text="新规则", evidence=["a::pass"])
     r.write(g)
@@ -362,38 +373,38 @@ def test_write_and_load_round_trip(tmp_path):
 
 
 def test_snapshots_named_by_step_and_pruned(tmp_path):
-    r = repo(tmp_path, retention=2)
+    r = store(tmp_path, retention=2)
     g = G(BASE, step=0)
-    assert r.snapshot_and_write(g) is None  # first write: nothing to snapshot
+    assert r.snapshot_and_write(None, g) is None  # first write: nothing to snapshot
     contents = {}
     for i in range(4):
         contents[g.step] = r.path.read_bytes()
         new = apply(g, op="upsert", text=f"规则{i}")
-        snap = r.snapshot_and_write(new)
+        snap = r.snapshot_and_write(g, new)
         assert snap.name == f"guidance-step{g.step:04d}.json"
-        assert snap.read_bytes() == contents[g.step]  # verbatim copy of the old file
+        assert snap.read_bytes() == contents[g.step]  # the same bytes as the replaced file
         g = new
     assert [p.name for p in r.snapshots()] == ["guidance-step0002.json", "guidance-step0003.json"]
     assert r.load() == g and g.step == 4
 
 
 def test_retention_zero_keeps_no_snapshot(tmp_path):
-    r = repo(tmp_path, retention=0)
+    r = store(tmp_path, retention=0)
     r.write(G(BASE, step=0))
-    r.snapshot_and_write(G(BASE, step=1))
+    r.snapshot_and_write(G(BASE, step=0), G(BASE, step=1))
     assert r.snapshots() == []
 
 
 def test_retention_orders_by_step_not_name(tmp_path):
-    r = repo(tmp_path, retention=1)
+    r = store(tmp_path, retention=1)
     r.write(G(BASE, step=9999))
-    r.snapshot_and_write(G(BASE, step=10000))
-    r.snapshot_and_write(G(BASE, step=10001))
+    r.snapshot_and_write(G(BASE, step=9999), G(BASE, step=10000))
+    r.snapshot_and_write(G(BASE, step=10000), G(BASE, step=10001))
     assert [p.name for p in r.snapshots()] == ["guidance-step10000.json"]
 
 
 def test_failed_rename_leaves_the_old_file_intact(tmp_path, monkeypatch):
-    r = repo(tmp_path)
+    r = store(tmp_path)
     old = G(BASE, step=1)
     r.write(old)
     before = r.path.read_bytes()

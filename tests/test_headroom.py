@@ -263,7 +263,7 @@ def test_bad_headroom_settings_are_located_errors(tmp_path, override, key):
 def test_the_headroom_section_is_not_part_of_the_run_identity(tmp_path):
     """The check only reports, so changing it never blocks a --resume."""
     from stageb_pool.app.identity import run_identity
-    from stageb_pool.app.job import load_inputs
+    from stageb_pool.app.plan import load_inputs
 
     write_run_inputs(tmp_path)
     base = load_config(tmp_path / "config.yaml", ["mode=search"])

@@ -13,6 +13,7 @@ A wheel built from the checkout holds the prompt profiles and runs outside the c
 from __future__ import annotations
 
 import ast
+import re
 import os
 import shutil
 import subprocess
@@ -194,3 +195,57 @@ def test_an_installed_copy_checks_the_demo_config_outside_the_checkout(wheel, tm
                          cwd=work, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "profile" in out.stdout and "generic" in out.stdout and "per iteration" in out.stdout
+
+
+# --------------------------------------------------------------------------- one engine text layer
+# Both generation engines share one text layer (``engine/chat_text.py``: chat templating,
+# token counting, stop strings, clean-up, result assembly); an engine keeps only how it
+# generates. Read from the source, nothing imported or run.
+
+
+ENGINE = PACKAGE / "engine"
+ENGINE_MODULES = ["transformers_engine.py", "vllm_engine.py"]
+
+# Code that belongs to the text layer: a match in an engine module is a second copy of it.
+TEXT_LAYER_CODE = {
+    "chat template rendering": r"apply_chat_template|chat_text\.render\(",
+    "tokenizing text": r"\btokenizer\(|add_special_tokens",
+    "the stop set-up": r"get_vocab\(|chat_text\.stop_strings\(|END_OF_TURN",
+    "decoding completions": r"\.decode\(|batch_decode\(|chat_text\.clean\(",
+    "result assembly": r"\bTicketRollout\(|\bTicketVerdictProbability\(|\bChunkResult\(|\bVerdictChunkResult\(",
+}
+
+
+def code_lines(path: Path) -> list[tuple[int, str]]:
+    """The module's lines without docstrings and comments (prose may name what code may not)."""
+    source = path.read_text(encoding="utf-8")
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    return [(n, line.split("#", 1)[0]) for n, line in enumerate(source.splitlines(), 1) if n not in docstrings]
+
+
+@pytest.mark.parametrize("module", ENGINE_MODULES)
+def test_an_engine_has_no_text_handling_of_its_own(module):
+    found = [f"{module}:{n}: {what}: {line.strip()}"
+             for n, line in code_lines(ENGINE / module)
+             for what, pattern in TEXT_LAYER_CODE.items() if re.search(pattern, line)]
+    assert not found, "\n".join(found)
+
+
+def test_both_engines_use_the_shared_text_layer():
+    for module in ENGINE_MODULES:
+        assert "chat_text.ChatText(" in (ENGINE / module).read_text(encoding="utf-8"), module
+
+
+def test_each_engine_module_has_its_builder():
+    builders = {"transformers_engine.py": "build_transformers_engine", "vllm_engine.py": "build_vllm_engine",
+                "simulated_engine.py": "build_simulated_engine"}
+    for module, name in builders.items():
+        tree = ast.parse((ENGINE / module).read_text(encoding="utf-8"))
+        assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, module
+    build = ast.parse((ENGINE / "build.py").read_text(encoding="utf-8"))
+    assert not [n.name for n in build.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_build")]

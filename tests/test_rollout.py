@@ -17,6 +17,7 @@ from stageb_pool.app.config import SamplerConfig
 from stageb_pool.app.progress import Progress
 from stageb_pool.engine.records import ChatRequest, ChatResult, Decode
 from stageb_pool.search.rollout import RolloutRunner, RolloutSpec
+from stageb_pool.stageb.hashing import content_hash
 from stageb_pool.stageb.prompts import load_profile
 from stageb_pool.stageb.tickets import parse_ticket_line
 
@@ -36,7 +37,8 @@ def profile():
 
 
 def spec(tickets, name="audit", guidance=GUIDANCE, seed_key="17/audit", sampler=SAMPLER):
-    return RolloutSpec(name=name, seed_key=seed_key, tickets=list(tickets), guidance=dict(guidance), sampler=sampler)
+    return RolloutSpec(name=name, seed_key=seed_key, tickets=list(tickets), guidance=dict(guidance), sampler=sampler,
+                       guidance_hash=content_hash(dict(guidance)))
 
 
 def items_total(pool) -> int:

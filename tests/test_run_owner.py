@@ -26,7 +26,7 @@ from processes import descendants
 
 from stageb_pool.app import cli, job
 from stageb_pool.search import fileio, rundir_lock
-from stageb_pool.search.guidance_store import GuidanceRepository
+from stageb_pool.search.guidance_store import GuidanceStore
 from stageb_pool.stageb.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,14 +230,14 @@ def test_a_symlinked_folder_in_the_run_is_refused_before_any_write(tmp_path, inp
 
 
 def test_snapshot_pruning_deletes_only_regular_snapshot_files(tmp_path):
-    repo = GuidanceRepository(tmp_path / "run", "m", retention=0)
-    repo.snapshot_dir.mkdir(parents=True)
+    store = GuidanceStore(tmp_path / "run", "m", retention=0)
+    store.snapshot_dir.mkdir(parents=True)
     theirs = tmp_path / "theirs.json"
     theirs.write_text("keep\n")
-    (repo.snapshot_dir / "guidance-step0001.json").symlink_to(theirs)
-    (repo.snapshot_dir / "guidance-step0002.json").write_text("{}\n")
-    repo._prune()
-    assert [p.name for p in repo.snapshot_dir.iterdir()] == ["guidance-step0001.json"]
+    (store.snapshot_dir / "guidance-step0001.json").symlink_to(theirs)
+    (store.snapshot_dir / "guidance-step0002.json").write_text("{}\n")
+    store._prune()
+    assert [p.name for p in store.snapshot_dir.iterdir()] == ["guidance-step0001.json"]
     assert theirs.read_text() == "keep\n"
 
 

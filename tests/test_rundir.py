@@ -16,7 +16,8 @@ from fake_engines import MISSION, demo_ticket_records, fake_factory, write_run_i
 from stageb_pool import PoolError, __version__
 from stageb_pool.app.describe import describe
 from stageb_pool.app.config import load_config
-from stageb_pool.app.job import load_inputs, run_job
+from stageb_pool.app.job import run_job
+from stageb_pool.app.plan import load_inputs
 from stageb_pool.pool.devices import parse_gpus
 from stageb_pool.search.fileio import read_json
 from stageb_pool.search.rundir import (

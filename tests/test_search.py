@@ -28,12 +28,12 @@ import pytest
 import scripted_engine as se
 
 from stageb_pool.app import config as config_mod
-from stageb_pool.app import job
+from stageb_pool.app import job, plan
 from stageb_pool.app.diff import VOLATILE_FILES, diff_runs, format_differences
 from stageb_pool.app.identity import run_identity
 from stageb_pool.search import state as state_mod
 from stageb_pool.search.distill import distill_sampler
-from stageb_pool.search.guidance_store import GuidanceRepository
+from stageb_pool.search.guidance_store import GuidanceStore
 from stageb_pool.stageb.errors import InputError
 from stageb_pool.stageb.hashing import content_hash
 from stageb_pool.stageb.ticket_pools import split_eval_pool
@@ -418,6 +418,46 @@ def test_a_finished_run_is_extended_by_raising_the_epochs(tmp_path):
     assert_same_run(ref_dir, extended)
 
 
+def _count_reads(monkeypatch, path: Path) -> list:
+    """Record every opening of ``path`` for reading (``open``, ``io.open``, ``os.open``): the
+    inline run (cpu:1) does all its file work in this process."""
+    import builtins
+    import io
+
+    target, reads = os.path.abspath(path), []
+
+    def reading(mode) -> bool:
+        return isinstance(mode, str) and not any(c in mode for c in "wax+")
+
+    def wrap(original, is_read):
+        def opened(file, *args, **kwargs):
+            mode = args[0] if args else kwargs.get("mode", kwargs.get("flags", "r"))
+            if isinstance(file, (str, os.PathLike)) and os.path.abspath(file) == target and is_read(mode):
+                reads.append(file)
+            return original(file, *args, **kwargs)
+        return opened
+
+    monkeypatch.setattr(builtins, "open", wrap(builtins.open, reading))
+    monkeypatch.setattr(io, "open", wrap(io.open, reading))
+    monkeypatch.setattr(os, "open", wrap(os.open, lambda flags: flags & os.O_ACCMODE == os.O_RDONLY))
+    return reads
+
+
+def test_the_search_reads_guidance_json_only_on_resume(tmp_path, monkeypatch):
+    """The committed guidance is held in memory: a search only writes guidance.json (two
+    accepted edits in these 3 iterations, each with its snapshot); a resume reads it back.
+    report.html is left out of the count: it is made from the run directory's files, the
+    same page ``stageb-pool report`` rebuilds later."""
+    run_dir = tmp_path / "out" / se.MISSION / "three"
+    reads = _count_reads(monkeypatch, run_dir / "guidance.json")
+    monkeypatch.setattr(job, "write_report", lambda run_dir: True)
+    run(tmp_path, "three", epochs=3)
+    assert len(rows(run_dir, "benchmarks.jsonl")) == 2 and len(list((run_dir / "snapshots").iterdir())) == 2
+    assert reads == []
+    run(tmp_path, "three", epochs=3, resume=True)
+    assert len(reads) >= 1
+
+
 def test_resume_accepts_other_pool_settings_and_a_moved_data_folder(tmp_path):
     ref_dir, _ = run(tmp_path / "a", "ref")
     with pytest.raises(se.ScriptedCrash):
@@ -568,9 +608,9 @@ def test_preflight_resume_checks_without_touching_anything(tmp_path):
     run_dir = tmp_path / "out" / se.MISSION / "run"
     cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     cfg = config_mod.load_config(cfg_path)
-    inputs = job.load_inputs(cfg)
+    inputs = plan.load_inputs(cfg)
     train, _ = split_eval_pool(inputs.tickets, cfg.rule_search.eval_pool_size, cfg.seed)
-    extra = dict(train_keys=[t.key for t in train], store=GuidanceRepository(run_dir, se.MISSION),
+    extra = dict(train_keys=[t.key for t in train], store=GuidanceStore(run_dir, se.MISSION),
                  start_sampler=state_mod.start_sampler(len(train), cfg.rule_search, cfg.seed))
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     state_mod.preflight_resume(run_dir, run_identity(cfg, inputs), **extra)

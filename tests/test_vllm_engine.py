@@ -149,7 +149,7 @@ def test_two_seeds_give_different_samples_and_one_seed_the_same(engine):
 
 
 def test_a_seeded_request_is_unchanged_when_batched_with_others(engine):
-    rows = [engine._tokens(prompts.build_messages(PROFILE, GUIDANCE, t)) for t in TICKETS[:6]]
+    rows = [engine.text.prompt_ids(prompts.build_messages(PROFILE, GUIDANCE, t)) for t in TICKETS[:6]]
     params = [engine._params(SAMPLED, 1000 + i) for i in range(6)]
     alone = engine._generate([(rows[0], params[0])])
     batched = engine._generate(list(zip(rows, params)))

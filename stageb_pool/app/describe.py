@@ -1,5 +1,6 @@
-"""What ``stageb-pool check`` prints: every input a run reads validated (no model loaded)
-and what the run would do, as a short table."""
+"""What ``stageb-pool check`` prints: the run's plan (``plan.plan_run``, the start-up a run
+makes: every input it reads validated, no model loaded) and what the run would do, as a
+short table."""
 
 from __future__ import annotations
 
@@ -17,26 +18,22 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     layout and the memory budget are described too (nothing touches CUDA); ``ray``: the
     workers are Ray actors, whose GPUs Ray chooses."""
     from ..search.distill import DISTILL_DEFAULT
-    from ..search.rundir import check_inside, run_dir_exists, run_dir_path
+    from ..search.rundir import run_dir_exists
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
-    from .config import load_config, with_mode
-    from .identity import run_identity
-    from .job import load_inputs
-    from .outputs import check_outputs
+    from .config import load_config
+    from .plan import plan_run
     from .prompt_budget import measure_lines, rules_summary, sampler_caps
 
-    cfg = with_mode(load_config(config_path, overrides, upstream_root=upstream_root), audit)
+    cfg = load_config(config_path, overrides, upstream_root=upstream_root)
     devices = None
     if devices_of is not None:
         cfg, devices = devices_of(cfg, config_path)
-    inputs = load_inputs(cfg)  # the run's own validation: tickets, profile, model path, guidance
+    plan = plan_run(cfg, audit=audit, config_path=config_path)  # the run's own validation
+    cfg, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
     tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
-    run_dir = run_dir_path(cfg, inputs.mission)
-    check_inside(run_dir, cfg.output.root)
-    check_outputs(cfg, run_dir, config_path=config_path)
     lines = [
-        ("config", f"{os.path.abspath(config_path)} (hash {run_identity(cfg, inputs).config_hash})"),
+        ("config", f"{os.path.abspath(config_path)} (hash {plan.identity().config_hash})"),
         ("mode", cfg.mode),
         ("mission", inputs.mission),
         ("tickets", f"{len(tickets)} ({_by_label(tickets)}); {len(ingest.skipped)} bad lines skipped; "

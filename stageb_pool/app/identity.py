@@ -46,7 +46,7 @@ def identity_document(config, *, seed_guidance, profile, proposer_system: str | 
 
 
 def run_identity(config, inputs) -> RunIdentity:
-    """The identity of a rule search on ``inputs`` (job.load_inputs) with ``config``."""
+    """The identity of a rule search on ``inputs`` (plan.load_inputs) with ``config``."""
     doc = identity_document(config, seed_guidance=inputs.seed_guidance, profile=inputs.profile,
                             proposer_system=inputs.proposer_system)
     return RunIdentity(config_hash=content_hash(doc), config=doc, tickets_hash=tickets_hash(inputs.tickets))

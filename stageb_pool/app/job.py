@@ -12,13 +12,11 @@ owns a run directory at a time.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from pathlib import Path
 
 import msgspec
 
-from ..engine.model_path import check_engine, check_model_path
 from ..pool import Device, DeviceSpecError, Pool, parse_gpus, parse_ray_spec
 from ..pool.devices import GroupSizeError, ray_devices
 from ..report import REPORT_FILE, TIMELINE_FILE, render_report
@@ -26,59 +24,19 @@ from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
 from ..search.fileio import atomic_write_bytes, write_json, write_jsonl
-from ..search.guidance_store import GUIDANCE_FILE, GuidanceRepository
+from ..search.guidance_store import GUIDANCE_FILE, GuidanceStore
 from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
 from ..search.settings import SearchSettings
-from ..stageb import guidance as guidance_mod
-from ..stageb import prompts
-from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import split_eval_pool
-from .config import with_mode
-from .identity import run_identity
-from .outputs import check_distillation_target, check_outputs
+from .outputs import check_distillation_target
 from .progress import Progress, pool_items_per_rank
-from .prompt_budget import refuse_unusable_prompts
+from .plan import RunInputs, plan_run
 
 log = logging.getLogger("stageb_pool")
-
-
-class _Inputs(msgspec.Struct):
-    mission: str
-    ingest: object
-    tickets: list
-    profile: object
-    model_path: str
-    seed_guidance: object
-    proposer_system: str | None  # the proposer's system prompt (search mode only)
-
-
-def load_inputs(config) -> _Inputs:
-    """Read and validate every input file; raises InputError with a location on bad input."""
-    exclude = tickets_mod.load_exclusions(
-        config.ticket_filter.exclude_ticket_keys, config.ticket_filter.exclude_ticket_keys_path
-    )
-
-    ingest = tickets_mod.load_tickets(config.stage_a_paths, on_bad_line=config.ingest.on_bad_line,
-                                      exclude_keys=exclude, max_line_bytes=config.ingest.max_line_bytes)
-    # The mission (from the tickets) picks the profile's domain, and the profile may ask
-    # for upstream's BBU summary clean-up (bbu_rru), applied to the tickets already loaded.
-    mission = ingest.tickets[0].mission
-    profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain_for(mission))
-    if profile.options.bbu_cleanup:
-        ingest = msgspec.structs.replace(ingest, tickets=tickets_mod.bbu_clean_tickets(ingest.tickets))
-    model_path = check_model_path(config.model.path)
-    check_engine(config.model.engine)
-    seed_guidance = guidance_mod.load_guidance(config.guidance.path, mission)
-    proposer_system = None
-    if config.mode == "search":
-        proposer_system = prompts.load_proposer_prompt(config.prompt.profile, config.rule_search.proposer_prompt_path)
-    run_order = list(ingest.tickets)
-    random.Random(config.seed).shuffle(run_order)  # upstream run order (3.1 step 7)
-    return _Inputs(mission, ingest, run_order, profile, model_path, seed_guidance, proposer_system)
 
 
 def resolve_devices(spec, *, ray: bool = False, gpus_per_worker: int = 1,
@@ -145,21 +103,17 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     ``wait`` (``--wait``), waited for."""
     started = time.monotonic()
     started_at = rundir.utc_now()
-    config = with_mode(config, audit)
     if not isinstance(devices, list):
         devices = resolve_devices(devices, ray=ray_address is not None, gpus_per_worker=config.model.gpus_per_worker,
                                   group_location="model.gpus_per_worker")
     if debug:
         devices = devices[:1]
 
-    inputs = load_inputs(config)
-    if engine_factory is None:  # the model's own tokenizer renders the prompts: check's decision
-        refuse_unusable_prompts(config, inputs)
-    run_dir = rundir.run_dir_path(config, inputs.mission)
-    rundir.check_inside(run_dir, config.output.root)
-    check_outputs(config, run_dir, config_path=config_path)
-    identity = run_identity(config, inputs) if config.mode == "search" else None
-    repo = GuidanceRepository(run_dir, inputs.mission, config.guidance.retention)
+    # The model's own tokenizer renders the prompts (check's decision) unless a test injects an engine.
+    plan = plan_run(config, audit=audit, config_path=config_path, check_prompts=engine_factory is None)
+    config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
+    identity = plan.identity() if config.mode == "search" else None
+    store = GuidanceStore(run_dir, inputs.mission, config.guidance.retention)
     run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
     prov = dict(model_path=config.model.path, chunk_size=config.runner.chunk_size,
                 profile_hash=content_hash(inputs.profile),
@@ -168,7 +122,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
     # cannot be written is a located error that leaves nothing behind.
     first_run_json = rundir.encoded(rundir.run_json_document(
         workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov), **run_json), rundir.RUN_JSON)
-    seed_guidance = rundir.encoded(repo.document(inputs.seed_guidance), GUIDANCE_FILE)
+    seed_guidance = rundir.encoded(store.document(inputs.seed_guidance), GUIDANCE_FILE)
     rundir.check_preparable(run_dir, overwrite=overwrite, resume=resume)  # refused: no lock file is made
     check_distillation_target(config, run_dir, overwrite=overwrite, resume=resume)
     if resume:  # read-only checks, before the lock file is written; the search checks the state again
@@ -177,12 +131,12 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
             # Reads state.json, guidance.json and the committed rows, writes nothing. The train
             # keys are the search's own split (RuleSearch makes the same call).
             train, _ = split_eval_pool(inputs.tickets, config.rule_search.eval_pool_size, config.seed)
-            state_mod.preflight_resume(run_dir, identity, train_keys=[t.key for t in train], store=repo,
+            state_mod.preflight_resume(run_dir, identity, train_keys=[t.key for t in train], store=store,
                                        start_sampler=state_mod.start_sampler(len(train), config.rule_search,
                                                                              config.seed))
     lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
     try:
-        return _run_locked(config, devices, inputs=inputs, run_dir=run_dir, repo=repo, identity=identity,
+        return _run_locked(config, devices, inputs=inputs, run_dir=run_dir, store=store, identity=identity,
                            resume=resume, overwrite=overwrite, first_run_json=first_run_json,
                            seed_guidance=seed_guidance, run_json=run_json, prov=prov, debug=debug,
                            engine_factory=engine_factory, ray_address=ray_address, started=started)
@@ -190,7 +144,7 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
         lock.release()
 
 
-def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, overwrite, first_run_json,
+def _run_locked(config, devices, *, inputs, run_dir, store, identity, resume, overwrite, first_run_json,
                 seed_guidance, run_json, prov, debug, engine_factory, ray_address, started) -> int:
     """``run_job`` from the moment it owns the run directory."""
     start = rundir.start_run_dir(run_dir, overwrite=overwrite, resume=resume)
@@ -201,8 +155,8 @@ def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, ove
         # run.json first: it marks the directory as a stageb-pool run even if the start fails
         # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
         atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)
-        if not (resume and repo.exists()):
-            atomic_write_bytes(repo.path, seed_guidance)
+        if not (resume and store.exists()):
+            atomic_write_bytes(store.path, seed_guidance)
     except BaseException:
         start.roll_back()  # after an --overwrite: the old run goes back in place
         raise
@@ -240,11 +194,13 @@ def _run_locked(config, devices, *, inputs, run_dir, repo, identity, resume, ove
                                                   settings=headroom_settings(config), run_dir=run_dir, log=log))
         headroom_s = round(time.monotonic() - headroom_started, 3)
         if config.mode == "audit":
-            summary = run_audit(runner, tickets=inputs.tickets, guidance=repo.load(),
+            # The seed guidance, just written; a resumed audit keeps the file it finds.
+            guidance = store.load() if resume else inputs.seed_guidance
+            summary = run_audit(runner, tickets=inputs.tickets, guidance=guidance,
                                 settings=audit_settings(config, inputs), run_dir=run_dir, log=log,
                                 headroom=headroom)
         else:
-            summary = run_search(runner=runner, store=repo, run_dir=run_dir, tickets=inputs.tickets,
+            summary = run_search(runner=runner, store=store, run_dir=run_dir, tickets=inputs.tickets,
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
                                  identity=identity, resume=resume, log=log, headroom=headroom)
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
@@ -268,7 +224,7 @@ def close_after_failure(pool) -> None:
         log.warning("closing the pool after the failure: %s: %s", type(err).__name__, err)
 
 
-def search_settings(config, inputs: _Inputs) -> SearchSettings:
+def search_settings(config, inputs: RunInputs) -> SearchSettings:
     """The plain values the rule search reads, from the resolved config."""
     return SearchSettings(seed=config.seed, mission=inputs.mission, epochs=config.runner.epochs,
                           rule_search=config.rule_search, distill=config.stage_b_distillation,
@@ -282,7 +238,7 @@ def headroom_settings(config) -> HeadroomSettings:
                             max_prompt_tokens=config.rule_search.train_sampler.max_prompt_tokens)
 
 
-def audit_settings(config, inputs: _Inputs) -> AuditSettings:
+def audit_settings(config, inputs: RunInputs) -> AuditSettings:
     """The plain values the audit reads, from the resolved config and the ingest report."""
     return AuditSettings(seed=config.seed, mission=inputs.mission, sampler=config.rule_search.train_sampler,
                          logging_steps=config.runner.logging_steps,

@@ -1,8 +1,10 @@
 """Building a worker's engine: prepare the device, load the model, wrap it in an engine.
 
 The engines take a loaded model and tokenizer (as nanochat's ``Engine(model, tokenizer)``),
-so tests and benchmarks can hand them any model; ``build_engine`` is what the pool's engine
-factory calls inside each worker, after the fork. torch and vllm are imported only here,
+so tests and benchmarks can hand them any model; each engine's module has its builder
+(``build_transformers_engine``, ``build_vllm_engine``, ``build_simulated_engine``), and
+``build_engine`` is what the pool's engine factory calls inside each worker, after the fork:
+it picks one. torch and vllm are imported only here,
 inside the functions: vLLM reads its settings from the environment before torch starts.
 """
 
@@ -46,22 +48,10 @@ def build_engine(device, *, engine: str = "transformers", path: str = "embedded"
 
         return build_vllm_engine(device, path=path, dtype=dtype, stop=stop, trust_remote_code=trust_remote_code,
                                  settings=vllm)
-    return _build_transformers(device, path, dtype, attn_implementation, trust_remote_code, stop)
+    from .transformers_engine import build_transformers_engine
 
-
-def _build_transformers(device: Device, path, dtype, attn_implementation, trust_remote_code, stop):
-    from . import models
-    from .transformers_engine import Engine
-
-    prepare_device(device)
-    dtype = dtype or models.default_dtype(device.kind)
-    attn = attn_implementation or models.default_attn_implementation(device.kind, dtype)
-    # A worker of more than one GPU shards its model over them; one GPU loads it whole, as always.
-    shard_over = device.torch_devices if device.group_size > 1 else None
-    model, tokenizer, name = models.load(path, dtype=dtype, attn_implementation=attn,
-                                         trust_remote_code=trust_remote_code, device=device.torch_device,
-                                         shard_over=shard_over)
-    return Engine(model, tokenizer, device, stop=stop, model_path=models.check_model_path(path), model_name=name)
+    return build_transformers_engine(device, path=path, dtype=dtype, attn_implementation=attn_implementation,
+                                     trust_remote_code=trust_remote_code, stop=stop)
 
 
 def prepare_device(device: Device) -> None:

@@ -1,14 +1,19 @@
 """Text in and out of a chat model, shared by the engines: rendering messages with the
-tokenizer's chat template, the stop strings, and cleaning a decoded completion.
+tokenizer's chat template, token counting, the stop strings, cleaning a decoded completion
+and assembling a chunk's results. ``ChatText`` holds it for one tokenizer; an engine keeps
+only how it generates (its batching, sampling parameters and provenance).
 
-Stops follow upstream (behaviours 16): the end-of-turn strings are always there, and
-``model.stop`` adds to them; it never replaces them.
+Stops follow upstream (docs/migrating.md, ``<sampler>.grid[].stop``): the end-of-turn
+strings are always there, and ``model.stop`` adds to them; it never replaces them.
 
 """
 
 from __future__ import annotations
 
+import time
+
 from ..stageb import prompts
+from .records import ChunkResult, TicketRollout, TicketVerdictProbability, VerdictChunkResult
 
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
 
@@ -66,3 +71,76 @@ def chunk_prompts(tokenizer, chunk, guidance: dict[str, str], profile) -> tuple[
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     limit = chunk.max_prompt_tokens
     return ids, [i for i, row in enumerate(ids) if limit is None or len(row) <= limit]
+
+
+class ChatText:
+    """The text side of an engine for one tokenizer.
+
+    ``stop``: extra stop strings (``model.stop``), added to the end-of-turn ones
+    (``stop_strings``). A stop string that is one token of the vocabulary stops generation
+    as a token (``stop_ids``, like eos); a longer one (``multi_token_stops``) is matched in
+    the decoded text, and every completion is cut before the first stop string."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        self.stop_strings = stop_strings(tokenizer, stop)
+        self.stop_ids = [vocab[s] for s in self.stop_strings if s in vocab]
+        self.multi_token_stops = [s for s in self.stop_strings if s not in vocab]
+
+    # -- prompts in
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids of ``messages`` rendered with the chat template."""
+        return self.tokenizer(render(self.tokenizer, messages), add_special_tokens=False)["input_ids"]
+
+    def chunk_prompts(self, chunk, guidance: dict[str, str], profile) -> tuple[list[list[int]], list[int]]:
+        """``chunk_prompts`` with this tokenizer."""
+        return chunk_prompts(self.tokenizer, chunk, guidance, profile)
+
+    def fit_examples(self, request) -> tuple[int, list[int], bool]:
+        """``fit_examples`` with this tokenizer's prompt ids."""
+        return fit_examples(request, self.prompt_ids)
+
+    # -- completions out
+
+    def texts(self, rows: list[list[int]]) -> list[str]:
+        """The cleaned text of each completion (special tokens skipped, cut at the first stop
+        string, stripped)."""
+        return [clean(t, self.stop_strings) for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
+
+    def cut(self, row: list[int], pad_id: int) -> tuple[list[int], str]:
+        """A generated row up to and including its stop, and why it ended (``"stop"`` or
+        ``"length"``), for a generate that does not say so itself (transformers). A
+        stop-string finish pads the rest of the row; trailing pads are not output."""
+        for n, token in enumerate(row):
+            if token in self.stop_ids:
+                return row[: n + 1], "stop"
+        if self.multi_token_stops:
+            end = len(row)
+            while end and row[end - 1] == pad_id:
+                end -= 1
+            text = self.tokenizer.decode(row[:end], skip_special_tokens=True)
+            if any(s in text for s in self.multi_token_stops):
+                return row[:end], "stop"
+        return row, "length"
+
+
+# --------------------------------------------------------------------------- results
+
+def rollout_result(chunk, ids: list[list[int]], kept: list[int], samples: list[list], generated: int,
+                   started: float) -> ChunkResult:
+    """A rollout chunk's result: every ticket in chunk order with its prompt length, dropped
+    unless ``kept``, with its samples; ``started`` is the ``perf_counter`` at the start."""
+    kept_set = set(kept)
+    tickets = [TicketRollout(t.key, len(ids[i]), dropped=i not in kept_set, samples=samples[i])
+               for i, t in enumerate(chunk.tickets)]
+    return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - started)
+
+
+def verdict_result(chunk, ids: list[list[int]], p_pass: dict[int, float], started: float) -> VerdictChunkResult:
+    """A verdict chunk's result: every ticket in chunk order with its prompt length and
+    P(pass), dropped (unscored) where ``p_pass`` has no entry for its position."""
+    tickets = [TicketVerdictProbability(t.key, len(ids[i]), dropped=i not in p_pass, p_pass=p_pass.get(i))
+               for i, t in enumerate(chunk.tickets)]
+    return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - started)

@@ -49,26 +49,34 @@ def embedded_cache_dir() -> Path:
 
 
 def ensure_embedded() -> Path:
-    """The safetensors copy of the embedded model, converting the GGUF on first use.
-
-    Two workers may start at once on a fresh machine: the conversion runs under an exclusive
-    file lock, into a temporary directory that is renamed into place when complete, so a
-    reader sees either nothing or a whole model.
-    """
+    """The safetensors copy of the embedded model, converting the GGUF on first use
+    (``_cached_build``: two workers starting at once convert it once)."""
     target = embedded_cache_dir()
     if (target / "config.json").is_file():
         return target
     gguf = embedded_gguf_path()
     if gguf is None:
         check_model_path("embedded")  # raises the explanatory InputError
+    return _cached_build(target, lambda out: _convert_gguf(gguf, out))
+
+
+def _cached_build(target: Path, build) -> Path:
+    """``target``, a model folder in the user cache, made by ``build(folder)`` unless it is
+    already there (it has a ``config.json``).
+
+    Two workers may start at once on a fresh machine: the build runs under an exclusive file
+    lock, into a temporary directory that is renamed into place when complete, so a reader
+    sees either nothing or a whole model."""
+    if (target / "config.json").is_file():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # converted by another worker while we waited
+        if (target / "config.json").is_file():  # built by another worker while we waited
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary user folder
         try:
-            _convert_gguf(gguf, tmp)
+            build(tmp)
             os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -94,7 +102,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The tensors are plain fp32 after dequantization, but transformers still tags the model
-    # as GGUF-quantized and refuses to serialize it (environment.md 2.4): clear the tag.
+    # as GGUF-quantized and refuses to serialize it: clear the tag.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")
@@ -104,32 +112,20 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 def ensure_tiny_checkpoint(heads: int = 2) -> Path:
     """The tiny test model saved as a checkpoint directory in the user cache (engines that
-    load from disk, such as vLLM, need one), built and renamed into place under the same lock
-    as the embedded conversion. ``heads=2`` gives head size 32, which vLLM's CPU attention
-    accepts (the in-code default, 16, it does not)."""
+    load from disk, such as vLLM, need one), built like the embedded conversion
+    (``_cached_build``). ``heads=2`` gives head size 32, which vLLM's CPU attention accepts
+    (the in-code default, 16, it does not)."""
     _quiet_transformers()
     import tokenizers
 
-    target = cache_root() / f"tiny-qwen2-h{64 // heads}-tokenizers{tokenizers.__version__}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():
-            return target
+    def build(out: Path) -> None:
         from . import tiny
 
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        os.chmod(tmp, 0o755)
-        try:
-            tokenizer = tiny.build_tokenizer()
-            tiny.build_model(tokenizer, heads=heads).save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target
+        tokenizer = tiny.build_tokenizer()
+        tiny.build_model(tokenizer, heads=heads).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _cached_build(cache_root() / f"tiny-qwen2-h{64 // heads}-tokenizers{tokenizers.__version__}", build)
 
 
 def checkpoint_dir(path: str) -> Path:

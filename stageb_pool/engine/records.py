@@ -79,7 +79,8 @@ class RolloutChunk(msgspec.Struct, frozen=True):
     """One unit of rollout work: ``chunk_size`` tickets, one generate batch per (decode, sample).
 
     The generation seed of (decode d, sample s) is
-    ``stable_seed(seed_key, chunk_index, d, decode.seed, s)``: it depends on the work only.
+    ``stable_seed(seed_key, chunk_index, d, decode.seed, s)`` (the vLLM engine seeds each
+    ticket's request and adds its position in the chunk): it depends on the work only.
     ``seed_key`` names the rollout's ticket pool (e.g. ``"1234/train"``), not the guidance,
     so a baseline and its candidates draw the same random numbers (common random numbers).
     """

@@ -1,8 +1,10 @@
 """The transformers generation engine that lives in each worker: Stage-B prompts in,
 sampled texts out.
 
-``Engine(model, tokenizer, device)`` wraps a loaded model (``build.build_engine`` loads one
-inside a worker). Its methods are what the parent calls through the pool: ``rollout`` (a
+``TransformersEngine(model, tokenizer, device)`` wraps a loaded model
+(``build_transformers_engine`` loads one inside a worker; ``Engine`` is the older name). The
+text around generation (chat template, stops, token counts, clean-up, result assembly) is
+``chat_text.ChatText``'s, shared with the vLLM engine. Its methods are what the parent calls through the pool: ``rollout`` (a
 chunk of tickets under a guidance snapshot), ``chat`` (a free-form prompt, used by the
 rule proposer) and ``verdict_probabilities`` (the judge-headroom check: P(pass) per ticket
 by teacher forcing, nothing sampled). The pool decodes each call's arguments into the annotated types.
@@ -35,8 +37,6 @@ from .records import (
     Decode,
     RolloutChunk,
     Sample,
-    TicketRollout,
-    TicketVerdictProbability,
     VerdictChunk,
     VerdictChunkResult,
 )
@@ -47,7 +47,26 @@ class ChunkOutOfMemory(RuntimeError):
     lengths, so the run's error says which tickets to cap or drop."""
 
 
-class Engine:
+def build_transformers_engine(device: Device, *, path: str, dtype: str | None = None,
+                              attn_implementation: str | None = None, trust_remote_code: bool = False,
+                              stop: list[str] | None = None) -> TransformersEngine:
+    """Load ``path`` on ``device`` and wrap it (called in the worker, after ``prepare_device``
+    has set the thread count and the deterministic switches)."""
+    from .build import prepare_device
+
+    prepare_device(device)
+    dtype = dtype or models.default_dtype(device.kind)
+    attn = attn_implementation or models.default_attn_implementation(device.kind, dtype)
+    # A worker of more than one GPU shards its model over them; one GPU loads it whole, as always.
+    shard_over = device.torch_devices if device.group_size > 1 else None
+    model, tokenizer, name = models.load(path, dtype=dtype, attn_implementation=attn,
+                                         trust_remote_code=trust_remote_code, device=device.torch_device,
+                                         shard_over=shard_over)
+    return TransformersEngine(model, tokenizer, device, stop=stop, model_path=models.check_model_path(path),
+                              model_name=name)
+
+
+class TransformersEngine:
     """A model and its tokenizer on one device, ready to generate.
 
     ``stop``: stop strings (default: the tokenizer's eos plus ``<|im_end|>`` /
@@ -78,16 +97,13 @@ class Engine:
         tok.padding_side = "left"
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
-        vocab = tok.get_vocab()
-        self.stop_strings = chat_text.stop_strings(tok, stop)
-        # A stop string that is one token stops generation through eos_token_id; longer ones
-        # go to generate's stop_strings and the decoded text is cut at them.
-        self.stop_ids = [vocab[s] for s in self.stop_strings if s in vocab]
-        self._multi_token_stops = [s for s in self.stop_strings if s not in vocab]
+        # One-token stops end generation through eos_token_id; longer ones go to generate's
+        # stop_strings and the decoded text is cut at them.
+        self.text = chat_text.ChatText(tok, stop)
         self.pad_id = tok.pad_token_id
         # Start from transformers' defaults, not the checkpoint's generation_config (which
         # may carry top_k, min_p, ...): every sampling knob comes from the Decode.
-        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.stop_ids or None)
+        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.text.stop_ids or None)
 
     def info(self) -> dict:
         """Provenance that bit-identical results depend on (recorded in run.json)."""
@@ -102,7 +118,7 @@ class Engine:
             "model_path": self.model_path,  # "embedded", "tiny" or an absolute path
             "model": self.model_name,
             "attn_implementation": self.attn_implementation,
-            "stop": self.stop_strings,
+            "stop": self.text.stop_strings,
             "llguidance": importlib.metadata.version("llguidance"),  # constrained decoding
             **self.sharding_facts(),
         }
@@ -125,7 +141,7 @@ class Engine:
         seeded, batched generate over the kept tickets in chunk order.
         """
         start = time.perf_counter()
-        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
+        ids, kept = self.text.chunk_prompts(chunk, guidance, profile)
         samples: list[list[Sample]] = [[] for _ in chunk.tickets]
         generated = 0
         regex = verdict_line_regex(profile.verdict) if chunk.constrain_verdict else None
@@ -140,12 +156,7 @@ class Engine:
                         generated += len(row)
                         samples[i].append(Sample(d, s, text, len(row), reason,
                                                  row if chunk.return_token_ids else None))
-        kept_set = set(kept)
-        tickets = [
-            TicketRollout(t.key, len(ids[i]), dropped=i not in kept_set, samples=samples[i])
-            for i, t in enumerate(chunk.tickets)
-        ]
-        return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - start)
+        return chat_text.rollout_result(chunk, ids, kept, samples, generated, start)
 
     # ------------------------------------------------------------ verdict probabilities
 
@@ -156,7 +167,7 @@ class Engine:
         two answers' summed log-probabilities (``verdict_scoring``), the kept tickets scored
         as one batch in chunk order. Overlength tickets come back dropped, unscored."""
         start = time.perf_counter()
-        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
+        ids, kept = self.text.chunk_prompts(chunk, guidance, profile)
         answers = verdict_scoring.answer_ids(self.tokenizer, profile.verdict)
         p_pass: dict[int, float] = {}
         if kept:
@@ -165,9 +176,7 @@ class Engine:
                 sums = self._answer_logprobs([ids[i] for i in kept], answers)
             for i, (lp, lf) in zip(kept, sums):
                 p_pass[i] = verdict_scoring.p_pass(lp, lf)
-        tickets = [TicketVerdictProbability(t.key, len(ids[i]), dropped=i not in p_pass, p_pass=p_pass.get(i))
-                   for i, t in enumerate(chunk.tickets)]
-        return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - start)
+        return chat_text.verdict_result(chunk, ids, p_pass, start)
 
     def _answer_logprobs(self, prompts: list[list[int]], answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
         """Per prompt, the summed log-probability of each answer's tokens after it.
@@ -215,7 +224,7 @@ class Engine:
         """One free-form generation. Examples are dropped from the end until the rendered
         prompt fits ``max_prompt_tokens``, never below one (upstream): ``text`` is None when
         even one example does not fit."""
-        k, row, fits = chat_text.fit_examples(request, self._tokens)
+        k, row, fits = self.text.fit_examples(request)
         if not fits:
             return ChatResult(None, k, len(row))
         with _located_oom(lambda: f"proposer chat {request.seed_key!r} ({len(row)} prompt tokens)"):
@@ -223,13 +232,7 @@ class Engine:
                                                     json_schema=request.json_schema)
         return ChatResult(text, k, len(row), len(out), reason)
 
-    def _tokens(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer(self._render(messages), add_special_tokens=False)["input_ids"]
-
     # ------------------------------------------------------------ shared steps
-
-    def _render(self, messages: list[dict]) -> str:
-        return chat_text.render(self.tokenizer, messages)
 
     def _pad(self, rows: list[list[int]]) -> dict:
         batch = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
@@ -245,13 +248,13 @@ class Engine:
             do_sample=sampling,
             max_new_tokens=decode.max_new_tokens,
             repetition_penalty=decode.repetition_penalty,
-            eos_token_id=self.stop_ids or None,  # stop=[]: always run to max_new_tokens
+            eos_token_id=self.text.stop_ids or None,  # stop=[]: always run to max_new_tokens
             pad_token_id=self.pad_id,
         )
         if sampling:
             options.update(temperature=decode.temperature, top_p=decode.top_p, top_k=0)
-        if self._multi_token_stops:
-            options.update(stop_strings=self._multi_token_stops, tokenizer=self.tokenizer)
+        if self.text.multi_token_stops:
+            options.update(stop_strings=self.text.multi_token_stops, tokenizer=self.tokenizer)
         if regex is not None or json_schema is not None:
             rows, width = batch["input_ids"].shape
             options["logits_processor"] = [self._grammar().processor(rows, width, regex=regex, json_schema=json_schema)]
@@ -261,11 +264,10 @@ class Engine:
         new = out[:, batch["input_ids"].shape[1]:].tolist()
         rows, reasons = [], []
         for row in new:
-            row, reason = self._cut(row)
+            row, reason = self.text.cut(row, self.pad_id)
             rows.append(row)
             reasons.append(reason)
-        texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
-        return [(self._clean(t), r, why) for t, r, why in zip(texts, rows, reasons)]
+        return list(zip(self.text.texts(rows), rows, reasons))
 
     def _grammar(self) -> Grammars:
         if self._grammars is None:  # built on first use: llguidance reads the whole vocabulary
@@ -273,23 +275,9 @@ class Engine:
             self._grammars = Grammars(self.tokenizer, width)
         return self._grammars
 
-    def _cut(self, row: list[int]) -> tuple[list[int], str]:
-        stops = self.stop_ids
-        for n, token in enumerate(row):
-            if token in stops:
-                return row[: n + 1], "stop"
-        if self._multi_token_stops:
-            # A stop-string finish pads the rest of the row; trailing pads are not output.
-            end = len(row)
-            while end and row[end - 1] == self.pad_id:
-                end -= 1
-            text = self.tokenizer.decode(row[:end], skip_special_tokens=True)
-            if any(s in text for s in self._multi_token_stops):
-                return row[:end], "stop"
-        return row, "length"
 
-    def _clean(self, text: str) -> str:
-        return chat_text.clean(text, self.stop_strings)
+
+Engine = TransformersEngine  # the older name, used by tests and outside scripts
 
 
 @contextlib.contextmanager

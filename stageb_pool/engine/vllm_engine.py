@@ -19,9 +19,10 @@ Determinism (docs/architecture.md, "Determinism contract"):
 - the KV cache has a pinned size (``kv_cache_gib``), never profiled from free memory (a
   different block count changes preemption and so numerics); chunked prefill is off (on
   CPU a seeded request whose prefill is split crashes vLLM 0.32);
-- prompts are rendered and tokenized with the same tokenizer as the transformers engine and
-  sent as token ids; texts are decoded with it too, so prompt lengths, drops and texts are
-  computed the same way in both engines.
+- prompts are rendered and tokenized with the same tokenizer and the same code as in the
+  transformers engine (``chat_text.ChatText``) and sent as token ids; texts are decoded and
+  cleaned by it too, so prompt lengths, drops and texts are computed the same way in both
+  engines.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ from .records import (
     Decode,
     RolloutChunk,
     Sample,
-    TicketRollout,
-    TicketVerdictProbability,
     VerdictChunk,
     VerdictChunkResult,
     VllmSettings,
@@ -124,10 +123,7 @@ class VllmEngine:
         self.model_name = model_name
         self.settings = dict(settings or {})
         self.max_model_len = self.settings.get("max_model_len") or llm.llm_engine.model_config.max_model_len
-        vocab = tokenizer.get_vocab()
-        self.stop_strings = chat_text.stop_strings(tokenizer, stop)
-        self.stop_ids = [vocab[s] for s in self.stop_strings if s in vocab]
-        self._multi_token_stops = [s for s in self.stop_strings if s not in vocab]
+        self.text = chat_text.ChatText(tokenizer, stop)
         self._broken = ""
 
     def info(self) -> dict:
@@ -145,7 +141,7 @@ class VllmEngine:
             "dtype": self.settings.get("dtype"),
             "model_path": self.model_path,
             "model": self.model_name,
-            "stop": self.stop_strings,
+            "stop": self.text.stop_strings,
             "llguidance": importlib.metadata.version("llguidance"),
             "vllm_settings": self.settings,  # holds tensor_parallel_size for a group of GPUs
             **({"gpus_per_worker": self.device.group_size, "sharding": "tensor_parallel"}
@@ -158,7 +154,7 @@ class VllmEngine:
         """Every candidate of every ticket of ``chunk``: one ``generate`` with one seeded
         request per (kept ticket, decode, sample)."""
         start = time.perf_counter()
-        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
+        ids, kept = self.text.chunk_prompts(chunk, guidance, profile)
         regex = verdict_line_regex(profile.verdict) if chunk.constrain_verdict else None
         requests, where = [], []
         for d, decode in enumerate(chunk.grid):
@@ -169,13 +165,11 @@ class VllmEngine:
                     where.append((i, d, s))
         samples: list[list[Sample]] = [[] for _ in chunk.tickets]
         generated = 0
-        for (i, d, s), (row, reason) in zip(where, self._generate(requests)):
+        outs = self._generate(requests)
+        for (i, d, s), (row, reason), text in zip(where, outs, self.text.texts([row for row, _ in outs])):
             generated += len(row)
-            samples[i].append(Sample(d, s, self._text(row), len(row), reason, row if chunk.return_token_ids else None))
-        kept_set = set(kept)
-        tickets = [TicketRollout(t.key, len(ids[i]), dropped=i not in kept_set, samples=samples[i])
-                   for i, t in enumerate(chunk.tickets)]
-        return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - start)
+            samples[i].append(Sample(d, s, text, len(row), reason, row if chunk.return_token_ids else None))
+        return chat_text.rollout_result(chunk, ids, kept, samples, generated, start)
 
     # ------------------------------------------------------------ verdict probabilities
 
@@ -188,7 +182,7 @@ class VllmEngine:
         from vllm import SamplingParams
 
         start = time.perf_counter()
-        ids, kept = chat_text.chunk_prompts(self.tokenizer, chunk, guidance, profile)
+        ids, kept = self.text.chunk_prompts(chunk, guidance, profile)
         answers = verdict_scoring.answer_ids(self.tokenizer, profile.verdict)
         # One greedy token is generated and ignored: vLLM has no zero-token request. Prompt
         # log-prob requests never read the prefix cache (vLLM skips it for them).
@@ -197,25 +191,21 @@ class VllmEngine:
         outs = self._run([(row, params) for row, _ in rows])
         sums = [_answer_logprob(out.prompt_logprobs, row, n) for (row, n), out in zip(rows, outs)]
         p_pass = {i: verdict_scoring.p_pass(sums[2 * n], sums[2 * n + 1]) for n, i in enumerate(kept)}
-        tickets = [TicketVerdictProbability(t.key, len(ids[i]), dropped=i not in p_pass, p_pass=p_pass.get(i))
-                   for i, t in enumerate(chunk.tickets)]
-        return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - start)
+        return chat_text.verdict_result(chunk, ids, p_pass, start)
 
     # ------------------------------------------------------------ chat
 
     def chat(self, request: ChatRequest) -> ChatResult:
         """One free-form generation; examples are fitted as in the transformers engine."""
-        k, row, fits = chat_text.fit_examples(request, self._tokens)
+        k, row, fits = self.text.fit_examples(request)
         if not fits:
             return ChatResult(None, k, len(row))
         params = self._params(request.decode, stable_seed(request.seed_key), json_schema=request.json_schema)
         ((out, reason),) = self._generate([(row, params)])
-        return ChatResult(self._text(out), k, len(row), len(out), reason)
+        (text,) = self.text.texts([out])
+        return ChatResult(text, k, len(row), len(out), reason)
 
     # ------------------------------------------------------------ shared steps
-
-    def _tokens(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer(chat_text.render(self.tokenizer, messages), add_special_tokens=False)["input_ids"]
 
     def _params(self, decode: Decode, seed: int, regex: str | None = None, json_schema: str | None = None):
         from vllm import SamplingParams
@@ -226,10 +216,10 @@ class VllmEngine:
             repetition_penalty=decode.repetition_penalty,
             # Stop where the transformers engine stops: on our stop ids and stop strings only.
             ignore_eos=True,
-            stop_token_ids=list(self.stop_ids),
-            stop=list(self._multi_token_stops) or None,
+            stop_token_ids=list(self.text.stop_ids),
+            stop=list(self.text.multi_token_stops) or None,
             include_stop_str_in_output=True,
-            detokenize=bool(self._multi_token_stops),  # stop strings need vLLM's detokenizer
+            detokenize=bool(self.text.multi_token_stops),  # stop strings need vLLM's detokenizer
             skip_special_tokens=True,
         )
         if regex is not None:
@@ -268,9 +258,6 @@ class VllmEngine:
             self._broken = f"{type(err).__name__}: {models.one_line(err)}"
             raise
         return outs
-
-    def _text(self, row: list[int]) -> str:
-        return chat_text.clean(self.tokenizer.decode(row, skip_special_tokens=True), self.stop_strings)
 
 
 def _answer_logprob(prompt_logprobs, row: list[int], n: int) -> float:

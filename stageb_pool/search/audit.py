@@ -19,7 +19,7 @@ from ..stageb import verdicts
 from .distill import export_distillation
 from .fileio import write_json, write_jsonl
 from .recorder import Recorder
-from .rollout import RolloutResult, RolloutSpec
+from .rollout import RolloutResult, rollout_spec
 from .rows import hard_case_rows, rollout_rows
 from .rundir import HARD_CASES, artifact, rollouts_path, utc_timestamp
 
@@ -51,8 +51,7 @@ def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_d
     """Roll out every ticket (``tickets``, in run order) once under ``guidance`` and write the
     audit artifacts. Returns the summary (what ``summary.json`` holds, timing aside);
     ``headroom`` is the judge-headroom check's summary entry (None: not run)."""
-    spec = RolloutSpec(name="audit", seed_key=f"{settings.seed}/audit", tickets=list(tickets),
-                       guidance=dict(guidance.experiences), sampler=settings.sampler)
+    spec = rollout_spec("audit", f"{settings.seed}/audit", tickets, guidance, settings.sampler)
     log.info("audit: %d tickets, guidance step %d (%s)", len(spec.tickets), guidance.step, guidance.hash)
     result = runner.run(spec)
     written = write_audit_artifacts(

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from ..stageb.prompts import build_messages
-from .rollout import RolloutSpec
+from .rollout import rollout_spec
 from .rows import DistillRow
 
 DISTILL_DEFAULT = "distill_chatml.jsonl"
@@ -73,9 +73,8 @@ def export_distillation(recorder, *, tickets: list, guidance, settings, train_sa
         return None
     runner, run_dir = recorder.runner, recorder.run_dir
     chosen = distill_tickets(list(tickets), settings.distill_size, settings.distill_seed)
-    spec = RolloutSpec(name="distill", seed_key=f"{seed}/distill", tickets=chosen,
-                       guidance=dict(guidance.experiences),
-                       sampler=distill_sampler(train_sampler, settings.distill_temperature))
+    spec = rollout_spec("distill", f"{seed}/distill", chosen, guidance,
+                        distill_sampler(train_sampler, settings.distill_temperature))
     result = recorder.wait([runner.submit(spec)])[0]
     rows = distill_rows(chosen, result, runner.profile, guidance)
     path = Path(settings.log_chatml_path) if settings.log_chatml_path else run_dir / DISTILL_DEFAULT

@@ -1,6 +1,8 @@
 """The run directory's guidance: ``guidance.json`` (one mission) and its step snapshots.
 
-The rule search's only writer of guidance files; every write is atomic.
+The rule search's only writer of guidance files; every write is atomic. The search keeps
+the committed guidance in memory and only writes here: ``load`` is for a resume (and the
+checks before one), the one time the file is the source of the guidance.
 """
 
 from __future__ import annotations
@@ -10,13 +12,13 @@ import stat
 from pathlib import Path
 
 from ..stageb.guidance import Guidance, load_guidance, section_of
-from .fileio import atomic_write_bytes, remove, write_json
+from .fileio import remove, write_json
 
 GUIDANCE_FILE = "guidance.json"
 _SNAPSHOT = re.compile(r"^guidance-step(\d+)\.json$")
 
 
-class GuidanceRepository:
+class GuidanceStore:
     """The per-run guidance file ``run_dir/guidance.json`` (one mission) and its snapshots
     ``run_dir/snapshots/guidance-step{NNNN}.json``, named by guidance step so that two runs
     of the same config produce the same names."""
@@ -32,6 +34,7 @@ class GuidanceRepository:
         return self.path.is_file()
 
     def load(self) -> Guidance:
+        """The file's guidance: read on resume only."""
         return load_guidance(self.path, self.mission)
 
     def document(self, g: Guidance) -> dict:
@@ -52,14 +55,15 @@ class GuidanceRepository:
                  if (m := _SNAPSHOT.match(p.name)) and _regular(p)]
         return [p for _, p in sorted(found)]
 
-    def snapshot_and_write(self, new: Guidance) -> Path | None:
-        """Copy the current file to its step's snapshot, prune to ``retention``, then write
-        ``new`` atomically. Returns the snapshot path (None when there was no file)."""
+    def snapshot_and_write(self, old: Guidance | None, new: Guidance) -> Path | None:
+        """Snapshot ``old`` (the guidance the file holds now, written by this store) under its
+        step, prune to ``retention``, then write ``new`` atomically. The snapshot is ``old``'s
+        document, the same bytes as the file it replaces, so the file is not read back.
+        Returns the snapshot path (None when there was no ``old``)."""
         snapshot = None
-        if self.exists():
-            old = self.load()
+        if old is not None:
             snapshot = self.snapshot_dir / f"guidance-step{old.step:04d}.json"
-            atomic_write_bytes(snapshot, self.path.read_bytes())  # verbatim copy
+            write_json(snapshot, self.document(old))
             self._prune()
         self.write(new)
         return snapshot

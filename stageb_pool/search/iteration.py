@@ -35,7 +35,7 @@ from ..stageb.proposer_schema import proposer_schema
 from ..stageb.tickets import Ticket
 from ..stageb.verdicts import Metrics, compute_metrics
 from . import rows
-from .rollout import ChatFailure, RolloutResult, RolloutSpec
+from .rollout import ChatFailure, RolloutResult, RolloutSpec, rollout_spec
 from .rundir import HARD_CASES, PROPOSER_ANSWERS, PROPOSER_FAILURES, utc_timestamp
 
 
@@ -88,11 +88,6 @@ class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
 def pool_seed_key(seed: int, tickets) -> str:
     """A train pool's identity: run seed + the hash of its ticket keys (not the guidance)."""
     return f"{seed}/train/{content_hash([t.key for t in tickets])}"
-
-
-def rollout_spec(name: str, seed_key: str, tickets, guidance: Guidance, sampler) -> RolloutSpec:
-    return RolloutSpec(name=name, seed_key=seed_key, tickets=list(tickets), guidance=dict(guidance.experiences),
-                       sampler=sampler)
 
 
 def eval_spec(name: str, settings, eval_pool, guidance: Guidance) -> RolloutSpec:

@@ -30,6 +30,7 @@ from ..engine.records import (
 )
 from ..pool import WorkerError
 from ..stageb import verdicts
+from ..stageb.guidance import Guidance
 from ..stageb.hashing import content_hash
 from ..stageb.text import short
 from ..stageb.tickets import Ticket
@@ -50,6 +51,13 @@ class RolloutSpec(msgspec.Struct, frozen=True):
     tickets: list[Ticket]
     guidance: dict[str, str]
     sampler: SamplerConfig
+    guidance_hash: str  # the guidance's ``Guidance.hash``, carried so that no submit rehashes it
+
+
+def rollout_spec(name: str, seed_key: str, tickets, guidance: Guidance, sampler: SamplerConfig) -> RolloutSpec:
+    """The rollout of ``tickets`` under ``guidance``'s rules (its hash computed once per value)."""
+    return RolloutSpec(name=name, seed_key=seed_key, tickets=list(tickets), guidance=dict(guidance.experiences),
+                       sampler=sampler, guidance_hash=guidance.hash)
 
 
 class RolloutResult(msgspec.Struct):
@@ -135,7 +143,7 @@ class RolloutRunner:
 
     def submit(self, spec: RolloutSpec) -> Pending:
         """Queue every chunk of ``spec`` that is neither cached nor already in flight."""
-        guidance_hash = content_hash(spec.guidance)
+        guidance_hash = spec.guidance_hash
         sampler = msgspec.to_builtins(spec.sampler)
         parts = []
         for index, start in enumerate(range(0, len(spec.tickets), self.chunk_size)):

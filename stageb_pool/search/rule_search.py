@@ -33,7 +33,9 @@ class RuleSearch:
     """The loop and its state; :meth:`run` returns the summary.
 
     ``tickets`` are the run's tickets in run order; ``store`` is the run directory's
-    GuidanceRepository; ``seed_guidance`` the guidance a run (re)starts from."""
+    GuidanceStore; ``seed_guidance`` the guidance a run (re)starts from. The committed
+    guidance is held in memory (``self.guidance``) and only written to ``store``: the file
+    is read on resume only."""
 
     def __init__(self, *, runner, store, run_dir, tickets: list, seed_guidance: Guidance,
                  settings: SearchSettings, identity: RunIdentity, resume: bool = False,
@@ -49,6 +51,7 @@ class RuleSearch:
         self.run_dir = self.recorder.run_dir
         self.train, self.eval = split_eval_pool(self.tickets, settings.rule_search.eval_pool_size, settings.seed)
         self.state: state_mod.SearchState | None = None
+        self.guidance: Guidance = seed_guidance  # the committed guidance; set again by _start
         self.iterations_this_run = 0
         self.headroom = headroom  # the judge-headroom check's summary entry, reported as it is
 
@@ -56,7 +59,7 @@ class RuleSearch:
 
     def _fresh_state(self) -> state_mod.SearchState:
         rs = self.settings.rule_search
-        g = self.store.load()
+        g = self.guidance = self.seed_guidance  # what job (or _start on resume) wrote to guidance.json
         sampler = state_mod.start_sampler(len(self.train), rs, self.settings.seed)
         return state_mod.SearchState(
             iteration=0, guidance_hash=g.hash, guidance_step=g.step, guidance=msgspec.to_builtins(g),
@@ -99,12 +102,15 @@ class RuleSearch:
         """guidance.json is written before state.json, so a kill between the two leaves it one
         step ahead of the commit. The state's copy is the committed truth: put it back (the
         redone iteration rewrites the same snapshot file). validate_state has refused every
-        other mismatch, and a state whose guidance does not match its own hash."""
+        other mismatch, and a state whose guidance does not match its own hash. Either way
+        ``self.guidance`` becomes what the file now holds (the one read of it in a run)."""
         current = self.store.load() if self.store.exists() else None
         if current is not None and current.hash == st.guidance_hash and current.step == st.guidance_step:
+            self.guidance = current
             return
         self.log.warning("resume: guidance.json is not the committed step %d; restoring it", st.guidance_step)
-        self.store.write(msgspec.convert(st.guidance, Guidance))
+        self.guidance = msgspec.convert(st.guidance, Guidance)
+        self.store.write(self.guidance)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -124,7 +130,7 @@ class RuleSearch:
         """The next train pool in train-list order, so a pool holding the same tickets is the
         same rollout (same chunks, same seed key) and the cache can serve it."""
         pool = [self.train[i] for i in sorted(st.sampler.next_pool())]
-        return IterationInput(iteration=st.iteration + 1, guidance=self.store.load(), pool=pool,
+        return IterationInput(iteration=st.iteration + 1, guidance=self.guidance, pool=pool,
                               eval_pool=self.eval, rejected_ids=frozenset(st.rejected_ids))
 
     def _record(self, outcome: IterationOutcome) -> None:
@@ -136,7 +142,7 @@ class RuleSearch:
         c = outcome.applied
         if c is not None:
             with self.recorder.phase("io"):
-                self.store.snapshot_and_write(c.guidance)
+                self.store.snapshot_and_write(self.guidance, c.guidance)
             self.recorder.append(BENCHMARKS, [rows.benchmark_row(outcome, mission)])
         decision = decisions.iteration_row(outcome, mission)
         self.recorder.append(ITERATIONS, [decision])
@@ -158,7 +164,7 @@ class RuleSearch:
                 relative_error_reduction=c.gate.relative_error_reduction, guidance_step=c.guidance.step,
                 guidance_hash=c.guidance.hash))
         st.no_gain = 0 if c is not None else st.no_gain + 1
-        g = outcome.new_guidance
+        g = self.guidance = outcome.new_guidance
         st.iteration = outcome.iteration
         st.guidance_hash, st.guidance_step, st.guidance = g.hash, g.step, msgspec.to_builtins(g)
         if st.no_gain >= self.settings.rule_search.early_stop.patience:
@@ -176,7 +182,7 @@ class RuleSearch:
     def _finish(self, wall_s: float) -> dict:
         """Distillation (once, with the final guidance), final metrics, the summary."""
         st, settings = self.state, self.settings
-        g = self.store.load()  # the final guidance
+        g = self.guidance  # the final guidance
         distillation = export_distillation(self.recorder, tickets=self.tickets, guidance=g,
                                            settings=settings.distill,
                                            train_sampler=settings.rule_search.train_sampler,

@@ -9,7 +9,8 @@ import msgspec
 
 from ..stageb.verdicts import compute_metrics
 from .headroom import summary_line
-from .iteration import eval_spec, pool_seed_key, rollout_spec
+from .iteration import eval_spec, pool_seed_key
+from .rollout import rollout_spec
 
 
 def brief(metrics) -> dict | None:

@@ -4,13 +4,14 @@ File format: ``{<mission>: {"step", "updated_at", "experiences", "metadata"}}``.
 ``G0`` is the mission checklist (mandatory, updatable, never removable), ``S*`` are
 read-only structural invariants, ``G1+`` are the learnable rules. Edits are pure
 (``apply_operation`` returns a new Guidance); the run directory's copy is
-``search.guidance_store.GuidanceRepository``.
+``search.guidance_store.GuidanceStore``.
 """
 
 from __future__ import annotations
 
 import re
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
 import msgspec
@@ -41,13 +42,17 @@ class ExperienceMeta(msgspec.Struct, forbid_unknown_fields=True):
     confidence: float = 1.0
 
 
-class Guidance(msgspec.Struct):
+class Guidance(msgspec.Struct, dict=True):
+    """One guidance value. Treated as immutable (edits make a new one, ``apply_operation``),
+    which is what lets its hash be computed once (``dict=True`` gives the struct the
+    ``__dict__`` a cached property needs; encoding still sees the four fields only)."""
+
     step: int
     updated_at: str
     experiences: dict[str, str]
     metadata: dict[str, ExperienceMeta] = {}
 
-    @property
+    @cached_property
     def hash(self) -> str:
         """What rollouts, pool snapshots and artifact rows refer to: the rule texts only."""
         return content_hash(self.experiences)
