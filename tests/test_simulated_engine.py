@@ -184,3 +184,24 @@ def test_the_proposer_does_not_depend_on_the_process_hash_seed():
                               env={**os.environ, "PYTHONHASHSEED": seed},
                               cwd=os.path.dirname(__file__)).stdout for seed in ("1", "2", "3")}
     assert len(answers) == 1
+
+
+def test_the_latency_models_rates_are_part_of_a_runs_identity_only_on_the_simulated_engine():
+    """A run made before the simulated engine existed keeps its config hash (and can be
+    resumed): the demo's hash is still the one its state.json recorded then."""
+    from pathlib import Path
+
+    from stageb_pool.app.config import load_config
+    from stageb_pool.app.identity import identity_document
+    from stageb_pool.stageb.hashing import content_hash
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+    def doc(*overrides):
+        return identity_document(load_config(demo, list(overrides)), seed_guidance={}, profile={}, proposer_system=None)
+
+    assert "simulated" not in doc()["model"]
+    assert content_hash(doc("model.simulated.decode_step_s=0.05")) == content_hash(doc())
+    simulated = doc("model.engine=simulated")
+    assert simulated["model"]["simulated"]["decode_step_s"] == 0.009
+    assert content_hash(doc("model.engine=simulated", "model.simulated.decode_step_s=0.05")) != content_hash(simulated)

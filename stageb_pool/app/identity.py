@@ -38,6 +38,10 @@ def identity_document(config, *, seed_guidance, profile, proposer_system: str | 
         # One GPU per worker is what every run before GPU groups did: left out, so their
         # identity (and a resume of them) stays the same; any other group size is compared.
         doc["model"].pop("gpus_per_worker")
+    if doc["model"].get("engine") != "simulated":
+        # The latency model's rates only matter to the simulated engine: left out otherwise,
+        # so a run made before that engine existed keeps its identity (and can be resumed).
+        doc["model"].pop("simulated", None)
     doc["guidance"]["path"] = f"content:{content_hash(seed_guidance)}"
     doc["prompt"]["profile"] = f"content:{content_hash(profile)}"
     doc["rule_search"]["proposer_prompt_path"] = (
