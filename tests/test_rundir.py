@@ -400,8 +400,9 @@ def test_a_value_that_cannot_be_written_is_refused_before_the_run_directory_exis
     good = load_config(cfg)  # a value that got past the checks (a caller building a Config)
     bad = msgspec.structs.replace(good, model=msgspec.structs.replace(good.model, stop=["\ud800"]))
     for flags in ({}, {"overwrite": True}, {"resume": True}):
-        with pytest.raises(InputError):
+        with pytest.raises(InputError) as info:
             run_job(bad, "cpu:1", audit=True, engine_factory=never_called, debug=True, **flags)
+        assert "config.model.stop[0] is not valid text ('\\ud800': a lone surrogate" in info.value.message
         assert not (tmp_path / "out").exists()
     assert audit(cfg, engine_factory=fake_factory()) == 0  # the fixed config runs
 
