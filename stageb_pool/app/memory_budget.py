@@ -66,7 +66,11 @@ _GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12:
 
 def gguf_parameters(path: Path) -> int:
     """The parameter count of a .gguf file, from its tensor table (the metadata before it is
-    skipped value by value; nothing after the table is read)."""
+    skipped value by value; nothing after the table is read).
+
+    Not ``gguf.GGUFReader``, although ``gguf`` is a dependency: it parses every metadata
+    value into numpy arrays, the 49,152-token vocabulary included, and took 2.8 s on the
+    embedded model where this takes 0.05 s; ``check`` should answer at once."""
     with open(path, "rb") as f:
         def read(n: int) -> bytes:
             data = f.read(n)
