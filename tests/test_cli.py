@@ -599,3 +599,15 @@ def test_the_memory_budget_reads_headers_only_and_warns_when_a_group_is_too_smal
     [(_, line)] = memory_lines(cfg, str(ckpt), parse_gpus("0-3", gpus_per_worker=4))
     assert line.endswith("(fits, 50%)")
     assert memory_lines(cfg, str(ckpt), parse_gpus("cpu:2")) == []  # CPU workers: no GPU memory to compare
+
+
+def test_the_gguf_tensor_table_reader_counts_what_the_gguf_package_counts():
+    """The memory budget reads the GGUF tensor table by hand (fast); on the embedded model it
+    must agree with the gguf package's own reader."""
+    import gguf
+
+    from stageb_pool.app.memory_budget import gguf_parameters
+    from stageb_pool.engine.model_path import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    assert gguf_parameters(path) == sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors) == 134_515_008
