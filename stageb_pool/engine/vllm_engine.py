@@ -6,7 +6,7 @@ It runs inside the pool worker: the engine core in-process (``VLLM_ENABLE_V1_MUL
 so a killed or timed-out worker leaves no grandchild holding the device, and vllm is imported
 only here, in the worker, after the fork. A worker of a GPU group (``model.gpus_per_worker``
 > 1) is the exception: vLLM shards the model with ``tensor_parallel_size`` = the group size
-and its own multiprocessing executor, whose shard processes are the worker's children
+and its own process executor (``mp``), whose shard processes are the worker's children
 (vLLM stops them when the worker exits; a SIGKILLed worker relies on vLLM's own watchdog).
 
 Determinism (docs/architecture.md, "Determinism contract"):
@@ -78,8 +78,8 @@ def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
         args["block_size"] = settings.block_size
     if device.group_size > 1:
         # The worker's GPU group (its CUDA_VISIBLE_DEVICES) as vLLM's tensor-parallel group,
-        # run by vLLM's own multiprocessing executor (see the module docstring); the pool
-        # itself never touches torch.distributed.
+        # run by vLLM's own process executor (see the module docstring); the pool itself
+        # starts no collective group of its own.
         args["tensor_parallel_size"] = device.group_size
         args["distributed_executor_backend"] = "mp"
     return args
