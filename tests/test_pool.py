@@ -262,6 +262,20 @@ def test_a_silent_task_is_named_in_a_warning_long_before_its_timeout(tmp_path):
     assert float(first.split("silent for ")[1].split(" s")[0]) < float(second.split("silent for ")[1].split(" s")[0])
 
 
+def test_a_silent_task_without_a_timeout_is_warned_about_too(tmp_path):
+    """With no task_timeout the busy worker has no deadline: its warning must still wake the loop."""
+    release = str(tmp_path / "release")
+    handler = _ReleaseOnStallWarning(release)
+    logger = logging.getLogger("stageb_pool.pool")
+    logger.addHandler(handler)
+    try:
+        with Pool(Engine, "cpu:1", stall_warning=0.2, task_timeout=None) as pool:
+            assert pool.map("wait_for", [release]) == [True]
+    finally:
+        logger.removeHandler(handler)
+    assert len(handler.messages) == 2 and "task_timeout" not in handler.messages[0]
+
+
 def test_no_stall_warning_for_tasks_that_answer_in_time(caplog):
     with caplog.at_level(logging.WARNING, "stageb_pool.pool"):
         with Pool(Engine, "cpu:2", stall_warning=600) as pool:

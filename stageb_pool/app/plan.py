@@ -30,7 +30,6 @@ from .prompt_budget import refuse_unusable_prompts
 class RunInputs(msgspec.Struct):
     """Every input file of a run, read and validated (``load_inputs``)."""
 
-
     mission: str
     ingest: object
     tickets: list

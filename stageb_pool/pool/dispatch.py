@@ -234,8 +234,10 @@ class Dispatcher:
     # -- the event loop ---------------------------------------------------------------------
     def _step(self) -> None:
         self._dispatch()
-        deadlines = [t for slot in self.slots if slot.deadline is not None for t in
-                     (slot.deadline, slot.next_warning if slot.state is WorkerState.BUSY else None) if t is not None]
+        # a busy worker's next stall warning wakes the loop too, also when its task has no deadline
+        deadlines = [t for slot in self.slots
+                     for t in (slot.deadline, slot.next_warning if slot.state is WorkerState.BUSY else None)
+                     if t is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         for event in self.transport.poll(timeout):
             slot = self.slots[event.rank]
@@ -332,12 +334,11 @@ class Dispatcher:
         slot.next_warning = now + self.stall_warning if self.stall_warning else None
 
     def _warn_stalled(self, slot: Slot, now: float) -> None:
-        task = slot.task
-        label = f" ({task.label})" if task is not None and task.label else ""
+        task = slot.task  # a busy worker always runs one
+        label = f" ({task.label})" if task.label else ""
         limit = f"; it is stopped at task_timeout {self.task_timeout:g} s" if self.task_timeout else ""
         log.warning("worker %d (%s, pid %s) has been silent for %.1f s in %s() on item %s%s%s",
-                    slot.rank, slot.device.name, slot.pid, now - slot.started, task.method if task else "?",
-                    task.index if task else "?", label, limit)
+                    slot.rank, slot.device.name, slot.pid, now - slot.started, task.method, task.index, label, limit)
         slot.next_warning = now + self.stall_warning
 
     def _check_deadlines(self) -> None:
