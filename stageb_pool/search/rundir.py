@@ -29,6 +29,7 @@ import msgspec
 
 from .. import __version__
 from ..stageb.errors import InputError
+from ..stageb.inputs import first_lone_surrogate
 from .fileio import TMP_SUFFIX, json_document, remove
 
 RUN_JSON = "run.json"
@@ -359,27 +360,13 @@ def encoded(doc, name: str) -> bytes:
     try:
         return json_document(doc)
     except (UnicodeEncodeError, msgspec.EncodeError) as err:
-        where = _unwritable_text(doc)
-        what = (f"{where[0]} is not valid text ({where[1]!r}: a lone surrogate, e.g. a path whose bytes are "
-                "not UTF-8)" if where else f"a value is not valid text ({err})")
-        raise InputError(f"cannot be written: {what}", name) from None
-
-
-def _unwritable_text(value, path: str = "") -> tuple[str, str] | None:
-    """The key path and the value of the first string in ``value`` that UTF-8 cannot encode."""
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return path or "the document", value
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
-    for key, item in items:
-        found = _unwritable_text(item, f"{path}.{key}" if path and isinstance(key, str) else
-                                 f"{path}[{key}]" if path else str(key))
-        if found:
-            return found
-    return None
+        found = first_lone_surrogate(doc)
+        if found is None:
+            raise InputError(f"cannot be written: a value is not valid text ({err})", name) from None
+        path, text = found
+        key = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".") or "the document"
+        raise InputError(f"cannot be written: {key} is not valid text ({text!r}: a lone surrogate, e.g. a path "
+                         "whose bytes are not UTF-8)", name) from None
 
 
 def artifact(run_dir: str | Path, name: str) -> Path:

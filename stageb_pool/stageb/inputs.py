@@ -146,6 +146,16 @@ def _walk(value, path: tuple = ()):
             stack.extend((path + (i,), v) for i, v in reversed(list(enumerate(value))))
 
 
+def first_lone_surrogate(value) -> tuple[tuple, str] | None:
+    """The key path (keys and list positions) and the text of the first string in ``value``
+    (nested dicts and lists) holding a lone surrogate, which UTF-8 cannot encode; None when
+    there is none."""
+    for path, item in _walk(value):
+        if isinstance(item, str) and _SURROGATE.search(item):
+            return path, item
+    return None
+
+
 def _printable(text: str) -> str:
     return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
