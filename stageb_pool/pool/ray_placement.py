@@ -91,7 +91,7 @@ def plan_workers(ray, kind: str, count: int, gpus_per_worker: int = 1) -> tuple[
         cpus = cpu_share([n.total.get("CPU", 0.0) for n in nodes], workers)
         if cpus is None:
             raise PoolError(f"cannot place {workers} CPU workers: the cluster's live nodes have no CPU to share "
-                            f"({_describe(nodes, ['CPU'], free=False)})")
+                            f"({describe_nodes(nodes, ['CPU'], free=False)})")
         bundle = {"CPU": float(cpus)}
         threads = max(1, int(cpus))
     devices = ray_devices(kind, count, gpus_per_worker, threads)
@@ -130,10 +130,11 @@ def check_fits(ray, bundles: list[dict]) -> bool:
     """Raise a PoolError at once when the live nodes could never hold ``bundles``, naming per
     node what it has and what was asked; else whether they fit in what is free now."""
     nodes = live_nodes(ray)
-    if None in pack(bundles, [n.total for n in nodes]):
-        fit = sum(w is not None for w in pack(bundles, [n.total for n in nodes]))
+    on_totals = pack(bundles, [n.total for n in nodes])
+    if None in on_totals:
+        fit = sum(w is not None for w in on_totals)
         raise PoolError(f"cannot place {_request(bundles)}: the cluster's live nodes could hold {fit} "
-                        f"({_describe(nodes, _keys(bundles), free=False)}) (ask for fewer workers, or add nodes "
+                        f"({describe_nodes(nodes, _keys(bundles), free=False)}) (ask for fewer workers, or add nodes "
                         "with `ray start`)")
     return None not in pack(bundles, [n.free for n in nodes])
 
@@ -160,7 +161,7 @@ def place(ray, bundles: list[dict], timeout: float, name: str):
     nodes = live_nodes(ray)
     raise PoolError(f"could not reserve {_request(bundles)} within {timeout:g} s (placement group "
                     f"{state['state']}, {state['stats']['scheduling_state']}): the cluster can hold them, but other "
-                    f"jobs hold the resources (free now: {_describe(nodes, _keys(bundles), free=True)})")
+                    f"jobs hold the resources (free now: {describe_nodes(nodes, _keys(bundles), free=True)})")
 
 
 def remove_group(group) -> None:
@@ -184,7 +185,7 @@ def _keys(bundles: list[dict]) -> list[str]:
     return sorted({key for bundle in bundles for key in bundle})
 
 
-def _describe(nodes: list[Node], keys: list[str], *, free: bool) -> str:
+def describe_nodes(nodes: list[Node], keys: list[str], *, free: bool) -> str:
     """Per node, the resources asked for: "node 10.0.0.1 (1a2b3c4d): 2 CPU, 0 GPU"."""
     if not nodes:
         return "no live node"

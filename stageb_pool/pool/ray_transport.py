@@ -36,7 +36,7 @@ from .dispatch import WorkerExited, WorkerMessage, WorkerStarted
 from .errors import PoolError, ProtocolError
 from .protocol import InitFailed, Ready, Snapshot, Task
 from .ray_cluster import RayConnection
-from .ray_placement import live_nodes, place, plan_workers, raylet_answers, remove_group, show
+from .ray_placement import describe_nodes, live_nodes, pack, place, plan_workers, raylet_answers, remove_group, show
 from .tasks import PoolStats
 from .worker import exception_summary, limit_threads, run_task, start_engine
 
@@ -147,11 +147,10 @@ class RayTransport:
                 self._create(rank)
                 continue
             bundle = self.bundles[rank]
-            fits = any(all(n.free.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for n in nodes)
+            fits = None not in pack([bundle], [n.free for n in nodes])
             self.waiting[rank] = None if fits else (now if since is None else since)
             if not fits and since is not None and now - since > REPLACE_GRACE:
-                free = "; ".join(f"{n.label()}: " + ", ".join(f"{n.free.get(k, 0.0):g} {k}" for k in bundle)
-                                 for n in nodes) or "no live node"
+                free = describe_nodes(nodes, sorted(bundle), free=True)
                 raise PoolError(f"worker {rank} ({self.devices[rank].name}) cannot be re-placed: no live node has "
                                 f"{show(bundle)} free (free now: {free}); the placement group is {table['state']}")
 
