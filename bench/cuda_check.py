@@ -169,7 +169,7 @@ def random_model(shape: str, vocab_size: int, device: str, seed: int = 0):
 def shapes(args) -> None:
     import torch
 
-    from stageb_pool.engine import models
+    from stageb_pool.engine import chat_text, models
     from stageb_pool.engine.build import prepare_device
     from stageb_pool.engine.transformers_engine import Engine
     from stageb_pool.pool.devices import Device
@@ -190,8 +190,6 @@ def shapes(args) -> None:
         chunks, _, _, shared = workload(size, size, args.max_new_tokens)
         chunk = chunks[0]
         engine.rollout(chunk, **shared)  # warm-up
-        from stageb_pool.engine import chat_text
-
         ids, kept = chat_text.chunk_prompts(tokenizer, chunk, shared["guidance"], shared["profile"])
         batch = engine._pad([ids[i] for i in kept])
         sync()
