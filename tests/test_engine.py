@@ -641,6 +641,66 @@ def test_info_records_what_determinism_depends_on(engine):
     msgspec.json.encode(info)  # travels over the pool as JSON
 
 
+def fake_cuda(monkeypatch):
+    """torch's CUDA facts as a GPU worker would read them, on a machine without one."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Fake GPU")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+
+
+def test_the_transformers_provenance_keeps_its_keys_values_and_order(engine, monkeypatch):
+    """info() is hashed into every rollout cache key and written to run.json: its keys, values
+    and their order are pinned (a reorder alone would change every cache key)."""
+    import importlib.metadata
+
+    import transformers
+
+    versions = {"torch": str(torch.__version__), "transformers": transformers.__version__}
+    stop = engine.text.stop_strings
+    llguidance = importlib.metadata.version("llguidance")
+    assert list(engine.info().items()) == [
+        ("engine", "transformers"), *versions.items(), ("device", "cpu"), ("dtype", "float32"),
+        ("model_path", "tiny"), ("model", "tiny-qwen2"), ("attn_implementation", "sdpa"), ("stop", stop),
+        ("llguidance", llguidance)]
+    fake_cuda(monkeypatch)
+    grouped = Engine(engine.model, engine.tokenizer, Device("cuda", 0, 0, group=(0, 1)), model_path="/m",
+                     model_name="m")
+    assert list(grouped.info().items()) == [
+        ("engine", "transformers"), *versions.items(), ("device", "Fake GPU"), ("cuda", "12.8"), ("cudnn", 91002),
+        ("dtype", "float32"), ("model_path", "/m"), ("model", "m"), ("attn_implementation", "sdpa"),
+        ("stop", stop), ("llguidance", llguidance), ("gpus_per_worker", 2), ("sharding", "layers")]
+
+
+def test_the_vllm_provenance_keeps_its_keys_values_and_order(engine, monkeypatch):
+    """The same pin for the vLLM engine, with a stand-in vllm module (info() reads only its
+    version), so it holds where vllm is not installed."""
+    import importlib.metadata
+    import types
+
+    import transformers
+
+    from stageb_pool.engine.vllm_engine import VllmEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.0.test"))
+    versions = {"vllm": "0.0.test", "torch": str(torch.__version__), "transformers": transformers.__version__}
+    llguidance = importlib.metadata.version("llguidance")
+    settings = {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1.0, "threads": 1}
+    one = VllmEngine(None, engine.tokenizer, CPU, model_path="tiny", model_name="tiny-qwen2-h32", settings=settings)
+    stop = one.text.stop_strings
+    assert list(one.info().items()) == [
+        ("engine", "vllm"), *versions.items(), ("device", "cpu"), ("dtype", "float32"), ("model_path", "tiny"),
+        ("model", "tiny-qwen2-h32"), ("stop", stop), ("llguidance", llguidance), ("vllm_settings", settings)]
+    fake_cuda(monkeypatch)
+    grouped = VllmEngine(None, engine.tokenizer, Device("cuda", 0, 0, group=(0, 1)), model_path="/m", model_name="m",
+                         stop=["END"], settings=dict(settings, dtype="bfloat16", tensor_parallel_size=2))
+    assert list(grouped.info().items()) == [
+        ("engine", "vllm"), *versions.items(), ("device", "Fake GPU"), ("cuda", "12.8"), ("cudnn", 91002),
+        ("dtype", "bfloat16"), ("model_path", "/m"), ("model", "m"), ("stop", grouped.text.stop_strings),
+        ("llguidance", llguidance), ("vllm_settings", dict(settings, dtype="bfloat16", tensor_parallel_size=2)),
+        ("gpus_per_worker", 2), ("sharding", "tensor_parallel")]
+    assert grouped.text.stop_strings[-1] == "END"
+
+
 def test_a_saved_checkpoint_directory_loads_and_generates_like_the_original(engine, profile, tmp_path):
     engine.model.save_pretrained(tmp_path)
     engine.tokenizer.save_pretrained(tmp_path)
