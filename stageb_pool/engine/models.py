@@ -176,17 +176,6 @@ def tokenizer_only(path: str, trust_remote_code: bool = False):
     return load_tokenizer(Path(resolved), trust_remote_code)
 
 
-def device_facts(device_kind: str) -> dict:
-    """The device part of an engine's provenance: its name, and on a GPU the CUDA and cuDNN
-    versions (another stack can give other bits)."""
-    import torch
-
-    if device_kind != "cuda":
-        return {"device": "cpu"}
-    return {"device": torch.cuda.get_device_name(0), "cuda": str(torch.version.cuda),
-            "cudnn": torch.backends.cudnn.version()}
-
-
 def default_dtype(device_kind: str) -> str:
     return "bfloat16" if device_kind == "cuda" else "float32"
 

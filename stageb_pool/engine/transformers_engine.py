@@ -19,7 +19,6 @@ the software, hardware, dtype and chunk size stay the same (docs/architecture.md
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import inspect
 import time
 
@@ -28,7 +27,7 @@ import torch
 from ..pool.devices import Device
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
-from . import chat_text, models, sharding, verdict_scoring
+from . import chat_text, models, provenance, sharding, verdict_scoring
 from .constrained import Grammars, verdict_line_regex
 from .records import (
     ChatRequest,
@@ -106,30 +105,16 @@ class TransformersEngine:
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.text.stop_ids or None)
 
     def info(self) -> dict:
-        """Provenance that bit-identical results depend on (recorded in run.json)."""
-        import transformers
-
-        return {
-            "engine": "transformers",
-            "torch": str(torch.__version__),  # a TorchVersion, not JSON-encodable as is
-            "transformers": transformers.__version__,
-            **models.device_facts(self.device.kind),
-            "dtype": self.dtype,
-            "model_path": self.model_path,  # "embedded", "tiny" or an absolute path
-            "model": self.model_name,
-            "attn_implementation": self.attn_implementation,
-            "stop": self.text.stop_strings,
-            "llguidance": importlib.metadata.version("llguidance"),  # constrained decoding
-            **self.sharding_facts(),
-        }
+        """Provenance that bit-identical results depend on (recorded in run.json; the shared
+        part and its order: ``provenance.engine_info``)."""
+        return provenance.engine_info(
+            "transformers", self.device, dtype=self.dtype, model_path=self.model_path, model_name=self.model_name,
+            stop=self.text.stop_strings, model_options={"attn_implementation": self.attn_implementation},
+            sharding=sharding.SHARDING)
 
     def sharding_facts(self) -> dict:
-        """How the model is spread over the worker's GPU group: part of the identity, since
-        another group size may give other bits. Nothing for one GPU, so the identity (and the
-        rollout cache key) of a one-GPU worker is what it was before groups existed."""
-        if self.device.group_size == 1:
-            return {}
-        return {"gpus_per_worker": self.device.group_size, "sharding": sharding.SHARDING}
+        """How the model is spread over the worker's GPU group (nothing for one GPU)."""
+        return provenance.group_facts(self.device, sharding.SHARDING)
 
     # ------------------------------------------------------------ rollout
 

@@ -27,7 +27,6 @@ Determinism (docs/architecture.md, "Determinism contract"):
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import time
 
@@ -35,7 +34,7 @@ from ..pool.devices import Device
 from ..stageb.errors import InputError
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
-from . import chat_text, models, verdict_scoring
+from . import chat_text, models, provenance, verdict_scoring
 from .records import (
     ChatRequest,
     ChatResult,
@@ -127,26 +126,15 @@ class VllmEngine:
         self._broken = ""
 
     def info(self) -> dict:
-        """Provenance that bit-identical results depend on (recorded in run.json)."""
-        import torch
-        import transformers
+        """Provenance that bit-identical results depend on (recorded in run.json; the shared
+        part and its order: ``provenance.engine_info``), with vLLM's version and settings."""
         import vllm
 
-        return {
-            "engine": "vllm",
-            "vllm": vllm.__version__,
-            "torch": str(torch.__version__),
-            "transformers": transformers.__version__,
-            **models.device_facts(self.device.kind),
-            "dtype": self.settings.get("dtype"),
-            "model_path": self.model_path,
-            "model": self.model_name,
-            "stop": self.text.stop_strings,
-            "llguidance": importlib.metadata.version("llguidance"),
-            "vllm_settings": self.settings,  # holds tensor_parallel_size for a group of GPUs
-            **({"gpus_per_worker": self.device.group_size, "sharding": "tensor_parallel"}
-               if self.device.group_size > 1 else {}),
-        }
+        return provenance.engine_info(
+            "vllm", self.device, engine_version=vllm.__version__, dtype=self.settings.get("dtype"),
+            model_path=self.model_path, model_name=self.model_name, stop=self.text.stop_strings,
+            engine_settings={"vllm_settings": self.settings},  # holds tensor_parallel_size for a group of GPUs
+            sharding="tensor_parallel")
 
     # ------------------------------------------------------------ rollout
 
