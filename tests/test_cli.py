@@ -587,18 +587,20 @@ def test_the_memory_budget_reads_headers_only_and_warns_when_a_group_is_too_smal
     from stageb_pool.app.config import load_config
     from stageb_pool.app.describe import memory_lines
     from stageb_pool.app.memory_budget import weight_bytes
+    from stageb_pool.engine.model_path import check_model_path
     from stageb_pool.pool.devices import parse_gpus
 
     ckpt = write_checkpoint(tmp_path / "ckpt")
     assert weight_bytes(ckpt, "bfloat16") == 2000 and weight_bytes(ckpt, "float32") == 4000
     assert weight_bytes(write_gguf(tmp_path / "m.gguf"), "bfloat16") == 2000  # dequantised to the dtype
     cfg = load_config(REPO / "configs" / "demo.yaml")
-    pairs = memory_lines(cfg, str(ckpt), parse_gpus("0-3", gpus_per_worker=2))  # 2000 B on 2 x 1000 B
+    model = check_model_path(str(ckpt))
+    pairs = memory_lines(cfg, model, parse_gpus("0-3", gpus_per_worker=2))  # 2000 B on 2 x 1000 B
     assert pairs[0] == ("memory", "weights ~0.0 GiB per worker; a group of 2 GPUs has 0.0 GiB")
     assert pairs[1][0] == "  WARNING" and "will not fit one group: it needs 100% of its GPU memory" in pairs[1][1]
-    [(_, line)] = memory_lines(cfg, str(ckpt), parse_gpus("0-3", gpus_per_worker=4))
+    [(_, line)] = memory_lines(cfg, model, parse_gpus("0-3", gpus_per_worker=4))
     assert line.endswith("(fits, 50%)")
-    assert memory_lines(cfg, str(ckpt), parse_gpus("cpu:2")) == []  # CPU workers: no GPU memory to compare
+    assert memory_lines(cfg, model, parse_gpus("cpu:2")) == []  # CPU workers: no GPU memory to compare
 
 
 def test_the_gguf_tensor_table_reader_counts_what_the_gguf_package_counts():

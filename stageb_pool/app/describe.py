@@ -30,7 +30,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
         cfg, devices = devices_of(cfg, config_path)
     plan = plan_run(cfg, audit=audit, config_path=config_path)  # the run's own validation
     cfg, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
-    tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
+    model, tickets, ingest, g = inputs.model, inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
     lines = [
         ("config", f"{os.path.abspath(config_path)} (hash {plan.identity().config_hash})"),
@@ -43,7 +43,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     lines += [(f"  {what}", ", ".join(f"{k} {n}" for k, n in counts.items()))
               for what, counts in (("converted", ingest.converted), ("ignored", ingest.ignored)) if counts]
     lines += [
-        ("model", (inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}")
+        ("model", (model.path if model.path == cfg.model.path else f"{cfg.model.path} -> {model.path}")
          + _engine_note(cfg.model)),
         ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),
         ("guidance", f"{cfg.guidance.path}: step {g.step}, {rules_summary(g.experiences)}: "
@@ -51,7 +51,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
         ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir_exists(run_dir) else "")),
     ]
     if devices is not None:
-        lines += layout_lines(devices, ray=ray) + memory_lines(cfg, inputs.model_path, devices, ray=ray)
+        lines += layout_lines(devices, ray=ray) + memory_lines(cfg, model, devices, ray=ray)
     dist = cfg.stage_b_distillation
     when = "after the audit" if cfg.mode == "audit" else "after the loop, with the final guidance"
     lines.append(("distill", f"{dist.distill_size} tickets {when} -> "
@@ -103,19 +103,20 @@ def layout_lines(devices, *, ray: bool = False) -> list[tuple[str, str]]:
     return lines
 
 
-def memory_lines(cfg, model_path: str, devices, *, ray: bool = False) -> list[tuple[str, str]]:
-    """The memory budget check: the model's weight bytes (from its file headers) against one
-    group's GPU memory (nvidia-smi); a warning when it will not fit. Only for GPU workers;
-    under Ray the GPUs are the cluster's, not this machine's, so only the weights are shown."""
+def memory_lines(cfg, model, devices, *, ray: bool = False) -> list[tuple[str, str]]:
+    """The memory budget check: the weight bytes of ``model`` (a ModelRef; from its file
+    headers) against one group's GPU memory (nvidia-smi); a warning when it will not fit. Only
+    for GPU workers; under Ray the GPUs are the cluster's, not this machine's, so only the
+    weights are shown."""
     from ..engine.model_path import embedded_gguf_path
     from ..pool.devices import gpu_memory_bytes
     from .memory_budget import GIB, HeaderError, budget_lines, weight_bytes
 
     if devices[0].kind != "cuda":
         return []
-    if model_path == "tiny":
+    if model.kind == "tiny":
         return [("memory", "the tiny test model (a few MB): no estimate needed")]
-    source = embedded_gguf_path() if model_path == "embedded" else model_path
+    source = embedded_gguf_path() if model.kind == "embedded" else model.path
     try:
         weights = weight_bytes(source, cfg.model.dtype or "bfloat16")
     except (HeaderError, OSError) as err:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import msgspec
 
+from ..engine.model_path import ModelRef
+from ..engine.records import EngineSettings
 from ..pool import Device, DeviceSpecError, Pool, parse_gpus, parse_ray_spec
 from ..pool.devices import GroupSizeError, ray_devices
 from ..report import REPORT_FILE, TIMELINE_FILE, render_report
@@ -66,26 +68,26 @@ def with_gpus_per_worker(config, gpus_per_worker: int | None):
     return msgspec.structs.replace(config, model=model)
 
 
-def engine_factory_for(model_config, model_path: str):
-    """The factory each worker calls after fork. It imports the engine (torch,
+def engine_factory_for(model_config, model: ModelRef):
+    """The factory each worker calls after fork: the engine of ``model`` (checked in the parent,
+    sent as it is) built as the config's model section says. It imports the engine (torch,
     transformers) inside the worker: the parent never imports torch."""
+    settings = engine_settings(model_config)
 
     def build(device: Device):
         from ..engine.build import build_engine
 
-        return build_engine(
-            device,
-            path=model_path,
-            dtype=model_config.dtype,
-            attn_implementation=model_config.attn_implementation,
-            trust_remote_code=model_config.trust_remote_code,
-            stop=model_config.stop,
-            engine=model_config.engine,
-            vllm=model_config.vllm,
-            simulated=model_config.simulated,
-        )
+        return build_engine(device, model, settings)
 
     return build
+
+
+def engine_settings(model_config) -> EngineSettings:
+    """The config's model section as a worker's ``EngineSettings``: every key but ``path``
+    (the plan's ModelRef) and ``gpus_per_worker`` (the workers' devices)."""
+    fields = msgspec.structs.asdict(model_config)
+    del fields["path"], fields["gpus_per_worker"]
+    return EngineSettings(**fields)
 
 
 def run_job(config, devices, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
@@ -162,7 +164,7 @@ def _run_locked(config, devices, *, inputs, run_dir, store, identity, resume, ov
         raise
     start.commit()  # the new run has started: the replaced one may go
 
-    factory = engine_factory or engine_factory_for(config.model, inputs.model_path)
+    factory = engine_factory or engine_factory_for(config.model, inputs.model)
     ray = ray_address is not None and not debug
     pool = Pool(
         factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,

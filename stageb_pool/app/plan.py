@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..engine.model_path import check_engine, check_model_path
+from ..engine.model_path import ModelRef, check_engine, check_model_path
 from ..search import rundir
 from ..search.settings import RunIdentity
 from ..stageb import guidance as guidance_mod
@@ -28,13 +28,13 @@ from .prompt_budget import refuse_unusable_prompts
 
 
 class RunInputs(msgspec.Struct):
-    """Every input file of a run, read and validated (``load_inputs``)."""
+    """Every input of a run, read and validated (``load_inputs``)."""
 
     mission: str
     ingest: object
     tickets: list
     profile: object
-    model_path: str
+    model: ModelRef  # model.path, checked: what the workers load
     seed_guidance: object
     proposer_system: str | None  # the proposer's system prompt (search mode only)
 
@@ -53,7 +53,7 @@ def load_inputs(config) -> RunInputs:
     profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain_for(mission))
     if profile.options.bbu_cleanup:
         ingest = msgspec.structs.replace(ingest, tickets=tickets_mod.bbu_clean_tickets(ingest.tickets))
-    model_path = check_model_path(config.model.path)
+    model = check_model_path(config.model.path)
     check_engine(config.model.engine)
     seed_guidance = guidance_mod.load_guidance(config.guidance.path, mission)
     proposer_system = None
@@ -61,7 +61,7 @@ def load_inputs(config) -> RunInputs:
         proposer_system = prompts.load_proposer_prompt(config.prompt.profile, config.rule_search.proposer_prompt_path)
     run_order = list(ingest.tickets)
     random.Random(config.seed).shuffle(run_order)  # upstream run order (3.1 step 7)
-    return RunInputs(mission, ingest, run_order, profile, model_path, seed_guidance, proposer_system)
+    return RunInputs(mission, ingest, run_order, profile, model, seed_guidance, proposer_system)
 
 
 class RunPlan(msgspec.Struct, frozen=True):

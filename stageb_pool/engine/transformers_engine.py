@@ -29,11 +29,13 @@ from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
 from . import chat_text, models, provenance, sharding, verdict_scoring
 from .constrained import Grammars, verdict_line_regex
+from .model_path import ModelRef
 from .records import (
     ChatRequest,
     ChatResult,
     ChunkResult,
     Decode,
+    EngineSettings,
     RolloutChunk,
     Sample,
     VerdictChunk,
@@ -46,23 +48,21 @@ class ChunkOutOfMemory(RuntimeError):
     lengths, so the run's error says which tickets to cap or drop."""
 
 
-def build_transformers_engine(device: Device, *, path: str, dtype: str | None = None,
-                              attn_implementation: str | None = None, trust_remote_code: bool = False,
-                              stop: list[str] | None = None) -> TransformersEngine:
-    """Load ``path`` on ``device`` and wrap it (called in the worker, after ``prepare_device``
-    has set the thread count and the deterministic switches)."""
+def build_transformers_engine(device: Device, model: ModelRef, settings: EngineSettings) -> TransformersEngine:
+    """Load ``model`` on ``device`` as ``settings`` say and wrap it (called in the worker;
+    ``prepare_device`` first sets the thread count and the deterministic switches)."""
     from .build import prepare_device
 
     prepare_device(device)
-    dtype = dtype or models.default_dtype(device.kind)
-    attn = attn_implementation or models.default_attn_implementation(device.kind, dtype)
+    dtype = settings.dtype or models.default_dtype(device.kind)
+    attn = settings.attn_implementation or models.default_attn_implementation(device.kind, dtype)
     # A worker of more than one GPU shards its model over them; one GPU loads it whole, as always.
     shard_over = device.torch_devices if device.group_size > 1 else None
-    model, tokenizer, name = models.load(path, dtype=dtype, attn_implementation=attn,
-                                         trust_remote_code=trust_remote_code, device=device.torch_device,
-                                         shard_over=shard_over)
-    return TransformersEngine(model, tokenizer, device, stop=stop, model_path=models.check_model_path(path),
-                              model_name=name)
+    loaded, tokenizer = models.load(model, dtype=dtype, attn_implementation=attn,
+                                    trust_remote_code=settings.trust_remote_code, device=device.torch_device,
+                                    shard_over=shard_over)
+    return TransformersEngine(loaded, tokenizer, device, stop=settings.stop, model_path=model.path,
+                              model_name=model.name)
 
 
 class TransformersEngine:

@@ -35,18 +35,20 @@ from ..stageb.errors import InputError
 from ..stageb.hashing import stable_seed
 from ..stageb.prompts import PromptProfile
 from . import chat_text, models, provenance, verdict_scoring
+from .constrained import verdict_line_regex
+from .model_path import ModelRef
 from .records import (
     ChatRequest,
     ChatResult,
     ChunkResult,
     Decode,
+    EngineSettings,
     RolloutChunk,
     Sample,
     VerdictChunk,
     VerdictChunkResult,
     VllmSettings,
 )
-from .constrained import verdict_line_regex
 
 GIB = 1 << 30
 
@@ -84,30 +86,32 @@ def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
     return args
 
 
-def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, stop: list[str] | None = None,
-                      trust_remote_code: bool = False, settings: VllmSettings = VllmSettings()) -> VllmEngine:
-    """Load ``path`` into an in-process vLLM engine on ``device`` (called in the worker)."""
-    threads = (settings.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
+def build_vllm_engine(device: Device, model: ModelRef, settings: EngineSettings) -> VllmEngine:
+    """Load ``model`` into an in-process vLLM engine on ``device`` as ``settings`` say (called
+    in the worker)."""
+    pinned = settings.vllm
+    threads = (pinned.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
     prepare_environment(device, threads)
-    folder = models.checkpoint_dir(path)
-    tokenizer = models.load_tokenizer(folder, trust_remote_code)
-    models.require_chat_template(tokenizer, path)
-    dtype = dtype or models.default_dtype(device.kind)
-    args = llm_args(device, settings, dtype)
+    folder = models.checkpoint_dir(model)
+    tokenizer = models.load_tokenizer(folder, settings.trust_remote_code)
+    models.require_chat_template(tokenizer, model.path)
+    dtype = settings.dtype or models.default_dtype(device.kind)
+    args = llm_args(device, pinned, dtype)
     config = models.read_config(folder)
     if models.is_vision_language(config):
         args["limit_mm_per_prompt"] = {"image": 0, "video": 0}  # Qwen-VL checkpoints, text only
     from vllm import LLM
 
     try:
-        llm = LLM(model=str(folder), tokenizer=str(folder), trust_remote_code=trust_remote_code,
+        llm = LLM(model=str(folder), tokenizer=str(folder), trust_remote_code=settings.trust_remote_code,
                   disable_log_stats=True, structured_outputs_config={"backend": "guidance"}, **args)
     except Exception as err:
         raise InputError(f"vLLM cannot load the model: {type(err).__name__}: {models.one_line(err)}",
-                                path) from err
-    name = {"embedded": models.EMBEDDED_NAME, "tiny": "tiny-qwen2-h32"}.get(path, folder.name)
-    return VllmEngine(llm, tokenizer, device, stop=stop, model_path=models.check_model_path(path),
-                      model_name=name, settings=dict(args, kv_cache_gib=settings.kv_cache_gib, threads=threads))
+                         model.path) from err
+    # The tiny model vLLM loads is the one saved with head size 32, not the in-code one.
+    name = models.TINY_CHECKPOINT_NAME if model.kind == "tiny" else model.name
+    return VllmEngine(llm, tokenizer, device, stop=settings.stop, model_path=model.path, model_name=name,
+                      settings=dict(args, kv_cache_gib=pinned.kv_cache_gib, threads=threads))
 
 
 class VllmEngine:
