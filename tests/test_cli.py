@@ -1,7 +1,7 @@
 """The stageb-pool command end to end in subprocesses (no model needed): exit codes,
 one-line errors without tracebacks, --gpus errors, check, diff, and that bad input never
 touches an existing run directory. The exit-code mapping of run failures is tested
-in-process with run_job replaced."""
+in-process with job.run_plan replaced."""
 
 from __future__ import annotations
 
@@ -361,25 +361,33 @@ def test_diff_of_a_missing_directory_is_exit_2(tmp_path):
     assert_one_line_error(run_cli("diff", str(tmp_path), str(tmp_path / "nope")), 2, "no such directory")
 
 
-# --- run: exit codes (run_job replaced; the real runs are the end-to-end tests) ------------
+# --- run: exit codes (run_plan replaced; the real runs are the end-to-end tests) -----------
 
 
 @pytest.fixture
 def fake_job(monkeypatch):
+    """``job.run_plan`` replaced: each call records the plan's config and devices and the run's
+    options (with the plan's mode, config file and Ray address among them). The plan's prompt
+    check is left out too: it loads the model's tokenizer in a forked helper (seconds a call),
+    and has tests of its own (test_a_model_without_a_chat_template_is_refused_...)."""
     import stageb_pool.app.job as job
+    import stageb_pool.app.plan as plan
 
+    monkeypatch.setattr(plan, "refuse_unusable_prompts", lambda config, inputs: None)
     calls = []
 
     def install(behaviour):
-        def fake_run_job(config, devices, **kwargs):
-            calls.append((config, devices, kwargs))
+        def fake_run_plan(plan, **kwargs):
+            calls.append((plan.config, plan.devices, dict(kwargs, audit=plan.config.mode == "audit",
+                                                          config_path=plan.config_path,
+                                                          ray_address=plan.ray_address)))
             return behaviour()
-        monkeypatch.setattr(job, "run_job", fake_run_job)
+        monkeypatch.setattr(job, "run_plan", fake_run_plan)
         return calls
     return install
 
 
-def test_run_passes_flags_to_run_job(fake_job, project):
+def test_run_passes_flags_to_the_job(fake_job, project):
     calls = fake_job(lambda: 0)
     code = cli.main(["--gpus", "cpu:2", str(project / "c.yaml"), "--audit", "--resume", "--wait",
                      "--set", "runner.epochs=1"])

@@ -1,4 +1,4 @@
-"""What ``stageb-pool check`` prints: the run's plan (``plan.plan_run``, the start-up a run
+"""What ``stageb-pool check`` prints: the run's plan (``plan.plan_command``, the start-up a run
 makes: every input it reads validated, no model loaded) and what the run would do, as a
 short table."""
 
@@ -8,32 +8,24 @@ import os
 
 from .cli import capped
 
-def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_root: str | None = None,
-             devices_of=None, ray: bool = False) -> str:
-    """Validate the config and every input a run reads (without loading a model) and
-    describe what the run would do. Raises InputError like the run itself would.
 
-    ``devices_of(config, config_path)`` -> ``(config, devices)``: the workers of the run's
-    device options (``--gpus``, ``--gpus-per-worker``, ``--ray``); when given, the worker
-    layout and the memory budget are described too (nothing touches CUDA); ``ray``: the
-    workers are Ray actors, whose GPUs Ray chooses."""
+def describe(plan) -> str:
+    """What the run of ``plan`` (``plan.plan_command``) would do, as ``check`` prints it; with
+    the plan's devices (``--gpus``), the worker layout and the memory budget too (nothing
+    touches CUDA). Raises InputError where the run would (a sampler whose every ticket is over
+    its prompt cap)."""
     from ..search.distill import DISTILL_DEFAULT
     from ..search.rundir import run_dir_exists
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
-    from .config import load_config
-    from .plan import plan_run
     from .prompt_budget import measure_lines, rules_summary, sampler_caps
 
-    cfg = load_config(config_path, overrides, upstream_root=upstream_root)
-    devices = None
-    if devices_of is not None:
-        cfg, devices = devices_of(cfg, config_path)
-    plan = plan_run(cfg, audit=audit, config_path=config_path)  # the run's own validation
-    cfg, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
-    model, tickets, ingest, g = inputs.model, inputs.tickets, inputs.ingest, inputs.seed_guidance
+    cfg, inputs, run_dir, devices = plan.config, plan.inputs, plan.run_dir, plan.devices
+    ray = plan.ray_address is not None
+    model = inputs.model
+    tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
     lines = [
-        ("config", f"{os.path.abspath(config_path)} (hash {plan.identity().config_hash})"),
+        ("config", f"{os.path.abspath(plan.config_path)} (hash {plan.identity().config_hash})"),
         ("mode", cfg.mode),
         ("mission", inputs.mission),
         ("tickets", f"{len(tickets)} ({_by_label(tickets)}); {len(ingest.skipped)} bad lines skipped; "
