@@ -115,17 +115,17 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, de
                                                                              config.seed))
     lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
     try:
-        return _run_locked(config, devices, inputs=inputs, run_dir=run_dir, store=store, identity=identity,
-                           resume=resume, overwrite=overwrite, first_run_json=first_run_json,
-                           seed_guidance=seed_guidance, run_json=run_json, prov=prov, debug=debug,
-                           engine_factory=engine_factory, ray_address=plan.ray_address, started=started)
+        return _run_locked(plan, devices, store=store, identity=identity, resume=resume, overwrite=overwrite,
+                           first_run_json=first_run_json, seed_guidance=seed_guidance, run_json=run_json, prov=prov,
+                           debug=debug, engine_factory=engine_factory, started=started)
     finally:
         lock.release()
 
 
-def _run_locked(config, devices, *, inputs, run_dir, store, identity, resume, overwrite, first_run_json,
-                seed_guidance, run_json, prov, debug, engine_factory, ray_address, started) -> int:
-    """``run_job`` from the moment it owns the run directory."""
+def _run_locked(plan: RunPlan, devices, *, store, identity, resume, overwrite, first_run_json, seed_guidance,
+                run_json, prov, debug, engine_factory, started) -> int:
+    """``run_plan`` from the moment it owns the run directory."""
+    config, inputs, run_dir, ray_address = plan.config, plan.inputs, plan.run_dir, plan.ray_address
     start = rundir.start_run_dir(run_dir, overwrite=overwrite, resume=resume)
     try:
         if resume:
