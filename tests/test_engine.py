@@ -752,6 +752,21 @@ def test_unknown_dtype_is_an_input_error():
 # ---------------------------------------------------------------- engine choice (parent side)
 
 
+def test_the_engine_settings_are_the_model_section_less_what_the_parent_resolves():
+    """A worker builds its engine from the config's model section as an EngineSettings: every
+    key but path (the plan's ModelRef) and gpus_per_worker (the devices), none forgotten."""
+    from stageb_pool.app.config import ModelConfig
+    from stageb_pool.app.job import engine_settings
+    from stageb_pool.engine.records import SimulatedSettings, VllmSettings
+
+    section = ModelConfig(path="tiny", dtype="float16", attn_implementation="eager", trust_remote_code=True,
+                          stop=["END"], engine="simulated", vllm=VllmSettings(kv_cache_gib=2.0), gpus_per_worker=2,
+                          simulated=SimulatedSettings(noise=0.5))
+    fields = msgspec.structs.asdict(section)
+    del fields["path"], fields["gpus_per_worker"]
+    assert msgspec.structs.asdict(engine_settings(section)) == fields
+
+
 def test_the_vllm_engine_needs_vllm_installed_and_says_where_to_get_it(monkeypatch):
     from stageb_pool.engine import model_path
 

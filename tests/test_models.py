@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from stageb_pool.engine import model_path, models
@@ -24,6 +25,17 @@ def test_named_models_resolve_to_themselves():
     assert model_path.check_model_path("tiny") == model_path.ModelRef("tiny", "tiny", "tiny-qwen2")
     assert model_path.check_model_path("embedded") == model_path.ModelRef("embedded", "embedded", "SmolLM2-135M-Instruct")
     assert model_path.embedded_gguf_path().read_bytes()[:4] == b"GGUF"
+
+
+def test_a_checked_model_travels_to_the_workers_as_it_is(tmp_path):
+    """The ModelRef the parent checked is what the engine factory sends: a frozen value that
+    encodes and decodes unchanged (the Ray backend ships it; a fork inherits it)."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    for ref in (model_path.check_model_path("tiny"), model_path.check_model_path(str(tmp_path / "ckpt"))):
+        assert msgspec.json.decode(msgspec.json.encode(ref), type=model_path.ModelRef) == ref
+        with pytest.raises(AttributeError):
+            ref.path = "elsewhere"
 
 
 def test_embedded_without_package_names_the_package(monkeypatch):
