@@ -21,7 +21,7 @@ from ..stageb.inputs import load_json_file, regular_file
 
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-TINY_NAME = "tiny-qwen2"  # the tiny model's name (tiny.NAME), here: the parent names it without importing tokenizers
+TINY_NAME = "tiny-qwen2"  # tiny.NAME, defined here: the parent names the model without importing tokenizers
 _KINDS = "'embedded', 'tiny', a Hugging Face checkpoint directory (with config.json) or a .gguf file"
 
 
