@@ -10,6 +10,7 @@ Waits are on conditions with deadlines; sleeping engine methods are the simulate
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -148,6 +149,24 @@ def test_a_placement_blocked_by_other_jobs_fails_within_its_timeout(ray_free):
         assert time.monotonic() - started < 5
     finally:
         remove_placement_group(hog)
+
+
+def test_a_wait_longer_than_a_release_says_who_holds_the_resources(ray_free, caplog):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from stageb_pool.pool.ray_placement import PLACEMENT_SETTLE
+
+    hog = placement_group([{"GPU": 1}] * GPUS, strategy="PACK")
+    ray_free.get(hog.ready(), timeout=30)
+    try:
+        with caplog.at_level(logging.WARNING, logger="stageb_pool"), pytest.raises(PoolError, match="within 5 s"):
+            ray_pool(placement_timeout=5.0)
+    finally:
+        remove_placement_group(hog)
+    [warning] = [r.getMessage() for r in caplog.records if "other jobs" in r.getMessage()]
+    assert warning.startswith("the cluster can hold 2 workers of 1 GPU each, but other jobs hold the resources now "
+                              "(free now: node ") and ": 0 of 4 GPU)" in warning, warning
+    assert f"waiting up to {5 - PLACEMENT_SETTLE:g} s more for them" in warning
 
 
 # -- faults ------------------------------------------------------------------------------------------

@@ -190,6 +190,25 @@ print(json.dumps(out))
     assert message.count(": 0 GPU") == 3 and "0.0001" not in message  # head and both nodes named
 
 
+@ray_marked
+def test_pools_in_turn_on_one_cluster_do_not_blame_other_jobs(cluster):
+    """Each pool takes every CPU of the cluster; the next one starts while Ray still returns
+    the previous pool's bundles. That is not a wait for other jobs, and nothing says it is."""
+    code = POOL + """
+import logging, sys
+handler = logging.StreamHandler(sys.stdout)
+handler.setFormatter(logging.Formatter("log: %(message)s"))
+logging.getLogger("stageb_pool").addHandler(handler)
+for _ in range(4):
+    with Pool(Uniform, "cpu:2", backend="ray", ray_address=ADDRESS, placement_timeout=60) as pool:
+        print(json.dumps(pool.map("square", [1, 2, 3])), flush=True)
+""".replace("ADDRESS", repr(cluster.address))
+    run = driver(code, cluster, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("[1, 4, 9]") == 4, run.stdout[-3000:]
+    assert "other jobs" not in run.stdout, run.stdout[-3000:]
+
+
 # -- node loss ---------------------------------------------------------------------------------------
 @ray_marked
 def test_a_lost_node_costs_one_restart_and_no_capacity_is_a_clear_error(cluster, tmp_path):
