@@ -16,7 +16,9 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
 - faults: a worker past its deadline is killed; once its exit is reported it is replaced
   and its task retried (``max_restarts``, pool-wide), or the fault is raised. Before that,
   a task silent for ``stall_warning`` seconds is logged as a warning (and again after each
-  further ``stall_warning``), so a long wait names its worker well before the timeout.
+  further ``stall_warning``), so a long wait names its worker well before the timeout;
+- the pool's engine agreement (``engine_agreement.EngineAgreement``): applied to the
+  workers' ``engine.info()`` once all are ready, and to each replacement when it is.
 """
 
 from __future__ import annotations
