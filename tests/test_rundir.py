@@ -219,16 +219,48 @@ def test_failed_start_leaves_a_run_that_overwrite_may_replace(tmp_path):
 
 
 def test_workers_with_different_engines_are_reported(caplog):
-    from stageb_pool.app.job import warn_if_workers_differ
+    from stageb_pool.app.job import engine_agreement
 
-    log = logging.getLogger("stageb_pool.test")
     same = [{"device": "NVIDIA H200", "dtype": "bfloat16"}] * 3
-    with caplog.at_level(logging.WARNING, logger="stageb_pool.test"):
-        warn_if_workers_differ(same, log)
+    names = ["cuda:0", "cuda:1", "cuda:2"]
+    with caplog.at_level(logging.WARNING, logger="stageb_pool"):
+        engine_agreement(ray=False).check(dict(enumerate(same)), names)
         assert not caplog.records
-        warn_if_workers_differ(same[:2] + [{"device": "NVIDIA H100", "dtype": "bfloat16"}], log)
+        engine_agreement(ray=False).check(dict(enumerate(same[:2] + [{"device": "NVIDIA H100", "dtype": "bfloat16"}])),
+                                          names)
     [record] = caplog.records
+    assert record.name == "stageb_pool"
     assert "workers [2]" in record.getMessage() and "H100" in record.getMessage()
+
+
+def differing_on_cpu1(**facts):
+    """Fake engines whose worker on cpu:1 reports ``facts`` over the others' info."""
+
+    def build(device):
+        engine = fake_factory()(device)
+        info = engine.info()
+        if device.index == 1:
+            engine.info = lambda: {**info, **facts}
+        return engine
+
+    return build
+
+
+def test_a_run_on_workers_of_another_engine_version_is_refused_at_gpus_and_another_device_warned(tmp_path, caplog):
+    cfg = write_run_inputs(tmp_path, n_tickets=6)
+    with pytest.raises(InputError) as info:
+        audit(cfg, gpus="cpu:2", engine_factory=differing_on_cpu1(torch="2.12.0"))
+    assert str(info.value) == ("--gpus: workers [1] run another engine or version than worker 0 ({'engine': 'fake', "
+                               "'vllm': None, 'torch': '2.12.0', 'transformers': None} vs {'engine': 'fake', "
+                               "'vllm': None, 'torch': None, 'transformers': None}): results would depend on which "
+                               "worker ran which chunk")
+    run = tmp_path / "out" / MISSION / "run1"
+    assert read_json(run / "run.json")["provenance"]["engine"] == {}  # refused before rank 0's facts were recorded
+    with caplog.at_level(logging.WARNING, logger="stageb_pool"):
+        assert audit(cfg, gpus="cpu:2", engine_factory=differing_on_cpu1(device="other"), overwrite=True) == 0
+    [warning] = [r.getMessage() for r in caplog.records if "report a different engine" in r.getMessage()]
+    assert warning.startswith("workers [1] report a different engine than worker 0 ({'engine': 'fake', "
+                              "'device': 'other',")
 
 
 def test_run_json_hashes_the_ticket_set_and_state_json_the_run_order(tmp_path):
