@@ -122,6 +122,21 @@ def test_an_actor_that_dies_while_starting_is_worker_died(ray_free):
         ray_pool(ExitsWhileStarting)
 
 
+def test_an_engine_factory_the_nodes_cannot_import_says_so_in_one_line(ray_free, tmp_path, monkeypatch):
+    """The factory's module is importable here but not in the actors' processes (a node
+    without the user's code): Ray fails the actor's creation before any engine code runs."""
+    (tmp_path / "only_on_the_driver.py").write_text("class Engine:\n    def __init__(self, device):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from only_on_the_driver import Engine
+
+    with pytest.raises(WorkerDied) as info:
+        ray_pool(Engine, "1")
+    message = str(info.value)
+    assert message.startswith("worker 0 (cuda:0) in engine_factory(): worker process died: the actor could not be "
+                              "created (ModuleNotFoundError: No module named 'only_on_the_driver'): "), message
+    assert "the factory's module included; it ran on node " in message and "^" not in message, message
+
+
 def test_workers_with_different_engines_are_refused_naming_the_odd_one(ray_free):
     with pytest.raises(PoolError, match=r"worker 1 \(cuda:1\) reports a different engine "
                                         r"\(torch: '2.12.0' where worker 0 has '2.13.0'\)"):

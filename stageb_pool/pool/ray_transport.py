@@ -294,11 +294,23 @@ def _cause(exc: BaseException) -> str:
     """Ray's own explanation of a death, in one line and in full (it reports no exit code or
     signal): "The actor is dead because its worker process has died (Worker unexpectedly
     exits with a connection error code 2. End of file.)"; Ray's list of common causes and
-    the actor's repr are left out."""
-    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # no colour codes, one line
+    the actor's repr are left out. An actor that died in its creation task never reached
+    the engine (whose own failure to start is ``InitFailed``): Ray could not rebuild the actor
+    or its arguments on that node, and the last line of Ray's traceback says why."""
+    if getattr(exc, "actor_init_failed", False):
+        lines = [line.strip() for line in _plain(getattr(exc, "error_msg", "") or str(exc)).splitlines()]
+        last = next((line for line in reversed(lines) if line and not line.startswith("^")), type(exc).__name__)
+        return (f"the actor could not be created ({last}): Ray could not rebuild the worker or its engine factory "
+                "on that node; every node needs the same installation, the factory's module included")
+    text = " ".join(_plain(str(exc)).split())  # one line
     why = re.search(r"The actor (?:is dead|died) because .*?\.(?=\s|$)", text)
     detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text)
     if why is None:
         return f"{type(exc).__name__}: {text}"
     cause = why.group(0).rstrip(".")
     return f"{cause} ({detail.group(1).strip()})" if detail else cause
+
+
+def _plain(text: str) -> str:
+    """Ray's text without its colour codes."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
