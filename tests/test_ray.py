@@ -21,9 +21,8 @@ import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(TESTS, "pool_scripts")
-sys.path.insert(0, SCRIPTS)
 
-from engines import OddOne, Uniform, wait_for_path  # noqa: E402
+from doubles.pool_engines import OddOne, Uniform, wait_for_path  # noqa: E402
 from processes import descendants, gone  # noqa: E402
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout  # noqa: E402
@@ -48,7 +47,7 @@ def ray_cluster():
 
     env = {**QUIET_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            # the actors import the test engines (their processes inherit the raylet's env)
-           "PYTHONPATH": os.pathsep.join([SCRIPTS, TESTS, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     _apply_auth_env()  # ray was imported before RAY_AUTH_* were set
@@ -107,7 +106,7 @@ def test_engine_exception_is_a_worker_error_with_the_remote_traceback(ray_free):
 
 
 def test_engine_init_failure_raises_from_the_constructor(ray_free):
-    from engines import FailingEngine
+    from doubles.pool_engines import FailingEngine
 
     with pytest.raises(WorkerError, match=r"in engine_factory\(\): RuntimeError: no model for cuda:") as info:
         ray_pool(FailingEngine)
@@ -115,7 +114,7 @@ def test_engine_init_failure_raises_from_the_constructor(ray_free):
 
 
 def test_an_actor_that_dies_while_starting_is_worker_died(ray_free):
-    from engines import ExitsWhileStarting
+    from doubles.pool_engines import ExitsWhileStarting
 
     with pytest.raises(WorkerDied, match=r"in engine_factory\(\): worker process died: The actor is dead because"):
         ray_pool(ExitsWhileStarting)
@@ -238,7 +237,7 @@ def run_script(name: str, *args, timeout: float = 120):
 
 def _child_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["PYTHONPATH"] = os.pathsep.join([SCRIPTS, TESTS])
+    env["PYTHONPATH"] = TESTS
     return env
 
 
