@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fake_engines import MISSION, fake_factory, write_run_inputs
+from doubles.fake_engine import MISSION, fake_factory, write_run_inputs
 
 from stageb_pool.app.config import load_config
 from stageb_pool.app.diff import diff_runs
@@ -50,7 +50,7 @@ def test_fake_audit_metrics_and_case_split(tmp_path):
     metrics = read_json(run / "baseline_metrics.json")
     ghash = metrics["guidance_hash"]
     assert len(ghash) == 16
-    # demo tickets (see fake_engines.demo_ticket_records): 24 tickets, the fake engine judges
+    # demo tickets (see fake_engine.demo_ticket_records): 24 tickets, the fake engine judges
     # the text; mislabelled: NG (intact, labelled fail) i = 5, 19; NP (broken, labelled pass) i = 3, 18
     assert metrics["mode"] == "audit" and metrics["mission"] == MISSION
     assert (metrics["n_total"], metrics["n_used"], metrics["n_dropped_overlength"]) == (24, 24, 0)

@@ -345,9 +345,9 @@ DELETE = object()
 
 @pytest.fixture(scope="module")
 def interrupted_search(tmp_path_factory):
-    """The scripted search (tests/scripted_engine.py) uninterrupted, and the same run stopped
+    """The scripted search (tests/doubles/scripted_engine.py) uninterrupted, and the same run stopped
     by an exception in iteration 2 (state.json commits iteration 1)."""
-    import scripted_engine as se
+    from doubles import scripted_engine as se
 
     from stageb_pool.app import config as config_mod
     from stageb_pool.app import job
@@ -366,7 +366,7 @@ def interrupted_search(tmp_path_factory):
 def test_any_state_mutation_is_refused_or_resumes_to_the_uninterrupted_run(interrupted_search, mutation):
     import shutil
 
-    import scripted_engine as se
+    from doubles import scripted_engine as se
 
     from stageb_pool.app import config as config_mod
     from stageb_pool.app import job

@@ -11,8 +11,8 @@ import random
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
-from fake_engines import MISSION, fake_factory, write_run_inputs
+from doubles import scripted_engine as se
+from doubles.fake_engine import MISSION, fake_factory, write_run_inputs
 
 from stageb_pool.app.config import load_config
 from stageb_pool.app.job import run_job
@@ -199,7 +199,7 @@ def test_a_judge_that_says_fail_to_everything_is_reported_identically_on_1_and_2
 
 
 def test_dropped_tickets_are_counted_and_left_out(tmp_path):
-    from fake_engines import demo_ticket_records
+    from doubles.fake_engine import demo_ticket_records
 
     keys = [f"{r['group_id']}::{r['label']}" for r in demo_ticket_records(30)]
     run = audit(tmp_path, "cpu:1", "drops", factory=fake_factory(drop_keys=keys[:15]))

@@ -94,7 +94,7 @@ limit = int(sys.argv.pop(1))
 if limit:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-import scripted_engine as se
+from doubles import scripted_engine as se
 from stageb_pool.app import cli, job
 job.engine_factory_for = lambda model, path: se.scripted_factory()
 sys.exit(cli.main(sys.argv[1:]))
@@ -109,7 +109,7 @@ def scripted_cli(limit: int, *args: str) -> subprocess.CompletedProcess:
 
 def test_a_failed_write_names_the_file_exits_1_and_the_run_resumes_to_the_same_result(tmp_path):
     sys.path.insert(0, str(TESTS))
-    import scripted_engine as se
+    from doubles import scripted_engine as se
 
     cfg = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     straight = scripted_cli(0, "--gpus", "cpu:1", "--debug", cfg, "--set", "output.run_name=straight")
@@ -134,7 +134,7 @@ def test_a_failed_write_names_the_file_exits_1_and_the_run_resumes_to_the_same_r
 @pytest.mark.parametrize("root", ["long", "under_a_file"])
 def test_an_unusable_output_root_is_a_located_input_error(tmp_path, root):
     sys.path.insert(0, str(TESTS))
-    import scripted_engine as se
+    from doubles import scripted_engine as se
 
     cfg = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     (tmp_path / "a_file").write_text("not a folder")

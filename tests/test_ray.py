@@ -201,7 +201,7 @@ def test_no_fork_pool_after_ray_init(ray_cluster):
 
 # -- the whole job -------------------------------------------------------------------------------------
 def test_audit_artifacts_are_identical_on_the_fork_pool_and_on_ray_with_one_and_two_actors(ray_free, tmp_path):
-    from fake_engines import MISSION, write_run_inputs
+    from doubles.fake_engine import MISSION, write_run_inputs
 
     from stageb_pool.app.config import load_config
     from stageb_pool.app.diff import diff_runs

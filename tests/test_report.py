@@ -1,6 +1,6 @@
 """report.html: written by every run, rebuilt by `stageb-pool report` from the files alone.
 
-One scripted rule search on two forked workers (tests/scripted_engine.py: it accepts two
+One scripted rule search on two forked workers (tests/doubles/scripted_engine.py: it accepts two
 edits) is the material; the files another branch adds (rule_search_iterations.jsonl,
 reflection_cache/proposer_answers.jsonl, judge_headroom.json) are written here with
 exactly their documented fields, or left out to see the page name what is missing.
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
+from doubles import scripted_engine as se
 from headless import Browser, chromium
 
 from stageb_pool.app import cli, job

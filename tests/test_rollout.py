@@ -10,7 +10,7 @@ import threading
 import msgspec
 import pytest
 import tqdm
-from fake_engines import MISSION, FakeEngine, demo_ticket_records, fake_factory
+from doubles.fake_engine import MISSION, FakeEngine, demo_ticket_records, fake_factory
 
 from stageb_pool import Pool
 from stageb_pool.app.config import SamplerConfig
@@ -146,7 +146,7 @@ def test_dropped_tickets_are_named_in_one_warning_per_phase(tickets, profile, ca
 
 
 def test_overlength_tickets_dropped_by_max_prompt_tokens(tickets, profile):
-    from fake_engines import prompt_tokens
+    from doubles.fake_engine import prompt_tokens
 
     lengths = {t.key: prompt_tokens(t.text(), GUIDANCE) for t in tickets}
     limit = sorted(lengths.values())[len(tickets) // 2]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
+from doubles import scripted_engine as se
 from processes import descendants
 
 from stageb_pool.app import cli, job
@@ -36,7 +36,7 @@ TESTS = REPO / "tests"
 DRIVER = """
 import os, sys
 sys.path[:0] = [{tests!r}]
-import scripted_engine as se
+from doubles import scripted_engine as se
 from stageb_pool.app import cli, job
 hang = os.environ.get("SCRIPTED_HANG_AT")
 kw = dict(hang_at=int(hang), marker=os.environ["SCRIPTED_MARKER"]) if hang else {{}}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fake_engines import MISSION, demo_ticket_records, fake_factory, write_run_inputs
+from doubles.fake_engine import MISSION, demo_ticket_records, fake_factory, write_run_inputs
 
 from stageb_pool import PoolError, __version__
 from stageb_pool.app.describe import describe

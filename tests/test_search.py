@@ -1,4 +1,4 @@
-"""The rule search end to end, driven by the scripted engine (tests/scripted_engine.py).
+"""The rule search end to end, driven by the scripted engine (tests/doubles/scripted_engine.py).
 
 The scripted engine obeys the guidance rules, so a good rule really lowers the error and a
 harmful one really raises it; its proposer answers follow a script keyed by iteration.
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
+from doubles import scripted_engine as se
 
 from stageb_pool.app import config as config_mod
 from stageb_pool.app import job, plan
@@ -345,7 +345,7 @@ def test_resume_after_sigkill_with_rolling_train_pools(tmp_path):
     marker = tmp_path / "hanging"
     code = (
         "import sys; sys.path[:0] = [{tests!r}]\n"
-        "import scripted_engine as se\n"
+        "from doubles import scripted_engine as se\n"
         "from stageb_pool.app import config, job\n"
         "cfg = config.load_config({cfg!r})\n"
         "job.run_job(cfg, 'cpu:1', debug=True, engine_factory=se.scripted_factory(hang_at=2, marker={marker!r}))\n"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
+from doubles import scripted_engine as se
 from processes import descendants, gone, parent_pid
 from test_pool import wait_until
 

@@ -10,7 +10,7 @@ import json
 import msgspec
 import pytest
 
-import scripted_engine as se
+from doubles import scripted_engine as se
 from stageb_pool.app import config as config_mod
 from stageb_pool.app import job
 from stageb_pool.app.diff import diff_runs, format_differences
@@ -174,8 +174,7 @@ def test_the_proposer_does_not_depend_on_the_process_hash_seed():
     import subprocess
     import sys
 
-    code = ("import json, scripted_engine as se\n"
-            "from stageb_pool.engine.simulated_engine import proposed_rules\n"
+    code = ("from stageb_pool.engine.simulated_engine import proposed_rules\n"
             "blocks = [f'S{i}: ticket_key=K{i}::fail; gt_label=fail; baseline_majority=pass\\n'\n"
             "          f'stage_a_summaries:\\n  - image_1: ' + ' '.join(f'word{j}x' for j in range(i, i + 9))\n"
             "          for i in range(6)]\n"

@@ -1,5 +1,11 @@
 """Test doubles: stand-ins for the model engine.
 
+- ``fake_engine``: ``FakeEngine``, verdicts from fixed words in the ticket text, with knobs
+  for dropped, unparseable and failing chunks; the audit, run-directory, headroom and
+  rollout tests.
+- ``scripted_engine``: ``ScriptedEngine``, verdicts from the guidance's "If any photo shows
+  X, the verdict is fail." rules and proposer answers from a script; the rule search end to
+  end and the tests that need one (resume, interrupts, signals, report).
 - ``pool_engines``: plain methods for ``Pool.map`` (square, block, die once, ...); the pool's
   own tests and the driver scripts in tests/pool_scripts/.
 
