@@ -201,14 +201,14 @@ def test_no_fork_pool_after_ray_init(ray_cluster):
 
 # -- the whole job -------------------------------------------------------------------------------------
 def test_audit_artifacts_are_identical_on_the_fork_pool_and_on_ray_with_one_and_two_actors(ray_free, tmp_path):
-    from doubles.fake_engine import MISSION, write_run_inputs
+    from doubles.run_inputs import MISSION, audit_inputs
 
     from stageb_pool.app.config import load_config
     from stageb_pool.app.diff import diff_runs
     from stageb_pool.app.job import run_job
     from stageb_pool.search.fileio import read_jsonl
 
-    config = write_run_inputs(tmp_path, n_tickets=12, model="tiny")
+    config = audit_inputs(tmp_path, n_tickets=12, model="tiny")
     out = tmp_path / "out" / MISSION
     sets = ["--set", "output.save_rollouts=true"]
     # The fork pool runs in a child process: this one is connected to Ray and may not fork.

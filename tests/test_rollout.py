@@ -10,7 +10,8 @@ import threading
 import msgspec
 import pytest
 import tqdm
-from doubles.fake_engine import MISSION, FakeEngine, demo_ticket_records, fake_factory
+from doubles.fake_engine import FakeEngine, fake_factory
+from doubles.run_inputs import MISSION, missing_part_records
 
 from stageb_pool import Pool
 from stageb_pool.app.config import SamplerConfig
@@ -28,7 +29,7 @@ GUIDANCE = {"G0": "Check every cabinet for missing or loose parts."}
 
 @pytest.fixture(scope="module")
 def tickets():
-    return [parse_ticket_line(json.dumps(r)) for r in demo_ticket_records(10)]
+    return [parse_ticket_line(json.dumps(r)) for r in missing_part_records(10)]
 
 
 @pytest.fixture(scope="module")
