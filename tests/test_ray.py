@@ -22,9 +22,8 @@ import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(TESTS, "pool_scripts")
-sys.path.insert(0, SCRIPTS)
 
-from engines import OddOne, Uniform, wait_for_path  # noqa: E402
+from doubles.pool_engines import OddOne, Uniform, wait_for_path  # noqa: E402
 from processes import descendants, gone  # noqa: E402
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout  # noqa: E402
@@ -49,7 +48,7 @@ def ray_cluster():
 
     env = {**QUIET_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            # the actors import the test engines (their processes inherit the raylet's env)
-           "PYTHONPATH": os.pathsep.join([SCRIPTS, TESTS, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     _apply_auth_env()  # ray was imported before RAY_AUTH_* were set
@@ -108,7 +107,7 @@ def test_engine_exception_is_a_worker_error_with_the_remote_traceback(ray_free):
 
 
 def test_engine_init_failure_raises_from_the_constructor(ray_free):
-    from engines import FailingEngine
+    from doubles.pool_engines import FailingEngine
 
     with pytest.raises(WorkerError, match=r"in engine_factory\(\): RuntimeError: no model for cuda:") as info:
         ray_pool(FailingEngine)
@@ -116,7 +115,7 @@ def test_engine_init_failure_raises_from_the_constructor(ray_free):
 
 
 def test_an_actor_that_dies_while_starting_is_worker_died(ray_free):
-    from engines import ExitsWhileStarting
+    from doubles.pool_engines import ExitsWhileStarting
 
     with pytest.raises(WorkerDied, match=r"in engine_factory\(\): worker process died: The actor is dead because"):
         ray_pool(ExitsWhileStarting)
@@ -236,14 +235,14 @@ def test_no_fork_pool_after_ray_init(ray_cluster):
 
 # -- the whole job -------------------------------------------------------------------------------------
 def test_audit_artifacts_are_identical_on_the_fork_pool_and_on_ray_with_one_and_two_actors(ray_free, tmp_path):
-    from fake_engines import MISSION, write_run_inputs
+    from doubles.run_inputs import MISSION, audit_inputs
 
     from stageb_pool.app.config import load_config
     from stageb_pool.app.diff import diff_runs
     from stageb_pool.app.job import run_job
     from stageb_pool.search.fileio import read_jsonl
 
-    config = write_run_inputs(tmp_path, n_tickets=12, model="tiny")
+    config = audit_inputs(tmp_path, n_tickets=12, model="tiny")
     out = tmp_path / "out" / MISSION
     sets = ["--set", "output.save_rollouts=true"]
     # The fork pool runs in a child process: this one is connected to Ray and may not fork.
@@ -272,7 +271,7 @@ def run_script(name: str, *args, timeout: float = 120):
 
 def _child_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["PYTHONPATH"] = os.pathsep.join([SCRIPTS, TESTS])
+    env["PYTHONPATH"] = TESTS
     return env
 
 

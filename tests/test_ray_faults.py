@@ -22,9 +22,8 @@ import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(TESTS, "pool_scripts")
-sys.path.insert(0, SCRIPTS)
 
-from engines import wait_for_path  # noqa: E402
+from doubles.pool_engines import wait_for_path  # noqa: E402
 from processes import descendants, gone  # noqa: E402
 
 from stageb_pool.pool.ray_placement import cpu_share, pack  # noqa: E402
@@ -34,7 +33,7 @@ ray_marked = pytest.mark.ray
 
 def child_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["PYTHONPATH"] = os.pathsep.join([SCRIPTS, TESTS, os.path.dirname(TESTS)])
+    env["PYTHONPATH"] = os.pathsep.join([TESTS, os.path.dirname(TESTS)])
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     return {**env, **extra}
 
@@ -86,7 +85,7 @@ def driver(code: str, server: ClusterServer | None, timeout: float = 120, token:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-POOL = "from engines import Uniform\nfrom stageb_pool import Pool, PoolError\nimport json, time\n"
+POOL = "from doubles.pool_engines import Uniform\nfrom stageb_pool import Pool, PoolError\nimport json, time\n"
 
 
 # -- a driver that dies ------------------------------------------------------------------------------
