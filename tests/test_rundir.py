@@ -248,14 +248,14 @@ def differing_on_cpu1(**facts):
 
 
 def test_a_run_on_workers_of_another_engine_version_is_refused_at_gpus_and_another_device_warned(tmp_path, caplog):
-    cfg = write_run_inputs(tmp_path, n_tickets=6)
+    cfg = audit_inputs(tmp_path, n_tickets=6)
     with pytest.raises(InputError) as info:
         audit(cfg, gpus="cpu:2", engine_factory=differing_on_cpu1(torch="2.12.0"))
     assert str(info.value) == ("--gpus: workers [1] run another engine or version than worker 0 ({'engine': 'fake', "
                                "'vllm': None, 'torch': '2.12.0', 'transformers': None} vs {'engine': 'fake', "
                                "'vllm': None, 'torch': None, 'transformers': None}): results would depend on which "
                                "worker ran which chunk")
-    run = tmp_path / "out" / MISSION / "run1"
+    run = tmp_path / "out" / MISSION / "run"
     assert read_json(run / "run.json")["provenance"]["engine"] == {}  # refused before rank 0's facts were recorded
     with caplog.at_level(logging.WARNING, logger="stageb_pool"):
         assert audit(cfg, gpus="cpu:2", engine_factory=differing_on_cpu1(device="other"), overwrite=True) == 0
