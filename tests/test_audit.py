@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fake_engines import MISSION, fake_factory, write_run_inputs
+from doubles.fake_engine import fake_factory
+from doubles.run_inputs import MISSION, SEED_RULES, audit_inputs
 
 from stageb_pool.app.config import load_config
 from stageb_pool.app.diff import diff_runs
@@ -28,7 +29,7 @@ def run_audit_job(tmp_path, gpus="cpu:1", *, engine=None, extra="", n=24, model=
                   overrides=(), **kw):
     config_path = Path(tmp_path) / "config.yaml"
     if not config_path.exists():
-        write_run_inputs(tmp_path, n_tickets=n, model=model, extra=extra)
+        audit_inputs(tmp_path, n_tickets=n, model=model, extra=extra)
     cfg = load_config(config_path, [f"output.run_name={run_name}", *overrides])
     assert run_job(cfg, gpus, audit=True, engine_factory=engine, argv=["test"], **kw) == 0
     return Path(cfg.output.root) / MISSION / cfg.output.run_name
@@ -50,7 +51,7 @@ def test_fake_audit_metrics_and_case_split(tmp_path):
     metrics = read_json(run / "baseline_metrics.json")
     ghash = metrics["guidance_hash"]
     assert len(ghash) == 16
-    # demo tickets (see fake_engines.demo_ticket_records): 24 tickets, the fake engine judges
+    # missing-part tickets (see run_inputs.missing_part_records): 24 tickets, the fake engine judges
     # the text; mislabelled: NG (intact, labelled fail) i = 5, 19; NP (broken, labelled pass) i = 3, 18
     assert metrics["mode"] == "audit" and metrics["mission"] == MISSION
     assert (metrics["n_total"], metrics["n_used"], metrics["n_dropped_overlength"]) == (24, 24, 0)
@@ -86,7 +87,7 @@ def test_fake_audit_metrics_and_case_split(tmp_path):
     rows = [metrics] + stats + wrong + np_rows + ng_rows + hard + read_jsonl(run / "baseline_metrics_steps.jsonl")
     assert all(r["guidance_hash"] == ghash for r in rows)
     guidance = read_json(run / "guidance.json")[MISSION]
-    assert guidance["experiences"]["G0"].startswith("Check every cabinet")
+    assert guidance["experiences"] == SEED_RULES
 
     summary = read_json(run / "summary.json")
     assert summary["mode"] == "audit" and summary["generations_done"] == 24 * 4
@@ -124,11 +125,10 @@ def test_dropped_and_invalid_tickets(tmp_path):
 def test_save_rollouts_writes_every_candidate(tmp_path):
     run = fake_audit(tmp_path / "a", n=12)  # default: off
     assert not (run / "rollouts").exists()
-    cfg_path = Path(write_run_inputs(tmp_path / "c", n_tickets=12))
-    text = cfg_path.read_text().replace("run_name: run1}", "run_name: run1, save_rollouts: true}")
-    cfg_path.write_text(text)
-    assert run_job(load_config(cfg_path), "cpu:1", audit=True, engine_factory=fake_factory()) == 0
-    rows = read_jsonl(tmp_path / "c" / "out" / MISSION / "run1" / "rollouts" / "audit.jsonl")
+    cfg_path = audit_inputs(tmp_path / "c", n_tickets=12)
+    assert run_job(load_config(cfg_path, ["output.save_rollouts=true"]), "cpu:1", audit=True,
+                   engine_factory=fake_factory()) == 0
+    rows = read_jsonl(tmp_path / "c" / "out" / MISSION / "run" / "rollouts" / "audit.jsonl")
     assert len(rows) == 12 * 4
     assert [r["ticket_key"] for r in rows] == sorted(r["ticket_key"] for r in rows)
     first = rows[0]
@@ -197,7 +197,7 @@ def test_a_cli_run_checks_the_model_path_once_in_the_parent(tmp_path):
     import subprocess
     import sys
 
-    config = write_run_inputs(tmp_path / "in", n_tickets=8)
+    config = audit_inputs(tmp_path / "in", n_tickets=8)
     calls = tmp_path / "calls.txt"
     script = f"""
 import os, sys

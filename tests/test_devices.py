@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pool_scripts"))
-
-from stageb_pool import Pool  # noqa: E402
-from stageb_pool.pool.devices import (  # noqa: E402
+from stageb_pool import Pool
+from stageb_pool.pool.devices import (
     MAX_CPU_WORKERS,
     Device,
     DeviceSpecError,

@@ -8,11 +8,14 @@ the fake transport lets the clock run to the deadline the dispatcher waits for.
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import pytest
 
 from stageb_pool.pool import dispatch, protocol
 from stageb_pool.pool.devices import Device
+from stageb_pool.pool.engine_agreement import ACCEPT_ANY, REFUSE_ANY_DIFFERENCE, EngineAgreement
 from stageb_pool.pool.dispatch import (
     EXIT_REPORT_GRACE,
     KILL_REPORT_TIMEOUT,
@@ -125,12 +128,13 @@ def clock(monkeypatch):
     return clock
 
 
-def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restarts=0, same_engines=False, depth=1):
+def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restarts=0, engine_agreement=ACCEPT_ANY,
+         depth=1):
     devices = [Device("cpu", i, i) for i in range(size)]
     store = SnapshotStore(protocol.MAX_FRAME_BYTES)
     d = Dispatcher(transport, devices, store, PoolStats.empty(size), task_timeout=task_timeout,
                    start_timeout=start_timeout, max_restarts=max_restarts, max_frame=protocol.MAX_FRAME_BYTES,
-                   same_engines=same_engines, depth=depth)
+                   engine_agreement=engine_agreement, depth=depth)
     d.start()
     return d, store
 
@@ -261,15 +265,16 @@ def test_workers_with_different_engines_are_refused_naming_the_odd_one(clock):
     same, odd = {"torch": "2.13", "gpu": "H100"}, {"torch": "2.12", "gpu": "H100"}
     with pytest.raises(PoolError, match=r"worker 1 \(cpu:1\) reports a different engine \(torch: '2.12' "
                                         r"where worker 0 has '2.13'\)"):
-        make(ScriptedTransport(clock, infos=[same, odd, same]), 3, same_engines=True)
+        make(ScriptedTransport(clock, infos=[same, odd, same]), 3, engine_agreement=REFUSE_ANY_DIFFERENCE)
     with pytest.raises(PoolError, match=r"worker 0 \(cpu:0\) reports a different engine"):  # the odd one is named
-        make(ScriptedTransport(clock, infos=[odd, same, same]), 3, same_engines=True)
+        make(ScriptedTransport(clock, infos=[odd, same, same]), 3, engine_agreement=REFUSE_ANY_DIFFERENCE)
     make(ScriptedTransport(clock, infos=[same, odd, same]), 3)  # the fork backend leaves it to the caller
 
 
 def test_a_replacement_with_another_engine_is_refused(clock):
     same, odd = {"gpu": "H100"}, {"gpu": "A100"}
-    d, store = make(ScriptedTransport(clock, infos=[same, same, odd]), 2, max_restarts=1, same_engines=True)
+    d, store = make(ScriptedTransport(clock, infos=[same, same, odd]), 2, max_restarts=1,
+                    engine_agreement=REFUSE_ANY_DIFFERENCE)
     with pytest.raises(PoolError, match=r"worker 0 \(cpu:0\) reports a different engine \(gpu: 'A100' where worker 1"):
         run(d, [task(store, 0, "die_once", rank=0)])
 
@@ -429,3 +434,22 @@ def test_slot_locates_a_fault():
     slot = Slot(2, Device("cuda", 5, 2), None)
     slot.trouble = dispatch.Trouble(WorkerState.STARTING, 30.0)
     assert slot.where() == dict(rank=2, device="cuda:5", index=None, method="engine_factory")
+
+
+def test_the_callers_engine_agreement_applies_at_start_and_to_a_replacement(clock, caplog):
+    class Refused(Exception):
+        pass
+
+    policy = EngineAgreement(refuse=("torch",), warn=logging.getLogger("stageb_pool.test"), error=Refused)
+    same, other_gpu, other_torch = {"torch": "2.13", "gpu": "H100"}, {"torch": "2.13", "gpu": "A100"}, {"torch": "2.12"}
+    with caplog.at_level("WARNING", logger="stageb_pool.test"):
+        make(ScriptedTransport(clock, infos=[same, other_gpu]), 2, engine_agreement=policy)
+    [record] = caplog.records
+    assert record.getMessage().startswith("workers [1] report a different engine than worker 0")
+    with pytest.raises(Refused, match=r"^workers \[1\] run another engine or version than worker 0"):
+        make(ScriptedTransport(clock, infos=[same, other_torch]), 2, engine_agreement=policy)
+    d, store = make(ScriptedTransport(clock, infos=[same, same, other_torch]), 2, max_restarts=1,
+                    engine_agreement=policy)
+    with pytest.raises(Refused, match=r"^workers \[0\] run another engine or version than worker 1 "
+                                      r"\(\{'torch': '2.12'\} vs \{'torch': '2.13'\}\)"):
+        run(d, [task(store, 0, "die_once", rank=0)])

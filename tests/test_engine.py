@@ -780,16 +780,16 @@ def test_the_vllm_engine_needs_vllm_installed_and_says_where_to_get_it(monkeypat
 def test_a_run_with_mixed_engines_or_versions_is_refused_and_other_differences_warned(caplog):
     import logging
 
-    from stageb_pool.app.job import warn_if_workers_differ
+    from stageb_pool.app.job import engine_agreement
 
     base = {"engine": "vllm", "vllm": "0.32.0", "torch": "2.13.0", "transformers": "5.19.0", "device": "A"}
-    log = logging.getLogger("test")
+    names = ["cuda:0", "cuda:1", "cuda:2"]
     for key, other in [("engine", "transformers"), ("vllm", "0.32.1"), ("torch", "2.13.1")]:
         with pytest.raises(InputError, match="another engine or version") as info:
-            warn_if_workers_differ([base, base, dict(base, **{key: other})], log)
-        assert "[2]" in str(info.value)
+            engine_agreement(ray=False).check(dict(enumerate([base, base, dict(base, **{key: other})])), names)
+        assert "[2]" in str(info.value) and info.value.location == "--gpus"
     with caplog.at_level(logging.WARNING):
-        warn_if_workers_differ([base, dict(base, device="B")], log)
+        engine_agreement(ray=False).check(dict(enumerate([base, dict(base, device="B")])), names)
     assert "different engine" in caplog.text
 
 

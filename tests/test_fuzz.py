@@ -348,17 +348,18 @@ DELETE = object()
 
 @pytest.fixture(scope="module")
 def interrupted_search(tmp_path_factory):
-    """The scripted search (tests/scripted_engine.py) uninterrupted, and the same run stopped
+    """The scripted search (tests/doubles/scripted_engine.py) uninterrupted, and the same run stopped
     by an exception in iteration 2 (state.json commits iteration 1)."""
-    import scripted_engine as se
+    from doubles import run_inputs
+    from doubles import scripted_engine as se
 
     from stageb_pool.app import config as config_mod
     from stageb_pool.app import job
 
     root = tmp_path_factory.mktemp("state-fuzz")
-    cfg = config_mod.load_config(se.write_inputs(root / "in", out=str(root / "out"), run_name="ref"))
+    cfg = config_mod.load_config(run_inputs.search_inputs(root / "in", out=str(root / "out"), run_name="ref"))
     job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory())
-    cfg = config_mod.load_config(se.write_inputs(root / "in", out=str(root / "out"), run_name="crashed"))
+    cfg = config_mod.load_config(run_inputs.search_inputs(root / "in", out=str(root / "out"), run_name="crashed"))
     with pytest.raises(se.ScriptedCrash):
         job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(crash_at=2))
     return root
@@ -369,7 +370,8 @@ def interrupted_search(tmp_path_factory):
 def test_any_state_mutation_is_refused_or_resumes_to_the_uninterrupted_run(interrupted_search, mutation):
     import shutil
 
-    import scripted_engine as se
+    from doubles import run_inputs
+    from doubles import scripted_engine as se
 
     from stageb_pool.app import config as config_mod
     from stageb_pool.app import job
@@ -379,8 +381,8 @@ def test_any_state_mutation_is_refused_or_resumes_to_the_uninterrupted_run(inter
     root = interrupted_search
     pick, value = mutation
     with tempfile.TemporaryDirectory(prefix="stageb-state-fuzz-") as tmp:
-        run_dir = Path(tmp) / "out" / se.MISSION / "run"
-        shutil.copytree(root / "out" / se.MISSION / "crashed", run_dir)
+        run_dir = Path(tmp) / "out" / run_inputs.MISSION / "run"
+        shutil.copytree(root / "out" / run_inputs.MISSION / "crashed", run_dir)
         state = json.loads((run_dir / "state.json").read_text())
         paths = [p for p in _leaf_paths(state) if p and p[0] not in UNCHECKED]
         path = paths[pick % len(paths)]
@@ -392,7 +394,7 @@ def test_any_state_mutation_is_refused_or_resumes_to_the_uninterrupted_run(inter
         else:
             parent[path[-1]] = value
         (run_dir / "state.json").write_text(json.dumps(state))
-        cfg = config_mod.load_config(se.write_inputs(Path(tmp) / "in", out=str(Path(tmp) / "out")))
+        cfg = config_mod.load_config(run_inputs.search_inputs(Path(tmp) / "in", out=str(Path(tmp) / "out")))
         started = []
         factory = se.scripted_factory(started)
         try:
@@ -401,5 +403,5 @@ def test_any_state_mutation_is_refused_or_resumes_to_the_uninterrupted_run(inter
         except InputError as err:
             assert started == [], f"{err}: refused after a worker started"
             return
-        diffs = diff_runs(root / "out" / se.MISSION / "ref", run_dir, limit=None)
+        diffs = diff_runs(root / "out" / run_inputs.MISSION / "ref", run_dir, limit=None)
         assert not diffs, (path, value, format_differences(diffs, "ref", str(run_dir)))

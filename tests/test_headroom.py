@@ -11,8 +11,9 @@ import random
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
-from fake_engines import MISSION, fake_factory, write_run_inputs
+from doubles import scripted_engine as se
+from doubles.fake_engine import fake_factory
+from doubles.run_inputs import MISSION, audit_inputs, missing_part_records, search_inputs
 
 from stageb_pool.app.config import load_config
 from stageb_pool.app.job import run_job
@@ -173,7 +174,7 @@ def test_the_sample_sizes(labels, n, want):
 def audit(tmp_path, gpus, run_name, *, factory, overrides=()) -> Path:
     config_path = Path(tmp_path) / "config.yaml"
     if not config_path.exists():
-        write_run_inputs(tmp_path, n_tickets=30, model="tiny")
+        audit_inputs(tmp_path, n_tickets=30, model="tiny")
     cfg = load_config(config_path, [f"output.run_name={run_name}", "headroom.tickets=12", *overrides])
     assert run_job(cfg, gpus, audit=True, engine_factory=factory, argv=["test"]) == 0
     return Path(cfg.output.root) / MISSION / run_name
@@ -199,9 +200,7 @@ def test_a_judge_that_says_fail_to_everything_is_reported_identically_on_1_and_2
 
 
 def test_dropped_tickets_are_counted_and_left_out(tmp_path):
-    from fake_engines import demo_ticket_records
-
-    keys = [f"{r['group_id']}::{r['label']}" for r in demo_ticket_records(30)]
+    keys = [f"{r['group_id']}::{r['label']}" for r in missing_part_records(30)]
     run = audit(tmp_path, "cpu:1", "drops", factory=fake_factory(drop_keys=keys[:15]))
     doc = json.loads((run / hr.HEADROOM_FILE).read_text())
     assert doc["tickets"] + doc["dropped"] == 12 and doc["dropped"] > 0
@@ -219,10 +218,10 @@ def test_a_judge_that_reads_the_tickets_separates_and_the_search_summary_says_so
     fail: AUC 1. The search logs the message as information and prints the summary line."""
     caplog.set_level(logging.INFO, logger="stageb_pool")
     engines: list = []
-    cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"), run_name="sep", epochs=1)
+    cfg_path = search_inputs(tmp_path / "in", out=str(tmp_path / "out"), run_name="sep", epochs=1)
     cfg = load_config(cfg_path, ["headroom.tickets=20"])
     run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(engines))
-    run = tmp_path / "out" / se.MISSION / "sep"
+    run = tmp_path / "out" / MISSION / "sep"
     doc = json.loads((run / hr.HEADROOM_FILE).read_text())
     assert (doc["auc"], doc["tickets"], doc["separates"]) == (1.0, 20, True)
     assert doc["labels"] == {"pass": 10, "fail": 10}
@@ -254,7 +253,7 @@ def test_the_tiny_model_check_is_byte_identical_on_1_and_2_workers(tmp_path):
 def test_bad_headroom_settings_are_located_errors(tmp_path, override, key):
     from stageb_pool.stageb.errors import InputError
 
-    write_run_inputs(tmp_path)
+    audit_inputs(tmp_path)
     with pytest.raises(InputError) as info:
         load_config(tmp_path / "config.yaml", [override])
     assert key in str(info.value)
@@ -265,7 +264,7 @@ def test_the_headroom_section_is_not_part_of_the_run_identity(tmp_path):
     from stageb_pool.app.identity import run_identity
     from stageb_pool.app.plan import load_inputs
 
-    write_run_inputs(tmp_path)
+    audit_inputs(tmp_path)
     base = load_config(tmp_path / "config.yaml", ["mode=search"])
     changed = load_config(tmp_path / "config.yaml", ["mode=search", "headroom.enabled=false", "headroom.tickets=5"])
     assert run_identity(base, load_inputs(base)).config_hash == run_identity(changed, load_inputs(changed)).config_hash

@@ -94,7 +94,7 @@ limit = int(sys.argv.pop(1))
 if limit:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-import scripted_engine as se
+from doubles import scripted_engine as se
 from stageb_pool.app import cli, job
 job.engine_factory_for = lambda model, path: se.scripted_factory()
 sys.exit(cli.main(sys.argv[1:]))
@@ -108,15 +108,14 @@ def scripted_cli(limit: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_failed_write_names_the_file_exits_1_and_the_run_resumes_to_the_same_result(tmp_path):
-    sys.path.insert(0, str(TESTS))
-    import scripted_engine as se
+    from doubles.run_inputs import MISSION, search_inputs
 
-    cfg = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
+    cfg = search_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     straight = scripted_cli(0, "--gpus", "cpu:1", "--debug", cfg, "--set", "output.run_name=straight")
     assert straight.returncode == 0, straight.stderr[-2000:]
     failed = scripted_cli(25_000, "--gpus", "cpu:1", "--debug", cfg)
     assert failed.returncode == 1, failed.stderr[-2000:]
-    run = tmp_path / "out" / se.MISSION / "run"
+    run = tmp_path / "out" / MISSION / "run"
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith(f"stageb-pool: run failed: cannot write {run}/rule_search_hard_cases.jsonl: File too large")
     assert "Traceback" not in failed.stderr
@@ -133,10 +132,9 @@ def test_a_failed_write_names_the_file_exits_1_and_the_run_resumes_to_the_same_r
 
 @pytest.mark.parametrize("root", ["long", "under_a_file"])
 def test_an_unusable_output_root_is_a_located_input_error(tmp_path, root):
-    sys.path.insert(0, str(TESTS))
-    import scripted_engine as se
+    from doubles.run_inputs import MISSION, search_inputs
 
-    cfg = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
+    cfg = search_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     (tmp_path / "a_file").write_text("not a folder")
     where = tmp_path / ("x" * 5000) if root == "long" else tmp_path / "a_file" / "out"
     for command in (["--gpus", "cpu:1", "--debug", cfg], ["check", cfg]):

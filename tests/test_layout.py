@@ -251,6 +251,78 @@ def test_each_engine_module_has_its_builder():
     assert not [n.name for n in build.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_build")]
 
 
+# --------------------------------------------------------------------------- one worker core
+# A worker's request handling (building the engine, the hello, Snapshot -> cache, Task ->
+# Result or Failure) lives in one place, ``pool/worker_core.py``; its three hosts are I/O
+# loops around ``WorkerCore`` with no dispatch of their own. Read from the source.
+
+POOL = PACKAGE / "pool"
+# module -> the class that hosts the core there (None: the whole module)
+WORKER_HOSTS = {"worker.py": None, "ray_transport.py": "RayWorker", "inline.py": None}
+# The messages a worker receives or answers, and the typed calls behind them: a host naming
+# one of them handles requests itself.
+REQUEST_NAMES = {"Snapshot", "Task", "Shutdown", "Request", "Ready", "InitFailed", "Result", "Failure", "Calls",
+                 "decode_request"}
+FACTORY_NAMES = {"engine_factory", "factory"}
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def request_handling(tree: ast.AST) -> list[str]:
+    """What in ``tree`` handles a worker's requests: a match statement, a request message or
+    ``Calls`` named, the engine factory called."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Match):
+            found.append(f"line {node.lineno}: a match statement")
+        elif _name(node) in REQUEST_NAMES:
+            found.append(f"line {node.lineno}: {_name(node)}")
+        elif isinstance(node, ast.Call) and _name(node.func) in FACTORY_NAMES:
+            found.append(f"line {node.lineno}: calls {_name(node.func)}()")
+    return found
+
+
+def _host(module: str, cls: str | None) -> ast.AST:
+    tree = ast.parse((POOL / module).read_text(encoding="utf-8"))
+    if cls is None:
+        return tree
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+
+
+@pytest.mark.parametrize("module, cls", WORKER_HOSTS.items())
+def test_a_worker_host_is_an_io_loop_around_the_worker_core(module, cls):
+    host = _host(module, cls)
+    assert request_handling(host) == [], f"{module} {cls or ''} handles requests itself"
+    assert "WorkerCore" in {_name(node) for node in ast.walk(host)}, f"{module} {cls or ''} does not use WorkerCore"
+
+
+def test_the_worker_core_is_the_one_module_that_handles_requests():
+    core = ast.parse((POOL / "worker_core.py").read_text(encoding="utf-8"))
+    [match] = [node for node in ast.walk(core) if isinstance(node, ast.Match)]
+    cases = {_name(case.pattern.cls) for case in match.cases if isinstance(case.pattern, ast.MatchClass)}
+    assert cases == {"Snapshot", "Task", "Shutdown"}
+    # elsewhere in the pool: nobody builds an engine, makes typed calls or matches on requests
+    builders = {}
+    for path in sorted(POOL.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and _name(node.func) in FACTORY_NAMES | {"Calls"}:
+                builders.setdefault(_name(node.func), set()).add(path.name)
+            if isinstance(node, ast.Match):
+                builders.setdefault("match", set()).add(path.name)
+    assert builders == {"engine_factory": {"worker_core.py"}, "Calls": {"worker_core.py"}, "match": {"worker_core.py"}}
+
+
+def test_the_worker_host_check_catches_a_host_with_a_dispatch_of_its_own():
+    source = ("def serve(sock, engine_factory, device):\n"
+              "    engine = engine_factory(device)\n"
+              "    msg = protocol.recv(sock)\n"
+              "    if isinstance(msg, protocol.Snapshot):\n"
+              "        pass\n")
+    assert request_handling(ast.parse(source)) == ["line 2: calls engine_factory()", "line 4: Snapshot"]
+
+
 def test_the_worker_side_engine_modules_never_check_a_model_path():
     """The parent checks model.path once (``model_path.check_model_path``, in the run plan) and
     sends the ModelRef it gives to the workers, which load it as it is: no engine module but

@@ -19,16 +19,15 @@ import traceback
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pool_scripts"))
+from doubles.pool_engines import Echoed, Engine, FailingEngine, touch, wait_for_path
+from processes import gone, parent_pid
 
-from engines import Echoed, Engine, FailingEngine, touch, wait_for_path  # noqa: E402
-from processes import gone, parent_pid  # noqa: E402
+from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout
+from stageb_pool.pool import RemoteTraceback, TaskCancelled
+from stageb_pool.pool.protocol import FrameTooLarge, ProtocolError
 
-from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout  # noqa: E402
-from stageb_pool.pool import RemoteTraceback, TaskCancelled  # noqa: E402
-from stageb_pool.pool.protocol import FrameTooLarge, ProtocolError  # noqa: E402
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "pool_scripts")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(TESTS, "pool_scripts")
 
 
 def wait_until(condition, timeout: float) -> bool:
@@ -505,8 +504,8 @@ def test_a_torch_op_in_the_parent_is_refused():
     code = (
         "import sys, torch; sys.path.insert(0, %r)\n"
         "torch.ones(512, 512) @ torch.ones(512, 512)\n"
-        "from engines import Engine\nfrom stageb_pool import Pool, PoolError\n"
-        "try:\n    Pool(Engine, 'cpu:1')\nexcept PoolError as e:\n    print(e); sys.exit(3)\n" % SCRIPTS
+        "from doubles.pool_engines import Engine\nfrom stageb_pool import Pool, PoolError\n"
+        "try:\n    Pool(Engine, 'cpu:1')\nexcept PoolError as e:\n    print(e); sys.exit(3)\n" % TESTS
     )
     if (os.cpu_count() or 1) < 2:
         pytest.skip("OpenMP starts no extra thread on one core")
@@ -537,15 +536,15 @@ def test_ray_is_imported_only_lazily_and_only_by_the_ray_backend():
 def test_the_fork_backend_never_imports_ray_and_works_without_it():
     code = (
         "import sys; sys.path.insert(0, %r); sys.modules['ray'] = None  # as if not installed\n"
-        "from engines import Engine\nfrom stageb_pool import Pool, PoolError\n"
+        "from doubles.pool_engines import Engine\nfrom stageb_pool import Pool, PoolError\n"
         "with Pool(Engine, 'cpu:1') as pool:\n    assert pool.map('square', [3]) == [9]\n"
-        "try:\n    Pool(Engine, '2', backend='ray')\nexcept PoolError as e:\n    print(e)\n" % SCRIPTS
+        "try:\n    Pool(Engine, '2', backend='ray')\nexcept PoolError as e:\n    print(e)\n" % TESTS
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "the Ray backend needs Ray: pip install 'stageb_pool[ray]'" in out.stdout
-    code = ("import sys; sys.path.insert(0, %r)\nfrom engines import Engine\nfrom stageb_pool import Pool\n"
-            "with Pool(Engine, 'cpu:1') as pool:\n    pool.map('square', [3])\nprint('ray' in sys.modules)\n" % SCRIPTS)
+    code = ("import sys; sys.path.insert(0, %r)\nfrom doubles.pool_engines import Engine\nfrom stageb_pool import Pool\n"
+            "with Pool(Engine, 'cpu:1') as pool:\n    pool.map('square', [3])\nprint('ray' in sys.modules)\n" % TESTS)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
 

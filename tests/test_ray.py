@@ -10,6 +10,7 @@ Waits are on conditions with deadlines; sleeping engine methods are the simulate
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -21,9 +22,8 @@ import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(TESTS, "pool_scripts")
-sys.path.insert(0, SCRIPTS)
 
-from engines import OddOne, Uniform, wait_for_path  # noqa: E402
+from doubles.pool_engines import OddOne, Uniform, wait_for_path  # noqa: E402
 from processes import descendants, gone  # noqa: E402
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout  # noqa: E402
@@ -48,7 +48,7 @@ def ray_cluster():
 
     env = {**QUIET_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            # the actors import the test engines (their processes inherit the raylet's env)
-           "PYTHONPATH": os.pathsep.join([SCRIPTS, TESTS, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     _apply_auth_env()  # ray was imported before RAY_AUTH_* were set
@@ -107,7 +107,7 @@ def test_engine_exception_is_a_worker_error_with_the_remote_traceback(ray_free):
 
 
 def test_engine_init_failure_raises_from_the_constructor(ray_free):
-    from engines import FailingEngine
+    from doubles.pool_engines import FailingEngine
 
     with pytest.raises(WorkerError, match=r"in engine_factory\(\): RuntimeError: no model for cuda:") as info:
         ray_pool(FailingEngine)
@@ -115,10 +115,25 @@ def test_engine_init_failure_raises_from_the_constructor(ray_free):
 
 
 def test_an_actor_that_dies_while_starting_is_worker_died(ray_free):
-    from engines import ExitsWhileStarting
+    from doubles.pool_engines import ExitsWhileStarting
 
     with pytest.raises(WorkerDied, match=r"in engine_factory\(\): worker process died: The actor is dead because"):
         ray_pool(ExitsWhileStarting)
+
+
+def test_an_engine_factory_the_nodes_cannot_import_says_so_in_one_line(ray_free, tmp_path, monkeypatch):
+    """The factory's module is importable here but not in the actors' processes (a node
+    without the user's code): Ray fails the actor's creation before any engine code runs."""
+    (tmp_path / "only_on_the_driver.py").write_text("class Engine:\n    def __init__(self, device):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from only_on_the_driver import Engine
+
+    with pytest.raises(WorkerDied) as info:
+        ray_pool(Engine, "1")
+    message = str(info.value)
+    assert message.startswith("worker 0 (cuda:0) in engine_factory(): worker process died: the actor could not be "
+                              "created (ModuleNotFoundError: No module named 'only_on_the_driver'): "), message
+    assert "the factory's module included; it ran on node " in message and "^" not in message, message
 
 
 def test_workers_with_different_engines_are_refused_naming_the_odd_one(ray_free):
@@ -148,6 +163,24 @@ def test_a_placement_blocked_by_other_jobs_fails_within_its_timeout(ray_free):
         assert time.monotonic() - started < 5
     finally:
         remove_placement_group(hog)
+
+
+def test_a_wait_longer_than_a_release_says_who_holds_the_resources(ray_free, caplog):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from stageb_pool.pool.ray_placement import PLACEMENT_SETTLE
+
+    hog = placement_group([{"GPU": 1}] * GPUS, strategy="PACK")
+    ray_free.get(hog.ready(), timeout=30)
+    try:
+        with caplog.at_level(logging.WARNING, logger="stageb_pool"), pytest.raises(PoolError, match="within 5 s"):
+            ray_pool(placement_timeout=5.0)
+    finally:
+        remove_placement_group(hog)
+    [warning] = [r.getMessage() for r in caplog.records if "other jobs" in r.getMessage()]
+    assert warning.startswith("the cluster can hold 2 workers of 1 GPU each, but other jobs hold the resources now "
+                              "(free now: node ") and ": 0 of 4 GPU)" in warning, warning
+    assert f"waiting up to {5 - PLACEMENT_SETTLE:g} s more for them" in warning
 
 
 # -- faults ------------------------------------------------------------------------------------------
@@ -202,14 +235,14 @@ def test_no_fork_pool_after_ray_init(ray_cluster):
 
 # -- the whole job -------------------------------------------------------------------------------------
 def test_audit_artifacts_are_identical_on_the_fork_pool_and_on_ray_with_one_and_two_actors(ray_free, tmp_path):
-    from fake_engines import MISSION, write_run_inputs
+    from doubles.run_inputs import MISSION, audit_inputs
 
     from stageb_pool.app.config import load_config
     from stageb_pool.app.diff import diff_runs
     from stageb_pool.app.job import run_job
     from stageb_pool.search.fileio import read_jsonl
 
-    config = write_run_inputs(tmp_path, n_tickets=12, model="tiny")
+    config = audit_inputs(tmp_path, n_tickets=12, model="tiny")
     out = tmp_path / "out" / MISSION
     sets = ["--set", "output.save_rollouts=true"]
     # The fork pool runs in a child process: this one is connected to Ray and may not fork.
@@ -238,7 +271,7 @@ def run_script(name: str, *args, timeout: float = 120):
 
 def _child_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["PYTHONPATH"] = os.pathsep.join([SCRIPTS, TESTS])
+    env["PYTHONPATH"] = TESTS
     return env
 
 

@@ -22,9 +22,8 @@ import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(TESTS, "pool_scripts")
-sys.path.insert(0, SCRIPTS)
 
-from engines import wait_for_path  # noqa: E402
+from doubles.pool_engines import wait_for_path  # noqa: E402
 from processes import descendants, gone  # noqa: E402
 
 from stageb_pool.pool.ray_placement import cpu_share, pack  # noqa: E402
@@ -34,7 +33,7 @@ ray_marked = pytest.mark.ray
 
 def child_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["PYTHONPATH"] = os.pathsep.join([SCRIPTS, TESTS, os.path.dirname(TESTS)])
+    env["PYTHONPATH"] = os.pathsep.join([TESTS, os.path.dirname(TESTS)])
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     return {**env, **extra}
 
@@ -86,7 +85,7 @@ def driver(code: str, server: ClusterServer | None, timeout: float = 120, token:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-POOL = "from engines import Uniform\nfrom stageb_pool import Pool, PoolError\nimport json, time\n"
+POOL = "from doubles.pool_engines import Uniform\nfrom stageb_pool import Pool, PoolError\nimport json, time\n"
 
 
 # -- a driver that dies ------------------------------------------------------------------------------
@@ -188,6 +187,25 @@ print(json.dumps(out))
     assert elapsed < 10, elapsed  # not the 600 s placement timeout
     assert message.startswith("cannot place 2 workers of 1 GPU each: the cluster's live nodes could hold 0 (node ")
     assert message.count(": 0 GPU") == 3 and "0.0001" not in message  # head and both nodes named
+
+
+@ray_marked
+def test_pools_in_turn_on_one_cluster_do_not_blame_other_jobs(cluster):
+    """Each pool takes every CPU of the cluster; the next one starts while Ray still returns
+    the previous pool's bundles. That is not a wait for other jobs, and nothing says it is."""
+    code = POOL + """
+import logging, sys
+handler = logging.StreamHandler(sys.stdout)
+handler.setFormatter(logging.Formatter("log: %(message)s"))
+logging.getLogger("stageb_pool").addHandler(handler)
+for _ in range(4):
+    with Pool(Uniform, "cpu:2", backend="ray", ray_address=ADDRESS, placement_timeout=60) as pool:
+        print(json.dumps(pool.map("square", [1, 2, 3])), flush=True)
+""".replace("ADDRESS", repr(cluster.address))
+    run = driver(code, cluster, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("[1, 4, 9]") == 4, run.stdout[-3000:]
+    assert "other jobs" not in run.stdout, run.stdout[-3000:]
 
 
 # -- node loss ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """report.html: written by every run, rebuilt by `stageb-pool report` from the files alone.
 
-One scripted rule search on two forked workers (tests/scripted_engine.py: it accepts two
+One scripted rule search on two forked workers (tests/doubles/scripted_engine.py: it accepts two
 edits) is the material; the files another branch adds (rule_search_iterations.jsonl,
 reflection_cache/proposer_answers.jsonl, judge_headroom.json) are written here with
 exactly their documented fields, or left out to see the page name what is missing.
@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
+from doubles import scripted_engine as se
+from doubles.run_inputs import MISSION, search_inputs
 from headless import Browser, chromium
 
 from stageb_pool.app import cli, job
@@ -26,9 +27,9 @@ from stageb_pool.report import ReportError, render_report
 
 
 def run_search(root: Path, *, gpus: str = "cpu:2", epochs: int = 8) -> Path:
-    cfg = config_mod.load_config(se.write_inputs(root / "in", out=str(root / "out"), epochs=epochs), [])
+    cfg = config_mod.load_config(search_inputs(root / "in", out=str(root / "out"), epochs=epochs), [])
     job.run_job(cfg, gpus, debug=(gpus == "cpu:1"), engine_factory=se.scripted_factory())
-    return root / "out" / se.MISSION / "run"
+    return root / "out" / MISSION / "run"
 
 
 def rows(path: Path) -> list[dict]:
@@ -46,7 +47,7 @@ def with_new_files(run_dir: Path, dest: Path) -> Path:
     summary = json.loads((dest / "summary.json").read_text())
     accepted = {b["iteration"]: b["candidate_id"] for b in rows(dest / "benchmarks.jsonl")}
     m = {"n": 60, "acc": 0.6, "fp_rate": 0.1667, "fn_rate": 0.2333}
-    iterations = [{"iteration": it, "mission": se.MISSION, "guidance_step": 0, "guidance_hash": "0" * 16,
+    iterations = [{"iteration": it, "mission": MISSION, "guidance_step": 0, "guidance_hash": "0" * 16,
                    "proposer_calls": 1, "proposer_parsed": int(it != 2), "candidates_proposed": 2,
                    "candidates_rejected": {"duplicate": 1}, "candidates_evaluated": 1,
                    "decision": "accepted" if it in accepted else ("no_candidates" if it == 5 else "rejected"),
@@ -56,7 +57,7 @@ def with_new_files(run_dir: Path, dest: Path) -> Path:
                                       "relative_error_reduction": 0.25} if it != 5 else None,
                    "guidance_step_after": 1} for it in range(1, 6)]
     (dest / "rule_search_iterations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in iterations))
-    answers = [{"iteration": 2, "mission": se.MISSION, "prompt_tokens": 123, "completion_tokens": 45,
+    answers = [{"iteration": 2, "mission": MISSION, "prompt_tokens": 123, "completion_tokens": 45,
                 "finish_reason": "length", "examples_used": 4, "constrained": False, "parsed": False,
                 "error": "no JSON object", "text": "Sure! Here are <my> rules"}]
     (dest / "reflection_cache" / "proposer_answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
@@ -142,9 +143,9 @@ def test_a_failing_report_leaves_the_run_finished_with_a_warning(tmp_path, monke
 
 
 def test_the_audit_report_has_metrics_confusion_matrix_and_hard_cases(tmp_path):
-    cfg = config_mod.load_config(se.write_inputs(tmp_path / "in", out=str(tmp_path / "out")), ["mode=audit"])
+    cfg = config_mod.load_config(search_inputs(tmp_path / "in", out=str(tmp_path / "out")), ["mode=audit"])
     job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory())
-    run_dir = tmp_path / "out" / se.MISSION / "run"
+    run_dir = tmp_path / "out" / MISSION / "run"
     metrics = json.loads((run_dir / "baseline_metrics.json").read_text())
     page = (run_dir / "report.html").read_text()
     assert "Confusion matrix" in page and f"{metrics['tp']} (tp)" in page and f"{metrics['fp']} (fp)" in page

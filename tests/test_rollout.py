@@ -10,7 +10,8 @@ import threading
 import msgspec
 import pytest
 import tqdm
-from fake_engines import MISSION, FakeEngine, demo_ticket_records, fake_factory
+from doubles.fake_engine import FakeEngine, fake_factory
+from doubles.run_inputs import MISSION, missing_part_records
 
 from stageb_pool import Pool
 from stageb_pool.app.config import SamplerConfig
@@ -28,7 +29,7 @@ GUIDANCE = {"G0": "Check every cabinet for missing or loose parts."}
 
 @pytest.fixture(scope="module")
 def tickets():
-    return [parse_ticket_line(json.dumps(r)) for r in demo_ticket_records(10)]
+    return [parse_ticket_line(json.dumps(r)) for r in missing_part_records(10)]
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def test_dropped_tickets_are_named_in_one_warning_per_phase(tickets, profile, ca
 
 
 def test_overlength_tickets_dropped_by_max_prompt_tokens(tickets, profile):
-    from fake_engines import prompt_tokens
+    from doubles.fake_engine import prompt_tokens
 
     lengths = {t.key: prompt_tokens(t.text(), GUIDANCE) for t in tickets}
     limit = sorted(lengths.values())[len(tickets) // 2]

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
+from doubles import scripted_engine as se
+from doubles.run_inputs import MISSION, search_inputs
 from processes import descendants
 
 from stageb_pool.app import cli, job
@@ -36,7 +37,7 @@ TESTS = REPO / "tests"
 DRIVER = """
 import os, sys
 sys.path[:0] = [{tests!r}]
-import scripted_engine as se
+from doubles import scripted_engine as se
 from stageb_pool.app import cli, job
 hang = os.environ.get("SCRIPTED_HANG_AT")
 kw = dict(hang_at=int(hang), marker=os.environ["SCRIPTED_MARKER"]) if hang else {{}}
@@ -107,8 +108,8 @@ def diff(a: Path, b: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def inputs(tmp_path):
-    cfg = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
-    return cfg, tmp_path / "out" / se.MISSION / "run"
+    cfg = search_inputs(tmp_path / "in", out=str(tmp_path / "out"))
+    return cfg, tmp_path / "out" / MISSION / "run"
 
 
 # ----------------------------------------------------------------------------- one owner
@@ -333,7 +334,7 @@ def test_an_unrelated_distillation_file_needs_overwrite(tmp_path, monkeypatch, c
     theirs = tmp_path / "theirs.jsonl"
     theirs.write_text("someone's export\n")
     extra = f"stage_b_distillation: {{distill_size: 8, log_chatml_path: {theirs}}}\n"
-    cfg = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"), epochs=1, extra=extra)
+    cfg = search_inputs(tmp_path / "in", out=str(tmp_path / "out"), epochs=1, extra=extra)
     monkeypatch.setattr(job, "engine_factory_for", lambda model, path: se.scripted_factory())
     assert cli.main(["--gpus", "cpu:1", "--debug", cfg]) == 2
     err = capsys.readouterr().err

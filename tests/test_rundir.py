@@ -11,7 +11,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fake_engines import MISSION, demo_ticket_records, fake_factory, write_run_inputs
+from doubles.fake_engine import fake_factory
+from doubles.run_inputs import MISSION, SEED, audit_inputs, missing_part_records
 
 from stageb_pool import PoolError, __version__
 from stageb_pool.app.describe import describe
@@ -122,9 +123,9 @@ def audit(cfg_path, gpus="cpu:1", **kw):
 
 
 def test_run_job_refuses_existing_run_untouched_and_without_workers(tmp_path):
-    cfg = write_run_inputs(tmp_path, n_tickets=9)
+    cfg = audit_inputs(tmp_path, n_tickets=9)
     assert audit(cfg, engine_factory=fake_factory()) == 0
-    run = tmp_path / "out" / MISSION / "run1"
+    run = tmp_path / "out" / MISSION / "run"
     before = tree_digest(tmp_path / "out")
     with pytest.raises(InputError, match="--overwrite"):
         audit(cfg, engine_factory=never_called, debug=True)
@@ -133,9 +134,9 @@ def test_run_job_refuses_existing_run_untouched_and_without_workers(tmp_path):
 
 
 def test_run_job_overwrite_replaces_the_run(tmp_path):
-    cfg = write_run_inputs(tmp_path, n_tickets=9)
+    cfg = audit_inputs(tmp_path, n_tickets=9)
     assert audit(cfg, engine_factory=fake_factory()) == 0
-    run = tmp_path / "out" / MISSION / "run1"
+    run = tmp_path / "out" / MISSION / "run"
     (run / "stale.txt").write_text("from an older run")
     assert audit(cfg, engine_factory=fake_factory(), overwrite=True) == 0
     assert not (run / "stale.txt").exists()
@@ -143,9 +144,9 @@ def test_run_job_overwrite_replaces_the_run(tmp_path):
 
 
 def test_run_job_resume_keeps_the_run_guidance(tmp_path):
-    cfg = write_run_inputs(tmp_path, n_tickets=9)
+    cfg = audit_inputs(tmp_path, n_tickets=9)
     assert audit(cfg, engine_factory=fake_factory()) == 0
-    run = tmp_path / "out" / MISSION / "run1"
+    run = tmp_path / "out" / MISSION / "run"
     seed_hash = read_json(run / "baseline_metrics.json")["guidance_hash"]
     guidance = read_json(run / "guidance.json")
     guidance[MISSION]["experiences"]["G1"] = "Fail if scratch on the door."
@@ -161,7 +162,7 @@ def test_run_job_resume_keeps_the_run_guidance(tmp_path):
     ("model", "no-such-model.gguf"),
 ])
 def test_bad_input_stops_before_disk_or_fork(tmp_path, break_it, location):
-    cfg = write_run_inputs(tmp_path, n_tickets=6)
+    cfg = audit_inputs(tmp_path, n_tickets=6)
     if break_it == "tickets":
         lines = (tmp_path / "tickets.jsonl").read_text().splitlines()
         lines[1] = lines[1].replace('"label": "pass"', '"label": "maybe"')
@@ -178,11 +179,11 @@ def test_bad_input_stops_before_disk_or_fork(tmp_path, break_it, location):
 
 
 def test_run_json_content(tmp_path):
-    cfg_path = write_run_inputs(tmp_path, n_tickets=6)
+    cfg_path = audit_inputs(tmp_path, n_tickets=6)
     assert audit(cfg_path, "cpu:2", engine_factory=fake_factory()) == 0
-    doc = read_json(tmp_path / "out" / MISSION / "run1" / "run.json")
+    doc = read_json(tmp_path / "out" / MISSION / "run" / "run.json")
     assert doc["tool"] == {"name": "stageb_pool", "version": __version__}
-    assert doc["config"]["seed"] == 17 and doc["config"]["mode"] == "audit"
+    assert doc["config"]["seed"] == SEED and doc["config"]["mode"] == "audit"
     assert doc["config"]["runner"]["chunk_size"] == 4
     prov = doc["provenance"]
     assert prov["model_path"] == "tiny" and prov["chunk_size"] == 4
@@ -197,10 +198,10 @@ def test_run_json_content(tmp_path):
 
 
 def test_resume_with_changed_config_refused_before_anything_is_written(tmp_path):
-    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    cfg = audit_inputs(tmp_path, n_tickets=12)
     over = ["mode=search", "rule_search.eval_pool_size=4", "rule_search.train_pool_size=4", "runner.epochs=1"]
     assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True) == 0
-    run = tmp_path / "out" / MISSION / "run1"
+    run = tmp_path / "out" / MISSION / "run"
     assert (run / "state.json").is_file()
     before = tree_digest(tmp_path / "out")
     with pytest.raises(InputError, match="rule_search.reflect_size"):
@@ -210,25 +211,57 @@ def test_resume_with_changed_config_refused_before_anything_is_written(tmp_path)
 
 
 def test_failed_start_leaves_a_run_that_overwrite_may_replace(tmp_path):
-    cfg = write_run_inputs(tmp_path, n_tickets=6)
+    cfg = audit_inputs(tmp_path, n_tickets=6)
     with pytest.raises(PoolError, match="no engine may be built"):
         audit(cfg, engine_factory=never_called, debug=True)
-    run = tmp_path / "out" / MISSION / "run1"
+    run = tmp_path / "out" / MISSION / "run"
     assert read_json(run / "run.json")["provenance"]["engine"] == {}
     assert audit(cfg, engine_factory=fake_factory(), overwrite=True) == 0
 
 
 def test_workers_with_different_engines_are_reported(caplog):
-    from stageb_pool.app.job import warn_if_workers_differ
+    from stageb_pool.app.job import engine_agreement
 
-    log = logging.getLogger("stageb_pool.test")
     same = [{"device": "NVIDIA H200", "dtype": "bfloat16"}] * 3
-    with caplog.at_level(logging.WARNING, logger="stageb_pool.test"):
-        warn_if_workers_differ(same, log)
+    names = ["cuda:0", "cuda:1", "cuda:2"]
+    with caplog.at_level(logging.WARNING, logger="stageb_pool"):
+        engine_agreement(ray=False).check(dict(enumerate(same)), names)
         assert not caplog.records
-        warn_if_workers_differ(same[:2] + [{"device": "NVIDIA H100", "dtype": "bfloat16"}], log)
+        engine_agreement(ray=False).check(dict(enumerate(same[:2] + [{"device": "NVIDIA H100", "dtype": "bfloat16"}])),
+                                          names)
     [record] = caplog.records
+    assert record.name == "stageb_pool"
     assert "workers [2]" in record.getMessage() and "H100" in record.getMessage()
+
+
+def differing_on_cpu1(**facts):
+    """Fake engines whose worker on cpu:1 reports ``facts`` over the others' info."""
+
+    def build(device):
+        engine = fake_factory()(device)
+        info = engine.info()
+        if device.index == 1:
+            engine.info = lambda: {**info, **facts}
+        return engine
+
+    return build
+
+
+def test_a_run_on_workers_of_another_engine_version_is_refused_at_gpus_and_another_device_warned(tmp_path, caplog):
+    cfg = audit_inputs(tmp_path, n_tickets=6)
+    with pytest.raises(InputError) as info:
+        audit(cfg, gpus="cpu:2", engine_factory=differing_on_cpu1(torch="2.12.0"))
+    assert str(info.value) == ("--gpus: workers [1] run another engine or version than worker 0 ({'engine': 'fake', "
+                               "'vllm': None, 'torch': '2.12.0', 'transformers': None} vs {'engine': 'fake', "
+                               "'vllm': None, 'torch': None, 'transformers': None}): results would depend on which "
+                               "worker ran which chunk")
+    run = tmp_path / "out" / MISSION / "run"
+    assert read_json(run / "run.json")["provenance"]["engine"] == {}  # refused before rank 0's facts were recorded
+    with caplog.at_level(logging.WARNING, logger="stageb_pool"):
+        assert audit(cfg, gpus="cpu:2", engine_factory=differing_on_cpu1(device="other"), overwrite=True) == 0
+    [warning] = [r.getMessage() for r in caplog.records if "report a different engine" in r.getMessage()]
+    assert warning.startswith("workers [1] report a different engine than worker 0 ({'engine': 'fake', "
+                              "'device': 'other',")
 
 
 def test_run_json_hashes_the_ticket_set_and_state_json_the_run_order(tmp_path):
@@ -237,12 +270,12 @@ def test_run_json_hashes_the_ticket_set_and_state_json_the_run_order(tmp_path):
     over = ["mode=search", "rule_search.eval_pool_size=0", "rule_search.train_pool_size=4", "runner.epochs=1"]
     hashes = []
     for name, reverse in (("a", False), ("b", True)):
-        cfg = write_run_inputs(tmp_path / name, n_tickets=12)
+        cfg = audit_inputs(tmp_path / name, n_tickets=12)
         tickets = Path(cfg).parent / "tickets.jsonl"
         lines = tickets.read_text().splitlines(keepends=True)
         tickets.write_text("".join(reversed(lines) if reverse else lines))
         assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True) == 0
-        run = Path(cfg).parent / "out" / MISSION / "run1"
+        run = Path(cfg).parent / "out" / MISSION / "run"
         inputs = load_inputs(load_config(cfg, over))
         prov = read_json(run / "run.json")["provenance"]["tickets_hash"]
         state = read_json(run / "state.json")["tickets_hash"]
@@ -287,12 +320,10 @@ def test_safe_name_bounds_long_missions_and_keeps_them_apart():
 
 @pytest.mark.parametrize("mission", ["../../escaped_mission", "..", "/tmp/abs_mission", "m" * 4096])
 def test_ticket_data_cannot_move_the_run_outside_output_root(tmp_path, mission):
-    records = [dict(r, mission=mission) for r in demo_ticket_records(6)]
-    cfg_path = write_run_inputs(tmp_path / "in", n_tickets=6, records=records)
-    guidance = tmp_path / "in" / "guidance.json"
-    guidance.write_text(json.dumps({mission: json.loads(guidance.read_text())[MISSION]}))
+    records = [dict(r, mission=mission) for r in missing_part_records(6)]
+    cfg_path = audit_inputs(tmp_path / "in", records=records)  # its seed guidance: for this mission
     root = tmp_path / "in" / "out"
-    naive = Path(os.path.normpath(root / mission / "run1"))  # where the raw mission would lead
+    naive = Path(os.path.normpath(root / mission / "run"))  # where the raw mission would lead
     escapes = len(mission) < 255 and root not in naive.parents
     before = {p for p in tmp_path.rglob("*")}
     assert audit(cfg_path, engine_factory=fake_factory(), debug=True) == 0
@@ -306,7 +337,7 @@ def test_ticket_data_cannot_move_the_run_outside_output_root(tmp_path, mission):
 
 
 def test_a_run_directory_behind_a_symlink_out_of_output_root_is_refused(tmp_path):
-    cfg_path = write_run_inputs(tmp_path / "in", n_tickets=6)
+    cfg_path = audit_inputs(tmp_path / "in", n_tickets=6)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (tmp_path / "in" / "out").mkdir()
@@ -337,15 +368,15 @@ def _link(root: Path, kind: str) -> str:
     ("config.yaml", "the export would overwrite it"),
     ("hardlink", "the export would overwrite it"),
     ("symlink", "the export would overwrite it"),
-    ("out/Demo mission/run1/state.json", "a file the run itself writes"),
+    (f"out/{MISSION}/run/state.json", "a file the run itself writes"),
     (".", "is a directory"),
     # folders the run itself creates: refused before they exist, not at the end of the run
     ("out", "a folder that holds the run directory"),
-    ("out/Demo mission", "a folder that holds the run directory"),
-    ("out/Demo mission/run1", "is the run directory"),
+    (f"out/{MISSION}", "a folder that holds the run directory"),
+    (f"out/{MISSION}/run", "is the run directory"),
 ])
 def test_the_distillation_file_may_not_be_an_input_or_a_run_file(tmp_path, target, message):
-    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    cfg = audit_inputs(tmp_path, n_tickets=12)
     if target in ("hardlink", "symlink"):
         target = _link(tmp_path, target)
     before = tree_digest(tmp_path)
@@ -357,7 +388,7 @@ def test_the_distillation_file_may_not_be_an_input_or_a_run_file(tmp_path, targe
 
 
 def test_the_distillation_file_may_be_written_outside_the_run_directory(tmp_path):
-    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    cfg = audit_inputs(tmp_path, n_tickets=12)
     over = SEARCH + [f"stage_b_distillation.log_chatml_path={tmp_path / 'exports' / 'chatml.jsonl'}"]
     assert run_job(load_config(cfg, over), "cpu:1", engine_factory=fake_factory(), debug=True, config_path=cfg) == 0
     assert (tmp_path / "exports" / "chatml.jsonl").read_text().count("\n") > 0
@@ -365,13 +396,13 @@ def test_the_distillation_file_may_be_written_outside_the_run_directory(tmp_path
 
 @pytest.mark.parametrize("flag", ["overwrite", "resume"])
 def test_an_input_inside_the_run_directory_is_refused(tmp_path, flag):
-    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    cfg = audit_inputs(tmp_path, n_tickets=12)
     assert audit(cfg, engine_factory=fake_factory()) == 0
-    run = tmp_path / "out" / MISSION / "run1"
+    run = tmp_path / "out" / MISSION / "run"
     (run / "seed.json").write_text((tmp_path / "guidance.json").read_text())
     before = tree_digest(tmp_path)
     with pytest.raises(InputError, match="lies inside the run directory"):
-        run_job(load_config(cfg, ["guidance.path=out/Demo mission/run1/seed.json"]), "cpu:1", audit=True,
+        run_job(load_config(cfg, [f"guidance.path=out/{MISSION}/run/seed.json"]), "cpu:1", audit=True,
                 engine_factory=never_called, debug=True, **{flag: True})
     assert tree_digest(tmp_path) == before
 
@@ -394,7 +425,7 @@ def test_a_value_that_cannot_be_written_is_refused_before_the_run_directory_exis
     """A lone surrogate (valid in Python, not in UTF-8) in a config value: before, the run
     created its directory and guidance.json, then died on run.json, and neither a rerun nor
     --overwrite nor --resume could get past the half-made directory."""
-    cfg = write_run_inputs(tmp_path, n_tickets=6)
+    cfg = audit_inputs(tmp_path, n_tickets=6)
     with pytest.raises(InputError, match="lone surrogate"):  # the config check refuses it first
         load_config(cfg, ['model.stop=["\\ud800"]'])
     good = load_config(cfg)  # a value that got past the checks (a caller building a Config)
@@ -408,7 +439,7 @@ def test_a_value_that_cannot_be_written_is_refused_before_the_run_directory_exis
 
 
 def test_a_run_whose_workers_fail_to_start_can_be_overwritten_and_resumed(tmp_path):
-    cfg = write_run_inputs(tmp_path, n_tickets=12)
+    cfg = audit_inputs(tmp_path, n_tickets=12)
     over = ["mode=search", "rule_search.eval_pool_size=4", "rule_search.train_pool_size=4", "runner.epochs=1"]
 
     def broken(device):
@@ -416,7 +447,7 @@ def test_a_run_whose_workers_fail_to_start_can_be_overwritten_and_resumed(tmp_pa
 
     with pytest.raises(PoolError, match="no such GPU"):
         run_job(load_config(cfg, over), "cpu:1", engine_factory=broken, debug=True)
-    run = tmp_path / "out" / MISSION / "run1"
+    run = tmp_path / "out" / MISSION / "run"
     assert sorted(p.name for p in run.iterdir()) == ["guidance.json", "run.json"]
     with pytest.raises(InputError, match="already exists"):
         run_job(load_config(cfg, over), "cpu:1", engine_factory=never_called, debug=True)

@@ -1,4 +1,4 @@
-"""The rule search end to end, driven by the scripted engine (tests/scripted_engine.py).
+"""The rule search end to end, driven by the scripted engine (tests/doubles/scripted_engine.py).
 
 The scripted engine obeys the guidance rules, so a good rule really lowers the error and a
 harmful one really raises it; its proposer answers follow a script keyed by iteration.
@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
+from doubles import scripted_engine as se
+from doubles.run_inputs import MISSION, SEED, feature_records, search_inputs
 
 from stageb_pool.app import config as config_mod
 from stageb_pool.app import job, plan
@@ -39,17 +40,16 @@ from stageb_pool.stageb.hashing import content_hash
 from stageb_pool.stageb.ticket_pools import split_eval_pool
 
 TESTS = Path(__file__).resolve().parent
-SEED = 11
 
 
 def run(tmp_path, name="run", *, gpus="cpu:1", overrides=(), engine=None, resume=False, **inputs):
     """Write the inputs under tmp_path/in and run the search; returns (run_dir, engines)."""
-    cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"), run_name=name, **inputs)
+    cfg_path = search_inputs(tmp_path / "in", out=str(tmp_path / "out"), run_name=name, **inputs)
     cfg = config_mod.load_config(cfg_path, list(overrides))
     engines: list = []
     factory = se.scripted_factory(engines, **(engine or {}))
     job.run_job(cfg, gpus, debug=(gpus == "cpu:1"), engine_factory=factory, resume=resume)
-    return tmp_path / "out" / se.MISSION / name, engines
+    return tmp_path / "out" / MISSION / name, engines
 
 
 def rows(run_dir, name):
@@ -62,7 +62,7 @@ def doc(run_dir, name):
 
 
 def experiences(run_dir):
-    return doc(run_dir, "guidance.json")[se.MISSION]["experiences"]
+    return doc(run_dir, "guidance.json")[MISSION]["experiences"]
 
 
 def assert_same_run(a, b):
@@ -303,7 +303,7 @@ def test_resume_after_an_exception_mid_iteration_matches_uninterrupted(reference
     ref_dir, _ = reference
     with pytest.raises(se.ScriptedCrash):
         run(reference.root, "exc", engine={"crash_at": 2})
-    run_dir = reference.root / "out" / se.MISSION / "exc"
+    run_dir = reference.root / "out" / MISSION / "exc"
     assert doc(run_dir, "state.json")["iteration"] == 1
     committed = doc(run_dir, "state.json")["artifacts"]["rule_search_hard_cases.jsonl"]
     assert (run_dir / "rule_search_hard_cases.jsonl").stat().st_size > committed  # it2 rows, uncommitted
@@ -330,7 +330,7 @@ def test_resume_after_ctrl_c_between_guidance_and_state_write(monkeypatch, refer
     with pytest.raises(KeyboardInterrupt):
         run(reference.root, name)
     monkeypatch.setattr(state_mod, "write_state", real)
-    run_dir = reference.root / "out" / se.MISSION / name
+    run_dir = reference.root / "out" / MISSION / name
     assert len(rows(run_dir, "benchmarks.jsonl")) == (1 if fail_at_commit == 1 else 2)  # ahead of the commit
     run(reference.root, name, resume=True)
     assert_same_run(ref_dir, run_dir)
@@ -341,11 +341,11 @@ def test_resume_after_sigkill_with_rolling_train_pools(tmp_path):
     exactly the uninterrupted run. Pools of 25 of 60 tickets roll, so the sampler state
     is part of what must survive."""
     ref_dir, _ = run(tmp_path, "ref", train_pool_size=25)
-    cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"), train_pool_size=25)
+    cfg_path = search_inputs(tmp_path / "in", out=str(tmp_path / "out"), train_pool_size=25)
     marker = tmp_path / "hanging"
     code = (
         "import sys; sys.path[:0] = [{tests!r}]\n"
-        "import scripted_engine as se\n"
+        "from doubles import scripted_engine as se\n"
         "from stageb_pool.app import config, job\n"
         "cfg = config.load_config({cfg!r})\n"
         "job.run_job(cfg, 'cpu:1', debug=True, engine_factory=se.scripted_factory(hang_at=2, marker={marker!r}))\n"
@@ -355,7 +355,7 @@ def test_resume_after_sigkill_with_rolling_train_pools(tmp_path):
     try:
         assert _wait_for(lambda: marker.exists() or proc.poll() is not None), "iteration 2 never started"
         assert proc.poll() is None, proc.stderr.read().decode()
-        run_dir = tmp_path / "out" / se.MISSION / "run"
+        run_dir = tmp_path / "out" / MISSION / "run"
         assert doc(run_dir, "state.json")["iteration"] == 1
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -389,7 +389,7 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path):
 def test_resume_with_a_changed_config_is_refused_naming_the_key(tmp_path):
     with pytest.raises(se.ScriptedCrash):
         run(tmp_path, engine={"crash_at": 2})
-    run_dir = tmp_path / "out" / se.MISSION / "run"
+    run_dir = tmp_path / "out" / MISSION / "run"
     before = (run_dir / "state.json").read_bytes()
     with pytest.raises(InputError, match=r"rule_search\.reflect_size"):
         run(tmp_path, resume=True, overrides=["rule_search.reflect_size=5"])
@@ -402,7 +402,7 @@ def test_resume_with_changed_tickets_is_refused(tmp_path):
     with pytest.raises(se.ScriptedCrash):
         run(tmp_path, engine={"crash_at": 2})
     tickets = tmp_path / "in" / "tickets.jsonl"
-    cfg = config_mod.load_config(se.write_inputs(tmp_path / "in", out=str(tmp_path / "out")))
+    cfg = config_mod.load_config(search_inputs(tmp_path / "in", out=str(tmp_path / "out")))
     tickets.write_text(tickets.read_text().replace("cabinet 3 front", "cabinet 3 top"))
     with pytest.raises(InputError, match="tickets differ"):
         job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
@@ -448,7 +448,7 @@ def test_the_search_reads_guidance_json_only_on_resume(tmp_path, monkeypatch):
     accepted edits in these 3 iterations, each with its snapshot); a resume reads it back.
     report.html is left out of the count: it is made from the run directory's files, the
     same page ``stageb-pool report`` rebuilds later."""
-    run_dir = tmp_path / "out" / se.MISSION / "three"
+    run_dir = tmp_path / "out" / MISSION / "three"
     reads = _count_reads(monkeypatch, run_dir / "guidance.json")
     monkeypatch.setattr(job, "write_report", lambda run_dir: True)
     run(tmp_path, "three", epochs=3)
@@ -463,10 +463,10 @@ def test_resume_accepts_other_pool_settings_and_a_moved_data_folder(tmp_path):
     with pytest.raises(se.ScriptedCrash):
         run(tmp_path / "a", engine={"crash_at": 2})
     (tmp_path / "a" / "in").rename(tmp_path / "moved")  # the data folder moves; same content
-    cfg_path = se.write_inputs(tmp_path / "moved", out=str(tmp_path / "a" / "out"))
+    cfg_path = search_inputs(tmp_path / "moved", out=str(tmp_path / "a" / "out"))
     cfg = config_mod.load_config(cfg_path, ["pool.task_timeout=99", "pool.max_restarts=2"])
     job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(), resume=True)
-    diffs = diff_runs(ref_dir, tmp_path / "a" / "out" / se.MISSION / "run", limit=None)
+    diffs = diff_runs(ref_dir, tmp_path / "a" / "out" / MISSION / "run", limit=None)
     # run.json records the pool settings the resumed process ran with; nothing else differs
     assert [(d.file, d.key) for d in diffs] == [("run.json", "config.pool.task_timeout"),
                                                 ("run.json", "config.pool.max_restarts")]
@@ -495,7 +495,7 @@ def test_differing_keys_names_nested_paths():
 def _veto_records():
     """A 'moss' feature that marks fail tickets in the train split and pass tickets in the
     eval split: a moss rule helps on train and hurts on eval."""
-    records = se.ticket_records()
+    records = feature_records()
 
     class T:
         def __init__(self, r):
@@ -512,12 +512,10 @@ def _veto_records():
 
 
 @pytest.mark.parametrize("max_drop, decision", [(None, "promoted"), (0.05, "rejected_eval_veto")])
-def test_eval_veto(tmp_path, monkeypatch, max_drop, decision):
-    records = _veto_records()
-    monkeypatch.setattr(se, "ticket_records", lambda n=80, seed=5: records)
+def test_eval_veto(tmp_path, max_drop, decision):
     script = {1: se.proposal(se.op(se.rule("moss")))}
     overrides = [] if max_drop is None else [f"rule_search.gate.eval_max_acc_drop={max_drop}"]
-    run_dir, _ = run(tmp_path, overrides=overrides, engine={"script": script}, epochs=1)
+    run_dir, _ = run(tmp_path, overrides=overrides, engine={"script": script}, epochs=1, records=_veto_records())
     (moss,) = [c for c in rows(run_dir, "rule_candidates.jsonl") if "moss" in c["candidate_id"]]
     assert moss["decision"] == decision
     assert moss["eval_acc_drop"] > 0.05 and moss["eval_cand_acc"] < moss["eval_base_acc"]
@@ -605,12 +603,12 @@ def test_save_rollouts_writes_every_rollout_once_named_by_spec(tmp_path):
 def test_preflight_resume_checks_without_touching_anything(tmp_path):
     with pytest.raises(se.ScriptedCrash):
         run(tmp_path, engine={"crash_at": 2})
-    run_dir = tmp_path / "out" / se.MISSION / "run"
-    cfg_path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
+    run_dir = tmp_path / "out" / MISSION / "run"
+    cfg_path = search_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     cfg = config_mod.load_config(cfg_path)
     inputs = plan.load_inputs(cfg)
     train, _ = split_eval_pool(inputs.tickets, cfg.rule_search.eval_pool_size, cfg.seed)
-    extra = dict(train_keys=[t.key for t in train], store=GuidanceStore(run_dir, se.MISSION),
+    extra = dict(train_keys=[t.key for t in train], store=GuidanceStore(run_dir, MISSION),
                  start_sampler=state_mod.start_sampler(len(train), cfg.rule_search, cfg.seed))
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     state_mod.preflight_resume(run_dir, run_identity(cfg, inputs), **extra)
@@ -702,8 +700,8 @@ def crashed(tmp_path_factory):
 def test_a_tampered_state_is_refused_before_any_worker_starts(crashed, tmp_path, case):
     tamper, where = TAMPERED[case]
     shutil.copytree(crashed / "out", tmp_path / "out")
-    run_dir = tmp_path / "out" / se.MISSION / "run"
-    cfg = config_mod.load_config(se.write_inputs(tmp_path / "in", out=str(tmp_path / "out")))
+    run_dir = tmp_path / "out" / MISSION / "run"
+    cfg = config_mod.load_config(search_inputs(tmp_path / "in", out=str(tmp_path / "out")))
     st = doc(run_dir, "state.json")
     tamper(st, run_dir)
     (run_dir / "state.json").write_text(json.dumps(st))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import scripted_engine as se
+from doubles.run_inputs import MISSION, search_inputs
 from processes import descendants, gone, parent_pid
 from test_pool import wait_until
 
@@ -21,7 +21,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "pool_scripts", "cli_scripted_r
 def start_run(tmp_path, *extra):
     """The CLI inside iteration 2 (a worker blocks in the proposer call); returns the process,
     its child processes (zygote and workers) and the command's arguments."""
-    cfg = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"))
+    cfg = search_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     marker = tmp_path / "hanging"
     args = ["run", "--gpus", "cpu:2", cfg, *extra]
     proc = subprocess.Popen([sys.executable, SCRIPT, str(marker), *args], cwd=str(tmp_path),
@@ -43,7 +43,7 @@ def test_a_stop_signal_to_the_main_process_names_it_and_the_resume_command(tmp_p
     assert lines[-1].endswith(f"continue with: stageb-pool run --gpus cpu:2 {args[3]} --resume")
     assert "Traceback" not in err
     assert wait_until(lambda: all(gone(p) for p in children), 5), "workers left behind"
-    state = Path(tmp_path / "out" / se.MISSION / "run" / "state.json")
+    state = Path(tmp_path / "out" / MISSION / "run" / "state.json")
     assert state.exists()  # iteration 1 committed: the printed command continues from it
 
 

@@ -10,7 +10,9 @@ import json
 import msgspec
 import pytest
 
-import scripted_engine as se
+from doubles import scripted_engine as se
+from doubles.run_inputs import MISSION, feature_records, search_inputs
+
 from stageb_pool.app import config as config_mod
 from stageb_pool.app import job
 from stageb_pool.app.diff import diff_runs, format_differences
@@ -27,7 +29,7 @@ SETTINGS = SimulatedSettings(prefill_tokens_per_s=1000.0, decode_step_s=0.01, de
 
 def tickets(n: int = 12) -> list[TicketText]:
     return [msgspec.convert({"key": f"{r['group_id']}::{r['label']}", **r}, TicketText, strict=False)
-            for r in se.ticket_records(n)]
+            for r in feature_records(n)]
 
 
 def chunk(grid=(Decode(0.7, max_new_tokens=20),), samples: int = 1, **kw) -> RolloutChunk:
@@ -37,7 +39,7 @@ def chunk(grid=(Decode(0.7, max_new_tokens=20),), samples: int = 1, **kw) -> Rol
 
 @pytest.fixture(scope="module")
 def profile():
-    return prompts.load_profile("generic", mission=se.MISSION)
+    return prompts.load_profile("generic", mission=MISSION)
 
 
 @pytest.fixture(scope="module")
@@ -154,13 +156,13 @@ def test_one_and_eight_simulated_workers_give_identical_artifacts(tmp_path):
     runs = []
     for gpus in ("cpu:1", "cpu:8"):
         name = gpus.replace(":", "")
-        path = se.write_inputs(tmp_path / "in", out=str(tmp_path / "out"), run_name=name, epochs=3,
+        path = search_inputs(tmp_path / "in", out=str(tmp_path / "out"), run_name=name, epochs=3,
                                train_pool_size=40)
         cfg = config_mod.load_config(path, ["model.engine=simulated", "model.simulated.time_scale=0"])
         # The job's own engine factory; passing it skips only the guidance-versus-prompt-cap
         # check, which loads the transformers tokenizer (seconds of CPU) and has its own tests.
         job.run_job(cfg, gpus, engine_factory=job.engine_factory_for(cfg.model, check_model_path("tiny")))
-        runs.append(tmp_path / "out" / se.MISSION / name)
+        runs.append(tmp_path / "out" / MISSION / name)
     assert json.loads((runs[1] / "run.json").read_text())["provenance"]["engine"]["engine"] == "simulated"
     summary = json.loads((runs[0] / "summary.json").read_text())
     assert summary["edits_accepted"] >= 1  # the gate saw a real gain
@@ -175,8 +177,7 @@ def test_the_proposer_does_not_depend_on_the_process_hash_seed():
     import subprocess
     import sys
 
-    code = ("import json, scripted_engine as se\n"
-            "from stageb_pool.engine.simulated_engine import proposed_rules\n"
+    code = ("from stageb_pool.engine.simulated_engine import proposed_rules\n"
             "blocks = [f'S{i}: ticket_key=K{i}::fail; gt_label=fail; baseline_majority=pass\\n'\n"
             "          f'stage_a_summaries:\\n  - image_1: ' + ' '.join(f'word{j}x' for j in range(i, i + 9))\n"
             "          for i in range(6)]\n"

@@ -11,6 +11,7 @@ ends: one process owns a run directory at a time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import msgspec
 
 from ..engine.model_path import ModelRef
 from ..engine.records import EngineSettings
-from ..pool import Device, Pool
+from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Pool
 from ..report import REPORT_FILE, TIMELINE_FILE, render_report
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
@@ -147,13 +148,12 @@ def _run_locked(plan: RunPlan, devices, *, store, identity, resume, overwrite, f
         factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
         max_restarts=config.pool.max_restarts, stall_warning=config.pool.stall_warning, inline=debug, backend="ray" if ray else "fork",
         ray_address=ray_address or "auto", placement_timeout=config.pool.start_timeout,
-        connect_timeout=config.pool.connect_timeout,
+        connect_timeout=config.pool.connect_timeout, engine_agreement=engine_agreement(ray),
     )
     try:
         run_json["devices"] = devices = pool.devices  # under Ray: the threads its plan gave each worker
         progress = Progress(log=log, stats_fn=pool_items_per_rank(pool))
         info = pool.worker_info[0] if pool.worker_info else {}
-        warn_if_workers_differ(pool.worker_info, log)
         runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
                                progress=progress, save_rollouts=config.output.save_rollouts,
                                engine_key=content_hash(msgspec.to_builtins(info, enc_hook=str)))
@@ -229,20 +229,16 @@ def audit_settings(config, inputs: RunInputs) -> AuditSettings:
 ENGINE_IDENTITY = ("engine", "vllm", "torch", "transformers")  # must agree across workers
 
 
-def warn_if_workers_differ(worker_info: list[dict], log: logging.Logger) -> None:
-    """Byte-identical results need every worker on the same software, device model and
-    dtype (docs/architecture.md); run.json records rank 0's facts, so say loudly if the
-    others differ (e.g. a node that mixes GPU models)."""
-    facts = [msgspec.to_builtins(info, enc_hook=str) for info in worker_info]
-    engines = [{k: f.get(k) for k in ENGINE_IDENTITY} for f in facts]
-    mixed = [rank for rank, e in enumerate(engines) if e != engines[0]]
-    if mixed:  # another engine or version gives other bytes by construction: refuse, not warn
-        raise InputError(f"workers {mixed} run another engine or version than worker 0 ({engines[mixed[0]]} vs "
-                         f"{engines[0]}): results would depend on which worker ran which chunk", "--gpus")
-    odd = [rank for rank, f in enumerate(facts) if f != facts[0]]
-    if odd:
-        log.warning("workers %s report a different engine than worker 0 (%s vs %s): results may "
-                    "depend on which worker ran which chunk", odd, facts[odd[0]], facts[0])
+def engine_agreement(ray: bool) -> EngineAgreement:
+    """What the pool does when the workers report different engines. Byte-identical results
+    need every worker on the same software, device model and dtype (docs/architecture.md).
+    Under Ray, whose nodes may differ, any difference is refused (the pool's own rule). On one
+    machine another engine or version is refused as an input error located at --gpus, and
+    any other difference (a machine that mixes GPU models) is a warning: run.json records
+    rank 0's facts, so say loudly if the others differ."""
+    if ray:
+        return REFUSE_ANY_DIFFERENCE
+    return EngineAgreement(refuse=ENGINE_IDENTITY, warn=log, error=functools.partial(InputError, location="--gpus"))
 
 
 def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> dict:

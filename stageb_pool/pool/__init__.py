@@ -8,6 +8,7 @@ here knows about Stage-B, and nothing here imports from the rest of the package
 """
 
 from .devices import Device, DeviceSpecError, parse_gpus, parse_ray_spec
+from .engine_agreement import ACCEPT_ANY, REFUSE_ANY_DIFFERENCE, EngineAgreement
 from .errors import (
     FrameTooLarge,
     PoolError,
@@ -23,4 +24,4 @@ from .tasks import PoolStats, TaskHandle
 
 __all__ = ["Pool", "PoolStats", "TaskHandle", "Device", "DeviceSpecError", "parse_gpus", "parse_ray_spec", "PoolError",
            "WorkerError", "WorkerDied", "WorkerTimeout", "TaskCancelled", "RemoteTraceback", "FrameTooLarge",
-           "ProtocolError"]
+           "ProtocolError", "EngineAgreement", "ACCEPT_ANY", "REFUSE_ANY_DIFFERENCE"]

@@ -6,7 +6,8 @@ JSON bytes and are decoded straight into the types the engine method declares.
 gets a ``RolloutChunk`` and a ``PromptProfile``, validated by msgspec while decoding; an
 unannotated parameter gets plain JSON values. So an engine never converts untyped values
 itself, and a value that does not fit the declared type fails as that task's error, naming
-the parameter. The forked worker and the pool's inline mode both call through here.
+the parameter. Every worker calls through here, by way of ``worker_core.WorkerCore`` (the
+forked worker, the Ray actor and the pool's inline mode alike).
 """
 
 from __future__ import annotations

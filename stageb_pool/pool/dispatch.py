@@ -16,7 +16,9 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
 - faults: a worker past its deadline is killed; once its exit is reported it is replaced
   and its task retried (``max_restarts``, pool-wide), or the fault is raised. Before that,
   a task silent for ``stall_warning`` seconds is logged as a warning (and again after each
-  further ``stall_warning``), so a long wait names its worker well before the timeout.
+  further ``stall_warning``), so a long wait names its worker well before the timeout;
+- the pool's engine agreement (``engine_agreement.EngineAgreement``): applied to the
+  workers' ``engine.info()`` once all are ready, and to each replacement when it is.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import NamedTuple, Protocol
 import msgspec
 
 from . import protocol
-from .engine_agreement import refuse_different_engines
+from .engine_agreement import ACCEPT_ANY, EngineAgreement
 from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTimeout
 from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snapshot, Task
 from .snapshots import SnapshotCache, SnapshotStore
@@ -187,7 +189,7 @@ class Dispatcher:
 
     def __init__(self, transport: Transport, devices, snapshots: SnapshotStore, stats: PoolStats, *,
                  task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int,
-                 same_engines: bool = False, depth: int = 1, stall_warning: float | None = None):
+                 engine_agreement: EngineAgreement = ACCEPT_ANY, depth: int = 1, stall_warning: float | None = None):
         self.transport = transport
         self.devices = devices
         self.snapshots, self.stats = snapshots, stats
@@ -195,7 +197,7 @@ class Dispatcher:
         self.stall_warning = stall_warning
         self.restarts_left = max_restarts
         self.max_frame = max_frame
-        self.same_engines = same_engines  # refuse a worker whose engine.info() differs from the others'
+        self.engine_agreement = engine_agreement  # applied at start and to every replacement
         self.depth = depth  # tasks in flight per worker
         self.queue = TaskQueue(len(devices))
         self.slots: list[Slot] = []
@@ -214,8 +216,7 @@ class Dispatcher:
             self.transport.spawn(rank)
         while any(slot.state is not WorkerState.IDLE for slot in self.slots):
             self._step()
-        if self.same_engines:
-            self._check_engines()
+        self._check_engines()
         self._started = True
 
     def submit(self, task: TaskHandle) -> None:
@@ -294,7 +295,7 @@ class Dispatcher:
             slot.state, slot.deadline = WorkerState.IDLE, None
             slot.pid = slot.pid or msg.pid  # a backend may only learn it here (Ray)
             self.worker_info[slot.rank] = msg.info
-            if self.same_engines and self._started:  # a replacement; at start all are compared at once
+            if self._started:  # a replacement; at start all are compared at once
                 self._check_engines(new=slot)
         elif isinstance(msg, InitFailed):
             raise WorkerError(msg.error, method="engine_factory", remote_traceback=msg.traceback, **where)
@@ -320,9 +321,10 @@ class Dispatcher:
             raise ProtocolError(f"worker {slot.rank} sent an unexpected {name}")
 
     def _check_engines(self, new: Slot | None = None) -> None:
-        ready = [s.rank for s in self.slots if s.state in (WorkerState.IDLE, WorkerState.BUSY)]
-        refuse_different_engines(self.worker_info, ready, [d.name for d in self.devices],
-                                 newcomer=None if new is None else new.rank)
+        """Whether the running workers (and ``new``, a replacement) run the same engine."""
+        running = {slot.rank: self.worker_info[slot.rank] for slot in self.slots
+                   if slot.state in (WorkerState.IDLE, WorkerState.BUSY)}
+        self.engine_agreement.check(running, [d.name for d in self.devices], newcomer=None if new is None else new.rank)
 
     def _on_closed(self, slot: Slot) -> None:
         if slot.state in (WorkerState.STARTING, WorkerState.IDLE, WorkerState.BUSY):

@@ -1,8 +1,10 @@
 """Inline mode: the engine runs in the calling process (single-device debugging).
 
-Items, snapshots and results take the same path as with a worker process (the msgspec
-codec, ``Calls``, the snapshot cache with its evictions), so results are identical to the
-forked pool's, and ``breakpoint()`` or ``pdb.post_mortem`` work inside the engine.
+The runner is an I/O loop around a ``WorkerCore``, as a worker process is, but in calls
+instead of frames: items, snapshots and results take the same path as with a worker process
+(the msgspec codec, the core's typed calls, the snapshot cache with its evictions), so
+results are identical to the forked pool's, and ``breakpoint()`` or ``pdb.post_mortem``
+work inside the engine: an engine exception is the ``__cause__`` of its ``WorkerError``.
 """
 
 from __future__ import annotations
@@ -12,24 +14,22 @@ import time
 import traceback
 
 from . import protocol
-from .calls import Calls
 from .errors import FrameTooLarge, WorkerError
 from .snapshots import SnapshotCache, SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
-from .worker import exception_summary, start_engine
+from .worker_core import WorkerCore, exception_summary
 
 
 class InlineRunner:
     """Runs the gathered tasks one by one, in the order of the gather."""
 
     def __init__(self, engine_factory, device, snapshots: SnapshotStore, stats: PoolStats, max_frame: int):
-        self.engine_factory = engine_factory
         self.device = device.in_this_process()  # e.g. cuda:3, not the cuda:0 of a worker process
+        self.core = WorkerCore(engine_factory, self.device, max_frame)
         self.snapshots, self.stats = snapshots, stats
         self.max_frame = max_frame
         self.worker_info: list[dict] = [{}]
-        self.cache = SnapshotCache()
-        self.calls: Calls | None = None
+        self.cache = SnapshotCache()  # the mirror of the core's snapshots, as the dispatcher keeps one per worker
 
     @property
     def pids(self) -> list[int]:
@@ -37,10 +37,9 @@ class InlineRunner:
 
     def start(self) -> None:
         try:
-            engine, self.worker_info[0] = start_engine(self.engine_factory, self.device)
+            self.worker_info[0] = self.core.start()
         except Exception as exc:
             raise self._error(exc, method="engine_factory") from exc
-        self.calls = Calls(engine)
 
     def submit(self, task: TaskHandle) -> None:
         pass  # run when a gather asks for it
@@ -51,8 +50,8 @@ class InlineRunner:
         started = time.monotonic()
         try:
             for key, evict in self.cache.admit(task.shared):
-                self.calls.add_snapshot(key, self.snapshots.data(key), evict)
-            raw = protocol.encode(self.calls.call(task.method, task.item, task.shared))
+                self.core.add_snapshot(key, self.snapshots.data(key), evict)
+            raw = protocol.encode(self.core.call(task.method, task.item, task.shared))
             if len(raw) > self.max_frame:
                 raise FrameTooLarge(len(raw), self.max_frame, "Result frame")
         except Exception as exc:

@@ -16,6 +16,7 @@ import msgspec
 
 from .devices import Device, DeviceSpecError, check_gpus_per_worker, parse_gpus, parse_ray_spec, ray_workers
 from .dispatch import Dispatcher
+from .engine_agreement import ACCEPT_ANY, REFUSE_ANY_DIFFERENCE, EngineAgreement
 from .errors import FrameTooLarge, PoolError, TaskCancelled
 from .forked import ForkedTransport
 from .inline import InlineRunner
@@ -47,20 +48,26 @@ class Pool:
     this machine, stopped by ``close``; ``"host:port"``); ``gpus`` is then a count (``"32"``)
     or ``"cpu:N"``, and the workers are reserved within ``placement_timeout`` seconds or the
     pool fails naming the resources. An existing cluster must answer and accept this process
-    within ``connect_timeout`` seconds, or the pool fails naming the address and the cause. Workers whose ``engine.info()`` differ are refused.
+    within ``connect_timeout`` seconds, or the pool fails naming the address and the cause.
     Everything else (errors, restarts, snapshots, order, results) is the same.
 
     ``gpus_per_worker=G``: one worker per group of G GPUs (contiguous in the spec's order;
     under Ray, G GPUs of one node in the worker's bundle), its ``Device.group`` listing them
     and its CUDA_VISIBLE_DEVICES set to them; the engine shards its model over the group.
     The GPU count must be a multiple of G; a CPU spec takes only G=1 (DeviceSpecError).
+
+    ``engine_agreement``: what the pool does when its workers' ``engine.info()`` differ, at
+    start and for every replacement (``engine_agreement.EngineAgreement``). By default the
+    Ray backend refuses any difference (``REFUSE_ANY_DIFFERENCE``: a PoolError naming the odd
+    worker) and the fork backend, one machine, compares nothing (``ACCEPT_ANY``); inline mode
+    has one worker.
     """
 
     def __init__(self, engine_factory, gpus="cpu:2", *, task_timeout: float | None = 600.0,
                  start_timeout: float | None = 600.0, max_restarts: int = 0, inline: bool = False,
                  max_frame_bytes: int = MAX_FRAME_BYTES, backend: str = "fork", ray_address: str = "auto",
                  placement_timeout: float = 60.0, gpus_per_worker: int = 1, stall_warning: float | None = None,
-                 connect_timeout: float = CONNECT_TIMEOUT):
+                 connect_timeout: float = CONNECT_TIMEOUT, engine_agreement: EngineAgreement | None = None):
         task_timeout = _checked_timeout("task_timeout", task_timeout)
         stall_warning = _checked_timeout("stall_warning", stall_warning)
         start_timeout = _checked_timeout("start_timeout", start_timeout)
@@ -81,9 +88,12 @@ class Pool:
         self._next_id = 0
         self._closed = False
         ray_limits = dict(placement_timeout=placement_timeout, connect_timeout=connect_timeout)
+        if engine_agreement is None:
+            engine_agreement = ACCEPT_ANY if ray_spec is None else REFUSE_ANY_DIFFERENCE
         self._runner = self._runner_for(engine_factory, inline, ray_spec, ray_address, ray_limits,
                                         task_timeout=task_timeout, start_timeout=start_timeout,
-                                        max_restarts=max_restarts, stall_warning=stall_warning)
+                                        max_restarts=max_restarts, stall_warning=stall_warning,
+                                        engine_agreement=engine_agreement)
         try:
             self._runner.start()
         except BaseException:
@@ -91,7 +101,8 @@ class Pool:
             raise
 
     def _runner_for(self, engine_factory, inline: bool, ray_spec, ray_address: str, ray_limits: dict, **limits):
-        """The inline runner, or the dispatcher over the fork or the Ray transport."""
+        """The inline runner, or the dispatcher over the fork or the Ray transport (``limits``:
+        its timeouts, restarts and engine agreement)."""
         if inline:
             return InlineRunner(engine_factory, self.devices[0], self._snapshots, self.stats, self.max_frame)
         if ray_spec is None:
@@ -104,7 +115,7 @@ class Pool:
             self.devices = transport.devices  # planned from the cluster's resources
         # Under Ray the next task waits in the actor: Ray's ~1 ms round trip is not spent idle.
         return Dispatcher(transport, self.devices, self._snapshots, self.stats, max_frame=self.max_frame,
-                          same_engines=ray_spec is not None, depth=1 if ray_spec is None else RAY_DEPTH, **limits)
+                          depth=1 if ray_spec is None else RAY_DEPTH, **limits)
 
     # -- public API ---------------------------------------------------------------------
     @property

@@ -106,6 +106,7 @@ class Exited(Message):
 AnyMessage = Union[
     Ready, InitFailed, Snapshot, Task, Result, Failure, Shutdown, Spawn, Spawned, Kill, Exited
 ]
+Request = Union[Snapshot, Task, Shutdown]  # parent -> worker: what a worker decodes (worker_core.py)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyMessage)
@@ -154,16 +155,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 def recv(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> Message | None:
-    """Receive one message (blocking, for the worker side); None on EOF."""
+    """Receive one message (blocking); None on EOF."""
+    body = recv_body(sock, max_frame)
+    return None if body is None else decode(body)
+
+
+def recv_body(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> bytes | None:
+    """Receive one frame's body, undecoded (blocking, for the worker side); None on EOF."""
     header = _recv_exact(sock, HEADER.size)
     if header is None:
         return None
     (size,) = HEADER.unpack(header)
     _check_incoming(size, max_frame)
-    body = _recv_exact(sock, size)
-    if body is None:
-        return None
-    return decode(body)
+    return _recv_exact(sock, size)
 
 
 class FrameReader:
@@ -177,17 +181,23 @@ class FrameReader:
         self.buffer = bytearray()
 
     def feed(self, data: bytes) -> list[Message]:
+        """The messages of the frames that ``data`` completes."""
+        return [decode(body) for body in self.bodies(data)]
+
+    def bodies(self, data: bytes) -> list[bytes]:
+        """The bodies of the frames that ``data`` completes, undecoded (a worker decodes
+        them as requests)."""
         self.buffer += data
-        messages = []
+        bodies = []
         while len(self.buffer) >= HEADER.size:
             (size,) = HEADER.unpack_from(self.buffer)
             _check_incoming(size, self.max_frame)
             end = HEADER.size + size
             if len(self.buffer) < end:
                 break
-            messages.append(decode(bytes(self.buffer[HEADER.size:end])))
+            bodies.append(bytes(self.buffer[HEADER.size:end]))
             del self.buffer[:end]
-        return messages
+        return bodies
 
 
 # The zygote channel is a SOCK_SEQPACKET socketpair: one frame per packet, so a file

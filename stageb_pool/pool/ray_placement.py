@@ -4,8 +4,9 @@ packs onto the live nodes, and reserving it through one placement group.
 Ray reports a placement group that can never be placed and one that other jobs block the same
 way (PENDING, NO_RESOURCES, forever), and it checks nothing before accepting one. So the pool
 packs the request itself, bundle by bundle onto the live nodes (first fit, largest bundle
-first: exact for the pool's equal bundles), first against the nodes' totals (impossible:
-fail at once) and then against what is free now (busy: wait, bounded, and say why).
+first: exact for the pool's equal bundles), against the nodes' totals (impossible: fail at
+once); a request that fits is waited for, bounded, saying why once the wait is more than a
+group's release.
 Imports ray lazily, like every Ray module of the pool.
 """
 
@@ -24,6 +25,8 @@ MAX_THREADS = 8  # torch threads per GPU worker, as the fork backend's devices.p
 RESOURCE_UNIT = 10_000  # Ray keeps resources in units of 1/10000: shares are rounded down to one
 EPS = 1e-9
 RAYLET_PROBE_TIMEOUT = 1.0  # seconds; a raylet on a live node answers in milliseconds
+# seconds a request that fits may take to be placed before the wait is reported (place)
+PLACEMENT_SETTLE = 3.0
 
 
 class Node(NamedTuple):
@@ -126,9 +129,9 @@ def pack(bundles: list[dict], capacity: list[dict]) -> list[int | None]:
     return where
 
 
-def check_fits(ray, bundles: list[dict]) -> bool:
+def refuse_impossible(ray, bundles: list[dict]) -> None:
     """Raise a PoolError at once when the live nodes could never hold ``bundles``, naming per
-    node what it has and what was asked; else whether they fit in what is free now."""
+    node what it has and what was asked."""
     nodes = live_nodes(ray)
     on_totals = pack(bundles, [n.total for n in nodes])
     if None in on_totals:
@@ -136,24 +139,28 @@ def check_fits(ray, bundles: list[dict]) -> bool:
         raise PoolError(f"cannot place {_request(bundles)}: the cluster's live nodes could hold {fit} "
                         f"({describe_nodes(nodes, _keys(bundles), free=False)}) (ask for fewer workers, or add nodes "
                         "with `ray start`)")
-    return None not in pack(bundles, [n.free for n in nodes])
 
 
 def place(ray, bundles: list[dict], timeout: float, name: str):
     """Reserve every bundle in one PACK placement group (PACK fills a node before the next,
     so 32 GPU bundles fill four 8-GPU nodes; STRICT_SPREAD would wait for 32 nodes).
 
-    An impossible request fails at once (``check_fits``). One that fits the cluster but not
-    what is free now is waited for at most ``timeout`` seconds, saying so, and then fails
-    naming what is free on each node."""
+    An impossible request fails at once (``refuse_impossible``). One that fits the cluster
+    but is not placed within ``PLACEMENT_SETTLE`` seconds is waited for at most ``timeout``
+    seconds in all, saying so, and then fails naming what is free on each node. The settle
+    time is for the resources of a placement group just removed (the pool before this one):
+    Ray returns them to the nodes shortly after the removal, and a wait for them is no news."""
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-    free_now = check_fits(ray, bundles)
-    if not free_now:
-        log.warning("the cluster can hold %s, but other jobs hold the resources now; waiting up to %g s for them",
-                    _request(bundles), timeout)
+    refuse_impossible(ray, bundles)
     group = placement_group(bundles, strategy="PACK", name=name)
-    ready, _ = ray.wait([group.ready()], timeout=timeout)
+    settle = min(timeout, PLACEMENT_SETTLE)
+    ready, _ = ray.wait([group.ready()], timeout=settle)
+    if not ready and timeout > settle:
+        log.warning("the cluster can hold %s, but other jobs hold the resources now (free now: %s); waiting up to "
+                    "%g s more for them", _request(bundles), describe_nodes(live_nodes(ray), _keys(bundles), free=True),
+                    timeout - settle)
+        ready, _ = ray.wait([group.ready()], timeout=timeout - settle)
     if ready:
         return group
     state = placement_group_table(group)

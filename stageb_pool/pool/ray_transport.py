@@ -24,21 +24,20 @@ from __future__ import annotations
 import os
 import re
 import time
-import traceback
 
 import msgspec
 
 from . import protocol
-from .calls import Calls
 from .cluster_probe import gcs_answers
 from .devices import Device
 from .dispatch import WorkerExited, WorkerMessage, WorkerStarted
 from .errors import PoolError, ProtocolError
-from .protocol import InitFailed, Ready, Snapshot, Task
+from .protocol import Ready
 from .ray_cluster import RayConnection
 from .ray_placement import describe_nodes, live_nodes, pack, place, plan_workers, raylet_answers, remove_group, show
 from .tasks import PoolStats
-from .worker import exception_summary, limit_threads, run_task, start_engine
+from .worker import limit_threads
+from .worker_core import WorkerCore
 
 
 REPLACE_POLL = 0.2  # seconds between looks at a waiting replacement's bundle
@@ -46,7 +45,8 @@ REPLACE_GRACE = 2.0  # seconds a replacement may find no node with room before t
 
 
 class RayWorker:
-    """The actor: one engine, built in ``__init__``, answering frames. Runs in an actor process."""
+    """The actor: a ``WorkerCore`` whose engine is built in ``__init__``, answering frames.
+    Runs in an actor process."""
 
     def __init__(self, device_json: bytes, engine_factory, max_frame: int):
         import ray
@@ -56,17 +56,11 @@ class RayWorker:
         limit_threads(self.device, pin_gpu=False)  # Ray chose the GPU: CUDA_VISIBLE_DEVICES is set
         where = {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                  "gpu_ids": [str(i) for i in ray.get_gpu_ids()], "pid": os.getpid()}
-        try:
-            engine, info = start_engine(engine_factory, self.device)
-        except Exception as exc:  # the parent raises it as WorkerError, as for a forked worker
-            self.calls = None
-            self.hello = protocol.frame(InitFailed(protocol.PROTOCOL_VERSION, os.getpid(), exception_summary(exc),
-                                                   traceback.format_exc()), max_frame)
-            return
-        self.calls = Calls(engine)
-        # The placement rides along under "ray"; the transport takes it out again, so
-        # worker_info is the engine's own report, as with forked workers.
-        self.hello = protocol.frame(Ready(protocol.PROTOCOL_VERSION, os.getpid(), {**info, "ray": where}), max_frame)
+        self.core = WorkerCore(engine_factory, self.device, max_frame)
+        # An engine that fails to start answers InitFailed: the parent raises it as WorkerError,
+        # as for a forked worker. The placement rides along under "ray"; the transport takes
+        # it out again, so worker_info is the engine's own report, as with forked workers.
+        self.hello = self.core.hello(ray=where)
 
     def __repr__(self) -> str:  # Ray's prefix of every line the actor prints: "(w3 cuda:3 pid=...)"
         device = getattr(self, "device", None)  # Ray may ask before __init__ ran
@@ -76,15 +70,8 @@ class RayWorker:
         return self.hello
 
     def run(self, frames: bytes) -> bytes:
-        reply = None
-        for msg in protocol.FrameReader(self.max_frame).feed(frames):
-            if isinstance(msg, Snapshot):
-                self.calls.add_snapshot(msg.key, msg.value, msg.evict)
-            elif isinstance(msg, Task):
-                reply = run_task(self.calls, msg, self.max_frame)
-            else:
-                raise ProtocolError(f"worker got unexpected {type(msg).__name__}")
-        return reply
+        """The reply to the Snapshot frames the actor lacks and the one Task frame after them."""
+        return b"".join(self.core.answer(body) for body in protocol.FrameReader(self.max_frame).bodies(frames))
 
 
 class RayTransport:
@@ -307,11 +294,23 @@ def _cause(exc: BaseException) -> str:
     """Ray's own explanation of a death, in one line and in full (it reports no exit code or
     signal): "The actor is dead because its worker process has died (Worker unexpectedly
     exits with a connection error code 2. End of file.)"; Ray's list of common causes and
-    the actor's repr are left out."""
-    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # no colour codes, one line
+    the actor's repr are left out. An actor that died in its creation task never reached
+    the engine (whose own failure to start is ``InitFailed``): Ray could not rebuild the actor
+    or its arguments on that node, and the last line of Ray's traceback says why."""
+    if getattr(exc, "actor_init_failed", False):
+        lines = [line.strip() for line in _plain(getattr(exc, "error_msg", "") or str(exc)).splitlines()]
+        last = next((line for line in reversed(lines) if line and not line.startswith("^")), type(exc).__name__)
+        return (f"the actor could not be created ({last}): Ray could not rebuild the worker or its engine factory "
+                "on that node; every node needs the same installation, the factory's module included")
+    text = " ".join(_plain(str(exc)).split())  # one line
     why = re.search(r"The actor (?:is dead|died) because .*?\.(?=\s|$)", text)
     detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text)
     if why is None:
         return f"{type(exc).__name__}: {text}"
     cause = why.group(0).rstrip(".")
     return f"{cause} ({detail.group(1).strip()})" if detail else cause
+
+
+def _plain(text: str) -> str:
+    """Ray's text without its colour codes."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

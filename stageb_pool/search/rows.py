@@ -62,12 +62,9 @@ class RolloutRow(msgspec.Struct):
     guidance_hash: str
 
 
-class CandidateRow(msgspec.Struct):
-    """``rule_candidates.jsonl``: one evaluated candidate. ``base_*`` are on the whole train
-    pool, ``cand_*`` on the tickets common to baseline and candidate (as upstream). The eval
-    columns compare like with like: with an eval rollout, ``eval_n``, ``eval_base_*`` and
-    ``eval_cand_*`` are all on the eval tickets both judged; without one, ``eval_base_*`` is
-    the whole eval baseline."""
+class CandidateRowHead(msgspec.Struct):
+    """The fields that open both candidate files' rows: when, which candidate, and what it
+    does (a row type's own fields follow these, in file order)."""
 
     timestamp: str
     iteration: int
@@ -78,6 +75,15 @@ class CandidateRow(msgspec.Struct):
     op: str
     target_signature: str | None
     target_signatures: list[str] | None  # null unless a merge, as upstream
+
+
+class CandidateRow(CandidateRowHead):
+    """``rule_candidates.jsonl``: one evaluated candidate. ``base_*`` are on the whole train
+    pool, ``cand_*`` on the tickets common to baseline and candidate (as upstream). The eval
+    columns compare like with like: with an eval rollout, ``eval_n``, ``eval_base_*`` and
+    ``eval_cand_*`` are all on the eval tickets both judged; without one, ``eval_base_*`` is
+    the whole eval baseline."""
+
     text: str | None
     rationale: str | None
     source: str
@@ -113,19 +119,10 @@ class CandidateRow(msgspec.Struct):
     reflection_id: str
 
 
-class RegressionRow(msgspec.Struct):
+class RegressionRow(CandidateRowHead):
     """``rule_search_candidate_regressions.jsonl``: a candidate's base-correct -> candidate-wrong
     tickets (``regression_count`` is the full count, ``regressions`` at most 50)."""
 
-    timestamp: str
-    iteration: int
-    candidate_index: int
-    mission: str
-    signature: str
-    candidate_id: str
-    op: str
-    target_signature: str | None
-    target_signatures: list[str] | None  # null unless a merge, as upstream
     decision: str
     regression_count: int
     regressions: list[dict]

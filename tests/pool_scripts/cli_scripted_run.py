@@ -12,7 +12,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]  # tests/, the checkout
 
-import scripted_engine as se  # noqa: E402
+from doubles import scripted_engine as se  # noqa: E402
 
 from stageb_pool.app import cli, job  # noqa: E402
 

@@ -14,10 +14,10 @@ import time
 
 # Token auth from the environment for every node and this driver (no ~/.ray/auth_token).
 os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]  # tests/, the checkout
 
-from engines import Uniform  # noqa: E402
+from doubles.pool_engines import Uniform  # noqa: E402
 from processes import gone  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 

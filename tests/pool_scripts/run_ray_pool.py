@@ -10,10 +10,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]  # tests/, the checkout
 
-from engines import Uniform, touch  # noqa: E402
+from doubles.pool_engines import Uniform, touch  # noqa: E402
 
 from stageb_pool import Pool  # noqa: E402
 

@@ -1,4 +1,8 @@
-"""Test doubles for the model engine: deterministic canned verdicts without a model.
+"""FakeEngine: an engine double whose verdicts follow the ticket text, with knobs for odd cases.
+
+For the audit, run-directory, headroom and rollout-runner tests (tests/test_audit.py,
+test_rundir.py, test_headroom.py, test_rollout.py), which need a judge without a model
+whose answers they can predict ticket by ticket, and cases a model rarely gives on demand.
 
 ``FakeEngine`` judges a ticket from its text: it fails a ticket whose summaries contain one
 of its ``fail_words`` (default: "missing") or a word named by a guidance rule of the form
@@ -6,10 +10,17 @@ of its ``fail_words`` (default: "missing") or a word named by a guidance rule of
 each sample flips its verdict with probability ``flip * temperature``, drawn from the
 chunk's work-derived seed plus the ticket key, so results never depend on a rank or on
 which worker ran the chunk. Tickets listed in ``drop_keys`` come back dropped (as if
-overlength), ``invalid_keys`` answer unparseable text, and ``max_prompt_tokens`` is
-honoured with a made-up token count (``prompt_tokens``). ``verdict_probabilities`` gives
-every ticket the same low P(pass), ``p_pass``: the judge of the embedded model, whose answer
-does not depend on the ticket.
+overlength), ``invalid_keys`` answer unparseable text, ``fail_on`` makes a chunk raise, and
+``max_prompt_tokens`` is honoured with a made-up token count (``prompt_tokens``).
+``verdict_probabilities`` gives every ticket the same low P(pass), ``p_pass``: the judge of
+the embedded model, whose answer does not depend on the ticket. ``chat`` always answers
+``chat_text`` (default: no operations), so a rule search with it edits nothing by default.
+
+How it differs from the other doubles: the scripted engine (``scripted_engine``) obeys the
+rule judge's "If any photo shows X, the verdict is fail." rules and follows a proposer
+script, for the rule search end to end; the pool engines (``pool_engines``) have no engine
+protocol at all, only methods for ``Pool.map``. Its tickets are
+``run_inputs.missing_part_records`` (the inputs of ``run_inputs.audit_inputs``).
 """
 
 from __future__ import annotations
@@ -124,67 +135,3 @@ def fake_factory(**kwargs):
         return FakeEngine(device, **kwargs)
 
     return build
-
-
-# ----------------------------------------------------------------- small run inputs for tests
-
-MISSION = "Demo mission"
-
-
-def demo_ticket_records(n: int = 24) -> list[dict]:
-    """``n`` Stage-A records: every third ticket has a missing part and is labelled fail.
-    A few are mislabelled so that a FakeEngine run (which judges the text) makes both
-    kinds of error: intact but labelled fail (i % 7 == 5: NG, a false release) and broken
-    but labelled pass (i % 5 == 3: NP, a false block). Every fifth mentions a scratch."""
-    records = []
-    for i in range(n):
-        broken = i % 3 == 0
-        label = "fail" if broken else "pass"
-        if i % 7 == 5 and not broken:
-            label = "fail"
-        if i % 5 == 3 and broken:
-            label = "pass"
-        per_image = {f"image_{j + 1}": f"cabinet {i} view {j}: bolts present" for j in range(1 + i % 3)}
-        if broken:
-            per_image["image_1"] = f"cabinet {i}: cover missing, cable loose"
-        if i % 5 == 2:
-            per_image["image_1"] += ", small scratch on door"
-        records.append({"mission": MISSION, "group_id": f"QC-{i:04d}", "label": label, "per_image": per_image})
-    return records
-
-
-def write_run_inputs(root, *, n_tickets: int = 24, model: str = "tiny", extra: str = "", records=None) -> str:
-    """Write tickets, seed guidance, a proposer prompt and an audit config under ``root``;
-    return the config path."""
-    import json
-    from pathlib import Path
-
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    rows = demo_ticket_records(n_tickets) if records is None else records
-    (root / "tickets.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    guidance = {MISSION: {"step": 0, "updated_at": "2026-01-01T00:00:00Z",
-                          "experiences": {"G0": "Check every cabinet for missing or loose parts."}}}
-    (root / "guidance.json").write_text(json.dumps(guidance))
-    (root / "proposer.txt").write_text("Propose rules as JSON.\n")
-    (root / "config.yaml").write_text(f"""\
-seed: 17
-mode: audit
-stage_a_paths: tickets.jsonl
-model: {{path: {model}}}
-prompt: {{profile: generic}}
-guidance: {{path: guidance.json}}
-output: {{root: out, run_name: run1}}
-runner: {{chunk_size: 4, logging_steps: 5}}
-rule_search:
-  proposer_prompt_path: proposer.txt
-  reflect_size: 4
-  train_sampler:
-    grid:
-      - {{temperature: 0.7, top_p: 0.9, max_new_tokens: 12, seed: 3}}
-      - {{temperature: 0.3, top_p: 0.9, max_new_tokens: 12}}
-    samples_per_decode: 2
-  eval_sampler:
-    grid: [{{temperature: 0.5, max_new_tokens: 12}}]
-{extra}""")
-    return str(root / "config.yaml")

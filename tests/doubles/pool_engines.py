@@ -1,4 +1,18 @@
-"""Test engines for the pool tests (imported by tests/test_pool*.py and the scripts here).
+"""Engines for the pool's own tests: plain methods that ``Pool.map`` calls by name.
+
+For the worker pool itself (tests/test_pool.py, test_ray.py, test_ray_faults.py and the
+driver scripts in tests/pool_scripts/): dispatch, order, shared snapshots, faults, restarts,
+signals and output, on the fork and the Ray backend. ``Engine`` squares, echoes, blocks,
+dies once, prints; ``Uniform`` reports the same ``info()`` on every worker (the Ray backend
+refuses workers whose engines differ) and ``OddOne`` does not; ``ExitsWhileStarting``,
+``FailingEngine`` and ``StartsWhenTheParentLeaves`` fail or stall while the engine starts.
+``touch`` and ``wait_for_path`` are the file signals the tests and these engines share.
+
+How they differ from the other doubles: they know nothing of tickets, guidance or the
+engine protocol (rollout, chat, verdict probabilities) that the fake engine
+(``fake_engine``) and the scripted engine (``scripted_engine``) speak for the audit and the
+rule search; and since the scripts and the Ray workers import them in processes of their
+own, they import nothing but the standard library and msgspec.
 
 Nothing here sleeps to synchronise: methods that must wait poll for a condition (a file)
 with a deadline, and methods that must "hang" block until they are killed.

@@ -1,13 +1,18 @@
-"""A scripted test engine for the rule search: it follows the guidance rules deterministically.
+"""ScriptedEngine: an engine double that obeys the guidance's rules and follows a proposer script.
 
-Tickets carry hidden features in their summaries (``rust``, ``crack``, ``dust``, ``clean``);
-a ticket's ground truth is fail iff it shows rust or crack. The verdicts are the package's
-rule judge (``stageb_pool.engine.rule_judge``, shared with the simulated engine): *fail* when
-a rule of the guidance says "If any photo shows <feature>, the verdict is fail." and the
-ticket shows that feature, else *pass*; then each sample flips with probability ``noise``,
-drawn from the chunk's work-derived seed and the ticket key (never from a rank, never from
-the guidance, so a baseline and its candidates see the same flips). A good rule
-(rust) really lowers the error, a harmful one (clean) really raises it. With a sampler's
+For the rule search end to end (tests/test_search.py, and the report, resume, interrupt,
+signal, run-owner, headroom and fuzz tests that need a real search to act on): a search
+with it accepts and rejects edits for real reasons, the same on any number of workers.
+
+Its tickets (``run_inputs.feature_records``, the inputs of ``run_inputs.search_inputs``)
+carry hidden features in their summaries (rust, crack, dust, clean); a ticket's ground
+truth is fail iff it shows rust or crack. The verdicts are the package's rule judge
+(``stageb_pool.engine.rule_judge``, shared with the simulated engine): *fail* when a rule of
+the guidance says "If any photo shows <feature>, the verdict is fail." and the ticket shows
+that feature, else *pass*; then each sample flips with probability ``noise``, drawn from
+the chunk's work-derived seed and the ticket key (never from a rank, never from the
+guidance, so a baseline and its candidates see the same flips). A good rule (rust) really
+lowers the error, a harmful one (clean) really raises it. With a sampler's
 ``max_prompt_tokens`` a ticket whose text plus guidance (a token per 4 characters) is longer
 is dropped, so a longer guidance drops more tickets.
 
@@ -22,6 +27,12 @@ which the search survives).
 ``verdict_probabilities`` is a judge that reads the tickets: P(pass) is lower the more
 damage features (rust, crack) a ticket shows, plus a little noise from the ticket key, so
 it separates the labels (the judge-headroom check says rules can move it).
+
+How it differs from the other doubles: the fake engine (``fake_engine``) judges by fixed
+words in the ticket text and its own "fail if <word>" rules (not the rule judge's), proposes
+no edit unless told what to answer, and has knobs for dropped, unparseable and failing
+chunks; the pool engines (``pool_engines``) have no engine protocol, only methods for
+``Pool.map``.
 """
 
 from __future__ import annotations
@@ -48,8 +59,6 @@ from stageb_pool.engine.records import (
 )
 from stageb_pool.stageb.hashing import content_hash, stable_seed
 
-MISSION = "Cabinet inspection"
-FEATURES = ("rust", "crack", "dust", "clean")
 _ITERATION = re.compile(r"/proposer/it(\d+)$")
 
 
@@ -174,70 +183,3 @@ def scripted_factory(holder: list | None = None, **kwargs):
         return engine
 
     return build
-
-
-# ----------------------------------------------------------------------------- run inputs
-
-def ticket_records(n: int = 80, seed: int = 5) -> list[dict]:
-    """``n`` Stage-A records with hidden features; fail iff rust or crack (never mislabelled,
-    so a perfect rule set reaches the noise floor)."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        feats = [f for f, p in (("rust", 0.2), ("crack", 0.15), ("dust", 0.3), ("clean", 0.35)) if rng.random() < p]
-        label = "fail" if ("rust" in feats or "crack" in feats) else "pass"
-        per_image = {"image_1": f"cabinet {i} front view" + "".join(f", {f} seen" for f in feats[:1]),
-                     "image_2": f"cabinet {i} side view" + "".join(f", {f} seen" for f in feats[1:])}
-        rows.append({"mission": MISSION, "group_id": f"CAB-{i:04d}", "label": label, "per_image": per_image})
-    return rows
-
-
-SEED_GUIDANCE = {
-    MISSION: {
-        "step": 0,
-        "updated_at": "2026-01-01T00:00:00+00:00",
-        "experiences": {"G0": "Check the cabinet for damage.", "G1": rule("dust")},
-    }
-}
-
-CONFIG = """\
-seed: 11
-mode: search
-stage_a_paths: tickets.jsonl
-model: {{path: tiny}}
-prompt: {{profile: generic}}
-guidance: {{path: guidance.json}}
-output: {{root: {out}, run_name: {run_name}}}
-runner: {{epochs: {epochs}, chunk_size: 8}}
-rule_search:
-  proposer_prompt_path: proposer.txt
-  reflect_size: 4
-  num_candidate_rules: 3
-  train_pool_size: {train_pool_size}
-  eval_pool_size: 20
-  gate:
-    min_relative_error_reduction: 0.1
-    max_changed_fraction: 0.5
-    max_fp_rate_increase: 0.05
-    bootstrap: {{iterations: 100, min_prob: 0.8}}
-  early_stop: {{patience: 2}}
-  train_sampler:
-    grid: [{{temperature: 0.7, top_p: 0.9, max_new_tokens: 16}}]
-    samples_per_decode: 3
-  eval_sampler:
-    grid: [{{temperature: 0.3, max_new_tokens: 16}}]
-{extra}"""
-
-
-def write_inputs(root, *, out: str = "out", run_name: str = "run", epochs: int = 8, train_pool_size: int = 512,
-                 extra: str = "", n_tickets: int = 80) -> str:
-    """Tickets, seed guidance, proposer prompt and config under ``root``; returns the config path."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "tickets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ticket_records(n_tickets)))
-    (root / "guidance.json").write_text(json.dumps(SEED_GUIDANCE))
-    (root / "proposer.txt").write_text("You learn inspection rules. Answer with JSON operations only.\n")
-    path = root / "config.yaml"
-    path.write_text(CONFIG.format(out=out, run_name=run_name, epochs=epochs, train_pool_size=train_pool_size,
-                                  extra=extra))
-    return str(path)
