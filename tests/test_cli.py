@@ -554,6 +554,15 @@ def test_group_sizes_that_do_not_fit_are_located_errors(fake_job, project, four_
         assert len(err.splitlines()) == 1 and where.format(command=command[0]) in err and words in err, err
 
 
+def test_a_bad_config_is_reported_before_a_bad_gpus_per_worker(fake_job, project, four_gpus, capsys):
+    """The plan reads the config before it takes the device options, as it always did: with both
+    wrong, the config's error is the one line."""
+    for command in ("run", "check"):
+        assert cli.main([command, str(project / "c.yaml"), "--gpus", "0-3", "--gpus-per-worker", "0",
+                         "--set", "seed=x"]) == 2
+        assert "c.yaml: seed: expected int" in capsys.readouterr().err
+
+
 def test_check_prints_the_worker_layout(project, four_gpus, capsys):
     cfg = str(project / "c.yaml")
     unmeasured = ["--set", "rule_search.train_sampler.max_prompt_tokens=null",  # no tokenizer: fast

@@ -237,11 +237,7 @@ def device_request(args):
 
     if args.gpus is None:
         return None
-    if args.gpus_per_worker is not None and not 1 <= args.gpus_per_worker <= 16:
-        # The same bound as the config key; checked here so the message names the option.
-        raise UsageError(f"argument --gpus-per-worker: must be from 1 to 16, got {args.gpus_per_worker}",
-                         f"stageb-pool {args.command}")
-    return DeviceRequest(args.gpus, args.gpus_per_worker, args.ray)
+    return DeviceRequest(args.gpus, args.gpus_per_worker, args.ray, command=f"stageb-pool {args.command}")
 
 
 def cmd_check(args) -> int:

@@ -31,6 +31,7 @@ from ..stageb import guidance as guidance_mod
 from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError
+from .cli import UsageError
 from .config import load_checked_config, with_mode
 from .identity import run_identity
 from .outputs import check_outputs
@@ -39,11 +40,13 @@ from .prompt_budget import refuse_unusable_prompts
 
 class DeviceRequest(msgspec.Struct, frozen=True):
     """A command's device options: the ``--gpus`` spec, ``--gpus-per-worker`` (None: the
-    config's ``model.gpus_per_worker``) and ``--ray``'s address (None: workers forked here)."""
+    config's ``model.gpus_per_worker``) and ``--ray``'s address (None: workers forked here);
+    ``command`` (``stageb-pool run``) is where a usage error in them is located."""
 
     gpus: str
     gpus_per_worker: int | None = None
     ray_address: str | None = None
+    command: str = "stageb-pool run"
 
 
 class RunInputs(msgspec.Struct):
@@ -127,6 +130,11 @@ def plan_run(config, *, audit: bool, config_path: str | None, devices: DeviceReq
     overwrite."""
     workers = None
     if devices is not None:
+        if devices.gpus_per_worker is not None and not 1 <= devices.gpus_per_worker <= 16:
+            # The same bound as the config key, checked here so that the message names the option;
+            # after the config is read, as the option's other checks are.
+            raise UsageError(f"argument --gpus-per-worker: must be from 1 to 16, got {devices.gpus_per_worker}",
+                             devices.command)
         config = with_gpus_per_worker(config, devices.gpus_per_worker)
         given = devices.gpus_per_worker is not None
         key = f"{os.path.abspath(config_path)}: model.gpus_per_worker" if config_path else "model.gpus_per_worker"
