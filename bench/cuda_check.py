@@ -95,12 +95,15 @@ def layouts(args) -> None:
 
     from stageb_pool import Pool
     from stageb_pool.engine.build import build_engine
+    from stageb_pool.engine.model_path import check_model_path
     from stageb_pool.pool.devices import Device
+
+    model = check_model_path(args.model)
 
     def factory(device):
         from stageb_pool.engine.build import build_engine
 
-        return build_engine(device, path=args.model)
+        return build_engine(device, model)
 
     chunks, verdicts, chat, shared = workload(args.tickets, args.chunk, args.max_new_tokens)
     rows = []
@@ -112,7 +115,7 @@ def layouts(args) -> None:
             def run(method, items, result_type, kw, pool=pool):
                 return pool.map(method, items, result_type=result_type, **kw)
             rows.append(run_layout(name, run, chunks, verdicts, chat, shared))
-    engine = build_engine(Device(kind, 0, 0, 4).in_this_process(), path=args.model)
+    engine = build_engine(Device(kind, 0, 0, 4).in_this_process(), model)
 
     def run(method, items, result_type, kw):
         return [getattr(engine, method)(item, **kw) for item in items]
@@ -171,12 +174,13 @@ def shapes(args) -> None:
 
     from stageb_pool.engine import chat_text, models
     from stageb_pool.engine.build import prepare_device
+    from stageb_pool.engine.model_path import check_model_path
     from stageb_pool.engine.transformers_engine import Engine
     from stageb_pool.pool.devices import Device
 
     device = Device("cpu" if args.cpu else "cuda", 0, 0, 4).in_this_process()
     prepare_device(device)
-    tokenizer = models.tokenizer_only("embedded")
+    tokenizer = models.tokenizer_only(check_model_path("embedded"))
     model = random_model(args.shape, len(tokenizer), device.torch_device)
     sync = torch.cuda.synchronize if device.kind == "cuda" else (lambda: None)
     params = sum(p.numel() for p in model.parameters())
@@ -216,8 +220,11 @@ def repeat(args) -> None:
     import msgspec
 
     from stageb_pool.engine.build import build_engine
+    from stageb_pool.engine.model_path import check_model_path
+    from stageb_pool.engine.records import EngineSettings
     from stageb_pool.pool.devices import Device
 
+    model = check_model_path(args.model)
     chunks, _, _, shared = workload(args.chunk, args.chunk, args.max_new_tokens)
     chunk = chunks[0]
     device = Device("cpu" if args.cpu else "cuda", 0, 0, 4).in_this_process()
@@ -242,7 +249,7 @@ def repeat(args) -> None:
         key = tuple(sorted(build.items()))
         if key not in engines:
             engines.clear()
-            engines[key] = build_engine(device, path=args.model, **build)
+            engines[key] = build_engine(device, model, EngineSettings(**build))
         engine = engines[key]
         work = msgspec.structs.replace(chunk, **change)
         engine.rollout(work, **shared)  # warm-up
@@ -260,7 +267,7 @@ def repeat(args) -> None:
     import cProfile
     import pstats
 
-    engine = build_engine(device, path=args.model)
+    engine = build_engine(device, model)
     profile = cProfile.Profile()
     profile.runcall(engine.rollout, chunk, **shared)
     pstats.Stats(profile).sort_stats("tottime").print_stats(18)

@@ -62,13 +62,16 @@ def workload(args):
 
 
 def engine_factory(model: str, engine: str = "transformers"):
+    from stageb_pool.engine.model_path import check_model_path
+
+    checked = check_model_path(model)  # in the parent, as a run checks it
+
     def build(device):
         from stageb_pool.engine.build import build_engine
-
-        from stageb_pool.engine.records import VllmSettings
+        from stageb_pool.engine.records import EngineSettings, VllmSettings
 
         # the same threads for both engines (the vLLM default pins CPU workers to one)
-        return build_engine(device, path=model, engine=engine, vllm=VllmSettings(cpu_threads=device.threads))
+        return build_engine(device, checked, EngineSettings(engine=engine, vllm=VllmSettings(cpu_threads=device.threads)))
 
     return build
 

@@ -41,14 +41,15 @@ def visible_gpus() -> int:
     return count_gpus()
 
 
-def whole_engine(device, path: str, dtype: str | None):
-    """(a) and (c): the engine as a run builds it."""
+def whole_engine(device, model, dtype: str | None):
+    """(a) and (c): the engine as a run builds it (``model``: a checked ModelRef)."""
     from stageb_pool.engine.build import build_engine
+    from stageb_pool.engine.records import EngineSettings
 
-    return build_engine(device, path=path, dtype=dtype)
+    return build_engine(device, model, EngineSettings(dtype=dtype))
 
 
-def split_engine(device, path: str, dtype: str | None):
+def split_engine(device, model, dtype: str | None):
     """(b): the engine of a group worker, the layer map forced even for a one-GPU group."""
     from stageb_pool.engine import build, models
     from stageb_pool.engine.transformers_engine import Engine
@@ -57,9 +58,9 @@ def split_engine(device, path: str, dtype: str | None):
     build.prepare_device(device)
     dtype = dtype or models.default_dtype(device.kind)
     attn = models.default_attn_implementation(device.kind, dtype)
-    model, tokenizer, name = models.load(path, dtype=dtype, attn_implementation=attn, shard_over=device.torch_devices)
-    engine = Engine(model, tokenizer, device, model_path=models.check_model_path(path), model_name=name)
-    engine.layer_map = {k: str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()}
+    loaded, tokenizer = models.load(model, dtype=dtype, attn_implementation=attn, shard_over=device.torch_devices)
+    engine = Engine(loaded, tokenizer, device, model_path=model.path, model_name=model.name)
+    engine.layer_map = {k: str(v) for k, v in (getattr(loaded, "hf_device_map", None) or {}).items()}
     return engine
 
 
@@ -87,10 +88,11 @@ def run_layout(name: str, factory, gpus: str, gpus_per_worker: int, args) -> tup
     import msgspec
 
     from stageb_pool import Pool
+    from stageb_pool.engine.model_path import check_model_path
     from stageb_pool.engine.records import ChunkResult
 
     chunks, guidance, profile = workload(args)
-    build = functools.partial(factory, path=args.model, dtype=args.dtype)
+    build = functools.partial(factory, model=check_model_path(args.model), dtype=args.dtype)
     with Pool(build, gpus=gpus, gpus_per_worker=gpus_per_worker, start_timeout=600) as pool:
         results = pool.map("rollout", chunks, guidance=guidance, profile=profile, result_type=ChunkResult)
         info = pool.worker_info[0]

@@ -186,3 +186,38 @@ def test_without_a_distill_size_the_log_says_the_export_is_off(tmp_path, caplog)
     run = fake_audit(tmp_path, n=6)
     assert not (run / "distill_chatml.jsonl").exists() and read_json(run / "summary.json")["distillation"] is None
     assert "distillation: off" in caplog.text
+
+
+def test_a_cli_run_checks_the_model_path_once_in_the_parent(tmp_path):
+    """model.path is checked once per run, in the parent (the plan's config load); the prompt
+    check's helper and the workers load the ModelRef they are given. A whole CLI audit with the
+    tiny model on two forked workers, each call of check_model_path in any process written down
+    with its pid."""
+    import os
+    import subprocess
+    import sys
+
+    config = audit_inputs(tmp_path / "in", n_tickets=8)
+    calls = tmp_path / "calls.txt"
+    script = f"""
+import os, sys
+from stageb_pool.engine import model_path
+
+checked = model_path.check_model_path
+
+def counted(path):
+    with open({str(calls)!r}, "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    return checked(path)
+
+model_path.check_model_path = counted  # before any other module of ours is imported: all see it
+from stageb_pool.app import cli
+print(os.getpid(), flush=True)
+sys.exit(cli.main(["--gpus", "cpu:2", {config!r}, "--audit", "--log-level", "warning"]))
+"""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parent = proc.stdout.split()[0]
+    assert calls.read_text().split() == [parent]

@@ -1,7 +1,7 @@
 """The stageb-pool command end to end in subprocesses (no model needed): exit codes,
 one-line errors without tracebacks, --gpus errors, check, diff, and that bad input never
 touches an existing run directory. The exit-code mapping of run failures is tested
-in-process with run_job replaced."""
+in-process with job.run_plan replaced."""
 
 from __future__ import annotations
 
@@ -361,25 +361,33 @@ def test_diff_of_a_missing_directory_is_exit_2(tmp_path):
     assert_one_line_error(run_cli("diff", str(tmp_path), str(tmp_path / "nope")), 2, "no such directory")
 
 
-# --- run: exit codes (run_job replaced; the real runs are the end-to-end tests) ------------
+# --- run: exit codes (run_plan replaced; the real runs are the end-to-end tests) -----------
 
 
 @pytest.fixture
 def fake_job(monkeypatch):
+    """``job.run_plan`` replaced: each call records the plan's config and devices and the run's
+    options (with the plan's mode, config file and Ray address among them). The plan's prompt
+    check is left out too: it loads the model's tokenizer in a forked helper (seconds a call),
+    and has tests of its own (test_a_model_without_a_chat_template_is_refused_...)."""
     import stageb_pool.app.job as job
+    import stageb_pool.app.plan as plan
 
+    monkeypatch.setattr(plan, "refuse_unusable_prompts", lambda config, inputs: None)
     calls = []
 
     def install(behaviour):
-        def fake_run_job(config, devices, **kwargs):
-            calls.append((config, devices, kwargs))
+        def fake_run_plan(plan, **kwargs):
+            calls.append((plan.config, plan.devices, dict(kwargs, audit=plan.config.mode == "audit",
+                                                          config_path=plan.config_path,
+                                                          ray_address=plan.ray_address)))
             return behaviour()
-        monkeypatch.setattr(job, "run_job", fake_run_job)
+        monkeypatch.setattr(job, "run_plan", fake_run_plan)
         return calls
     return install
 
 
-def test_run_passes_flags_to_run_job(fake_job, project):
+def test_run_passes_flags_to_the_job(fake_job, project):
     calls = fake_job(lambda: 0)
     code = cli.main(["--gpus", "cpu:2", str(project / "c.yaml"), "--audit", "--resume", "--wait",
                      "--set", "runner.epochs=1"])
@@ -546,6 +554,15 @@ def test_group_sizes_that_do_not_fit_are_located_errors(fake_job, project, four_
         assert len(err.splitlines()) == 1 and where.format(command=command[0]) in err and words in err, err
 
 
+def test_a_bad_config_is_reported_before_a_bad_gpus_per_worker(fake_job, project, four_gpus, capsys):
+    """The plan reads the config before it takes the device options, as it always did: with both
+    wrong, the config's error is the one line."""
+    for command in ("run", "check"):
+        assert cli.main([command, str(project / "c.yaml"), "--gpus", "0-3", "--gpus-per-worker", "0",
+                         "--set", "seed=x"]) == 2
+        assert "c.yaml: seed: expected int" in capsys.readouterr().err
+
+
 def test_check_prints_the_worker_layout(project, four_gpus, capsys):
     cfg = str(project / "c.yaml")
     unmeasured = ["--set", "rule_search.train_sampler.max_prompt_tokens=null",  # no tokenizer: fast
@@ -587,18 +604,20 @@ def test_the_memory_budget_reads_headers_only_and_warns_when_a_group_is_too_smal
     from stageb_pool.app.config import load_config
     from stageb_pool.app.describe import memory_lines
     from stageb_pool.app.memory_budget import weight_bytes
+    from stageb_pool.engine.model_path import check_model_path
     from stageb_pool.pool.devices import parse_gpus
 
     ckpt = write_checkpoint(tmp_path / "ckpt")
     assert weight_bytes(ckpt, "bfloat16") == 2000 and weight_bytes(ckpt, "float32") == 4000
     assert weight_bytes(write_gguf(tmp_path / "m.gguf"), "bfloat16") == 2000  # dequantised to the dtype
     cfg = load_config(REPO / "configs" / "demo.yaml")
-    pairs = memory_lines(cfg, str(ckpt), parse_gpus("0-3", gpus_per_worker=2))  # 2000 B on 2 x 1000 B
+    model = check_model_path(str(ckpt))
+    pairs = memory_lines(cfg, model, parse_gpus("0-3", gpus_per_worker=2))  # 2000 B on 2 x 1000 B
     assert pairs[0] == ("memory", "weights ~0.0 GiB per worker; a group of 2 GPUs has 0.0 GiB")
     assert pairs[1][0] == "  WARNING" and "will not fit one group: it needs 100% of its GPU memory" in pairs[1][1]
-    [(_, line)] = memory_lines(cfg, str(ckpt), parse_gpus("0-3", gpus_per_worker=4))
+    [(_, line)] = memory_lines(cfg, model, parse_gpus("0-3", gpus_per_worker=4))
     assert line.endswith("(fits, 50%)")
-    assert memory_lines(cfg, str(ckpt), parse_gpus("cpu:2")) == []  # CPU workers: no GPU memory to compare
+    assert memory_lines(cfg, model, parse_gpus("cpu:2")) == []  # CPU workers: no GPU memory to compare
 
 
 def test_the_gguf_tensor_table_reader_counts_what_the_gguf_package_counts():

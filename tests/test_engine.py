@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from stageb_pool.engine.build import build_engine
+from stageb_pool.engine.model_path import check_model_path
 from stageb_pool.engine.records import (
     ChatRequest,
     ChunkResult,
     Decode,
+    EngineSettings,
     RolloutChunk,
     TicketText,
     VerdictChunk,
@@ -36,6 +38,7 @@ GREEDY = Decode(temperature=0.0, max_new_tokens=12)
 # Threads stay at 1 in this process: a parent that computed with more OpenMP threads makes
 # later forked workers hang (see conftest.py).
 CPU = Device("cpu", 0, 0, threads=1)
+TINY = check_model_path("tiny")
 
 
 def ticket(i: int, extra: int = 0) -> TicketText:
@@ -72,7 +75,7 @@ def profile():
 
 @pytest.fixture(scope="module")
 def engine():
-    return build_engine(CPU, path="tiny")
+    return build_engine(CPU, TINY)
 
 
 def rollout(engine, ch, profile, guidance=GUIDANCE) -> ChunkResult:
@@ -114,9 +117,9 @@ def test_token_ids_only_when_asked(engine, profile):
 def test_chunk_results_do_not_depend_on_order_or_interleaving(profile):
     """What a worker did before (other chunks, chats, other guidance) never changes a chunk."""
     chunks = chunks_of(TICKETS, 4, grid=[SAMPLED, GREEDY], spd=2)
-    first = build_engine(CPU, path="tiny")
+    first = build_engine(CPU, TINY)
     in_order = [stable(rollout(first, c, profile)) for c in chunks]
-    second = build_engine(CPU, path="tiny")
+    second = build_engine(CPU, TINY)
     shuffled = {}
     for c in (chunks[2], chunks[0]):
         shuffled[c.chunk_index] = stable(rollout(second, c, profile))
@@ -224,11 +227,11 @@ def test_prompt_of_exactly_the_limit_is_kept(engine, profile):
 
 
 def test_a_configured_stop_token_ends_the_sample_and_the_text(profile):
-    plain = build_engine(CPU, path="tiny")
+    plain = build_engine(CPU, TINY)
     greedy = rollout(plain, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
     assert greedy.finish_reason == "length"
     stop_token = plain.tokenizer.convert_ids_to_tokens(greedy.token_ids[4])
-    stopping = build_engine(CPU, path="tiny", stop=[stop_token])
+    stopping = build_engine(CPU, TINY, EngineSettings(stop=[stop_token]))
     assert stopping.text.stop_strings == ["<|im_end|>", "<|endoftext|>", stop_token]
     s = rollout(stopping, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
     first = greedy.token_ids.index(greedy.token_ids[4])
@@ -243,7 +246,7 @@ def test_a_multi_token_stop_string_ends_the_sample_and_cuts_the_text(engine, pro
     # Two consecutive generated tokens whose text is clean and is not itself one token.
     candidates = [(a, tok.decode(ids[a:a + 2])) for a in range(2, 8)]
     a, stop = next((a, s) for a, s in candidates if "\ufffd" not in s and s.strip() and s not in tok.get_vocab())
-    stopping = build_engine(CPU, path="tiny", stop=[stop])
+    stopping = build_engine(CPU, TINY, EngineSettings(stop=[stop]))
     s = rollout(stopping, chunk(0, TICKETS[1:2], [GREEDY]), profile).tickets[0].samples[0]
     assert s.finish_reason == "stop"
     assert s.token_ids == ids[: a + 2] and s.completion_tokens == a + 2
@@ -253,7 +256,7 @@ def test_a_multi_token_stop_string_ends_the_sample_and_cuts_the_text(engine, pro
 @pytest.mark.parametrize("extra", [[], ["\n\n"], ["<|im_end|>", "Reason:"]], ids=["none", "newlines", "repeat"])
 def test_configured_stops_add_to_the_end_of_turn_tokens(engine, profile, monkeypatch, extra):
     """model.stop adds stops (upstream): the end-of-turn tokens always stop generation."""
-    stopping = build_engine(CPU, path="tiny", stop=extra)
+    stopping = build_engine(CPU, TINY, EngineSettings(stop=extra))
     defaults = ["<|im_end|>", "<|endoftext|>"]
     assert stopping.text.stop_strings == list(dict.fromkeys(defaults + extra))
     seen = []
@@ -579,8 +582,8 @@ def test_a_verdict_chunk_does_not_depend_on_what_the_worker_did_before(profile):
     """The same chunk on a fresh engine and on one that ran rollouts, chats and other verdict
     chunks first gives the same bytes (wall clock aside): one batch, in its own order."""
     target = VerdictChunk(1, TICKETS[4:8], None)
-    fresh = build_engine(CPU, path="tiny").verdict_probabilities(target, guidance=GUIDANCE, profile=profile)
-    busy = build_engine(CPU, path="tiny")
+    fresh = build_engine(CPU, TINY).verdict_probabilities(target, guidance=GUIDANCE, profile=profile)
+    busy = build_engine(CPU, TINY)
     rollout(busy, chunk(0, TICKETS[:4], [SAMPLED]), profile)
     busy.chat(ChatRequest("sys", "head", ["ex"], "tail", SAMPLED, "7/proposer/it1"))
     verdicts_of(busy, TICKETS[:4], profile, guidance={"G0": "another rule"})
@@ -641,10 +644,70 @@ def test_info_records_what_determinism_depends_on(engine):
     msgspec.json.encode(info)  # travels over the pool as JSON
 
 
+def fake_cuda(monkeypatch):
+    """torch's CUDA facts as a GPU worker would read them, on a machine without one."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Fake GPU")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+
+
+def test_the_transformers_provenance_keeps_its_keys_values_and_order(engine, monkeypatch):
+    """info() is hashed into every rollout cache key and written to run.json: its keys, values
+    and their order are pinned (a reorder alone would change every cache key)."""
+    import importlib.metadata
+
+    import transformers
+
+    versions = {"torch": str(torch.__version__), "transformers": transformers.__version__}
+    stop = engine.text.stop_strings
+    llguidance = importlib.metadata.version("llguidance")
+    assert list(engine.info().items()) == [
+        ("engine", "transformers"), *versions.items(), ("device", "cpu"), ("dtype", "float32"),
+        ("model_path", "tiny"), ("model", "tiny-qwen2"), ("attn_implementation", "sdpa"), ("stop", stop),
+        ("llguidance", llguidance)]
+    fake_cuda(monkeypatch)
+    grouped = Engine(engine.model, engine.tokenizer, Device("cuda", 0, 0, group=(0, 1)), model_path="/m",
+                     model_name="m")
+    assert list(grouped.info().items()) == [
+        ("engine", "transformers"), *versions.items(), ("device", "Fake GPU"), ("cuda", "12.8"), ("cudnn", 91002),
+        ("dtype", "float32"), ("model_path", "/m"), ("model", "m"), ("attn_implementation", "sdpa"),
+        ("stop", stop), ("llguidance", llguidance), ("gpus_per_worker", 2), ("sharding", "layers")]
+
+
+def test_the_vllm_provenance_keeps_its_keys_values_and_order(engine, monkeypatch):
+    """The same pin for the vLLM engine, with a stand-in vllm module (info() reads only its
+    version), so it holds where vllm is not installed."""
+    import importlib.metadata
+    import types
+
+    import transformers
+
+    from stageb_pool.engine.vllm_engine import VllmEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.0.test"))
+    versions = {"vllm": "0.0.test", "torch": str(torch.__version__), "transformers": transformers.__version__}
+    llguidance = importlib.metadata.version("llguidance")
+    settings = {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1.0, "threads": 1}
+    one = VllmEngine(None, engine.tokenizer, CPU, model_path="tiny", model_name="tiny-qwen2-h32", settings=settings)
+    stop = one.text.stop_strings
+    assert list(one.info().items()) == [
+        ("engine", "vllm"), *versions.items(), ("device", "cpu"), ("dtype", "float32"), ("model_path", "tiny"),
+        ("model", "tiny-qwen2-h32"), ("stop", stop), ("llguidance", llguidance), ("vllm_settings", settings)]
+    fake_cuda(monkeypatch)
+    grouped = VllmEngine(None, engine.tokenizer, Device("cuda", 0, 0, group=(0, 1)), model_path="/m", model_name="m",
+                         stop=["END"], settings=dict(settings, dtype="bfloat16", tensor_parallel_size=2))
+    assert list(grouped.info().items()) == [
+        ("engine", "vllm"), *versions.items(), ("device", "Fake GPU"), ("cuda", "12.8"), ("cudnn", 91002),
+        ("dtype", "bfloat16"), ("model_path", "/m"), ("model", "m"), ("stop", grouped.text.stop_strings),
+        ("llguidance", llguidance), ("vllm_settings", dict(settings, dtype="bfloat16", tensor_parallel_size=2)),
+        ("gpus_per_worker", 2), ("sharding", "tensor_parallel")]
+    assert grouped.text.stop_strings[-1] == "END"
+
+
 def test_a_saved_checkpoint_directory_loads_and_generates_like_the_original(engine, profile, tmp_path):
     engine.model.save_pretrained(tmp_path)
     engine.tokenizer.save_pretrained(tmp_path)
-    loaded = build_engine(CPU, path=str(tmp_path))
+    loaded = build_engine(CPU, check_model_path(str(tmp_path)))
     assert loaded.info()["model_path"] == str(tmp_path.resolve())
     ch = chunk(0, TICKETS[:3], [SAMPLED, GREEDY])
     assert stable(rollout(loaded, ch, profile)) == stable(rollout(engine, ch, profile))
@@ -657,7 +720,7 @@ def test_a_corrupt_checkpoint_fails_construction_with_a_line_naming_the_path(eng
     if weights is not None:
         (tmp_path / "model.safetensors").write_bytes(weights)
     with pytest.raises(InputError) as info:
-        build_engine(CPU, path=str(tmp_path))
+        build_engine(CPU, check_model_path(str(tmp_path)))
     assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
 
 
@@ -666,7 +729,7 @@ def test_a_checkpoint_without_chat_template_is_refused_at_construction(engine, t
     engine.tokenizer.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink()
     with pytest.raises(InputError, match="chat template") as info:
-        build_engine(CPU, path=str(tmp_path))
+        build_engine(CPU, check_model_path(str(tmp_path)))
     assert str(tmp_path) in str(info.value)
 
 
@@ -683,10 +746,25 @@ def test_an_injected_model_generates_like_the_built_engine(engine, profile):
 
 def test_unknown_dtype_is_an_input_error():
     with pytest.raises(InputError, match="dtype"):
-        build_engine(CPU, path="tiny", dtype="float13")
+        build_engine(CPU, TINY, EngineSettings(dtype="float13"))
 
 
 # ---------------------------------------------------------------- engine choice (parent side)
+
+
+def test_the_engine_settings_are_the_model_section_less_what_the_parent_resolves():
+    """A worker builds its engine from the config's model section as an EngineSettings: every
+    key but path (the plan's ModelRef) and gpus_per_worker (the devices), none forgotten."""
+    from stageb_pool.app.config import ModelConfig
+    from stageb_pool.app.job import engine_settings
+    from stageb_pool.engine.records import SimulatedSettings, VllmSettings
+
+    section = ModelConfig(path="tiny", dtype="float16", attn_implementation="eager", trust_remote_code=True,
+                          stop=["END"], engine="simulated", vllm=VllmSettings(kv_cache_gib=2.0), gpus_per_worker=2,
+                          simulated=SimulatedSettings(noise=0.5))
+    fields = msgspec.structs.asdict(section)
+    del fields["path"], fields["gpus_per_worker"]
+    assert msgspec.structs.asdict(engine_settings(section)) == fields
 
 
 def test_the_vllm_engine_needs_vllm_installed_and_says_where_to_get_it(monkeypatch):
@@ -735,13 +813,13 @@ def tiny_factory(device):
     # Inline engines run in this test process: keep it single-threaded (see CPU above).
     if device.kind == "cpu":
         device = msgspec.structs.replace(device, threads=1)
-    return build_engine(device, path="tiny")
+    return build_engine(device, TINY)
 
 
 def pool_rollout(gpus, chunks, profile, *, inline=False) -> list[bytes]:
     from stageb_pool import Pool
 
-    with Pool(tiny_factory if inline else (lambda d: build_engine(d, path="tiny")), gpus=gpus, inline=inline) as pool:
+    with Pool(tiny_factory if inline else (lambda d: build_engine(d, TINY)), gpus=gpus, inline=inline) as pool:
         results = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
         assert all(info["model"] == "tiny-qwen2" for info in pool.worker_info)
     return [stable(r) for r in results]
@@ -767,8 +845,9 @@ def test_a_bad_model_path_fails_the_pool_naming_the_path(tmp_path):
     from stageb_pool import Pool, WorkerError
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    model = check_model_path(str(tmp_path))  # a checkpoint by its config.json: the worker's load fails
     with pytest.raises(WorkerError) as info:
-        Pool(lambda d: build_engine(d, path=str(tmp_path)), gpus="cpu:1", start_timeout=120)
+        Pool(lambda d: build_engine(d, model), gpus="cpu:1", start_timeout=120)
     assert str(tmp_path) in str(info.value)
 
 
@@ -786,7 +865,7 @@ def test_embedded_model_end_to_end_identical_on_1_and_2_workers(model_cache, pro
 
     results = {}
     for gpus in ("cpu:2", "cpu:1"):
-        with Pool(lambda d: build_engine(d, path="embedded"), gpus=gpus, start_timeout=600) as pool:
+        with Pool(lambda d: build_engine(d, check_model_path("embedded")), gpus=gpus, start_timeout=600) as pool:
             info = pool.worker_info[0]
             results[gpus] = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
     assert info["model"] == "SmolLM2-135M-Instruct" and info["dtype"] == "float32"
@@ -818,13 +897,13 @@ def test_the_tiny_model_split_over_a_device_map_gives_the_same_bytes(engine, pro
     determinism contract allows to differ between group sizes (docs/usage.md)."""
     from stageb_pool.engine import models, sharding
 
-    model, tokenizer, name = models.load("tiny", dtype="float32", attn_implementation="sdpa",
+    model, tokenizer = models.load(TINY, dtype="float32", attn_implementation="sdpa",
                                          shard_over=["cpu", "cpu"])
     assert set(sharding.layer_split_map(model, ["cpu:a", "cpu:b"]).items()) >= {
         ("model.layers.0", "cpu:a"), ("model.layers.1", "cpu:b"), ("model.embed_tokens", "cpu:a"),
         ("model.norm", "cpu:b"), ("lm_head", "cpu:a")}  # the tied head stays with the embeddings
     assert hasattr(model.model.layers[0], "_hf_hook")  # dispatched, not merely moved
-    sharded = Engine(model, tokenizer, CPU, model_name=name)
+    sharded = Engine(model, tokenizer, CPU, model_name=TINY.name)
     for ch in chunks_of(TICKETS[:6], size=3, grid=(SAMPLED, GREEDY)):
         assert stable(rollout(sharded, ch, profile)) == stable(rollout(engine, ch, profile))
 
@@ -861,9 +940,9 @@ def group_engine_on_cpu(device):
     per GPU of the worker's group (a faked GPU listing: no GPU is touched)."""
     from stageb_pool.engine import models
 
-    model, tokenizer, name = models.load("tiny", dtype="float32", attn_implementation="sdpa",
+    model, tokenizer = models.load(TINY, dtype="float32", attn_implementation="sdpa",
                                          shard_over=["cpu"] * device.group_size)
-    return Engine(model, tokenizer, Device("cpu", device.index, device.rank, device.threads), model_name=name)
+    return Engine(model, tokenizer, Device("cpu", device.index, device.rank, device.threads), model_name=TINY.name)
 
 
 def test_a_group_size_gives_the_same_bytes_on_one_group_and_on_two(engine, profile, monkeypatch):

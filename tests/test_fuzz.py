@@ -225,7 +225,10 @@ POOL_REFUSES_HOSTILE_SPECS = hasattr(devices, "MAX_CPU_WORKERS")
                                   "0-", "-1", ",", "0,,1", " 0", "cuda:0", "٣", "0-99999999999", "cpu:1e3", "all",
                                   "\x00", "cpu:" + "9" * 5000]), st.text(max_size=12)))
 def test_any_gpus_spec(spec):
-    with workspace() as ws, mock.patch("stageb_pool.app.job.run_job", return_value=0):
+    # The run is replaced (and the plan's prompt check, which loads the tokenizer in a helper):
+    # the spec is refused in one located line, or planned into devices and handed to the job.
+    with workspace() as ws, mock.patch("stageb_pool.app.job.run_plan", return_value=0), \
+            mock.patch("stageb_pool.app.plan.refuse_unusable_prompts"):
         run_main(ws, ["--gpus", spec, "config.yaml"])
 
 

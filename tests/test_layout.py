@@ -321,3 +321,25 @@ def test_the_worker_host_check_catches_a_host_with_a_dispatch_of_its_own():
               "    if isinstance(msg, protocol.Snapshot):\n"
               "        pass\n")
     assert request_handling(ast.parse(source)) == ["line 2: calls engine_factory()", "line 4: Snapshot"]
+
+
+def test_the_worker_side_engine_modules_never_check_a_model_path():
+    """The parent checks model.path once (``model_path.check_model_path``, in the run plan) and
+    sends the ModelRef it gives to the workers, which load it as it is: no engine module but
+    ``model_path`` itself names the check (a call, an import or a reference)."""
+    found = []
+    for path in sorted(ENGINE.glob("*.py")):
+        if path.name == "model_path.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Name):
+                name = node.id
+            elif isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, ast.alias):
+                name = node.name
+            else:
+                continue
+            if name == "check_model_path":
+                found.append(f"engine/{path.name}:{node.lineno}")
+    assert not found, found

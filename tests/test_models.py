@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from stageb_pool.engine import model_path, models
@@ -21,9 +22,20 @@ def one_line_error(path) -> str:
 
 
 def test_named_models_resolve_to_themselves():
-    assert model_path.check_model_path("tiny") == "tiny"
-    assert model_path.check_model_path("embedded") == "embedded"
+    assert model_path.check_model_path("tiny") == model_path.ModelRef("tiny", "tiny", "tiny-qwen2")
+    assert model_path.check_model_path("embedded") == model_path.ModelRef("embedded", "embedded", "SmolLM2-135M-Instruct")
     assert model_path.embedded_gguf_path().read_bytes()[:4] == b"GGUF"
+
+
+def test_a_checked_model_travels_to_the_workers_as_it_is(tmp_path):
+    """The ModelRef the parent checked is what the engine factory sends: a frozen value that
+    encodes and decodes unchanged (the Ray backend ships it; a fork inherits it)."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    for ref in (model_path.check_model_path("tiny"), model_path.check_model_path(str(tmp_path / "ckpt"))):
+        assert msgspec.json.decode(msgspec.json.encode(ref), type=model_path.ModelRef) == ref
+        with pytest.raises(AttributeError):
+            ref.path = "elsewhere"
 
 
 def test_embedded_without_package_names_the_package(monkeypatch):
@@ -57,7 +69,7 @@ def test_gguf_files_are_checked_by_magic(tmp_path):
     assert str(bad) in text and "GGUF" in text
     good = tmp_path / "other.GGUF"
     good.write_bytes(b"GGUF" + b"\x00" * 16)
-    assert model_path.check_model_path(str(good)) == str(good.resolve())
+    assert model_path.check_model_path(str(good)) == model_path.ModelRef("gguf", str(good.resolve()), "other.GGUF")
 
 
 def test_a_config_json_nested_too_deep_is_located_not_a_recursion_error(tmp_path):
@@ -98,7 +110,7 @@ def test_checkpoint_dir_resolves_to_absolute_path(tmp_path, monkeypatch):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     monkeypatch.chdir(tmp_path)
-    assert model_path.check_model_path("ckpt") == str((tmp_path / "ckpt").resolve())
+    assert model_path.check_model_path("ckpt") == model_path.ModelRef("checkpoint", str((tmp_path / "ckpt").resolve()), "ckpt")
 
 
 def test_check_model_path_does_not_import_torch():
@@ -214,23 +226,25 @@ def test_the_tiny_checkpoint_on_disk_has_head_size_32_and_the_tiny_tokenizer(mod
     the head size vLLM's CPU attention accepts, saved once into the cache."""
     from stageb_pool.engine import tiny
 
-    folder = models.checkpoint_dir("tiny")
+    tiny_model = model_path.check_model_path("tiny")
+    folder = models.checkpoint_dir(tiny_model)
     config = json.loads((folder / "config.json").read_text())
     assert config["hidden_size"] // config["num_attention_heads"] == 32
-    assert folder.parent == model_cache and models.checkpoint_dir("tiny") == folder
+    assert folder.parent == model_cache and models.checkpoint_dir(tiny_model) == folder
     text = "Verdict: pass\nReason: the mounting bolt is tight."
     assert models.load_tokenizer(folder)(text)["input_ids"] == tiny.build_tokenizer()(text)["input_ids"]
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 16)
     with pytest.raises(InputError, match="not .gguf"):
-        models.checkpoint_dir(str(gguf))
+        models.checkpoint_dir(model_path.check_model_path(str(gguf)))
 
 
 def test_the_embedded_conversion_and_its_tokenizer_leave_no_thread_behind(tmp_path):
     """tqdm's monitor thread (the GGUF conversion's progress bar) would make the process unfit
     to fork a pool from later: ``check`` loads the tokenizer in the CLI's own process, and an
     inline pool or a test converts the model in the parent."""
-    code = ("import threading; from stageb_pool.engine import models; models.tokenizer_only('embedded'); "
+    code = ("import threading; from stageb_pool.engine import model_path, models; "
+            "models.tokenizer_only(model_path.check_model_path('embedded')); "
             "models.ensure_embedded(); print(sorted(t.name for t in threading.enumerate()))")
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, STAGEB_POOL_CACHE=str(tmp_path)),
                           capture_output=True, text=True, timeout=600)

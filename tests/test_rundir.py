@@ -18,7 +18,7 @@ from stageb_pool import PoolError, __version__
 from stageb_pool.app.describe import describe
 from stageb_pool.app.config import load_config
 from stageb_pool.app.job import run_job
-from stageb_pool.app.plan import load_inputs
+from stageb_pool.app.plan import load_inputs, plan_command
 from stageb_pool.pool.devices import parse_gpus
 from stageb_pool.search.fileio import read_json
 from stageb_pool.search.rundir import (
@@ -333,7 +333,7 @@ def test_ticket_data_cannot_move_the_run_outside_output_root(tmp_path, mission):
     assert all(root in p.parents or p == root for p in created), sorted(created)
     assert not (escapes and naive.exists()), naive
     # (the mission is in every prompt: a 5,000-character one is over the default token cap)
-    assert str(run) in describe(cfg_path, ["rule_search.train_sampler.max_prompt_tokens=null"], audit=True)
+    assert str(run) in describe(plan_command(cfg_path, ["rule_search.train_sampler.max_prompt_tokens=null"], audit=True))
 
 
 def test_a_run_directory_behind_a_symlink_out_of_output_root_is_refused(tmp_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from stageb_pool.search import fileio
-from stageb_pool.app.job import resolve_devices
+from stageb_pool.app.plan import resolve_devices
 from stageb_pool.pool.devices import Device, DeviceSpecError, parse_gpus
 from stageb_pool.stageb.errors import InputError
 from stageb_pool.stageb.hashing import content_hash, stable_seed

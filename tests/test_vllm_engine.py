@@ -25,10 +25,12 @@ from processes import descendants, gone  # noqa: E402
 from test_audit import run_audit_job, same_artifacts  # noqa: E402
 
 from stageb_pool import Pool  # noqa: E402
+from stageb_pool.engine.model_path import check_model_path  # noqa: E402
 from stageb_pool.engine.records import (  # noqa: E402
     ChatRequest,
     ChunkResult,
     Decode,
+    EngineSettings,
     RolloutChunk,
     TicketText,
     VerdictChunk,
@@ -41,6 +43,8 @@ GUIDANCE = {"G0": "Confirm that the antenna mount is installed securely.", "S1":
 SAMPLED = Decode(temperature=0.8, top_p=0.9, max_new_tokens=12, repetition_penalty=1.05, seed=43)
 GREEDY = Decode(temperature=0.0, max_new_tokens=12)
 PROFILE = prompts.load_profile("generic", mission=MISSION)
+TINY = check_model_path("tiny")
+VLLM = EngineSettings(engine="vllm")
 TICKETS = [TicketText(f"T{i:03d}", MISSION, {f"image_{n + 1}": f"mount bolt {i + n} tight, seal {n}"
                                              for n in range(1 + i % 3)}) for i in range(10)]
 
@@ -57,7 +61,7 @@ def stable(result: ChunkResult) -> bytes:
 def vllm_factory(device):
     from stageb_pool.engine.build import build_engine
 
-    return build_engine(device, engine="vllm", path="tiny")
+    return build_engine(device, TINY, VLLM)
 
 
 # ---------------------------------------------------------------- through the pool and the CLI job
@@ -124,7 +128,7 @@ def engine():
     from stageb_pool.engine.build import build_engine
     from stageb_pool.pool.devices import Device
 
-    return build_engine(Device("cpu", 0, 0, threads=1), engine="vllm", path="tiny")
+    return build_engine(Device("cpu", 0, 0, threads=1), TINY, VLLM)
 
 
 def rollout(engine, chunk) -> ChunkResult:
@@ -194,7 +198,7 @@ def test_verdict_probabilities_match_the_transformers_engine_on_the_same_checkpo
     from stageb_pool.engine.models import checkpoint_dir
     from stageb_pool.pool.devices import Device
 
-    reference = build_engine(Device("cpu", 0, 0, threads=1), path=str(checkpoint_dir("tiny")))
+    reference = build_engine(Device("cpu", 0, 0, threads=1), check_model_path(str(checkpoint_dir(TINY))))
     ours = verdicts(engine)
     theirs = reference.verdict_probabilities(VerdictChunk(0, TICKETS[:6], None), guidance=GUIDANCE, profile=PROFILE)
     assert [t.prompt_tokens for t in ours.tickets] == [t.prompt_tokens for t in theirs.tickets]

@@ -216,48 +216,40 @@ def resume_command(argv: list[str]) -> str:
 
 
 def cmd_run(args) -> int:
-    from .config import load_config
-    from .job import run_job
+    from . import job
+    from .plan import plan_command
 
     # Only for the run's life: a caller of main() in-process gets its own handlers back.
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in STOP_SIGNALS}
     try:
-        path = config_path(args)
-        config = load_config(path, args.overrides, upstream_root=args.upstream_root)
-        config, devices = devices_of_run(args, config, path)
-        return run_job(config, devices, audit=args.audit, resume=args.resume, overwrite=args.overwrite,
-                       debug=args.debug, config_path=path, ray_address=args.ray, wait=args.wait)
+        plan = plan_command(config_path(args), args.overrides, audit=args.audit, upstream_root=args.upstream_root,
+                            devices=device_request(args), check_prompts=True)
+        return job.run_plan(plan, resume=args.resume, overwrite=args.overwrite, debug=args.debug, wait=args.wait)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def devices_of_run(args, config, path: str):
-    """``(config, devices)``: the workers of ``--gpus`` with ``--gpus-per-worker`` (written into
-    ``model.gpus_per_worker``) or else the config's ``model.gpus_per_worker``; a group size
-    that does not fit the spec is located where it was given."""
-    from .job import resolve_devices, with_gpus_per_worker
+def device_request(args):
+    """The device options of ``run`` or ``check`` (``--gpus``, ``--gpus-per-worker``, ``--ray``)
+    as the plan takes them (``plan.DeviceRequest``), None for ``check`` without ``--gpus``."""
+    from .plan import DeviceRequest
 
-    if args.gpus_per_worker is not None and not 1 <= args.gpus_per_worker <= 16:
-        # The same bound as the config key; checked here so the message names the option.
-        raise UsageError(f"argument --gpus-per-worker: must be from 1 to 16, got {args.gpus_per_worker}",
-                         f"stageb-pool {args.command}")
-    config = with_gpus_per_worker(config, args.gpus_per_worker)
-    where = "--gpus-per-worker" if args.gpus_per_worker is not None else f"{os.path.abspath(path)}: model.gpus_per_worker"
-    devices = resolve_devices(args.gpus, ray=args.ray is not None, gpus_per_worker=config.model.gpus_per_worker,
-                              group_location=where)
-    return config, devices
+    if args.gpus is None:
+        return None
+    return DeviceRequest(args.gpus, args.gpus_per_worker, args.ray, command=f"stageb-pool {args.command}")
 
 
 def cmd_check(args) -> int:
     from .describe import describe
+    from .plan import plan_command
 
     if args.gpus is None and (args.gpus_per_worker is not None or args.ray is not None):
         raise UsageError("--gpus-per-worker and --ray describe the workers of a --gpus spec: give --gpus too",
                          "stageb-pool check")
-    print(describe(config_path(args), args.overrides, audit=args.audit, upstream_root=args.upstream_root,
-                   devices_of=(lambda config, path: devices_of_run(args, config, path)) if args.gpus else None,
-                   ray=args.ray is not None))
+    path = config_path(args)
+    print(describe(plan_command(path, args.overrides, audit=args.audit, upstream_root=args.upstream_root,
+                                devices=device_request(args))))
     return EXIT_OK
 
 

@@ -1,4 +1,4 @@
-"""What ``stageb-pool check`` prints: the run's plan (``plan.plan_run``, the start-up a run
+"""What ``stageb-pool check`` prints: the run's plan (``plan.plan_command``, the start-up a run
 makes: every input it reads validated, no model loaded) and what the run would do, as a
 short table."""
 
@@ -8,32 +8,24 @@ import os
 
 from .cli import capped
 
-def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_root: str | None = None,
-             devices_of=None, ray: bool = False) -> str:
-    """Validate the config and every input a run reads (without loading a model) and
-    describe what the run would do. Raises InputError like the run itself would.
 
-    ``devices_of(config, config_path)`` -> ``(config, devices)``: the workers of the run's
-    device options (``--gpus``, ``--gpus-per-worker``, ``--ray``); when given, the worker
-    layout and the memory budget are described too (nothing touches CUDA); ``ray``: the
-    workers are Ray actors, whose GPUs Ray chooses."""
+def describe(plan) -> str:
+    """What the run of ``plan`` (``plan.plan_command``) would do, as ``check`` prints it; with
+    the plan's devices (``--gpus``), the worker layout and the memory budget too (nothing
+    touches CUDA). Raises InputError where the run would (a sampler whose every ticket is over
+    its prompt cap)."""
     from ..search.distill import DISTILL_DEFAULT
     from ..search.rundir import run_dir_exists
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
-    from .config import load_config
-    from .plan import plan_run
     from .prompt_budget import measure_lines, rules_summary, sampler_caps
 
-    cfg = load_config(config_path, overrides, upstream_root=upstream_root)
-    devices = None
-    if devices_of is not None:
-        cfg, devices = devices_of(cfg, config_path)
-    plan = plan_run(cfg, audit=audit, config_path=config_path)  # the run's own validation
-    cfg, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
+    cfg, inputs, run_dir, devices = plan.config, plan.inputs, plan.run_dir, plan.devices
+    ray = plan.ray_address is not None
+    model = inputs.model
     tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
     lines = [
-        ("config", f"{os.path.abspath(config_path)} (hash {plan.identity().config_hash})"),
+        ("config", f"{os.path.abspath(plan.config_path)} (hash {plan.identity().config_hash})"),
         ("mode", cfg.mode),
         ("mission", inputs.mission),
         ("tickets", f"{len(tickets)} ({_by_label(tickets)}); {len(ingest.skipped)} bad lines skipped; "
@@ -43,7 +35,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
     lines += [(f"  {what}", ", ".join(f"{k} {n}" for k, n in counts.items()))
               for what, counts in (("converted", ingest.converted), ("ignored", ingest.ignored)) if counts]
     lines += [
-        ("model", (inputs.model_path if inputs.model_path == cfg.model.path else f"{cfg.model.path} -> {inputs.model_path}")
+        ("model", (model.path if model.path == cfg.model.path else f"{cfg.model.path} -> {model.path}")
          + _engine_note(cfg.model)),
         ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),
         ("guidance", f"{cfg.guidance.path}: step {g.step}, {rules_summary(g.experiences)}: "
@@ -51,7 +43,7 @@ def describe(config_path: str, overrides=(), *, audit: bool = False, upstream_ro
         ("run dir", f"{run_dir}" + (" (exists: needs --resume or --overwrite)" if run_dir_exists(run_dir) else "")),
     ]
     if devices is not None:
-        lines += layout_lines(devices, ray=ray) + memory_lines(cfg, inputs.model_path, devices, ray=ray)
+        lines += layout_lines(devices, ray=ray) + memory_lines(cfg, model, devices, ray=ray)
     dist = cfg.stage_b_distillation
     when = "after the audit" if cfg.mode == "audit" else "after the loop, with the final guidance"
     lines.append(("distill", f"{dist.distill_size} tickets {when} -> "
@@ -103,19 +95,20 @@ def layout_lines(devices, *, ray: bool = False) -> list[tuple[str, str]]:
     return lines
 
 
-def memory_lines(cfg, model_path: str, devices, *, ray: bool = False) -> list[tuple[str, str]]:
-    """The memory budget check: the model's weight bytes (from its file headers) against one
-    group's GPU memory (nvidia-smi); a warning when it will not fit. Only for GPU workers;
-    under Ray the GPUs are the cluster's, not this machine's, so only the weights are shown."""
+def memory_lines(cfg, model, devices, *, ray: bool = False) -> list[tuple[str, str]]:
+    """The memory budget check: the weight bytes of ``model`` (a ModelRef; from its file
+    headers) against one group's GPU memory (nvidia-smi); a warning when it will not fit. Only
+    for GPU workers; under Ray the GPUs are the cluster's, not this machine's, so only the
+    weights are shown."""
     from ..engine.model_path import embedded_gguf_path
     from ..pool.devices import gpu_memory_bytes
     from .memory_budget import GIB, HeaderError, budget_lines, weight_bytes
 
     if devices[0].kind != "cuda":
         return []
-    if model_path == "tiny":
+    if model.kind == "tiny":
         return [("memory", "the tiny test model (a few MB): no estimate needed")]
-    source = embedded_gguf_path() if model_path == "embedded" else model_path
+    source = embedded_gguf_path() if model.kind == "embedded" else model.path
     try:
         weights = weight_bytes(source, cfg.model.dtype or "bfloat16")
     except (HeaderError, OSError) as err:

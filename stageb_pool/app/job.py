@@ -1,12 +1,12 @@
-"""One run, start to finish: validate every input, prepare the run directory, start the
-pool, check the judge's headroom, run the audit or the rule search, write the summary,
-close the pool.
+"""One run of a plan (``plan.RunPlan``: every input already validated, the devices and the
+model path resolved), start to finish: prepare the run directory, start the pool, check the
+judge's headroom, run the audit or the rule search, write the summary, close the pool.
 
 Order matters: ALL input validation (tickets, exclusions, prompt profile, model path, seed
-guidance, run directory refusal) happens before anything on disk is touched or any worker
-is forked, so bad input costs nothing and damages nothing. The first touch of the disk is
-the run directory's lock (``search/rundir_lock.py``), held until the run ends: one process
-owns a run directory at a time.
+guidance, devices: the plan) and the run directory's refusal happen before anything on disk is
+touched or any worker is forked, so bad input costs nothing and damages nothing. The first
+touch of the disk is the run directory's lock (``search/rundir_lock.py``), held until the run
+ends: one process owns a run directory at a time.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import msgspec
 
-from ..pool import REFUSE_ANY_DIFFERENCE, Device, DeviceSpecError, EngineAgreement, Pool, parse_gpus, parse_ray_spec
-from ..pool.devices import GroupSizeError, ray_devices
+from ..engine.model_path import ModelRef
+from ..engine.records import EngineSettings
+from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Pool
 from ..report import REPORT_FILE, TIMELINE_FILE, render_report
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
@@ -35,84 +36,62 @@ from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import split_eval_pool
 from .outputs import check_distillation_target
 from .progress import Progress, pool_items_per_rank
-from .plan import RunInputs, plan_run
+from .plan import DeviceRequest, RunInputs, RunPlan, plan_run
 
 log = logging.getLogger("stageb_pool")
 
 
-def resolve_devices(spec, *, ray: bool = False, gpus_per_worker: int = 1,
-                    group_location: str = "--gpus-per-worker") -> list[Device]:
-    """The devices of a ``--gpus`` spec, one per worker (a group of ``gpus_per_worker`` GPUs
-    each); a bad spec is an InputError located at ``--gpus``, a group size that does not fit
-    it one located at ``group_location`` (the option, or the config key it came from).
-    Under Ray (``--ray``) the spec is a GPU count or ``cpu:N``: Ray chooses the GPUs, so the
-    devices are numbered by rank."""
-    try:
-        if ray:
-            kind, count = parse_ray_spec(spec, gpus_per_worker=gpus_per_worker)
-            return ray_devices(kind, count, gpus_per_worker)
-        return parse_gpus(spec, gpus_per_worker=gpus_per_worker)
-    except GroupSizeError as err:
-        raise InputError(str(err), group_location) from None
-    except DeviceSpecError as err:
-        raise InputError(str(err), "--gpus") from None
-
-
-def with_gpus_per_worker(config, gpus_per_worker: int | None):
-    """The config with ``--gpus-per-worker`` (when given) in ``model.gpus_per_worker``, so the
-    resolved config in run.json and the resume identity hold the group size the run used."""
-    if gpus_per_worker is None or gpus_per_worker == config.model.gpus_per_worker:
-        return config
-    model = msgspec.structs.replace(config.model, gpus_per_worker=gpus_per_worker)
-    return msgspec.structs.replace(config, model=model)
-
-
-def engine_factory_for(model_config, model_path: str):
-    """The factory each worker calls after fork. It imports the engine (torch,
+def engine_factory_for(model_config, model: ModelRef):
+    """The factory each worker calls after fork: the engine of ``model`` (checked in the parent,
+    sent as it is) built as the config's model section says. It imports the engine (torch,
     transformers) inside the worker: the parent never imports torch."""
+    settings = engine_settings(model_config)
 
     def build(device: Device):
         from ..engine.build import build_engine
 
-        return build_engine(
-            device,
-            path=model_path,
-            dtype=model_config.dtype,
-            attn_implementation=model_config.attn_implementation,
-            trust_remote_code=model_config.trust_remote_code,
-            stop=model_config.stop,
-            engine=model_config.engine,
-            vllm=model_config.vllm,
-            simulated=model_config.simulated,
-        )
+        return build_engine(device, model, settings)
 
     return build
 
 
-def run_job(config, devices, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
+def engine_settings(model_config) -> EngineSettings:
+    """The config's model section as a worker's ``EngineSettings``: every key but ``path``
+    (the plan's ModelRef) and ``gpus_per_worker`` (the workers' devices)."""
+    fields = msgspec.structs.asdict(model_config)
+    del fields["path"], fields["gpus_per_worker"]
+    return EngineSettings(**fields)
+
+
+def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
             debug: bool = False, engine_factory=None, argv: list[str] | None = None,
             config_path: str | None = None, ray_address: str | None = None, wait: bool = False) -> int:
-    """Run one audit or rule search; return 0 on success. Exceptions propagate (the CLI
-    maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
+    """``run_plan`` of a config already loaded (tests, benchmarks): planned with the ``--gpus``
+    spec ``gpus`` and ``ray_address`` (``--ray``) as the CLI plans it. ``engine_factory`` (a
+    test seam) replaces the model engine, and then the prompts are not measured with the
+    model's tokenizer beforehand; ``config_path`` (the config file) is one of the inputs no
+    output may overwrite."""
+    plan = plan_run(config, audit=audit, config_path=config_path, devices=DeviceRequest(gpus, ray_address=ray_address),
+                    check_prompts=engine_factory is None)  # the model's own tokenizer renders the prompts
+    return run_plan(plan, resume=resume, overwrite=overwrite, debug=debug, wait=wait, engine_factory=engine_factory,
+                    argv=argv)
 
-    ``devices`` is a list of Device or a ``--gpus`` spec. ``engine_factory`` (a test seam)
-    replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv);
-    ``config_path`` (the config file) is one of the inputs no output may overwrite.
-    ``ray_address`` runs the workers as Ray actors on that cluster (``--ray``); the parent
-    still writes every artifact here, and the placement may take ``pool.start_timeout``.
-    Another process holding the run directory is an InputError naming its pid, or, with
-    ``wait`` (``--wait``), waited for."""
+
+def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, debug: bool = False,
+             wait: bool = False, engine_factory=None, argv: list[str] | None = None) -> int:
+    """Run the audit or rule search of ``plan``; return 0 on success. Exceptions propagate (the
+    CLI maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
+
+    ``debug`` runs one worker (the plan's first device) inline. ``engine_factory`` (a test
+    seam) replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv).
+    With the plan's ``ray_address`` (``--ray``) the workers are Ray actors on that cluster; the
+    parent still writes every artifact here, and the placement may take
+    ``pool.start_timeout``. Another process holding the run directory is an InputError naming
+    its pid, or, with ``wait`` (``--wait``), waited for."""
     started = time.monotonic()
     started_at = rundir.utc_now()
-    if not isinstance(devices, list):
-        devices = resolve_devices(devices, ray=ray_address is not None, gpus_per_worker=config.model.gpus_per_worker,
-                                  group_location="model.gpus_per_worker")
-    if debug:
-        devices = devices[:1]
-
-    # The model's own tokenizer renders the prompts (check's decision) unless a test injects an engine.
-    plan = plan_run(config, audit=audit, config_path=config_path, check_prompts=engine_factory is None)
     config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
+    devices = plan.devices[:1] if debug else plan.devices
     identity = plan.identity() if config.mode == "search" else None
     store = GuidanceStore(run_dir, inputs.mission, config.guidance.retention)
     run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
@@ -137,17 +116,17 @@ def run_job(config, devices, *, audit: bool = False, resume: bool = False, overw
                                                                              config.seed))
     lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
     try:
-        return _run_locked(config, devices, inputs=inputs, run_dir=run_dir, store=store, identity=identity,
-                           resume=resume, overwrite=overwrite, first_run_json=first_run_json,
-                           seed_guidance=seed_guidance, run_json=run_json, prov=prov, debug=debug,
-                           engine_factory=engine_factory, ray_address=ray_address, started=started)
+        return _run_locked(plan, devices, store=store, identity=identity, resume=resume, overwrite=overwrite,
+                           first_run_json=first_run_json, seed_guidance=seed_guidance, run_json=run_json, prov=prov,
+                           debug=debug, engine_factory=engine_factory, started=started)
     finally:
         lock.release()
 
 
-def _run_locked(config, devices, *, inputs, run_dir, store, identity, resume, overwrite, first_run_json,
-                seed_guidance, run_json, prov, debug, engine_factory, ray_address, started) -> int:
-    """``run_job`` from the moment it owns the run directory."""
+def _run_locked(plan: RunPlan, devices, *, store, identity, resume, overwrite, first_run_json, seed_guidance,
+                run_json, prov, debug, engine_factory, started) -> int:
+    """``run_plan`` from the moment it owns the run directory."""
+    config, inputs, run_dir, ray_address = plan.config, plan.inputs, plan.run_dir, plan.ray_address
     start = rundir.start_run_dir(run_dir, overwrite=overwrite, resume=resume)
     try:
         if resume:
@@ -163,7 +142,7 @@ def _run_locked(config, devices, *, inputs, run_dir, store, identity, resume, ov
         raise
     start.commit()  # the new run has started: the replaced one may go
 
-    factory = engine_factory or engine_factory_for(config.model, inputs.model_path)
+    factory = engine_factory or engine_factory_for(config.model, inputs.model)
     ray = ray_address is not None and not debug
     pool = Pool(
         factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,

@@ -52,7 +52,7 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
     try:
         from ..engine import models
 
-        tokenizer = models.tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
+        tokenizer = models.tokenizer_only(inputs.model, cfg.model.trust_remote_code)
     except Exception as err:  # noqa: BLE001 - a report, never a failure of check
         return [("prompt tokens", f"not measured: cannot load the tokenizer of {cfg.model.path} "
                                   f"({type(err).__name__}: {one_line(err)})")]
@@ -117,7 +117,7 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
         try:
             from ..engine import models
 
-            tokenizer = models.tokenizer_only(cfg.model.path, cfg.model.trust_remote_code)
+            tokenizer = models.tokenizer_only(inputs.model, cfg.model.trust_remote_code)
             models.require_chat_template(tokenizer, cfg.model.path)
             guidance_verdict(tokenizer, cfg, inputs, measured)
         except InputError as err:

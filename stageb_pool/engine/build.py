@@ -2,10 +2,11 @@
 
 The engines take a loaded model and tokenizer (as nanochat's ``Engine(model, tokenizer)``),
 so tests and benchmarks can hand them any model; each engine's module has its builder
-(``build_transformers_engine``, ``build_vllm_engine``, ``build_simulated_engine``), and
-``build_engine`` is what the pool's engine factory calls inside each worker, after the fork:
-it picks one. torch and vllm are imported only here,
-inside the functions: vLLM reads its settings from the environment before torch starts.
+(``build_transformers_engine``, ``build_vllm_engine``, ``build_simulated_engine``), each
+taking the worker's device, the model (a ``ModelRef`` the parent checked) and the
+``EngineSettings``; ``build_engine`` is what the pool's engine factory calls inside each
+worker, after the fork: it picks one. torch and vllm are imported only here, inside the
+functions: vLLM reads its settings from the environment before torch starts.
 """
 
 from __future__ import annotations
@@ -15,43 +16,33 @@ import os
 import msgspec
 
 from ..pool.devices import Device
-from .records import ENGINES, SimulatedSettings, VllmSettings
+from .model_path import ModelRef
+from .records import ENGINES, EngineSettings
 
 _DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 
 
-def build_engine(device, *, engine: str = "transformers", path: str = "embedded", dtype: str | None = None,
-                 attn_implementation: str | None = None, trust_remote_code: bool = False,
-                 stop: list[str] | None = None, vllm: VllmSettings = VllmSettings(),
-                 simulated: SimulatedSettings = SimulatedSettings()):
-    """The ``engine`` ("transformers", "vllm" or "simulated") for ``device``, with the model
-    at ``path``.
-
-    ``path``: ``"embedded"``, ``"tiny"``, a checkpoint directory or (transformers only) a
-    ``.gguf`` file. ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU;
-    ``attn_implementation`` (transformers) to flash_attention_2 when installed, on CUDA with
-    a 16-bit dtype, else sdpa. ``vllm``: the vLLM engine's pinned settings. ``simulated``:
-    the simulated engine's latency model (it loads no model, only ``path``'s tokenizer, and
-    never touches torch).
-    """
+def build_engine(device, model: ModelRef, settings: EngineSettings = EngineSettings()):
+    """The engine ``settings.engine`` ("transformers", "vllm" or "simulated") for ``device``,
+    with ``model`` loaded as it is: its path was checked in the parent
+    (``model_path.check_model_path``) and is not checked again here. The simulated engine
+    loads no model, only ``model``'s tokenizer, and never touches torch."""
     device = device if isinstance(device, Device) else msgspec.convert(device, Device)
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
-    if engine == "simulated":
+    if settings.engine not in ENGINES:
+        raise ValueError(f"unknown engine {settings.engine!r} (expected one of {', '.join(ENGINES)})")
+    if settings.engine == "simulated":
         from .simulated_engine import build_simulated_engine
 
-        return build_simulated_engine(device, path=path, settings=simulated)
+        return build_simulated_engine(device, model, settings)
     if device.kind == "cuda":
         _pin_cuda_environment()
-    if engine == "vllm":
+    if settings.engine == "vllm":
         from .vllm_engine import build_vllm_engine
 
-        return build_vllm_engine(device, path=path, dtype=dtype, stop=stop, trust_remote_code=trust_remote_code,
-                                 settings=vllm)
+        return build_vllm_engine(device, model, settings)
     from .transformers_engine import build_transformers_engine
 
-    return build_transformers_engine(device, path=path, dtype=dtype, attn_implementation=attn_implementation,
-                                     trust_remote_code=trust_remote_code, stop=stop)
+    return build_transformers_engine(device, model, settings)
 
 
 def prepare_device(device: Device) -> None:

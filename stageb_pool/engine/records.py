@@ -75,6 +75,25 @@ class SimulatedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     noise: Annotated[float, Meta(ge=0, le=1)] = 0.05  # probability that a sample's verdict flips
 
 
+class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How a worker builds its engine (``build.build_engine``): the config's ``model`` section
+    less what the parent resolves, ``path`` (checked into a ``model_path.ModelRef``) and
+    ``gpus_per_worker`` (in the worker's ``Device``).
+
+    ``engine``: one of ``ENGINES``. ``dtype`` (None: bfloat16 on CUDA, float32 on CPU) and
+    ``attn_implementation`` (None: flash_attention_2 where it can run, else sdpa; transformers
+    only) as torch and transformers name them. ``stop``: stop strings added to the tokenizer's
+    end-of-turn tokens. ``vllm``, ``simulated``: those engines' own settings."""
+
+    engine: str = "transformers"
+    dtype: str | None = None
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    stop: list[str] | None = None
+    vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)
+    simulated: SimulatedSettings = msgspec.field(default_factory=SimulatedSettings)
+
+
 class RolloutChunk(msgspec.Struct, frozen=True):
     """One unit of rollout work: ``chunk_size`` tickets, one generate batch per (decode, sample).
 

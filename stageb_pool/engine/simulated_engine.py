@@ -45,10 +45,12 @@ from ..pool.devices import Device
 from ..stageb import prompts
 from ..stageb.hashing import stable_seed
 from . import chat_text, rule_judge
+from .model_path import ModelRef
 from .records import (
     ChatRequest,
     ChatResult,
     ChunkResult,
+    EngineSettings,
     RolloutChunk,
     Sample,
     SimulatedSettings,
@@ -96,23 +98,23 @@ def chat_seconds(settings: SimulatedSettings, prompt_tokens: int, new_tokens: in
 # ----------------------------------------------------------------------------- token counts
 
 
-def token_counter(path: str):
-    """``count(texts) -> [tokens per text]`` with the tokenizer of ``model.path`` (as
-    ``models.check_model_path`` resolved it), loaded cheaply: the bare ``tokenizers`` BPE of
-    the tiny model or a checkpoint's ``tokenizer.json`` (the embedded model's converted copy
-    included); only a model without one (a .gguf file) loads the transformers tokenizer."""
+def token_counter(model: ModelRef):
+    """``count(texts) -> [tokens per text]`` with the tokenizer of ``model`` (``model.path`` as
+    the parent checked it), loaded cheaply: the bare ``tokenizers`` BPE of the tiny model or a
+    checkpoint's ``tokenizer.json`` (the embedded model's converted copy included); only a
+    model without one (a .gguf file) loads the transformers tokenizer."""
     from tokenizers import Tokenizer
 
     from . import models, tiny
 
-    if path == "tiny":
+    if model.kind == "tiny":
         fast = tiny.build_bpe()
     else:
-        folder = models.ensure_embedded() if path == "embedded" else Path(path)
+        folder = models.ensure_embedded() if model.kind == "embedded" else Path(model.path)
         fast = Tokenizer.from_file(str(folder / "tokenizer.json")) if (folder / "tokenizer.json").is_file() else None
     if fast is not None:
         return lambda texts: [len(e.ids) for e in fast.encode_batch(list(texts), add_special_tokens=False)]
-    slow = models.tokenizer_only(path)
+    slow = models.tokenizer_only(model)
     return lambda texts: [len(ids) for ids in slow(list(texts), add_special_tokens=False)["input_ids"]]
 
 
@@ -231,6 +233,7 @@ def proposed_rules(examples: list[str], seed_key: str) -> str:
          "rationale": f"the falsely passed tickets show {word}"} for word in picked]})
 
 
-def build_simulated_engine(device: Device, *, path: str, settings: SimulatedSettings) -> SimulatedEngine:
-    """The engine for a worker: ``path`` only chooses the tokenizer that counts the tokens."""
-    return SimulatedEngine(device, token_counter(path), settings=settings, model_path=path)
+def build_simulated_engine(device: Device, model: ModelRef, settings: EngineSettings) -> SimulatedEngine:
+    """The engine for a worker: ``model`` only chooses the tokenizer that counts the tokens;
+    ``settings.simulated`` is the latency model."""
+    return SimulatedEngine(device, token_counter(model), settings=settings.simulated, model_path=model.path)

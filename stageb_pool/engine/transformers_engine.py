@@ -3,11 +3,13 @@ sampled texts out.
 
 ``TransformersEngine(model, tokenizer, device)`` wraps a loaded model
 (``build_transformers_engine`` loads one inside a worker; ``Engine`` is the older name). The
-text around generation (chat template, stops, token counts, clean-up, result assembly) is
-``chat_text.ChatText``'s, shared with the vLLM engine. Its methods are what the parent calls through the pool: ``rollout`` (a
-chunk of tickets under a guidance snapshot), ``chat`` (a free-form prompt, used by the
-rule proposer) and ``verdict_probabilities`` (the judge-headroom check: P(pass) per ticket
-by teacher forcing, nothing sampled). The pool decodes each call's arguments into the annotated types.
+methods the parent calls through the pool, ``rollout`` (a chunk of tickets under a guidance
+snapshot), ``chat`` (a free-form prompt, used by the rule proposer) and
+``verdict_probabilities`` (the judge-headroom check: P(pass) per ticket by teacher forcing,
+nothing sampled), are ``model_engine.ModelEngine``'s, shared with the vLLM engine, as is the
+text around generation (chat template, stops, token counts, clean-up, result assembly:
+``chat_text.ChatText``). This module has how transformers generates and scores: batched,
+seeded ``generate`` calls and two forward passes over a KV cache.
 
 Determinism: every generate call is seeded from the work it does (``chunk.seed_key``,
 chunk index, decode index, decode seed, sample index), never from a rank, and a chunk is
@@ -19,27 +21,18 @@ the software, hardware, dtype and chunk size stay the same (docs/architecture.md
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import inspect
-import time
 
 import torch
 
 from ..pool.devices import Device
 from ..stageb.hashing import stable_seed
-from ..stageb.prompts import PromptProfile
-from . import chat_text, models, sharding, verdict_scoring
-from .constrained import Grammars, verdict_line_regex
-from .records import (
-    ChatRequest,
-    ChatResult,
-    ChunkResult,
-    Decode,
-    RolloutChunk,
-    Sample,
-    VerdictChunk,
-    VerdictChunkResult,
-)
+from . import chat_text, models, provenance, sharding
+from .chat_text import Completion
+from .constrained import Grammars
+from .model_engine import ModelEngine
+from .model_path import ModelRef
+from .records import ChatRequest, Decode, EngineSettings, RolloutChunk, VerdictChunk
 
 
 class ChunkOutOfMemory(RuntimeError):
@@ -47,27 +40,26 @@ class ChunkOutOfMemory(RuntimeError):
     lengths, so the run's error says which tickets to cap or drop."""
 
 
-def build_transformers_engine(device: Device, *, path: str, dtype: str | None = None,
-                              attn_implementation: str | None = None, trust_remote_code: bool = False,
-                              stop: list[str] | None = None) -> TransformersEngine:
-    """Load ``path`` on ``device`` and wrap it (called in the worker, after ``prepare_device``
-    has set the thread count and the deterministic switches)."""
+def build_transformers_engine(device: Device, model: ModelRef, settings: EngineSettings) -> TransformersEngine:
+    """Load ``model`` on ``device`` as ``settings`` say and wrap it (called in the worker;
+    ``prepare_device`` first sets the thread count and the deterministic switches)."""
     from .build import prepare_device
 
     prepare_device(device)
-    dtype = dtype or models.default_dtype(device.kind)
-    attn = attn_implementation or models.default_attn_implementation(device.kind, dtype)
+    dtype = settings.dtype or models.default_dtype(device.kind)
+    attn = settings.attn_implementation or models.default_attn_implementation(device.kind, dtype)
     # A worker of more than one GPU shards its model over them; one GPU loads it whole, as always.
     shard_over = device.torch_devices if device.group_size > 1 else None
-    model, tokenizer, name = models.load(path, dtype=dtype, attn_implementation=attn,
-                                         trust_remote_code=trust_remote_code, device=device.torch_device,
-                                         shard_over=shard_over)
-    return TransformersEngine(model, tokenizer, device, stop=stop, model_path=models.check_model_path(path),
-                              model_name=name)
+    loaded, tokenizer = models.load(model, dtype=dtype, attn_implementation=attn,
+                                    trust_remote_code=settings.trust_remote_code, device=device.torch_device,
+                                    shard_over=shard_over)
+    return TransformersEngine(loaded, tokenizer, device, stop=settings.stop, model_path=model.path,
+                              model_name=model.name)
 
 
-class TransformersEngine:
-    """A model and its tokenizer on one device, ready to generate.
+class TransformersEngine(ModelEngine):
+    """A model and its tokenizer on one device, ready to generate (the methods the pool calls:
+    ``ModelEngine``).
 
     ``stop``: stop strings (default: the tokenizer's eos plus ``<|im_end|>`` /
     ``<|endoftext|>`` when they exist). ``model_path`` and ``model_name`` are provenance
@@ -106,77 +98,39 @@ class TransformersEngine:
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.text.stop_ids or None)
 
     def info(self) -> dict:
-        """Provenance that bit-identical results depend on (recorded in run.json)."""
-        import transformers
-
-        return {
-            "engine": "transformers",
-            "torch": str(torch.__version__),  # a TorchVersion, not JSON-encodable as is
-            "transformers": transformers.__version__,
-            **models.device_facts(self.device.kind),
-            "dtype": self.dtype,
-            "model_path": self.model_path,  # "embedded", "tiny" or an absolute path
-            "model": self.model_name,
-            "attn_implementation": self.attn_implementation,
-            "stop": self.text.stop_strings,
-            "llguidance": importlib.metadata.version("llguidance"),  # constrained decoding
-            **self.sharding_facts(),
-        }
+        """Provenance that bit-identical results depend on (recorded in run.json; the shared
+        part and its order: ``provenance.engine_info``)."""
+        return provenance.engine_info(
+            "transformers", self.device, dtype=self.dtype, model_path=self.model_path, model_name=self.model_name,
+            stop=self.text.stop_strings, model_options={"attn_implementation": self.attn_implementation},
+            sharding=sharding.SHARDING)
 
     def sharding_facts(self) -> dict:
-        """How the model is spread over the worker's GPU group: part of the identity, since
-        another group size may give other bits. Nothing for one GPU, so the identity (and the
-        rollout cache key) of a one-GPU worker is what it was before groups existed."""
-        if self.device.group_size == 1:
-            return {}
-        return {"gpus_per_worker": self.device.group_size, "sharding": sharding.SHARDING}
+        """How the model is spread over the worker's GPU group (nothing for one GPU)."""
+        return provenance.group_facts(self.device, sharding.SHARDING)
 
-    # ------------------------------------------------------------ rollout
+    # ------------------------------------------------------------ generation (ModelEngine's steps)
 
-    def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: PromptProfile) -> ChunkResult:
-        """Generate every candidate of every ticket of ``chunk`` under ``guidance``.
+    def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
+                regex: str | None) -> list[Completion]:
+        """For every (decode, sample), one seeded, batched generate over the kept tickets in
+        chunk order (the chunk is the batch, whatever worker runs it)."""
+        batch = self._pad([ids[i] for i in kept])
+        completions = []
+        for d, decode in enumerate(chunk.grid):
+            for s in range(chunk.samples_per_decode):
+                seed = stable_seed(chunk.seed_key, chunk.chunk_index, d, decode.seed, s)
+                with _located_oom(lambda: _chunk_oom_message(chunk, kept, ids, d, s)):
+                    outs = self._generate(batch, decode, seed, regex=regex)
+                completions += [Completion(i, d, s, row, reason) for i, (row, reason) in zip(kept, outs)]
+        return completions
 
-        Tickets whose prompt is longer than ``chunk.max_prompt_tokens`` come back dropped
-        (with their token count) and are not generated. Then, for every (decode, sample), one
-        seeded, batched generate over the kept tickets in chunk order.
-        """
-        start = time.perf_counter()
-        ids, kept = self.text.chunk_prompts(chunk, guidance, profile)
-        samples: list[list[Sample]] = [[] for _ in chunk.tickets]
-        generated = 0
-        regex = verdict_line_regex(profile.verdict) if chunk.constrain_verdict else None
-        if kept:
-            batch = self._pad([ids[i] for i in kept])
-            for d, decode in enumerate(chunk.grid):
-                for s in range(chunk.samples_per_decode):
-                    seed = stable_seed(chunk.seed_key, chunk.chunk_index, d, decode.seed, s)
-                    with _located_oom(lambda: _chunk_oom_message(chunk, kept, ids, d, s)):
-                        outs = self._generate(batch, decode, seed, regex=regex)
-                    for i, (text, row, reason) in zip(kept, outs):
-                        generated += len(row)
-                        samples[i].append(Sample(d, s, text, len(row), reason,
-                                                 row if chunk.return_token_ids else None))
-        return chat_text.rollout_result(chunk, ids, kept, samples, generated, start)
-
-    # ------------------------------------------------------------ verdict probabilities
-
-    def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
-                              profile: PromptProfile) -> VerdictChunkResult:
-        """P(pass) of every ticket of ``chunk`` under ``guidance``: the rollout's prompt
-        followed by ``Verdict: <pass_text>`` and by ``Verdict: <fail_text>``, softmax over the
-        two answers' summed log-probabilities (``verdict_scoring``), the kept tickets scored
-        as one batch in chunk order. Overlength tickets come back dropped, unscored."""
-        start = time.perf_counter()
-        ids, kept = self.text.chunk_prompts(chunk, guidance, profile)
-        answers = verdict_scoring.answer_ids(self.tokenizer, profile.verdict)
-        p_pass: dict[int, float] = {}
-        if kept:
-            with _located_oom(lambda: f"verdict probabilities of chunk {chunk.chunk_index} "
-                                      f"({', '.join(str(len(ids[i])) for i in kept)} prompt tokens)"):
-                sums = self._answer_logprobs([ids[i] for i in kept], answers)
-            for i, (lp, lf) in zip(kept, sums):
-                p_pass[i] = verdict_scoring.p_pass(lp, lf)
-        return chat_text.verdict_result(chunk, ids, p_pass, start)
+    def _score_answers(self, chunk: VerdictChunk, ids: list[list[int]], kept: list[int],
+                       answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
+        """The kept tickets' prompts scored as one batch in chunk order (``_answer_logprobs``)."""
+        with _located_oom(lambda: f"verdict probabilities of chunk {chunk.chunk_index} "
+                                  f"({', '.join(str(len(ids[i])) for i in kept)} prompt tokens)"):
+            return self._answer_logprobs([ids[i] for i in kept], answers)
 
     def _answer_logprobs(self, prompts: list[list[int]], answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
         """Per prompt, the summed log-probability of each answer's tokens after it.
@@ -218,19 +172,13 @@ class TransformersEngine:
             out.append(tuple(sums))
         return out
 
-    # ------------------------------------------------------------ chat
-
-    def chat(self, request: ChatRequest) -> ChatResult:
-        """One free-form generation. Examples are dropped from the end until the rendered
-        prompt fits ``max_prompt_tokens``, never below one (upstream): ``text`` is None when
-        even one example does not fit."""
-        k, row, fits = self.text.fit_examples(request)
-        if not fits:
-            return ChatResult(None, k, len(row))
+    def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
+        """The proposer's prompt alone in one seeded generate, held to its JSON schema when it
+        has one."""
         with _located_oom(lambda: f"proposer chat {request.seed_key!r} ({len(row)} prompt tokens)"):
-            ((text, out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key),
-                                                    json_schema=request.json_schema)
-        return ChatResult(text, k, len(row), len(out), reason)
+            ((out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key),
+                                              json_schema=request.json_schema)
+        return out, reason
 
     # ------------------------------------------------------------ shared steps
 
@@ -239,8 +187,8 @@ class TransformersEngine:
         return {k: v.to(self.device.torch_device) for k, v in batch.items()}
 
     def _generate(self, batch: dict, decode: Decode, seed: int, *, regex: str | None = None,
-                  json_schema: str | None = None) -> list[tuple[str, list[int], str]]:
-        """One seeded batched generate: ``(text, completion ids, finish reason)`` per row.
+                  json_schema: str | None = None) -> list[tuple[list[int], str]]:
+        """One seeded batched generate: ``(completion ids, finish reason)`` per row.
         Completion ids run up to and including the stop token. ``regex`` or ``json_schema``
         (JSON text) holds every row to that grammar (``constrained``)."""
         sampling = decode.temperature > 0
@@ -261,13 +209,7 @@ class TransformersEngine:
         torch.manual_seed(seed)
         with torch.inference_mode():
             out = self.model.generate(**batch, **options)
-        new = out[:, batch["input_ids"].shape[1]:].tolist()
-        rows, reasons = [], []
-        for row in new:
-            row, reason = self.text.cut(row, self.pad_id)
-            rows.append(row)
-            reasons.append(reason)
-        return list(zip(self.text.texts(rows), rows, reasons))
+        return [self.text.cut(row, self.pad_id) for row in out[:, batch["input_ids"].shape[1]:].tolist()]
 
     def _grammar(self) -> Grammars:
         if self._grammars is None:  # built on first use: llguidance reads the whole vocabulary

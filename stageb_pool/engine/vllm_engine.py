@@ -1,6 +1,6 @@
 """The vLLM generation engine (``model.engine: vllm``): the same ``rollout``, ``chat`` and
-``verdict_probabilities`` as the transformers engine, with continuous batching, paged
-attention and prefix caching.
+``verdict_probabilities`` as the transformers engine (both are ``model_engine.ModelEngine``),
+generated with continuous batching, paged attention and prefix caching.
 
 It runs inside the pool worker: the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so a killed or timed-out worker leaves no grandchild holding the device, and vllm is imported
@@ -27,27 +27,16 @@ Determinism (docs/architecture.md, "Determinism contract"):
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
-import time
 
 from ..pool.devices import Device
 from ..stageb.errors import InputError
 from ..stageb.hashing import stable_seed
-from ..stageb.prompts import PromptProfile
-from . import chat_text, models, verdict_scoring
-from .records import (
-    ChatRequest,
-    ChatResult,
-    ChunkResult,
-    Decode,
-    RolloutChunk,
-    Sample,
-    VerdictChunk,
-    VerdictChunkResult,
-    VllmSettings,
-)
-from .constrained import verdict_line_regex
+from . import chat_text, models, provenance
+from .chat_text import Completion
+from .model_engine import ModelEngine
+from .model_path import ModelRef
+from .records import ChatRequest, Decode, EngineSettings, RolloutChunk, VerdictChunk, VllmSettings
 
 GIB = 1 << 30
 
@@ -85,34 +74,37 @@ def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
     return args
 
 
-def build_vllm_engine(device: Device, *, path: str, dtype: str | None = None, stop: list[str] | None = None,
-                      trust_remote_code: bool = False, settings: VllmSettings = VllmSettings()) -> VllmEngine:
-    """Load ``path`` into an in-process vLLM engine on ``device`` (called in the worker)."""
-    threads = (settings.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
+def build_vllm_engine(device: Device, model: ModelRef, settings: EngineSettings) -> VllmEngine:
+    """Load ``model`` into an in-process vLLM engine on ``device`` as ``settings`` say (called
+    in the worker)."""
+    pinned = settings.vllm
+    threads = (pinned.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
     prepare_environment(device, threads)
-    folder = models.checkpoint_dir(path)
-    tokenizer = models.load_tokenizer(folder, trust_remote_code)
-    models.require_chat_template(tokenizer, path)
-    dtype = dtype or models.default_dtype(device.kind)
-    args = llm_args(device, settings, dtype)
+    folder = models.checkpoint_dir(model)
+    tokenizer = models.load_tokenizer(folder, settings.trust_remote_code)
+    models.require_chat_template(tokenizer, model.path)
+    dtype = settings.dtype or models.default_dtype(device.kind)
+    args = llm_args(device, pinned, dtype)
     config = models.read_config(folder)
     if models.is_vision_language(config):
         args["limit_mm_per_prompt"] = {"image": 0, "video": 0}  # Qwen-VL checkpoints, text only
     from vllm import LLM
 
     try:
-        llm = LLM(model=str(folder), tokenizer=str(folder), trust_remote_code=trust_remote_code,
+        llm = LLM(model=str(folder), tokenizer=str(folder), trust_remote_code=settings.trust_remote_code,
                   disable_log_stats=True, structured_outputs_config={"backend": "guidance"}, **args)
     except Exception as err:
         raise InputError(f"vLLM cannot load the model: {type(err).__name__}: {models.one_line(err)}",
-                                path) from err
-    name = {"embedded": models.EMBEDDED_NAME, "tiny": "tiny-qwen2-h32"}.get(path, folder.name)
-    return VllmEngine(llm, tokenizer, device, stop=stop, model_path=models.check_model_path(path),
-                      model_name=name, settings=dict(args, kv_cache_gib=settings.kv_cache_gib, threads=threads))
+                         model.path) from err
+    # The tiny model vLLM loads is the one saved with head size 32, not the in-code one.
+    name = models.TINY_CHECKPOINT_NAME if model.kind == "tiny" else model.name
+    return VllmEngine(llm, tokenizer, device, stop=settings.stop, model_path=model.path, model_name=name,
+                      settings=dict(args, kv_cache_gib=pinned.kv_cache_gib, threads=threads))
 
 
-class VllmEngine:
-    """An in-process ``vllm.LLM`` and the Hugging Face tokenizer of the same checkpoint."""
+class VllmEngine(ModelEngine):
+    """An in-process ``vllm.LLM`` and the Hugging Face tokenizer of the same checkpoint (the
+    methods the pool calls: ``ModelEngine``)."""
 
     def __init__(self, llm, tokenizer, device: Device, *, stop: list[str] | None = None, model_path: str = "",
                  model_name: str = "", settings: dict | None = None):
@@ -127,35 +119,21 @@ class VllmEngine:
         self._broken = ""
 
     def info(self) -> dict:
-        """Provenance that bit-identical results depend on (recorded in run.json)."""
-        import torch
-        import transformers
+        """Provenance that bit-identical results depend on (recorded in run.json; the shared
+        part and its order: ``provenance.engine_info``), with vLLM's version and settings."""
         import vllm
 
-        return {
-            "engine": "vllm",
-            "vllm": vllm.__version__,
-            "torch": str(torch.__version__),
-            "transformers": transformers.__version__,
-            **models.device_facts(self.device.kind),
-            "dtype": self.settings.get("dtype"),
-            "model_path": self.model_path,
-            "model": self.model_name,
-            "stop": self.text.stop_strings,
-            "llguidance": importlib.metadata.version("llguidance"),
-            "vllm_settings": self.settings,  # holds tensor_parallel_size for a group of GPUs
-            **({"gpus_per_worker": self.device.group_size, "sharding": "tensor_parallel"}
-               if self.device.group_size > 1 else {}),
-        }
+        return provenance.engine_info(
+            "vllm", self.device, engine_version=vllm.__version__, dtype=self.settings.get("dtype"),
+            model_path=self.model_path, model_name=self.model_name, stop=self.text.stop_strings,
+            engine_settings={"vllm_settings": self.settings},  # holds tensor_parallel_size for a group of GPUs
+            sharding="tensor_parallel")
 
-    # ------------------------------------------------------------ rollout
+    # ------------------------------------------------------------ generation (ModelEngine's steps)
 
-    def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: PromptProfile) -> ChunkResult:
-        """Every candidate of every ticket of ``chunk``: one ``generate`` with one seeded
-        request per (kept ticket, decode, sample)."""
-        start = time.perf_counter()
-        ids, kept = self.text.chunk_prompts(chunk, guidance, profile)
-        regex = verdict_line_regex(profile.verdict) if chunk.constrain_verdict else None
+    def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
+                regex: str | None) -> list[Completion]:
+        """One ``generate`` with one seeded request per (kept ticket, decode, sample)."""
         requests, where = [], []
         for d, decode in enumerate(chunk.grid):
             for s in range(chunk.samples_per_decode):
@@ -163,47 +141,29 @@ class VllmEngine:
                     seed = stable_seed(chunk.seed_key, chunk.chunk_index, d, decode.seed, s, i)
                     requests.append((ids[i], self._params(decode, seed, regex)))
                     where.append((i, d, s))
-        samples: list[list[Sample]] = [[] for _ in chunk.tickets]
-        generated = 0
-        outs = self._generate(requests)
-        for (i, d, s), (row, reason), text in zip(where, outs, self.text.texts([row for row, _ in outs])):
-            generated += len(row)
-            samples[i].append(Sample(d, s, text, len(row), reason, row if chunk.return_token_ids else None))
-        return chat_text.rollout_result(chunk, ids, kept, samples, generated, start)
+        return [Completion(i, d, s, row, reason) for (i, d, s), (row, reason) in zip(where, self._generate(requests))]
 
-    # ------------------------------------------------------------ verdict probabilities
-
-    def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
-                              profile: PromptProfile) -> VerdictChunkResult:
-        """P(pass) of every ticket of ``chunk``, as the transformers engine computes it: one
-        ``generate`` over two requests per kept ticket (prompt + ``Verdict: <pass_text>``,
-        prompt + ``Verdict: <fail_text>``), each asking for the log-probabilities of its own
+    def _score_answers(self, chunk: VerdictChunk, ids: list[list[int]], kept: list[int],
+                       answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
+        """As the transformers engine scores them: one ``generate`` over a request per (kept
+        ticket, answer), prompt + answer, each asking for the log-probabilities of its own
         prompt tokens (``prompt_logprobs=0``, raw logits); the answer's tokens are summed."""
         from vllm import SamplingParams
 
-        start = time.perf_counter()
-        ids, kept = self.text.chunk_prompts(chunk, guidance, profile)
-        answers = verdict_scoring.answer_ids(self.tokenizer, profile.verdict)
         # One greedy token is generated and ignored: vLLM has no zero-token request. Prompt
         # log-prob requests never read the prefix cache (vLLM skips it for them).
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         rows = [(ids[i] + answer, len(answer)) for i in kept for answer in answers]
         outs = self._run([(row, params) for row, _ in rows])
         sums = [_answer_logprob(out.prompt_logprobs, row, n) for (row, n), out in zip(rows, outs)]
-        p_pass = {i: verdict_scoring.p_pass(sums[2 * n], sums[2 * n + 1]) for n, i in enumerate(kept)}
-        return chat_text.verdict_result(chunk, ids, p_pass, start)
+        k = len(answers)
+        return [tuple(sums[n * k:(n + 1) * k]) for n in range(len(kept))]
 
-    # ------------------------------------------------------------ chat
-
-    def chat(self, request: ChatRequest) -> ChatResult:
-        """One free-form generation; examples are fitted as in the transformers engine."""
-        k, row, fits = self.text.fit_examples(request)
-        if not fits:
-            return ChatResult(None, k, len(row))
+    def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
+        """The proposer's prompt as one seeded request, held to its JSON schema when it has one."""
         params = self._params(request.decode, stable_seed(request.seed_key), json_schema=request.json_schema)
         ((out, reason),) = self._generate([(row, params)])
-        (text,) = self.text.texts([out])
-        return ChatResult(text, k, len(row), len(out), reason)
+        return out, reason
 
     # ------------------------------------------------------------ shared steps
 

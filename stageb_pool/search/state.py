@@ -188,7 +188,7 @@ def start_sampler(n_train: int, rule_search, seed: int) -> TrainPoolSampler:
 
 def preflight_resume(run_dir: Path, identity: RunIdentity, *, train_keys: list[str],
                      start_sampler: TrainPoolSampler, store) -> None:
-    """For ``run_job``: refuse a ``--resume`` with a changed config or tickets, or a state that
+    """For ``job.run_plan``: refuse a ``--resume`` with a changed config or tickets, or a state that
     does not hold together, before the pool starts or run.json is rewritten. The search checks
     again when it starts (the same functions)."""
     committed = load_state(run_dir)

@@ -3,7 +3,9 @@
 Resolution happens here and only here: every path is made absolute (relative to the config
 file, or for an upstream config to the launch directory), the seeds that default to the
 top-level seed (the bootstrap's, the distillation's) are filled in, and input files are
-checked to exist. Callees read plain values from the result and never resolve a default again.
+checked to exist, the model path among them (``load_checked_config`` also returns the
+``ModelRef`` that check resolved, so a run checks it once). Callees read plain values from the
+result and never resolve a default again.
 """
 
 from __future__ import annotations
@@ -63,18 +65,33 @@ def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = Tr
 
     ``overrides`` are ``"a.b.c=value"`` strings (the CLI's ``--set``, always in our schema),
     applied to the mapping before validation. ``check_files=False`` skips the existence checks
-    of input files (for validating example configs on another machine). ``announce`` logs the
-    one line that says an upstream config was translated. Raises ``InputError``.
+    of input files and of the model path (for validating example configs on another machine).
+    ``announce`` logs the one line that says an upstream config was translated. Raises
+    ``InputError``.
     """
+    return _load(path, overrides, check_files=check_files, upstream_root=upstream_root, announce=announce)[0]
+
+
+def load_checked_config(path: str | os.PathLike, overrides=(), *,
+                        upstream_root: str | None = None) -> tuple[Config, model_path.ModelRef]:
+    """``load_config`` with its file checks, and the model path they checked: the start of a
+    run plan (``plan.plan_command``), which so checks the model path once."""
+    return _load(path, overrides, check_files=True, upstream_root=upstream_root, announce=True)
+
+
+def _load(path, overrides, *, check_files: bool, upstream_root: str | None,
+          announce: bool) -> tuple[Config, model_path.ModelRef | None]:
+    """The config and, with ``check_files``, its checked model (else None)."""
     where, raw, translation = read_config(path, upstream_root=upstream_root)
     if translation is not None and announce:
         log.info("%s", translation.summary(where))
     overridden = [apply_override(raw, assignment) for assignment in overrides]
     base = os.path.dirname(where) if translation is None else translation.root
+    model = None
     try:
         cfg = _resolve_paths(_resolve_seeds(_resolve_distillation(validate(raw, where), where)), base)
         if check_files:
-            _check_files(cfg, where)
+            model = _check_files(cfg, where)
     except InputError as e:
         key = (e.location or "").partition(": ")[2]
         if any(_under(key, k) for k in overridden):
@@ -82,7 +99,7 @@ def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = Tr
         elif translation is not None:
             _locate_upstream(e, key, translation, where)
         raise
-    return cfg
+    return cfg, model
 
 
 def _under(key: str, prefix: str) -> bool:
@@ -200,9 +217,10 @@ def input_files(cfg: Config) -> list[tuple[str, str]]:
     return found
 
 
-def _check_files(cfg: Config, where: str) -> None:
+def _check_files(cfg: Config, where: str) -> model_path.ModelRef:
     """Input files must be regular files before a run starts (nothing is created for a missing
-    input, and a FIFO is never opened: it would block the run forever)."""
+    input, and a FIFO is never opened: it would block the run forever); the model path is
+    checked (``check_model_path``) into the ModelRef the run loads."""
     for key, path in input_files(cfg):
         problem = _not_a_regular_file(path)
         if problem:
@@ -210,7 +228,7 @@ def _check_files(cfg: Config, where: str) -> None:
     if os.path.isabs(cfg.prompt.profile) and not os.path.isdir(cfg.prompt.profile):
         raise InputError(f"prompt profile directory not found: {cfg.prompt.profile}", f"{where}: prompt.profile")
     try:
-        model_path.check_model_path(cfg.model.path)
+        return model_path.check_model_path(cfg.model.path)
     except InputError as err:
         raise InputError(f"{err.message}: {cfg.model.path}", f"{where}: model.path") from None
 
