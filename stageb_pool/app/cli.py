@@ -31,7 +31,7 @@ import sys
 
 from .. import __version__
 from ..search.fileio import OutputError
-from ..stageb.errors import InputError
+from ..stageb.errors import InputError, UsageError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 COMMANDS = ("run", "check", "diff", "report", "import-config")
@@ -39,13 +39,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 UPSTREAM_LOG_LEVELS = {"logging": "info"}  # upstream's launcher spells info "logging"
 MAX_ERROR_CHARS = 2000  # an error quoting a huge value must not flood the terminal
 log = logging.getLogger("stageb_pool")
-
-
-class UsageError(InputError):
-    """A command-line mistake; printed as ``stageb-pool run: error: ...``."""
-
-    def __str__(self) -> str:
-        return f"{self.location}: error: {self.message}"
 
 
 class _Parser(argparse.ArgumentParser):

@@ -30,8 +30,7 @@ from ..search.settings import RunIdentity
 from ..stageb import guidance as guidance_mod
 from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
-from ..stageb.errors import InputError
-from .cli import UsageError
+from ..stageb.errors import InputError, UsageError
 from .config import load_checked_config, with_mode
 from .identity import run_identity
 from .outputs import check_outputs

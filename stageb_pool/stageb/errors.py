@@ -17,3 +17,10 @@ class InputError(Exception):
 
     def __str__(self) -> str:
         return f"{self.location}: {self.message}" if self.location else self.message
+
+
+class UsageError(InputError):
+    """A command-line mistake, located at its command; printed as ``stageb-pool run: error: ...``."""
+
+    def __str__(self) -> str:
+        return f"{self.location}: error: {self.message}"
