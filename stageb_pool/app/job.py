@@ -15,6 +15,7 @@ import functools
 import logging
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 
@@ -30,7 +31,7 @@ from ..search.guidance_store import GUIDANCE_FILE, GuidanceStore
 from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
-from ..search.settings import SearchSettings
+from ..search.settings import RunIdentity, SearchSettings
 from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import split_eval_pool
@@ -114,19 +115,35 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, de
             state_mod.preflight_resume(run_dir, identity, train_keys=[t.key for t in train], store=store,
                                        start_sampler=state_mod.start_sampler(len(train), config.rule_search,
                                                                              config.seed))
+    prepared = _Prepared(devices, store, identity, first_run_json, seed_guidance, run_json, prov, started)
     lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
     try:
-        return _run_locked(plan, devices, store=store, identity=identity, resume=resume, overwrite=overwrite,
-                           first_run_json=first_run_json, seed_guidance=seed_guidance, run_json=run_json, prov=prov,
-                           debug=debug, engine_factory=engine_factory, started=started)
+        return _run_locked(plan, prepared, resume=resume, overwrite=overwrite, debug=debug,
+                           engine_factory=engine_factory)
     finally:
         lock.release()
 
 
-def _run_locked(plan: RunPlan, devices, *, store, identity, resume, overwrite, first_run_json, seed_guidance,
-                run_json, prov, debug, engine_factory, started) -> int:
+class _Prepared(NamedTuple):
+    """What ``run_plan`` made ready before taking the run directory: the workers' devices, the
+    guidance store, the resume identity, the first documents already encoded (run.json, the
+    seed guidance), run.json's fields and provenance for its rewrite, and the start time."""
+
+    devices: list[Device]
+    store: GuidanceStore
+    identity: RunIdentity | None  # a rule search's (None: an audit)
+    first_run_json: bytes
+    seed_guidance: bytes
+    run_json: dict
+    prov: dict
+    started: float
+
+
+def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: bool, debug: bool,
+                engine_factory) -> int:
     """``run_plan`` from the moment it owns the run directory."""
     config, inputs, run_dir, ray_address = plan.config, plan.inputs, plan.run_dir, plan.ray_address
+    devices, store, identity, first_run_json, seed_guidance, run_json, prov, started = prepared
     start = rundir.start_run_dir(run_dir, overwrite=overwrite, resume=resume)
     try:
         if resume:
