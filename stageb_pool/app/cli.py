@@ -178,10 +178,17 @@ def config_path(args) -> str:
     return path
 
 
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP to the main process. Raised where the run was (like Ctrl-C's
-    KeyboardInterrupt, so no ``except Exception`` catches it) so that every ``finally`` on the
-    way out runs: the pool stops and reaps its workers, nothing is left half-written."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to the main process. Raised where the run was (as Ctrl-C's
+    KeyboardInterrupt is, so no ``except Exception`` catches it) so that every ``finally`` on
+    the way out runs: the pool stops and reaps its workers, nothing is left half-written.
+
+    A KeyboardInterrupt, because Ray's blocking calls (``ray.wait`` under ``--ray``) pass on
+    only a KeyboardInterrupt raised by a signal handler: any other exception is lost there and
+    the run would go on (measured: a SIGTERM'd run hung). Ray then raises a KeyboardInterrupt
+    of its own, so the signal is also kept in ``received`` for ``main`` to name."""
+
+    received: int | None = None  # the stop signal of this process's run, once one came
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -193,6 +200,7 @@ def _raise_terminated(signum, frame):
     # for a moment; the close is bounded (seconds), so later ones are ignored (SIGKILL still works).
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    Terminated.received = signum
     raise Terminated(signum)
 
 
@@ -213,6 +221,7 @@ def cmd_run(args) -> int:
     from .plan import plan_command
 
     # Only for the run's life: a caller of main() in-process gets its own handlers back.
+    Terminated.received = None
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in STOP_SIGNALS}
     try:
         plan = plan_command(config_path(args), args.overrides, audit=args.audit, upstream_root=args.upstream_root,
@@ -326,14 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as err:
         print(capped(f"stageb-pool: error: {err}"), file=sys.stderr)
         return EXIT_INPUT
-    except KeyboardInterrupt:
-        print("stageb-pool: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Terminated as stop:
-        name = signal.Signals(stop.signum).name
+    except KeyboardInterrupt as stop:  # Ctrl-C, or a stop signal (Terminated, or Ray's stand-in for it)
+        signum = stop.signum if isinstance(stop, Terminated) else Terminated.received
+        if signum is None:
+            print("stageb-pool: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        name = signal.Signals(signum).name
         print(f"stageb-pool: stopped by {name}; the workers are stopped; continue with: {resume_command(argv)}",
               file=sys.stderr)
-        return 128 + stop.signum  # the shell's convention for a death by that signal
+        return 128 + signum  # the shell's convention for a death by that signal
     except OutputError as err:  # disk full, a file size limit: the run directory stays resumable
         print(f"stageb-pool: run failed: {err} (the run can be continued with --resume once fixed)",
               file=sys.stderr)

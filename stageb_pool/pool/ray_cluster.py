@@ -102,6 +102,12 @@ class RayConnection:
                 raise
             hint = " (start one with `ray start --head`, or use address 'local')" if address == "auto" else ""
             raise PoolError(f"cannot connect to the Ray cluster at {address!r}{hint}: {exc}") from None
+        if callable(self._saved_sigterm):
+            # The caller's own handler (the CLI's: stop the run, close the pool, say how to
+            # resume, exit 143) goes on handling SIGTERM while Ray is up. Ray's would sys.exit
+            # from wherever the run is (measured: exit 1 with nothing said). A process with no
+            # handler of its own keeps Ray's until close.
+            signal.signal(signal.SIGTERM, self._saved_sigterm)
         self._log_redirect = ray_logs_to_stderr()
 
     def _setenv(self, name: str, value: str) -> None:
