@@ -18,7 +18,7 @@ from .devices import Device, DeviceSpecError, check_gpus_per_worker, parse_gpus,
 from .dispatch import Dispatcher
 from .engine_agreement import ACCEPT_ANY, REFUSE_ANY_DIFFERENCE, EngineAgreement
 from .errors import FrameTooLarge, PoolError, TaskCancelled
-from .forked import ForkedTransport
+from .fork_transport import ForkedTransport
 from .inline import InlineRunner
 from .cluster_probe import CONNECT_TIMEOUT
 from .protocol import MAX_FRAME_BYTES, encode
