@@ -58,15 +58,9 @@ def test_reader_reassembles_frames_fed_byte_by_byte():
     assert got == MESSAGES and not reader.buffer
 
 
-def test_oversize_send_names_the_size_and_sends_nothing():
-    a, b = socket.socketpair()
-    with a, b:
-        with pytest.raises(FrameTooLarge, match=r"Task frame of 1,0\d\d bytes exceeds the pool's frame limit of 1,000 bytes"):
-            protocol.send(a, Task(1, "m", msgspec.Raw(b'"' + b"x" * 1000 + b'"')), max_frame=1000)
-        a.setblocking(False)
-        b.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            b.recv(1)
+def test_an_oversize_frame_names_the_size_before_anything_is_sent():
+    with pytest.raises(FrameTooLarge, match=r"Task frame of 1,0\d\d bytes exceeds the pool's frame limit of 1,000 bytes"):
+        protocol.frame(Task(1, "m", msgspec.Raw(b'"' + b"x" * 1000 + b'"')), max_frame=1000)
 
 
 def test_oversize_header_on_receive_is_a_protocol_error():
@@ -77,7 +71,7 @@ def test_oversize_header_on_receive_is_a_protocol_error():
     with a, b:
         a.sendall(header + b"{}")
         with pytest.raises(ProtocolError, match="exceeds the limit"):
-            protocol.recv(b, max_frame=1000)
+            protocol.recv_body(b, max_frame=1000)
 
 
 @pytest.mark.parametrize("body", [b"not json", b'{"type": "Nope"}', b'{"type": "Task", "id": "x"}', b"[]"])
@@ -89,11 +83,11 @@ def test_garbage_is_a_protocol_error(body):
 def test_blocking_recv_reads_frames_and_reports_eof():
     a, b = socket.socketpair()
     with b:
-        protocol.send(a, Spawn(1))
+        a.sendall(protocol.frame(Spawn(1)))
         a.sendall(protocol.frame(Spawn(2))[:5])  # a torn frame, then EOF
         a.close()
-        assert protocol.recv(b) == Spawn(1)
-        assert protocol.recv(b) is None
+        assert protocol.decode(protocol.recv_body(b)) == Spawn(1)
+        assert protocol.recv_body(b) is None
 
 
 def test_packets_carry_file_descriptors():

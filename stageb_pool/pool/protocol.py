@@ -132,11 +132,6 @@ def decode(body: bytes) -> Message:
         raise ProtocolError(f"cannot decode message ({exc}): {bytes(body[:120])!r}") from None
 
 
-def send(sock: socket.socket, msg: Message, max_frame: int = MAX_FRAME_BYTES) -> None:
-    """Send one message (blocking, for the worker side)."""
-    sock.sendall(frame(msg, max_frame))
-
-
 def _check_incoming(size: int, max_frame: int) -> None:
     # Refuse an oversize length before reading the body: never a silent desynchronisation.
     if size > max_frame:
@@ -152,12 +147,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
-
-
-def recv(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> Message | None:
-    """Receive one message (blocking); None on EOF."""
-    body = recv_body(sock, max_frame)
-    return None if body is None else decode(body)
 
 
 def recv_body(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> bytes | None:
