@@ -185,8 +185,9 @@ class Terminated(KeyboardInterrupt):
 
     A KeyboardInterrupt, because Ray's blocking calls (``ray.wait`` under ``--ray``) pass on
     only a KeyboardInterrupt raised by a signal handler: any other exception is lost there and
-    the run would go on (measured: a SIGTERM'd run hung). Ray then raises a KeyboardInterrupt
-    of its own, so the signal is also kept in ``received`` for ``main`` to name."""
+    the run goes on (measured: a SIGHUP'd ``--ray local`` run did not exit). Ray then raises a
+    KeyboardInterrupt of its own, so the signal is also kept in ``received`` for ``main`` to
+    name."""
 
     received: int | None = None  # the stop signal of this process's run, once one came
 
