@@ -1,7 +1,10 @@
-"""Process listings from /proc, for tests that check no process is left behind."""
+"""Process listings from /proc, for tests that check no process is left behind; and the CPU
+affinity a layout comparison pins one side to."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 
@@ -38,3 +41,20 @@ def descendants(pid: int) -> list[int]:
 def parent_pid(pid: int) -> int:
     """The parent of a living process (e.g. the pool's zygote, from a worker's pid)."""
     return int(_stat(pid)[1])
+
+
+@contextlib.contextmanager
+def pinned(cores):
+    """This process allowed only ``cores`` (as ``taskset -c`` would), and with it every process
+    it forks meanwhile (a pool's zygote and workers inherit the mask); restored after."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+# The cores this process may use, and the first alone: the two sides of a layout comparison.
+CORES = sorted(os.sched_getaffinity(0))
+ONE_CORE = CORES[:1]

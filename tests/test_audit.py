@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from doubles.fake_engine import fake_factory
 from doubles.run_inputs import MISSION, SEED_RULES, audit_inputs
+from processes import CORES, ONE_CORE, pinned
 
 from stageb_pool.app.config import load_config
 from stageb_pool.app.diff import diff_runs
@@ -149,10 +150,17 @@ def test_fake_audit_identical_on_one_and_three_workers(tmp_path):
 
 
 def test_tiny_model_audit_identical_on_one_and_three_workers(tmp_path):
-    save = ["output.save_rollouts=true"]
-    a = run_audit_job(tmp_path, "cpu:1", n=12, run_name="one", overrides=save)
-    b = run_audit_job(tmp_path, "cpu:3", n=12, run_name="three", overrides=save)
+    """One worker seeing every core against three pinned to one (a worker's thread count must
+    follow neither): the same artifacts, the headroom's P(pass) compared as exact floats."""
+    save = ["output.save_rollouts=true", "headroom.tickets=12"]
+    with pinned(CORES):
+        a = run_audit_job(tmp_path, "cpu:1", n=12, run_name="one", overrides=save)
+    with pinned(ONE_CORE):
+        b = run_audit_job(tmp_path, "cpu:3", n=12, run_name="three", overrides=save)
     assert same_artifacts(a, b) == []
+    p_one, p_three = ([r["p_pass"] for r in read_json(run / "judge_headroom.json")["per_ticket"]] for run in (a, b))
+    assert len(p_one) == 12 and len(set(p_one)) > 1  # real, varied probabilities were compared
+    assert [x.hex() for x in p_one] == [x.hex() for x in p_three]
     texts = [r["text"] for r in read_jsonl(a / "rollouts" / "audit.jsonl")]
     assert len(texts) == 12 * 4 and len(set(texts)) > 1  # real, varied generations were compared
     stats = read_jsonl(a / "baseline_ticket_stats.jsonl")

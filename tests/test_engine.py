@@ -9,6 +9,7 @@ import sys
 import msgspec
 import pytest
 import torch
+from processes import CORES, ONE_CORE, pinned
 
 from stageb_pool.engine.build import build_engine
 from stageb_pool.engine.model_path import check_model_path
@@ -816,10 +817,12 @@ def tiny_factory(device):
     return build_engine(device, TINY)
 
 
-def pool_rollout(gpus, chunks, profile, *, inline=False) -> list[bytes]:
+def pool_rollout(gpus, chunks, profile, *, inline=False, cores=CORES) -> list[bytes]:
+    """The rollouts of ``chunks`` on a pool of ``gpus`` whose workers may use only ``cores``."""
     from stageb_pool import Pool
 
-    with Pool(tiny_factory if inline else (lambda d: build_engine(d, TINY)), gpus=gpus, inline=inline) as pool:
+    with pinned(cores), Pool(tiny_factory if inline else (lambda d: build_engine(d, TINY)), gpus=gpus,
+                             inline=inline) as pool:
         results = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
         assert all(info["model"] == "tiny-qwen2" for info in pool.worker_info)
     return [stable(r) for r in results]
@@ -833,7 +836,7 @@ def test_rollouts_are_byte_identical_on_1_2_3_workers_and_inline(engine, profile
     runs = {
         "cpu:1": pool_rollout("cpu:1", chunks, profile),
         "cpu:2": pool_rollout("cpu:2", chunks, profile),
-        "cpu:3": pool_rollout("cpu:3", chunks, profile),
+        "cpu:3 on one core": pool_rollout("cpu:3", chunks, profile, cores=ONE_CORE),
         "inline": pool_rollout("cpu:1", chunks, profile, inline=True),
     }
     for name, got in runs.items():

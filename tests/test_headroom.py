@@ -14,6 +14,7 @@ import pytest
 from doubles import scripted_engine as se
 from doubles.fake_engine import fake_factory
 from doubles.run_inputs import MISSION, audit_inputs, missing_part_records, search_inputs
+from processes import CORES, ONE_CORE, pinned
 
 from stageb_pool.app.config import load_config
 from stageb_pool.app.job import run_job
@@ -233,9 +234,12 @@ def test_a_judge_that_reads_the_tickets_separates_and_the_search_summary_says_so
 
 
 def test_the_tiny_model_check_is_byte_identical_on_1_and_2_workers(tmp_path):
-    """The real engine (the tiny model) through forked workers: chunks of 4, 12 tickets."""
-    one = audit(tmp_path, "cpu:1", "one", factory=None)
-    two = audit(tmp_path, "cpu:2", "two", factory=None)
+    """The real engine (the tiny model) through forked workers: chunks of 4, 12 tickets; one
+    worker seeing every core against two pinned to one core (the thread count follows neither)."""
+    with pinned(CORES):
+        one = audit(tmp_path, "cpu:1", "one", factory=None)
+    with pinned(ONE_CORE):
+        two = audit(tmp_path, "cpu:2", "two", factory=None)
     data = (one / hr.HEADROOM_FILE).read_bytes()
     assert data == (two / hr.HEADROOM_FILE).read_bytes()
     doc = json.loads(data)

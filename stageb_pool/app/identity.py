@@ -4,7 +4,8 @@ A resume must compute exactly what the interrupted run would have, so its identi
 everything the search's results depend on, and nothing else:
 
 - the resolved config without the keys that do not change a result: ``output`` (where the
-  run is written), ``pool`` (timeouts and restarts), ``runner.epochs`` (the budget: raising
+  run is written), the ``pool`` timeouts and restarts (``pool.threads_per_worker`` stays: a
+  worker's thread count changes low bits), ``runner.epochs`` (the budget: raising
   it extends a run), ``stage_b_distillation.log_chatml_path`` (where the export goes) and
   ``headroom`` (the judge-headroom check only reports; the search never reads it);
 - the inputs by content, never by path, so a data folder may move: the tickets (in run
@@ -21,7 +22,8 @@ from ..stageb.hashing import content_hash, tickets_hash
 from .config import config_document
 
 # Keys whose value does not change what a run computes (see the module docstring).
-NOT_IDENTITY = ("output", "pool", "runner.epochs", "stage_b_distillation.log_chatml_path", "stage_a_paths",
+NOT_IDENTITY = ("output", "pool.task_timeout", "pool.start_timeout", "pool.max_restarts", "pool.stall_warning",
+                "pool.connect_timeout", "runner.epochs", "stage_b_distillation.log_chatml_path", "stage_a_paths",
                 "ticket_filter.exclude_ticket_keys_path", "headroom")
 
 

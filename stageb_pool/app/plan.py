@@ -139,6 +139,7 @@ def plan_run(config, *, audit: bool, config_path: str | None, devices: DeviceReq
         key = f"{os.path.abspath(config_path)}: model.gpus_per_worker" if config_path else "model.gpus_per_worker"
         workers = resolve_devices(devices.gpus, ray=devices.ray_address is not None,
                                   gpus_per_worker=config.model.gpus_per_worker,
+                                  threads_per_worker=config.pool.threads_per_worker,
                                   group_location="--gpus-per-worker" if given else key)
     config = with_mode(config, audit)
     inputs = load_inputs(config, model)
@@ -151,18 +152,18 @@ def plan_run(config, *, audit: bool, config_path: str | None, devices: DeviceReq
                    config_path)
 
 
-def resolve_devices(spec, *, ray: bool = False, gpus_per_worker: int = 1,
+def resolve_devices(spec, *, ray: bool = False, gpus_per_worker: int = 1, threads_per_worker: int = 1,
                     group_location: str = "--gpus-per-worker") -> list[Device]:
     """The devices of a ``--gpus`` spec, one per worker (a group of ``gpus_per_worker`` GPUs
-    each); a bad spec is an InputError located at ``--gpus``, a group size that does not fit
+    each, ``threads_per_worker`` torch threads each: ``pool.threads_per_worker``); a bad spec is an InputError located at ``--gpus``, a group size that does not fit
     it one located at ``group_location`` (the option, or the config key it came from).
     Under Ray (``--ray``) the spec is a GPU count or ``cpu:N``: Ray chooses the GPUs, so the
     devices are numbered by rank."""
     try:
         if ray:
             kind, count = parse_ray_spec(spec, gpus_per_worker=gpus_per_worker)
-            return ray_devices(kind, count, gpus_per_worker)
-        return parse_gpus(spec, gpus_per_worker=gpus_per_worker)
+            return ray_devices(kind, count, gpus_per_worker, threads_per_worker)
+        return parse_gpus(spec, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker)
     except GroupSizeError as err:
         raise InputError(str(err), group_location) from None
     except DeviceSpecError as err:

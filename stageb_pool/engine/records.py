@@ -57,8 +57,7 @@ class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     max_num_seqs: Annotated[int, Meta(ge=1, le=100_000)] = 256  # requests scheduled together
     block_size: Annotated[int, Meta(ge=1, le=4096)] | None = None  # KV-cache block size; None: vLLM's default for the device
     # Threads of a CPU worker, fixed whatever the worker count: vLLM's CPU kernels give other
-    # low bits with another thread count, so following the cores (as transformers does)
-    # would make cpu:1 and cpu:2 differ. None: the cores / workers share, as transformers.
+    # low bits with another thread count. None: the pool's threads_per_worker, as transformers.
     cpu_threads: Annotated[int, Meta(ge=1, le=4096)] | None = 1
 
 

@@ -31,6 +31,8 @@ MAX_RAY_WORKERS = 4096
 # GPUs one worker may hold. The largest single machines have 16 GPUs; more than that in
 # one group would have to span nodes, which a group never does.
 MAX_GPUS_PER_WORKER = 16
+# torch threads one worker may use (pool.threads_per_worker): more cores than any one machine has.
+MAX_THREADS_PER_WORKER = 1024
 
 
 class DeviceSpecError(ValueError):
@@ -46,7 +48,9 @@ class Device(msgspec.Struct, frozen=True):
     """A worker's device. ``index`` is the physical GPU index (as the user wrote it; the
     first GPU of a group) or the CPU worker's number; ``rank`` is the worker's position in
     the pool; ``threads`` is the torch intra-op thread count the worker sets before its
-    first torch op.
+    first torch op: the pool's ``threads_per_worker``, never derived from the worker count or
+    the machine's cores, since a reduction split over another number of threads adds in
+    another order and changes low bits (docs/architecture.md, "Determinism contract").
 
     ``group``: every GPU of a worker that holds more than one, in order (``index`` is the
     first); ``()`` for a one-GPU or CPU worker, so a one-GPU Device is exactly what it was
@@ -111,13 +115,6 @@ class Device(msgspec.Struct, frozen=True):
             return ",".join(str(g) for g in self.gpus)
         visible = [d.strip() for d in parent.split(",") if d.strip()]
         return ",".join(visible[g] for g in self.gpus)
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def count_gpus() -> int:
@@ -226,40 +223,48 @@ def _check_multiple(count: int, gpus_per_worker: int, what: str) -> None:
                              f"GPUs per worker ({hint} a group size that divides {count})")
 
 
-def _cpu_devices(spec: str, cpus: int) -> list[Device]:
+def check_threads_per_worker(value) -> int:
+    """``threads_per_worker`` as an int in [1, ``MAX_THREADS_PER_WORKER``], else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS_PER_WORKER:
+        raise ValueError(f"threads_per_worker must be an integer from 1 to {MAX_THREADS_PER_WORKER}, got {value!r}")
+    return value
+
+
+def _cpu_devices(spec: str, threads: int) -> list[Device]:
     m = _CPU.fullmatch(spec)
     n = 1 if m.group(1) is None else _int(m.group(1))
     if n < 1:
         raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
     if n > MAX_CPU_WORKERS:
         raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_CPU_WORKERS} CPU workers")
-    threads = max(1, cpus // n)
     return [Device("cpu", i, i, threads) for i in range(n)]
 
 
-def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpus_per_worker: int = 1) -> list[Device]:
+def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpus_per_worker: int = 1,
+               threads_per_worker: int = 1) -> list[Device]:
     """``"0-7"``, ``"0,2,5-6"``, ``"0"``, ``[0, 1]``, ``"cpu"`` (one CPU worker), ``"cpu:N"``.
 
     GPU indices are checked against the GPUs that exist (``gpu_count``, counted when not
     given); an index that does not exist is an error naming the ones that do.
-    CPU workers (at most ``MAX_CPU_WORKERS``) split the available cores between them (at
-    least one thread each).
+    CPU workers number at most ``MAX_CPU_WORKERS``. Every worker, CPU or GPU, computes with
+    ``threads_per_worker`` torch threads, whatever the worker count and the cores: the same
+    numbers on any layout (``Device``).
 
     ``gpus_per_worker``: one worker per group of that many GPUs, contiguous in the spec's
     order; the GPU count must be a multiple of it, and a CPU spec takes only 1.
     """
     gpus_per_worker = check_gpus_per_worker(gpus_per_worker)
+    threads = check_threads_per_worker(threads_per_worker)
     if isinstance(spec, int):
         spec = str(spec)
     if isinstance(spec, list):
         spec = ",".join(str(i) for i in spec)
     spec = str(spec).strip()
-    cpus = available_cpus()
     if spec == "cpu" or spec.startswith("cpu:"):
         if not _CPU.fullmatch(spec):
             raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
         _refuse_cpu_groups(spec, gpus_per_worker)
-        return _cpu_devices(spec, cpus)
+        return _cpu_devices(spec, threads)
     ranges = _gpu_ranges(spec)
     have = count_gpus() if gpu_count is None else gpu_count
     # Check before expanding: "0-99999999" must not build a list of 10^8 indices.
@@ -272,10 +277,8 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
         raise DeviceSpecError(f"GPU list {_quote(spec)} names a GPU twice")
     _check_multiple(len(indices), gpus_per_worker, f"--gpus {_quote(spec)} names")
     if gpus_per_worker == 1:
-        threads = max(1, min(8, cpus // len(indices)))
         return [Device("cuda", gpu, rank, threads) for rank, gpu in enumerate(indices)]
     groups = [tuple(indices[i:i + gpus_per_worker]) for i in range(0, len(indices), gpus_per_worker)]
-    threads = max(1, min(8, cpus // len(groups)))  # one process per group: its threads, not its GPUs', count
     return [Device("cuda", group[0], rank, threads, group=group) for rank, group in enumerate(groups)]
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import msgspec
 
-from .devices import Device, DeviceSpecError, check_gpus_per_worker, parse_gpus, parse_ray_spec, ray_workers
+from .devices import (Device, DeviceSpecError, check_gpus_per_worker, check_threads_per_worker, parse_gpus,
+                      parse_ray_spec, ray_workers)
 from .dispatch import Dispatcher
 from .engine_agreement import ACCEPT_ANY, REFUSE_ANY_DIFFERENCE, EngineAgreement
 from .errors import FrameTooLarge, PoolError, TaskCancelled
@@ -56,6 +57,12 @@ class Pool:
     and its CUDA_VISIBLE_DEVICES set to them; the engine shards its model over the group.
     The GPU count must be a multiple of G; a CPU spec takes only G=1 (DeviceSpecError).
 
+    ``threads_per_worker``: the torch intra-op threads of every worker (CPU or GPU, fork or
+    Ray), whatever the worker count and the machine's cores, so that a task gives the same
+    bits on any layout (another thread count sums reductions in another order); a list of
+    ``Device`` carries its own. Raise it for speed on a single worker, knowing that results
+    then match only runs with the same setting.
+
     ``engine_agreement``: what the pool does when its workers' ``engine.info()`` differ, at
     start and for every replacement (``engine_agreement.EngineAgreement``). By default the
     Ray backend refuses any difference (``REFUSE_ANY_DIFFERENCE``: a PoolError naming the odd
@@ -67,20 +74,22 @@ class Pool:
                  start_timeout: float | None = 600.0, max_restarts: int = 0, inline: bool = False,
                  max_frame_bytes: int = MAX_FRAME_BYTES, backend: str = "fork", ray_address: str = "auto",
                  placement_timeout: float = 60.0, gpus_per_worker: int = 1, stall_warning: float | None = None,
-                 connect_timeout: float = CONNECT_TIMEOUT, engine_agreement: EngineAgreement | None = None):
+                 connect_timeout: float = CONNECT_TIMEOUT, engine_agreement: EngineAgreement | None = None,
+                 threads_per_worker: int = 1):
         task_timeout = _checked_timeout("task_timeout", task_timeout)
         stall_warning = _checked_timeout("stall_warning", stall_warning)
         start_timeout = _checked_timeout("start_timeout", start_timeout)
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+        check_threads_per_worker(threads_per_worker)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if inline and backend != "fork":
             raise ValueError("inline=True runs the engine in this process: it takes no backend")
         # Under Ray, (kind, count, GPUs per worker): Ray picks the GPUs.
-        ray_spec = _ray_spec(gpus, gpus_per_worker) if backend == "ray" else None
-        self.devices = [] if ray_spec else _devices(gpus, gpus_per_worker)
-        self.size = ray_workers(*ray_spec) if ray_spec else len(self.devices)
+        ray_spec = _ray_spec(gpus, gpus_per_worker, threads_per_worker) if backend == "ray" else None
+        self.devices = [] if ray_spec else _devices(gpus, gpus_per_worker, threads_per_worker)
+        self.size = ray_workers(*ray_spec[:3]) if ray_spec else len(self.devices)
         self.max_frame = max_frame_bytes
         self.stats = PoolStats.empty(self.size)
         self._snapshots = SnapshotStore(max_frame_bytes)
@@ -282,18 +291,22 @@ def _checked_timeout(name: str, seconds) -> float | None:
     return float(seconds)
 
 
-def _devices(gpus, gpus_per_worker: int) -> list[Device]:
-    if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(d, Device) for d in gpus):
+def _is_device_list(gpus) -> bool:
+    return isinstance(gpus, (list, tuple)) and bool(gpus) and all(isinstance(d, Device) for d in gpus)
+
+
+def _devices(gpus, gpus_per_worker: int, threads_per_worker: int) -> list[Device]:
+    if _is_device_list(gpus):
         if check_gpus_per_worker(gpus_per_worker) != 1:
             raise DeviceSpecError("gpus_per_worker goes with a spec; a list of Device carries its groups itself")
         return list(gpus)
-    return parse_gpus(gpus, gpus_per_worker=gpus_per_worker)
+    return parse_gpus(gpus, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker)
 
 
-def _ray_spec(gpus, gpus_per_worker: int) -> tuple[str, int, int]:
-    """``(kind, GPU or CPU-worker count, GPUs per worker)`` of a Ray pool; a list of Device
-    brings its own group size."""
+def _ray_spec(gpus, gpus_per_worker: int, threads_per_worker: int) -> tuple[str, int, int, int]:
+    """``(kind, GPU or CPU-worker count, GPUs per worker, threads per worker)`` of a Ray pool;
+    a list of Device brings its own group size and threads."""
     kind, count = parse_ray_spec(gpus, gpus_per_worker=gpus_per_worker)
-    if isinstance(gpus, (list, tuple)) and gpus and isinstance(gpus[0], Device):
-        gpus_per_worker = gpus[0].group_size
-    return kind, count, gpus_per_worker if kind == "cuda" else 1
+    if _is_device_list(gpus):
+        gpus_per_worker, threads_per_worker = gpus[0].group_size, gpus[0].threads
+    return kind, count, gpus_per_worker if kind == "cuda" else 1, threads_per_worker

@@ -21,7 +21,7 @@ from .devices import Device, ray_devices, ray_workers
 from .errors import PoolError
 
 log = logging.getLogger("stageb_pool.pool")
-MAX_THREADS = 8  # torch threads per GPU worker, as the fork backend's devices.parse_gpus
+MAX_THREADS = 8  # CPUs a GPU worker's bundle reserves at most (its torch threads are the pool's threads_per_worker)
 RESOURCE_UNIT = 10_000  # Ray keeps resources in units of 1/10000: shares are rounded down to one
 EPS = 1e-9
 RAYLET_PROBE_TIMEOUT = 1.0  # seconds; a raylet on a live node answers in milliseconds
@@ -64,15 +64,17 @@ def raylet_answers(node: Node, timeout: float = RAYLET_PROBE_TIMEOUT) -> bool:
         return False
 
 
-def plan_workers(ray, kind: str, count: int, gpus_per_worker: int = 1) -> tuple[list[Device], list[dict]]:
+def plan_workers(ray, kind: str, count: int, gpus_per_worker: int = 1,
+                 threads_per_worker: int = 1) -> tuple[list[Device], list[dict]]:
     """The devices and the placement bundles of the workers of ``count`` GPUs (or ``count``
     CPU workers) on this cluster.
 
     A GPU worker reserves its group of ``gpus_per_worker`` GPUs in one bundle (a bundle
     always lands on one node, so a group never spans nodes) and the CPUs that go with them on
     the poorest node that can hold a group (CPUs // GPUs per GPU, at most 8 per worker; 0 on a
-    cluster that declares more GPUs than CPUs); its torch thread count is that, at least 1,
-    as on one machine. CPU workers share the cluster's CPUs: the largest share that packs
+    cluster that declares more GPUs than CPUs). Every worker computes with
+    ``threads_per_worker`` torch threads, as on one machine, whatever its bundle holds: the
+    thread count changes low bits, the reservation does not. CPU workers share the cluster's CPUs: the largest share that packs
     ``count`` bundles onto the nodes (whole CPUs when one or more each; else a fraction,
     rounded down to Ray's unit, so 3 workers on 2 CPUs take 0.6666 each, never 2.0001 in
     all). ``Device.index`` is the rank (times the group size): which node and GPUs it lands
@@ -89,15 +91,13 @@ def plan_workers(ray, kind: str, count: int, gpus_per_worker: int = 1) -> tuple[
         per_gpu = [int(n.total.get("CPU", 0) // n.total["GPU"]) for n in fitting]
         cpus = min(min(per_gpu, default=0) * gpus_per_worker, MAX_THREADS)
         bundle = {"GPU": float(gpus_per_worker), **({"CPU": float(cpus)} if cpus else {})}
-        threads = max(1, cpus)
     else:
         cpus = cpu_share([n.total.get("CPU", 0.0) for n in nodes], workers)
         if cpus is None:
             raise PoolError(f"cannot place {workers} CPU workers: the cluster's live nodes have no CPU to share "
                             f"({describe_nodes(nodes, ['CPU'], free=False)})")
         bundle = {"CPU": float(cpus)}
-        threads = max(1, int(cpus))
-    devices = ray_devices(kind, count, gpus_per_worker, threads)
+    devices = ray_devices(kind, count, gpus_per_worker, threads_per_worker)
     return devices, [dict(bundle) for _ in range(workers)]
 
 

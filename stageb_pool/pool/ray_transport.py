@@ -77,11 +77,11 @@ class RayWorker:
 class RayTransport:
     """Connects to Ray, plans and places one bundle per worker, then runs actors on request.
 
-    ``spec``: ``(kind, count, GPUs per worker)``, from ``devices.parse_ray_spec`` and the pool's
-    ``gpus_per_worker``. ``placement`` holds, per
+    ``spec``: ``(kind, count, GPUs per worker, threads per worker)``, from
+    ``devices.parse_ray_spec`` and the pool's ``gpus_per_worker`` and ``threads_per_worker``. ``placement`` holds, per
     rank, where its actor runs (node id and address, Ray's GPU ids, pid)."""
 
-    def __init__(self, spec: tuple[str, int, int], engine_factory, max_frame: int, stats: PoolStats, *,
+    def __init__(self, spec: tuple[str, int, int, int], engine_factory, max_frame: int, stats: PoolStats, *,
                  address: str, placement_timeout: float, connect_timeout: float):
         self.max_frame = max_frame
         self.stats = stats

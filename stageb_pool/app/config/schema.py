@@ -18,6 +18,7 @@ import msgspec
 from msgspec import Meta
 
 from ...engine.records import SamplerConfig, SimulatedSettings, VllmSettings
+from ...pool.devices import MAX_THREADS_PER_WORKER
 
 # Constrained scalar types: msgspec checks these while converting and reports the key path.
 # Every number has an upper bound too: a value past it is a typo or an attack (a timeout of
@@ -105,6 +106,9 @@ class PoolConfig(_Section, kw_only=True):
     task_timeout: Float(0, WEEK, open_low=True) = 600.0  # seconds a worker may spend on one request before it counts as stalled
     start_timeout: Float(0, WEEK, open_low=True) = 900.0  # seconds a worker may take to start and load its model
     max_restarts: Int(0, 1000) = 0  # worker replacements (with the work retried) before the run fails
+    # torch threads of every worker, whatever the worker count and the cores: another thread count
+    # adds reductions in another order, so it is part of the result (and of the resume identity)
+    threads_per_worker: Int(1, MAX_THREADS_PER_WORKER) = 1
     # seconds a request may run without a result before a warning names its worker (then again
     # after each further stall_warning); null: never. Long before task_timeout stops it.
     stall_warning: Float(0, WEEK, open_low=True) | None = 120.0
