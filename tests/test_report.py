@@ -119,7 +119,7 @@ def test_a_run_of_an_earlier_version_names_what_is_missing(run_dir, tmp_path):
     for name in ("pool_timeline.jsonl", "summary.json", "judge_headroom.json", "rule_search_iterations.jsonl",
                  "reflection_cache/proposer_answers.jsonl"):
         assert f"<code>{name}</code> missing" in page
-    assert "<code>rule_candidates.jsonl</code> unreadable (JSONDecodeError)" in page
+    assert "<code>rule_candidates.jsonl</code> unreadable (line 1: not JSON (Input data was truncated))" in page
     assert "<code>benchmarks.jsonl</code>" not in page  # a finished run without accepted edits has none
     assert "Nothing is recorded about the pool." in page
 
