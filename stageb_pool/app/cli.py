@@ -304,9 +304,9 @@ def cmd_report(args) -> int:
 
     out = args.output or os.path.join(args.run_dir, REPORT_FILE)
     try:
-        page = render_report(args.run_dir).encode("utf-8")
         if out != "-":
-            check_target(out, args.run_dir)
+            check_target(out, args.run_dir)  # before the page is built: a refusal is quick
+        page = render_report(args.run_dir).encode("utf-8")
     except ReportError as err:
         raise InputError(err.message, err.location) from None
     if out == "-":

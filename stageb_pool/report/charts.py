@@ -108,7 +108,8 @@ def candidate_deltas(cands: list[dict]) -> str:
     ax.set_xlabel("iteration")
     ax.set_ylabel("Δ train accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=9)
+    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
+        ax.legend(fontsize=9)
     return _svg(fig, "candidates", "A/B delta of every candidate")
 
 
@@ -125,7 +126,8 @@ def headroom_histogram(per_ticket: list[dict]) -> str:
     ax.set_ylabel("tickets")
     ax.set_xlim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=9)
+    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
+        ax.legend(fontsize=9)
     return _svg(fig, "headroom", "P(pass) histogram by label")
 
 
@@ -177,5 +179,6 @@ def audit_progress(steps: list[dict]) -> str:
     ax.set_xlabel("tickets of the run order judged")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=9)
+    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
+        ax.legend(fontsize=9)
     return _svg(fig, "audit", "audit metrics as tickets were judged")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import stat
 
-from .files import ReportError
+from .files import ReportError, RunFiles
 from .page import REPORT_FILE, REPORT_OPENING, REPORT_TITLE
 
 HEAD_BYTES = 4096  # the title is within them (it comes about 250 bytes in, before the CSS)
@@ -39,8 +39,11 @@ def is_report(path: str) -> bool:
 
 
 def check_target(target: str, run_dir: str) -> None:
-    """Raise ReportError (naming ``target``) unless the report of ``run_dir`` may be written
-    to ``target``: see the module docstring. Nothing is written or created here."""
+    """Raise ReportError unless ``run_dir`` is a run (as ``render_report`` would) and its
+    report may be written to ``target`` (see the module docstring; the error then names
+    ``target``). Nothing is read but the run directory's entry and the target's head, and
+    nothing is written or created."""
+    RunFiles(run_dir)
     path = os.path.abspath(target)
     parent, name = os.path.split(path)
     real_run = os.path.realpath(run_dir)

@@ -9,6 +9,7 @@ Security Policy that forbids loading anything), so it opens offline and leaks no
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 
@@ -89,12 +90,15 @@ def _import_charts():
     the font cache matplotlib writes while it is imported belongs to neither the user's
     ~/.cache nor ~/.config (a report writes its page and nothing else), and no
     matplotlibrc of the user's changes the charts."""
+    fonts = logging.getLogger("matplotlib.font_manager")  # "generated new fontManager" (INFO) on every report
     with tempfile.TemporaryDirectory(prefix="stageb-report-matplotlib-") as folder:
-        before = os.environ.get("MPLCONFIGDIR")
+        before, level = os.environ.get("MPLCONFIGDIR"), fonts.level
         os.environ["MPLCONFIGDIR"] = folder
+        fonts.setLevel(logging.WARNING)
         try:
             from . import charts
         finally:
+            fonts.setLevel(level)
             if before is None:
                 del os.environ["MPLCONFIGDIR"]
             else:
