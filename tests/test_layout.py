@@ -4,7 +4,7 @@
     stageb/  the pure Stage-B domain           -> stageb only (no torch, no processes)
     engine/  the only torch/transformers code  -> engine, stageb, pool
     search/  domain meets pool and artifacts   -> search, stageb, pool, engine.records
-    report/  report.html from a run's files    -> report only (+ matplotlib, lazily)
+    report/  report.html from a run's files    -> report only (+ msgspec; matplotlib lazily)
     app/     CLI, job, config, diff, progress  -> everything
 
 A wheel built from the checkout holds the prompt profiles and runs outside the checkout.

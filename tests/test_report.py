@@ -349,7 +349,7 @@ def test_a_fifo_or_a_link_out_of_the_run_is_not_read_and_a_link_inside_is(run_di
     shutil.copytree(run_dir, run)
     summary = run / "summary.json"
     cases = {"fifo": (lambda: os.mkfifo(summary), "(not a regular file)"),
-             "/dev/zero": (lambda: summary.symlink_to("/dev/zero"), "(a symbolic link that leads out of the run directory)"),
+             "/dev/zero": (lambda: summary.symlink_to("/dev/zero"), "(outside the run directory, through a symbolic link)"),
              "a link inside": (lambda: summary.symlink_to("summary-copy.json"), None)}
     (run / "summary-copy.json").write_bytes(summary.read_bytes())
     for case, (make, note) in cases.items():
@@ -367,7 +367,7 @@ def test_a_fifo_or_a_link_out_of_the_run_is_not_read_and_a_link_inside_is(run_di
 # -- every interpolated value is escaped (issue 32) ----------------------------------------------
 PAYLOADS = ['<meta http-equiv=refresh content="0;url=http://report-probe.invalid/">', '"><img src=x>',
             "'><svg onload=alert(1)>", "</pre></details></table><script>alert(1)</script>", "a\x00b",
-            "\u202egnp.exe", "$\\frac{", "&lt;b&gt;", "\u2066x\u2069\x1b[31m\x85"]
+            "\u202egnp.exe", "$\\frac{", "&lt;b&gt;", "\u2066x\u2069\u202a"]
 KEPT = {"mode", "sampler"}  # which sections exist: left as they are so that every section is drawn
 MAPS = {"experiences", "candidates_rejected", "workers", "timing"}  # objects whose keys are shown
 
@@ -463,7 +463,7 @@ def test_markup_in_every_string_of_a_run_stays_text(hostile_runs, mode):
         expected.shape |= {("ul", None), ("li", None), ("code", None)}  # the list of the files left out
     assert shown.shape <= expected.shape, shown.shape - expected.shape
     assert shown.values <= expected.values, shown.values - expected.values
-    for char in ("\x00", "\u202e", "\u2066", "\u2069", "\x1b", "\x85"):
+    for char in ("\x00", "\u202e", "\u2066", "\u2069", "\u202a"):
         assert char not in page
     assert mode == "numbers" or ("\\u202egnp.exe" in page and "a\\u0000b" in page)  # shown, as escapes
 

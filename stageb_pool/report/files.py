@@ -93,7 +93,7 @@ class RunFiles:
         if os.path.commonpath([path, self.real_root]) != self.real_root:
             if not os.path.lexists(self.root / name):
                 raise FileNotFoundError(name)
-            raise Unreadable("a symbolic link that leads out of the run directory")
+            raise Unreadable("outside the run directory, through a symbolic link")
         fd = os.open(path, _OPEN_FLAGS)
         try:
             info = os.fstat(fd)

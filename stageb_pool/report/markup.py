@@ -2,13 +2,14 @@
 charts), and the small builders of the page's elements.
 
 A run directory may hold any text (ticket keys, model answers, a crafted file), and the
-page shows it as text, never as something else: characters that would change how the
-page parses or reads are shown as visible escapes (``\\u202e``) instead of acting. These
-are the C0 and C1 control characters other than tab, newline and carriage return (a NUL
-is a parse error in HTML), the bidirectional embedding, override and isolate controls
-(U+202A-U+202E, U+2066-U+2069: a right-to-left override makes text display in another
-order than it reads), and lone surrogates (not encodable as UTF-8). ``esc`` escapes the markup
-characters too; in the charts, matplotlib does.
+page shows it as text, never as something else: ``esc`` escapes the markup characters (in
+the charts, matplotlib does), and the characters that would change how the page parses or
+reads are shown as visible escapes (``\\u202e``) instead of acting: NUL (a parse error in
+HTML, which a browser turns into U+FFFD), the bidirectional embedding, override and isolate
+controls (U+202A-U+202E, U+2066-U+2069: a right-to-left override displays text in another
+order than it reads) and lone surrogates (not encodable as UTF-8). Other control characters
+stay as they are: inert in a page, and a small model's answers do hold some (DEL), which
+the report of a real run keeps byte for byte.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import html
 import re
 
 SHOWN_TEXT = 160  # characters of a rule or answer shown in a table cell (the rest on hover or unfolded)
-_ACTING = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_ACTING = re.compile("[\x00\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def visible(text: str) -> str:

@@ -73,8 +73,8 @@ def render_report(run_dir) -> str:
     missing = ""
     if files.missing:
         items = "".join(f"<li><code>{esc(n)}</code> {esc(why)}</li>" for n, why in files.missing)
-        missing = (f'<div class="missing"><b>Missing or unreadable files</b> (a run of an earlier version, '
-                   f'or one that did not finish); the page shows what the other files hold:<ul>{items}</ul></div>')
+        missing = (f'<div class="missing"><b>Missing or unreadable files</b> (a run of an earlier version or one that '
+                   f'did not finish, or a damaged file); the page shows what the other files hold:<ul>{items}</ul></div>')
     body = "".join(section(a, t, b) for a, t, b in sections)
     return (f'{REPORT_OPENING}<html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
