@@ -3,6 +3,9 @@
 Everything comes from the files (docs/artifacts.md), nothing from the code that wrote them,
 so a report can be rebuilt for any run, also one of an earlier version: a file it lacks is
 named on the page with what it would have shown, and the rest is drawn from what is there.
+The files are read by ``files.py`` (regular files inside the run directory only, each
+size-capped, each row decoded into a record of ``records.py``), so a damaged or crafted
+file is named on the page too, and every text is shown through ``markup.esc``.
 The page makes no request of any kind (inline CSS and SVG, no script, and a Content
 Security Policy that forbids loading anything), so it opens offline and leaks nothing.
 """
@@ -14,10 +17,10 @@ import os
 import tempfile
 
 from .files import RunFiles
+from .markup import cards, esc, filled, given, num, section, short, table, verdict
 from .records import (AuditMetrics, AuditStep, Benchmark, BestCandidate, Candidate, Guidance, GuidanceSection,
                       HardCase, Headroom, Invocation, Iteration, LabelCounts, Metrics, ProposerAnswer, ProposerFailure,
                       RunInfo, Splits, Summary, TimelineRow, Tool)
-from .markup import cards, esc, filled, given, num, section, short, table, verdict
 
 TIMELINE_FILE = "pool_timeline.jsonl"
 REPORT_FILE = "report.html"
