@@ -140,3 +140,13 @@ def test_the_run_sentence_without_edits_gives_the_gate_the_proposer_and_the_judg
                         "(AUC 0.47), so no rule was expected to help; stopped early.")
     nothing = decisions.run_sentence(rows_of(outcome(answer=TRUNCATED)), edits=0, stop_reason="epochs")
     assert nothing == "No edit accepted in 1 iteration(s): no candidate reached the A/B test (0 of 1 proposer answers parsed)."
+
+
+@pytest.mark.parametrize("label", ["pass", "fail"])
+def test_the_run_sentence_says_that_the_auc_needs_both_labels_when_the_sample_had_one(label):
+    # judge_headroom.json of a sample whose tickets all carry one label: no AUC, separates null
+    headroom = {"auc": None, "tickets": 8, "pass_share": 1.0 if label == "pass" else 0.0, "separates": None}
+    sentence = decisions.run_sentence(rows_of(outcome(answer=TRUNCATED)), edits=0, stop_reason="epochs",
+                                      headroom=headroom)
+    assert "cannot separate" not in sentence
+    assert sentence.endswith("; the judge headroom was not measured (its AUC needs tickets of both labels).")

@@ -405,3 +405,109 @@ def test_any_state_mutation_is_refused_or_resumes_to_the_uninterrupted_run(inter
             return
         diffs = diff_runs(root / "out" / run_inputs.MISSION / "ref", run_dir, limit=None)
         assert not diffs, (path, value, format_differences(diffs, "ref", str(run_dir)))
+
+
+# --- run directories given to `report` (issue 32): a page, or exit 2 with a located line ---------
+
+REPORT_READS = {  # the files the report reads, in each kind of run
+    "search": ("run.json", "summary.json", "guidance.json", "snapshots/guidance-step0001.json",
+               "rule_search_iterations.jsonl", "rule_candidates.jsonl", "benchmarks.jsonl",
+               "reflection_cache/proposer_answers.jsonl", "reflection_cache/rule_search_proposer_failures.jsonl",
+               "rule_search_hard_cases.jsonl", "judge_headroom.json", "pool_timeline.jsonl"),
+    "audit": ("run.json", "summary.json", "guidance.json", "baseline_metrics.json", "baseline_metrics_steps.jsonl",
+              "rule_search_hard_cases.jsonl", "judge_headroom.json", "pool_timeline.jsonl"),
+}
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory):
+    """A scripted search (it writes every file the report reads) and a scripted audit."""
+    from doubles import run_inputs
+    from doubles import scripted_engine as se
+
+    from stageb_pool.app import config as config_mod
+    from stageb_pool.app import job
+
+    root = tmp_path_factory.mktemp("report-fuzz")
+    runs = {}
+    for mode in REPORT_READS:
+        cfg = config_mod.load_config(run_inputs.search_inputs(root / "in", out=str(root / "out"), run_name=mode),
+                                     [f"mode={mode}"])
+        job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory())
+        runs[mode] = root / "out" / run_inputs.MISSION / mode
+    return runs
+
+
+@st.composite
+def run_file_damage(draw):
+    """(run kind, file, damage): a value or a row of valid JSON in the wrong place, a cut
+    file, other bytes, or a FIFO or a link to /dev/zero where the file was."""
+    mode = draw(st.sampled_from(sorted(REPORT_READS)))
+    name = draw(st.sampled_from(REPORT_READS[mode]))
+    kind = draw(st.sampled_from(["value", "value", "value", "row", "cut", "bytes", "fifo", "zero"]))
+    if kind in ("value", "row"):
+        return mode, name, kind, draw(st.integers(0, 10**6)), draw(st.one_of(st.just(DELETE), values))
+    if kind == "cut":
+        return mode, name, kind, draw(st.integers(0, 10**6)), None
+    if kind == "bytes":
+        return mode, name, kind, 0, draw(st.binary(max_size=200))
+    return mode, name, kind, 0, None
+
+
+def damage(path: Path, kind: str, pick: int, value) -> None:
+    if kind == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif kind == "zero":
+        path.unlink()
+        path.symlink_to("/dev/zero")
+    elif kind == "cut":
+        data = path.read_bytes()
+        path.write_bytes(data[:pick % (len(data) + 1)])
+    elif kind == "bytes":
+        path.write_bytes(value)
+    else:
+        lines = path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]
+        i = pick % len(lines)
+        doc = json.loads(lines[i])
+        if kind == "row":
+            doc = None if value is DELETE else value
+        else:
+            paths = [p for p in _leaf_paths(doc) if p]
+            if not paths:
+                doc = None if value is DELETE else value
+            else:
+                target = paths[(pick // len(lines)) % len(paths)]
+                parent = doc
+                for key in target[:-1]:
+                    parent = parent[key]
+                if value is DELETE:
+                    del parent[target[-1]]
+                else:
+                    parent[target[-1]] = value
+        lines[i] = json.dumps(doc, ensure_ascii=False)
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8", errors="surrogatepass")
+
+
+@settings(max_examples=40, deadline=None)
+@given(run_file_damage())
+def test_any_damaged_run_file_gives_a_report_or_one_located_error(finished_runs, case):
+    import shutil
+
+    mode, name, kind, pick, value = case
+    with tempfile.TemporaryDirectory(prefix="stageb-report-fuzz-") as tmp:
+        run_dir = Path(tmp) / "run"
+        shutil.copytree(finished_runs[mode], run_dir)
+        damage(run_dir / name, kind, pick, value)
+        out, err = io.StringIO(), io.StringIO()
+        with time_bound(CHECK_SECONDS), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["report", str(run_dir), "-o", str(Path(tmp) / "report.html")])
+        stderr = err.getvalue()
+        assert "Traceback" not in stderr and "internal error" not in stderr, stderr[-3000:]
+        if code == 2:
+            lines = stderr.splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"stageb-pool: error: {run_dir}"), stderr
+        else:
+            assert code == 0, stderr
+            page = (Path(tmp) / "report.html").read_text(encoding="utf-8")
+            assert page.endswith("</html>\n") and "\x00" not in page

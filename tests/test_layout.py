@@ -4,7 +4,7 @@
     stageb/  the pure Stage-B domain           -> stageb only (no torch, no processes)
     engine/  the only torch/transformers code  -> engine, stageb, pool
     search/  domain meets pool and artifacts   -> search, stageb, pool, engine.records
-    report/  report.html from a run's files    -> report only (+ matplotlib, lazily)
+    report/  report.html from a run's files    -> report only (+ msgspec; matplotlib lazily)
     app/     CLI, job, config, diff, progress  -> everything
 
 A wheel built from the checkout holds the prompt profiles and runs outside the checkout.
@@ -46,7 +46,7 @@ ALLOWED_EXTERNAL = {
     "engine": {"msgspec", "torch", "transformers", "tokenizers", "llguidance", "vllm", "tqdm", "accelerate"},
     "search": {"msgspec"},
     "app": {"msgspec", "yaml", "tqdm"},
-    "report": {"matplotlib"},  # only lazily, while building a report (tests/test_report.py)
+    "report": {"matplotlib", "msgspec"},  # matplotlib only lazily, while building a report (tests/test_report.py)
     "<root>": set(),
 }
 # Never, anywhere: IPC is msgspec JSON over socketpairs, workers share no collective.

@@ -11,9 +11,14 @@ from __future__ import annotations
 import html
 import json
 import logging
+import os
+import resource
 import shutil
+import socket
+import stat
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -23,7 +28,9 @@ from headless import Browser, chromium
 
 from stageb_pool.app import cli, job
 from stageb_pool.app import config as config_mod
-from stageb_pool.report import ReportError, render_report
+from stageb_pool.report import ReportError, files, render_report
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_search(root: Path, *, gpus: str = "cpu:2", epochs: int = 8) -> Path:
@@ -119,7 +126,7 @@ def test_a_run_of_an_earlier_version_names_what_is_missing(run_dir, tmp_path):
     for name in ("pool_timeline.jsonl", "summary.json", "judge_headroom.json", "rule_search_iterations.jsonl",
                  "reflection_cache/proposer_answers.jsonl"):
         assert f"<code>{name}</code> missing" in page
-    assert "<code>rule_candidates.jsonl</code> unreadable (JSONDecodeError)" in page
+    assert "<code>rule_candidates.jsonl</code> unreadable (line 1: not JSON (Input data was truncated))" in page
     assert "<code>benchmarks.jsonl</code>" not in page  # a finished run without accepted edits has none
     assert "Nothing is recorded about the pool." in page
 
@@ -209,3 +216,280 @@ def test_the_page_loads_offline_in_chromium_without_errors_and_its_charts_have_a
     assert seen["requests"] == [] and seen["errors"] == []
     sizes = json.loads(seen["value"])
     assert len(sizes) == 4 and all(w > 300 and h > 100 for w, h in sizes), sizes
+
+
+# -- stageb-pool report -o: a report and nothing else (issue 32) --------------------------------
+def report_process(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``stageb-pool report ARGS`` as a real process; its address space is capped (3 GiB), so
+    that a report that did read /dev/zero fails with a MemoryError instead of filling the machine."""
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    return subprocess.run([sys.executable, "-m", "stageb_pool", "report", *args], capture_output=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, timeout=timeout,
+                          preexec_fn=cap_memory)
+
+
+def one_error_line(proc: subprocess.CompletedProcess, *words: str) -> str:
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err, (proc.returncode, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stageb-pool: error: "), err
+    assert all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+def entry(path) -> tuple:
+    """What a path is, without following a link: kind, inode, device number, size, mtime, and a
+    regular file's bytes."""
+    info = os.lstat(path)
+    data = Path(path).read_bytes() if stat.S_ISREG(info.st_mode) else None
+    return stat.S_IFMT(info.st_mode), info.st_ino, info.st_rdev, info.st_size, info.st_mtime_ns, data
+
+
+def test_report_o_writes_a_new_file_over_a_previous_report_or_to_stdout(run_dir, tmp_path):
+    page = render_report(run_dir).encode()
+    own = entry(run_dir / "report.html")
+    out = tmp_path / "r.html"
+    assert report_process(str(run_dir), "-o", str(out)).returncode == 0 and out.read_bytes() == page
+    out.write_bytes(page.replace(b"Overview", b"An older overview"))  # a previous report, of another version
+    again = report_process(str(run_dir), "-o", str(out))
+    assert again.returncode == 0 and out.read_bytes() == page
+    assert again.stderr.decode() == f"wrote {out}\n"
+    to_stdout = report_process(str(run_dir), "-o", "-")
+    assert to_stdout.returncode == 0 and to_stdout.stdout == page and to_stdout.stderr == b""
+    assert entry(run_dir / "report.html") == own and sorted(os.listdir(tmp_path)) == ["r.html"]
+
+
+def test_report_o_refuses_whatever_is_not_a_new_file_or_a_previous_report(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    previous = tmp_path / "previous.html"
+    previous.write_bytes((run / "report.html").read_bytes())
+    targets = {"fifo": "is a FIFO", "sock": "is a socket", "link.html": "is a symbolic link",
+               "notes.txt": "exists and is not a stageb-pool report", "folder": "is a folder"}
+    os.mkfifo(tmp_path / "fifo")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(tmp_path / "sock"))
+    server.close()  # the socket file stays
+    (tmp_path / "link.html").symlink_to(previous)  # even a link to a report: the rename would replace the link
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "folder").mkdir()
+    for name in ("state.json", "snapshots/guidance-step0001.json", "extra.html"):  # in the run: only report.html
+        targets[f"run/{name}"] = "is in the run directory"
+    before = {name: entry(tmp_path / name) for name in targets if (tmp_path / name).exists()}
+    listing = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for name, words in targets.items():
+        one_error_line(report_process(str(run), "-o", str(tmp_path / name)), f"{tmp_path / name}: {words}")
+    assert {name: entry(tmp_path / name) for name in before} == before
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == listing  # no new file, no temp file left
+    one_error_line(report_process(str(run), "-o", str(tmp_path / "no" / "such" / "r.html")),
+                   f"no folder {tmp_path / 'no' / 'such'} (the report creates none")
+    assert not (tmp_path / "no").exists()
+    assert report_process(str(run), "-o", str(run / "report.html")).returncode == 0  # the run's own report
+
+
+def test_report_o_dev_null_is_refused_and_stays_a_device(run_dir, tmp_path):
+    # /dev/null takes the same path as a FIFO: shown first, so that this test never hands
+    # /dev/null to a report that would replace it (as root, the old code did)
+    os.mkfifo(tmp_path / "fifo")
+    one_error_line(report_process(str(run_dir), "-o", str(tmp_path / "fifo")), "is a FIFO")
+    before = os.lstat("/dev/null")
+    assert stat.S_ISCHR(before.st_mode)
+    one_error_line(report_process(str(run_dir), "-o", "/dev/null"), "/dev/null: is a character device")
+    after = os.lstat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+
+
+# -- report reads only what it can (issue 32) ----------------------------------------------------
+def edit_rows(path: Path, edit) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in edit(rows(path))))
+
+
+def without(row: dict, key: str) -> dict:
+    return {k: v for k, v in row.items() if k != key}
+
+
+ODD_FILES = {  # what is done to a copy of the run, the note the page must carry (None: none)
+    "a null row": (lambda run: edit_rows(run / "rule_candidates.jsonl", lambda rs: [rs[0], None, *rs[1:]]),
+                   "<code>rule_candidates.jsonl</code> unreadable (line 2: Expected `object`, got `null`)"),
+    "a candidate without iteration": (
+        lambda run: edit_rows(run / "rule_candidates.jsonl", lambda rs: [rs[0], without(rs[1], "iteration")]),
+        "<code>rule_candidates.jsonl</code> unreadable (line 2: Object missing required field `iteration`)"),
+    "d_acc null": (lambda run: edit_rows(run / "rule_candidates.jsonl", lambda rs: [{**rs[0], "d_acc": None}]), None),
+    "a string guidance section": (lambda run: (run / "guidance.json").write_text(json.dumps({MISSION: "rules"})),
+                                  "<code>guidance.json</code> unreadable ($[...]: Expected `object`, got `str`)"),
+    "a timeline row without device": (
+        lambda run: edit_rows(run / "pool_timeline.jsonl", lambda rs: [without(rs[0], "device"), *rs[1:]]),
+        "<code>pool_timeline.jsonl</code> unreadable (line 1: Object missing required field `device`)"),
+    "summary.json holding a list": (lambda run: (run / "summary.json").write_text("[1, 2]\n"),
+                                    "<code>summary.json</code> unreadable (Expected `object`, got `array`)"),
+    "summary.json over the size cap": (lambda run: os.truncate(run / "summary.json", files.MAX_FILE_BYTES + 1),
+                                       "<code>summary.json</code> unreadable (larger than 256 MiB)"),
+}
+
+
+@pytest.mark.parametrize("case", ODD_FILES)
+def test_an_odd_file_is_left_out_with_its_line_and_the_rest_is_shown(run_dir, tmp_path, case):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    change, note = ODD_FILES[case]
+    change(run)
+    page = render_report(run)
+    for anchor in ("overview", "iterations", "candidates", "guidance", "proposer", "pool"):
+        assert f'<section id="{anchor}">' in page
+    if note is None:
+        assert "Missing or unreadable files" not in page and '<td class="n">–</td>' in page  # d_acc shown as –
+    else:
+        assert note in html.unescape(page), case
+
+
+def test_a_fifo_or_a_link_out_of_the_run_is_not_read_and_a_link_inside_is(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    summary = run / "summary.json"
+    cases = {"fifo": (lambda: os.mkfifo(summary), "(not a regular file)"),
+             "/dev/zero": (lambda: summary.symlink_to("/dev/zero"), "(outside the run directory, through a symbolic link)"),
+             "a link inside": (lambda: summary.symlink_to("summary-copy.json"), None)}
+    (run / "summary-copy.json").write_bytes(summary.read_bytes())
+    for case, (make, note) in cases.items():
+        summary.unlink()
+        make()
+        proc = report_process(str(run), "-o", str(tmp_path / "r.html"), timeout=60)  # a hang: TimeoutExpired
+        assert proc.returncode == 0, (case, proc.stderr.decode())
+        page = (tmp_path / "r.html").read_text()
+        if note:
+            assert f"<code>summary.json</code> unreadable {note}" in page, case
+        else:
+            assert "Missing or unreadable files" not in page and page.replace("summary-copy", "summary") == page
+
+
+# -- every interpolated value is escaped (issue 32) ----------------------------------------------
+PAYLOADS = ['<meta http-equiv=refresh content="0;url=http://report-probe.invalid/">', '"><img src=x>',
+            "'><svg onload=alert(1)>", "</pre></details></table><script>alert(1)</script>", "a\x00b",
+            "\u202egnp.exe", "$\\frac{", "&lt;b&gt;", "\u2066x\u2069\u202a"]
+KEPT = {"mode", "sampler"}  # which sections exist: left as they are so that every section is drawn
+MAPS = {"experiences", "candidates_rejected", "workers", "timing"}  # objects whose keys are shown
+
+
+def poisoned(value, counter: list, key: str | None = None):
+    """``value`` with every string (and the keys of the maps the page shows) replaced by a payload."""
+    def payload():
+        counter[0] += 1
+        return f"{PAYLOADS[counter[0] % len(PAYLOADS)]}{counter[0]}"
+
+    if isinstance(value, str):
+        return value if key in KEPT else payload()
+    if isinstance(value, list):
+        return [poisoned(v, counter) for v in value]
+    if isinstance(value, dict):
+        return {(payload() if key in MAPS or key == "<guidance>" else k): poisoned(v, counter, k)
+                for k, v in value.items()}
+    return value
+
+
+def poison_run(run: Path) -> None:
+    counter = [0]
+    for path in sorted(p for p in run.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl")):
+        guidance = path.name == "guidance.json" or path.parent.name == "snapshots"
+        if path.suffix == ".json":
+            path.write_text(json.dumps(poisoned(json.loads(path.read_text()), counter, "<guidance>" if guidance else None)))
+        else:
+            edit_rows(path, lambda rs: [poisoned(r, counter) for r in rs])
+
+
+class Markup(HTMLParser):
+    """The elements and attributes of a page (tag, attribute name), and the values of the
+    attributes that could load or redirect something."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.shape: set[tuple[str, str | None]] = set()
+        self.values: set[tuple[str, str | None]] = set()
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        self.shape.add((tag, None))
+        for name, value in attrs:
+            self.shape.add((tag, name))
+            if name in ("href", "xlink:href"):  # a link within the page ("#anchor", a chart's "#marker-id") or not
+                self.values.add((name, "#..." if value.startswith("#") else value))
+            elif name in ("src", "http-equiv", "content"):
+                self.values.add((name, value))
+
+
+@pytest.fixture(scope="module")
+def hostile_runs(run_dir, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """(clean, poisoned) copies of the search run (with the new files) and of an audit."""
+    root = tmp_path_factory.mktemp("hostile")
+    cfg = config_mod.load_config(search_inputs(root / "in", out=str(root / "out")), ["mode=audit"])
+    job.run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory())
+    runs = {"search": with_new_files(run_dir, root / "search-clean"), "audit": root / "out" / MISSION / "run"}
+    out = {}
+    for mode, clean in runs.items():
+        bad = root / f"{mode}-poisoned"
+        shutil.copytree(clean, bad)
+        poison_run(bad)
+        out[mode] = (clean, bad)
+    # markup where a number belongs: the fields the page once interpolated as they were
+    clean = runs["search"]
+    bad = root / "numbers-poisoned"
+    shutil.copytree(clean, bad)
+    edit_rows(bad / "benchmarks.jsonl", lambda rs: [{**r, "guidance_step_before": PAYLOADS[0],
+                                                      "guidance_step_after": PAYLOADS[1]} for r in rs])
+    headroom = json.loads((bad / "judge_headroom.json").read_text())
+    (bad / "judge_headroom.json").write_text(json.dumps({**headroom, "labels": {"pass": PAYLOADS[0], "fail": PAYLOADS[1]}}))
+    out["numbers"] = (clean, bad)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["search", "audit", "numbers"])
+def test_markup_in_every_string_of_a_run_stays_text(hostile_runs, mode):
+    clean, bad = hostile_runs[mode]
+    clean_page, page = render_report(clean), render_report(bad)
+    for markup in ("<meta http-equiv=refresh", "<img src=x>", "<svg onload", "<script>"):
+        assert markup not in page
+        assert mode == "numbers" or html.escape(markup) in page  # shown as text
+    if mode == "numbers":  # a string where a number belongs: the file is left out, and says where
+        assert "<code>benchmarks.jsonl</code> unreadable (line 1, $.guidance_step_before: Expected `int | null`, " \
+               "got `str`)" in page
+        assert "<code>judge_headroom.json</code> unreadable ($.labels.pass: Expected `int | null`, got `str`)" in page
+    else:
+        assert "Missing or unreadable files" not in page  # every file read: the payloads reached the page
+        assert page.count("<svg") == clean_page.count("<svg")
+    shown, expected = Markup(page), Markup(clean_page)
+    expected.shape |= {("span", None), ("span", "title")}  # a long text cut short (markup.short): payloads add up
+    if mode == "numbers":
+        expected.shape |= {("ul", None), ("li", None), ("code", None)}  # the list of the files left out
+    assert shown.shape <= expected.shape, shown.shape - expected.shape
+    assert shown.values <= expected.values, shown.values - expected.values
+    for char in ("\x00", "\u202e", "\u2066", "\u2069", "\u202a"):
+        assert char not in page
+    assert mode == "numbers" or ("\\u202egnp.exe" in page and "a\\u0000b" in page)  # shown, as escapes
+
+
+@pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install chromium; .ci/run does)")
+def test_a_poisoned_run_loads_in_chromium_without_a_request_or_an_error(hostile_runs, tmp_path):
+    browser = Browser(timeout=30)
+    try:
+        for mode, (_, bad) in hostile_runs.items():  # search, audit, numbers
+            page = tmp_path / f"{mode}.html"
+            page.write_text(render_report(bad))
+            seen = browser.load(page, "document.querySelectorAll('img, script, iframe, meta[http-equiv=refresh]').length")
+            assert (seen["requests"], seen["errors"], seen["value"]) == ([], [], 0), mode
+    finally:
+        browser.close()
+
+
+# -- matplotlib's files (issue 32) ---------------------------------------------------------------
+def test_a_report_leaves_no_matplotlib_files_in_home_or_in_the_temporary_folder(run_dir, tmp_path):
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    env = {"HOME": str(home), "TMPDIR": str(tmp)}
+    for name in ("XDG_CONFIG_HOME", "XDG_CACHE_HOME", "MPLCONFIGDIR"):
+        env[name] = ""  # unset for matplotlib: an empty value counts as none
+    proc = report_process(str(run_dir), "-o", str(tmp_path / "r.html"), env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert (tmp_path / "r.html").read_text() == render_report(run_dir)
+    assert list(home.rglob("*")) == [] and list(tmp.rglob("*")) == []

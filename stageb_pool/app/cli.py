@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="(re)build a run's report.html from its files")
     report.add_argument("run_dir", metavar="RUN_DIR")
-    report.add_argument("-o", "--output", metavar="FILE", help="write to FILE (default: RUN_DIR/report.html)")
+    report.add_argument("-o", "--output", metavar="FILE",
+                        help="write to FILE, a new file or a previous report (default: RUN_DIR/report.html; - for stdout)")
     return parser
 
 
@@ -295,17 +296,26 @@ def cmd_diff(args) -> int:
 
 
 def cmd_report(args) -> int:
-    """Write the report of a run directory (a run of any version: what it lacks is named on the page)."""
-    from ..report import REPORT_FILE, ReportError, render_report
+    """Write the report of a run directory (a run of any version: what it lacks is named on the
+    page) to RUN_DIR/report.html, the -o FILE given (a new file or a previous report, checked
+    before anything is written: report/output.py), or stdout for ``-o -``."""
+    from ..report import REPORT_FILE, ReportError, check_target, render_report
     from ..search.fileio import atomic_write_bytes
 
+    out = args.output or os.path.join(args.run_dir, REPORT_FILE)
     try:
-        page = render_report(args.run_dir)
+        if out != "-":
+            check_target(out, args.run_dir)  # before the page is built: a refusal is quick
+        page = render_report(args.run_dir).encode("utf-8")
     except ReportError as err:
         raise InputError(err.message, err.location) from None
-    out = os.path.abspath(args.output or os.path.join(args.run_dir, REPORT_FILE))
+    if out == "-":
+        sys.stdout.buffer.write(page)
+        sys.stdout.flush()
+        return EXIT_OK
+    out = os.path.abspath(out)
     try:
-        atomic_write_bytes(out, page.encode("utf-8"))
+        atomic_write_bytes(out, page)
     except OSError as err:
         raise InputError(f"cannot write the report: {err.strerror or err}", out) from None
     print(f"wrote {out}", file=sys.stderr)
@@ -352,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError as err:
         # `stageb-pool diff a b | head`: the reader left, nobody wants a message. Anything
         # else (a run) says what broke.
-        if command not in ("diff", "check", "import-config"):
+        if command not in ("diff", "check", "import-config", "report"):
             print(f"stageb-pool: run failed: {err}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1

@@ -19,11 +19,24 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from .markup import visible
+
 COLORS = {"headroom": "#ff7f0e", "train": "#1f77b4", "eval": "#2ca02c", "proposer": "#d62728", "final": "#9467bd",
           "audit": "#1f77b4", "distill": "#8c564b", "other": "#7f7f7f"}
 DECISION_COLORS = {"promoted": "#2ca02c", "rejected": "#d62728", "rejected_eval_veto": "#ff7f0e"}  # the gate's words
 _SIZE = re.compile(r'<svg([^>]*?) width="([\d.]+)pt" height="([\d.]+)pt"')
 _METADATA = re.compile(r"\s*<metadata>.*?</metadata>", re.DOTALL)  # RDF about matplotlib: bytes, no use
+LABEL_CHARS = 80  # of a name from the files shown in a chart (a worker, a gate decision, a task kind)
+
+
+def _label(text: str) -> str:
+    """A name from the run's files as chart text: shown as it reads (markup.visible), cut to
+    LABEL_CHARS, and with ``$`` escaped, so that matplotlib never parses it as mathtext (a
+    stray ``$`` or ``\\frac`` there would fail the whole report)."""
+    text = visible(text)
+    if len(text) > LABEL_CHARS:
+        text = text[:LABEL_CHARS] + "…"
+    return text.replace("$", r"\$")
 
 
 def _svg(fig: Figure, name: str, label: str) -> str:
@@ -85,7 +98,7 @@ def candidate_deltas(cands: list[dict]) -> str:
         color = DECISION_COLORS.get(decision, COLORS["other"])
         pts = [(c["iteration"] + c["offset"], c["d_acc"]) for c in cands if c["decision"] == decision]
         if pts:
-            ax.scatter(*zip(*pts), color=color, label=decision, s=36, zorder=3)
+            ax.scatter(*zip(*pts), color=color, label=_label(decision), s=36, zorder=3)
     applied = [(c["iteration"] + c["offset"], c["d_acc"]) for c in cands if c["applied"]]
     if applied:
         ax.scatter(*zip(*applied), facecolors="none", edgecolors="black", s=140, linewidths=1.5,
@@ -95,7 +108,8 @@ def candidate_deltas(cands: list[dict]) -> str:
     ax.set_xlabel("iteration")
     ax.set_ylabel("Δ train accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=9)
+    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
+        ax.legend(fontsize=9)
     return _svg(fig, "candidates", "A/B delta of every candidate")
 
 
@@ -112,7 +126,8 @@ def headroom_histogram(per_ticket: list[dict]) -> str:
     ax.set_ylabel("tickets")
     ax.set_xlim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=9)
+    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
+        ax.legend(fontsize=9)
     return _svg(fig, "headroom", "P(pass) histogram by label")
 
 
@@ -140,14 +155,14 @@ def worker_timeline(rows: list[dict], workers: list[str], wall_s: float | None) 
                 kinds_seen.append(kind)
             ax.broken_barh([(s, max(e - s, end / 5000)) for s, e in bars[kind]], (y - 0.35, 0.7),
                            facecolors=COLORS.get(kind, COLORS["other"]), linewidth=0)
-    ax.set_yticks(range(len(workers)), workers)
+    ax.set_yticks(range(len(workers)), [_label(w) for w in workers])
     ax.set_ylim(len(workers) - 0.5, -0.5)
     ax.set_xlim(0, end)
     ax.set_xlabel("seconds since the pool was made (its workers start first; later gaps: idle)")
     ax.grid(axis="x", alpha=0.3)
     known = ("headroom", "train", "eval", "final", "audit", "distill", "proposer")
     order = [k for k in known if k in kinds_seen] + [k for k in kinds_seen if k not in known]  # unknown: grey
-    ax.legend([Patch(color=COLORS.get(k, COLORS["other"])) for k in order], order, fontsize=9,
+    ax.legend([Patch(color=COLORS.get(k, COLORS["other"])) for k in order], [_label(k) for k in order], fontsize=9,
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _svg(fig, "timeline", "busy and idle time per worker")
 
@@ -164,5 +179,6 @@ def audit_progress(steps: list[dict]) -> str:
     ax.set_xlabel("tickets of the run order judged")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=9)
+    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
+        ax.legend(fontsize=9)
     return _svg(fig, "audit", "audit metrics as tickets were judged")

@@ -170,9 +170,11 @@ def run_sentence(rows: list[dict], *, edits: int, stop_reason: str | None, headr
                f"passed the gate (best: {reason}); {proposer}")
     else:
         why = f"no edit accepted in {n} iteration(s): no candidate reached the A/B test ({proposer})"
-    if headroom and not headroom.get("separates", True):
+    if headroom and headroom.get("separates") is False:
         why += (f"; the judge cannot separate the labels (AUC {_auc(headroom)}), so no rule was expected "
                 "to help")
+    elif headroom and headroom.get("separates") is None:  # the sample held one label only
+        why += "; the judge headroom was not measured (its AUC needs tickets of both labels)"
     if stop_reason == "early_stop":
         why += "; stopped early"
     return why[0].upper() + why[1:] + "."

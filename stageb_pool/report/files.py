@@ -1,0 +1,146 @@
+"""Reading a run directory for the report: only what can be read, only as what it should be.
+
+A report is built from whatever directory it is given, also a damaged or crafted one, so
+each file is read defensively: a regular file only (a FIFO would block the reader, a
+device such as /dev/zero never ends), never through a symbolic link that leads out of the
+run directory, at most ``MAX_FILE_BYTES``, and decoded into the records of ``records.py``.
+A file that fails any of this is left out and named on the page with the line and the
+reason; the page shows what the other files hold. Nothing here raises for a file's
+content: only a directory that is not a run at all is a ``ReportError``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import msgspec
+
+MAX_FILE_BYTES = 256 << 20  # far above any run's file the report reads (a 30,000-ticket audit: ~30 MB)
+NEWLINE = b"\n"
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC  # NONBLOCK: opening a FIFO must not wait
+
+
+class ReportError(ValueError):
+    """The directory cannot be reported on (it does not exist, or is not a run)."""
+
+    def __init__(self, message: str, location: str):
+        super().__init__(f"{location}: {message}")
+        self.message, self.location = message, location
+
+
+class Unreadable(Exception):
+    """A file the report leaves out: ``where`` locates the fault in it ("line 3", "$.workers"), or is empty."""
+
+    def __init__(self, why: str, where: str = ""):
+        super().__init__(why)
+        self.why, self.where = why, where
+
+
+class RunFiles:
+    """A run directory's files, read leniently: a missing or unreadable file is read as None
+    and noted in ``missing`` with what the report would have drawn from it."""
+
+    def __init__(self, run_dir):
+        self.root = Path(run_dir)
+        if not self.root.is_dir():
+            raise ReportError("not a run directory" if self.root.exists() else "no such directory", str(self.root))
+        if not (self.root / "run.json").is_file():
+            raise ReportError("not a stageb-pool run directory (it has no run.json)", str(self.root))
+        self.real_root = os.path.realpath(self.root)
+        self.missing: list[tuple[str, str]] = []
+
+    def json(self, name: str, record_type, shows: str | None):
+        """The document ``name`` decoded as ``record_type``, or None (noted in ``missing``)."""
+        try:
+            data = self.read_bytes(name)
+            try:
+                return msgspec.json.decode(data, type=record_type)
+            except msgspec.ValidationError as err:
+                raise Unreadable(*_split_path(str(err))) from None
+            except msgspec.DecodeError as err:
+                raise Unreadable(f"not JSON ({err})", _line_of(data, err)) from None
+        except (OSError, Unreadable) as err:
+            self._note(name, shows, err)
+            return None
+
+    def jsonl(self, name: str, record_type, shows: str | None) -> list | None:
+        """Every row of ``name`` decoded as ``record_type`` (blank lines skipped), or None when
+        the file is missing or any row is unreadable (noted in ``missing`` with its line)."""
+        decoder = msgspec.json.Decoder(record_type)
+        try:
+            rows = []
+            for number, line in enumerate(self.read_bytes(name).split(b"\n"), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(decoder.decode(line))
+                except msgspec.ValidationError as err:
+                    why, path = _split_path(str(err))
+                    raise Unreadable(why, f"line {number}" + (f", {path}" if path else "")) from None
+                except msgspec.DecodeError as err:
+                    raise Unreadable(f"not JSON ({err})", f"line {number}") from None
+            return rows
+        except (OSError, Unreadable) as err:
+            self._note(name, shows, err)
+            return None
+
+    def read_bytes(self, name: str) -> bytes:
+        """The bytes of the regular file ``name`` inside the run directory. Raises
+        FileNotFoundError when there is none, Unreadable when it is something else or too large."""
+        path = os.path.realpath(self.root / name)  # a link inside the run directory is followed; one out is not
+        if os.path.commonpath([path, self.real_root]) != self.real_root:
+            if not os.path.lexists(self.root / name):
+                raise FileNotFoundError(name)
+            raise Unreadable("outside the run directory, through a symbolic link")
+        fd = os.open(path, _OPEN_FLAGS)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise Unreadable("not a regular file")
+            if info.st_size > MAX_FILE_BYTES:
+                raise Unreadable(f"larger than {MAX_FILE_BYTES >> 20} MiB")
+            chunks, size = [], 0
+            while size <= MAX_FILE_BYTES:  # the file may grow while it is read: the cap holds anyway
+                chunk = os.read(fd, min(1 << 20, MAX_FILE_BYTES + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            if size > MAX_FILE_BYTES:
+                raise Unreadable(f"larger than {MAX_FILE_BYTES >> 20} MiB")
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def _note(self, name: str, shows: str | None, err: Exception) -> None:
+        # shows=None: a file a finished run may lack (no edit accepted, nothing wrong), so only
+        # an unreadable one is named
+        if isinstance(err, FileNotFoundError):
+            if shows is not None:
+                self.missing.append((name, f"missing: {shows}"))
+            return
+        if isinstance(err, Unreadable):
+            why = f"{err.where}: {err.why}" if err.where else err.why
+        else:  # permissions, a folder of that name, a name the OS refuses...
+            why = err.strerror or type(err).__name__
+        self.missing.append((name, f"unreadable ({why}): {shows or 'left out'}"))
+
+
+def _split_path(message: str) -> tuple[str, str]:
+    """msgspec's "Expected `int`, got `null` - at `$.d_acc`" as ("Expected `int`, got `null`", "$.d_acc")."""
+    why, sep, path = message.rpartition(" - at ")
+    return (why, path.strip("`")) if sep else (message, "")
+
+
+def _line_of(data: bytes, err: msgspec.DecodeError) -> str:
+    """The line of a JSON document's syntax error, where msgspec names its byte ("... (byte 41)")."""
+    text = str(err)
+    if "(byte " not in text:
+        return ""
+    try:
+        offset = int(text.rsplit("(byte ", 1)[1].rstrip(")"))
+    except ValueError:
+        return ""
+    return f"line {data.count(NEWLINE, 0, offset) + 1}"
