@@ -302,9 +302,9 @@ def proposer_prompt_tokens(*args: str) -> int:
     """The proposer prompt's tokens with its shortest example, as check measures them."""
     proc = run_cli("check", *args)
     assert proc.returncode == 0, proc.stderr
-    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("proposer prompt ")]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("proposer ")]
     assert "(rule_search.proposer_max_prompt_tokens)" in line, line
-    return int(re.search(r"(\d+) tokens with one example \(the shortest, ticket ROOF-DEMO-", line).group(1))
+    return int(re.search(r"prompt of (\d+) tokens with one example \(the shortest, ticket ROOF-DEMO-", line).group(1))
 
 
 @pytest.mark.parametrize("why", ["cap", "system prompt"])
@@ -328,7 +328,7 @@ def test_check_and_run_refuse_a_proposer_prompt_over_its_cap_with_one_example(pr
     assert ran == checked
     assert not (project / "runs").exists()  # refused before the run directory or any worker
     audit = run_cli("check", *args, "--audit")  # an audit calls no proposer
-    assert audit.returncode == 0 and "proposer prompt" not in audit.stdout, audit.stderr
+    assert audit.returncode == 0 and "\nproposer " not in audit.stdout, audit.stderr
 
 
 def test_an_unusable_proposer_call_is_a_warning_with_its_reason(project):

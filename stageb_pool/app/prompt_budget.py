@@ -237,8 +237,9 @@ def _proposer_lines(tokenizer, cfg, inputs, train: list) -> list[tuple[str, str]
     measured = proposer_verdict(tokenizer, cfg, inputs, train)
     if measured is None:
         return []
-    return [("proposer prompt", f"{measured[0]} tokens with one example (the shortest, ticket {measured[1]}); "
-                                f"cap {cfg.rule_search.proposer_max_prompt_tokens} ({PROPOSER_KEY})")]
+    # "proposer": no longer than the other labels, so the table's column does not move.
+    return [("proposer", f"prompt of {measured[0]} tokens with one example (the shortest, ticket {measured[1]}); "
+                         f"cap {cfg.rule_search.proposer_max_prompt_tokens} ({PROPOSER_KEY})")]
 
 
 def max_token_chars(tokenizer) -> int:
