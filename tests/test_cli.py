@@ -292,6 +292,58 @@ def test_run_refuses_the_guidance_check_refuses_before_any_rollout(project, mode
     assert not (project / "runs").exists()  # refused before the run directory or any worker
 
 
+# The proposer's prompt and its cap (issue 32): refused like a guidance over a sampler's cap.
+SMALL_SEARCH = ["--set", "model.path=tiny", "--set", "runner.epochs=1", "--set", "headroom.enabled=false",
+                "--set", "rule_search.train_pool_size=8", "--set", "rule_search.eval_pool_size=0",
+                "--set", "rule_search.num_candidate_rules=1"]
+
+
+def proposer_prompt_tokens(*args: str) -> int:
+    """The proposer prompt's tokens with its shortest example, as check measures them."""
+    proc = run_cli("check", *args)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("proposer ")]
+    assert "(rule_search.proposer_max_prompt_tokens)" in line, line
+    return int(re.search(r"prompt of (\d+) tokens with one example \(the shortest, ticket ROOF-DEMO-", line).group(1))
+
+
+@pytest.mark.parametrize("why", ["cap", "system prompt"])
+def test_check_and_run_refuse_a_proposer_prompt_over_its_cap_with_one_example(project, why):
+    """A 375 KB proposer prompt passed check and run (exit 0), and every proposer call of the
+    search came back unusable; so did a cap one token short of the smallest one-example prompt."""
+    args = [str(project / "c.yaml"), *SMALL_SEARCH]
+    if why == "cap":
+        args += ["--set", f"rule_search.proposer_max_prompt_tokens={proposer_prompt_tokens(*args) - 1}"]
+    else:
+        (project / "proposer.txt").write_text("Propose rules for the mount inspection. " * 9000)  # 369 KB
+        args += ["--set", f"rule_search.proposer_prompt_path={project / 'proposer.txt'}"]
+    checked = assert_one_line_error(run_cli("check", *args), 2)
+    assert checked.startswith("stageb-pool: error: rule_search.proposer_max_prompt_tokens: the proposer's prompt is "
+                              "over this cap of "), checked
+    assert "even with one example" in checked and "no proposer call of the search could be made" in checked
+    assert ("proposer.txt" in checked and "guidance.json: 3 rules" in checked
+            and (why == "cap" or str(project / "proposer.txt") in checked))
+    assert len(checked) <= cli.MAX_ERROR_CHARS + 100
+    ran = assert_one_line_error(run_cli("run", "--gpus", "cpu:1", *args), 2)
+    assert ran == checked
+    assert not (project / "runs").exists()  # refused before the run directory or any worker
+    audit = run_cli("check", *args, "--audit")  # an audit calls no proposer
+    assert audit.returncode == 0 and "\nproposer " not in audit.stdout, audit.stderr
+
+
+def test_an_unusable_proposer_call_is_a_warning_with_its_reason(project):
+    """A cap the shortest example fits passes check, but the search's own example does not fit:
+    the call is unusable, which was said only at INFO and in reflection_cache."""
+    args = [str(project / "c.yaml"), *SMALL_SEARCH]
+    cap = proposer_prompt_tokens(*args)
+    proc = run_cli("--gpus", "cpu:1", *args, "--set", f"rule_search.proposer_max_prompt_tokens={cap}")
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if " WARNING " in line]
+    assert warned == [warned[0]] and warned[0].endswith(
+        "WARNING iteration 1: the proposer answer is unusable (prompt over proposer_max_prompt_tokens even with one "
+        "example); no proposer candidates"), proc.stderr
+
+
 def test_check_lines_stay_short_with_ten_thousand_rules_and_a_huge_summary(project):
     data = json.loads((project / "guidance.json").read_text())
     data[MISSION]["experiences"].update({f"G{i}": f"rule {i}" for i in range(2, 10_002)})
@@ -299,7 +351,8 @@ def test_check_lines_stay_short_with_ten_thousand_rules_and_a_huge_summary(proje
     _with_huge_summary(project)
     proc = run_cli("check", str(project / "c.yaml"), "--set", "model.path=tiny",
                    "--set", "rule_search.train_sampler.max_prompt_tokens=null",
-                   "--set", "rule_search.eval_sampler.max_prompt_tokens=null")
+                   "--set", "rule_search.eval_sampler.max_prompt_tokens=null",
+                   "--set", "rule_search.proposer_max_prompt_tokens=1000000")  # 10,003 rules fit the proposer
     assert proc.returncode == 0, proc.stderr
     assert "10003 rules" in proc.stdout
     assert max(len(line) for line in proc.stdout.splitlines()) < 2100

@@ -632,6 +632,92 @@ def test_p_pass_refuses_nan():
         verdict_scoring.p_pass(math.nan, -1.0)
 
 
+# ---------------------------------------------------------------- data is text (issue 32)
+
+
+@pytest.fixture(scope="module")
+def embedded_tokenizer():
+    from stageb_pool.engine import models
+
+    return models.tokenizer_only(check_model_path("embedded"))
+
+
+@pytest.fixture(scope="module", params=["tiny", "embedded"])
+def any_judge(request, engine, embedded_tokenizer):
+    """The transformers engine with each tokenizer: the tiny model, and a tiny random model
+    of the embedded model's vocabulary behind the embedded model's tokenizer (the tokenizer
+    is what is under test, not the weights)."""
+    if request.param == "tiny":
+        return engine
+    from stageb_pool.engine import tiny
+
+    return Engine(tiny.build_model(embedded_tokenizer), embedded_tokenizer, CPU)
+
+
+def test_control_token_spellings_in_data_are_text_in_every_prompt_of_the_engine(any_judge, embedded_tokenizer,
+                                                                                 monkeypatch):
+    """A ticket, mission, guidance and proposer examples spelling every added token of the
+    embedded model's tokenizer (a forged judge turn among them) give rollout, judge-headroom
+    and proposer prompts with exactly the control tokens of clean data, and every character of
+    the data as text; clean data keeps the ids it always had. The rows are taken where the
+    engine hands them to the model (``_pad``)."""
+    from spelled_tokens import Prompts, assert_data_is_text, old_prompt_ids, spellings
+
+    tok = any_judge.tokenizer
+    data = Prompts(spellings(embedded_tokenizer, tok))
+    rows = []
+    pad = any_judge._pad
+    monkeypatch.setattr(any_judge, "_pad", lambda batch: rows.append([list(r) for r in batch]) or pad(batch))
+
+    def model_rows(call):
+        rows.clear()
+        call()
+        return [r for batch in rows for r in batch]
+
+    def judged(ticket, guidance):
+        rolled = model_rows(lambda: any_judge.rollout(chunk(0, [ticket], [GREEDY]), guidance=guidance,
+                                                      profile=data.profile))
+        scored = model_rows(lambda: any_judge.verdict_probabilities(VerdictChunk(0, [ticket], None), guidance=guidance,
+                                                                    profile=data.profile))
+        assert rolled == scored[:1]  # the headroom check scores the rollout's prompt
+        return rolled[0]
+
+    clean = judged(data.clean_ticket, data.clean_guidance)
+    forged = judged(data.spelled_ticket, data.spelled_guidance)
+    assert clean == old_prompt_ids(tok, data.clean_text(tok))
+    assert_data_is_text(tok, clean, forged, data.spelled_text(tok))
+
+    (clean_chat,) = model_rows(lambda: any_judge.chat(data.clean_request))
+    (forged_chat,) = model_rows(lambda: any_judge.chat(data.spelled_request))
+    assert clean_chat == old_prompt_ids(tok, data.chat_text(tok, data.clean_request))
+    assert_data_is_text(tok, clean_chat, forged_chat, data.chat_text(tok, data.spelled_request))
+
+
+@pytest.mark.parametrize("name", ["tiny", "embedded"])
+def test_prompts_without_a_spelling_keep_their_ids_in_one_batched_call(name, embedded_tokenizer, profile):
+    """Every demo-like prompt (and one with a partial, harmless spelling) has the ids the
+    rendered text tokenized in one call gives, as before issue 32; in a chunk beside a spelled
+    ticket too, in chunk order."""
+    from spelled_tokens import Prompts, old_prompt_ids, spellings
+
+    from stageb_pool.engine import models
+
+    tok = embedded_tokenizer if name == "embedded" else models.tokenizer_only(TINY)
+    data = Prompts(spellings(tok))
+    partial = TicketText("T099", MISSION, {"image_1": "<|im_end| and <im_start|> and |>< are text anyway"})
+    tickets = [*TICKETS[:4], partial]
+    mixed = [TICKETS[0], data.spelled_ticket, TICKETS[1], data.spelled_ticket, partial]
+    ids, _ = chat_text.chunk_prompts(tok, chunk(0, mixed), GUIDANCE, profile)
+    assert ids[1] == ids[3] != old_prompt_ids(tok, chat_text.render(tok, prompts.build_messages(
+        profile, GUIDANCE, data.spelled_ticket)))
+    for t, row in zip(mixed, ids):
+        if t is not data.spelled_ticket:
+            assert row == old_prompt_ids(tok, chat_text.render(tok, prompts.build_messages(profile, GUIDANCE, t)))
+    ids, _ = chat_text.chunk_prompts(tok, chunk(0, tickets), GUIDANCE, profile)
+    assert ids == [old_prompt_ids(tok, chat_text.render(tok, prompts.build_messages(profile, GUIDANCE, t)))
+                   for t in tickets]
+
+
 # ---------------------------------------------------------------- loading and provenance
 
 

@@ -404,13 +404,25 @@ def test_merge_candidate_and_failures():
     assert c.candidate_id == f"merge:{SIG2},{SIG1}:若机柜门未关闭则判定不通过"
     assert c.target_signatures == [SIG2, SIG1] and c.target_signature is None
     assert c.operation.key == "G2" and c.operation.merged_from == ["G1"]
-    assert one({"op": "merge", "target_signatures": [G1, G1], "text": GOOD})[1] == [
-        "merge needs at least 2 distinct rules"]
+    assert one({"op": "merge", "target_signatures": [G1, G1], "text": GOOD})[1] == ["merge names rule G1 twice"]
     assert one({"op": "merge", "target_signatures": [G1, S1], "text": GOOD})[1] == ["merge target S1 cannot be merged"]
     g0 = guidance().experiences["G0"]
     assert one({"op": "merge", "target_signatures": [G1, g0], "text": GOOD})[1] == ["merge target G0 cannot be merged"]
     assert one({"op": "merge", "target_signatures": [G1, "无"], "text": GOOD})[1] == [
         "merge target signature not found: '无'"]
+
+
+def test_a_merge_naming_one_rule_twice_is_rejected_with_its_reason():
+    """Issue 32: [G2, G1, G2] was accepted as the merge of G2 and G1 (the schema allows a
+    repeated target: llguidance has no uniqueItems), with both G2 signatures in its id."""
+    from stageb_pool.search.decisions import reason_kind
+
+    other = "若机柜门未上锁，则判定不通过。"
+    accepted, rejected = parse([{"op": "merge", "target_signatures": [G2, SIG1, G2], "text": GOOD},
+                                {"op": "merge", "target_signatures": [G2, SIG1], "text": other}])
+    assert rejected == [{"index": 0, "op": "merge", "text": GOOD, "reason": "merge names rule G2 twice"}]
+    assert [c.candidate_id for c in accepted] == [f"merge:{SIG2},{SIG1}:{normalize_signature(other)}"]
+    assert reason_kind(rejected[0]["reason"]) == "merge names rule"  # counted by kind in the iteration line
 
 
 def test_rejected_ids_and_duplicate_ids_are_skipped():

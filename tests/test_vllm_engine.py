@@ -216,3 +216,75 @@ def test_verdict_probabilities_drop_overlength_and_do_not_depend_on_earlier_work
     rollout(engine, chunks()[0])
     again = verdicts(engine, index=1)
     assert msgspec.structs.replace(again, elapsed_s=0.0) == msgspec.structs.replace(first, elapsed_s=0.0)
+
+
+# ---------------------------------------------------------------- data is text (issue 32)
+
+
+@pytest.fixture(scope="module")
+def embedded_tokenizer():
+    from stageb_pool.engine import models
+
+    return models.tokenizer_only(check_model_path("embedded"))
+
+
+@pytest.fixture(scope="module", params=["tiny", "embedded"])
+def any_vllm(request, engine, embedded_tokenizer, tmp_path_factory):
+    """vLLM with each tokenizer: the tiny checkpoint, and a tiny random model of the embedded
+    model's vocabulary saved with the embedded model's tokenizer (head size 32, which vLLM's
+    CPU attention takes; the tokenizer is what is under test, not the weights)."""
+    if request.param == "tiny":
+        return engine
+    from stageb_pool.engine import tiny
+    from stageb_pool.engine.build import build_engine
+    from stageb_pool.pool.devices import Device
+
+    folder = tmp_path_factory.mktemp("embedded-vocabulary")
+    tiny.build_model(embedded_tokenizer, heads=2).save_pretrained(folder)
+    embedded_tokenizer.save_pretrained(folder)
+    return build_engine(Device("cpu", 0, 0, threads=1), check_model_path(str(folder)), VLLM)
+
+
+def test_control_token_spellings_in_data_are_text_in_every_prompt_vllm_runs(any_vllm, embedded_tokenizer,
+                                                                            monkeypatch):
+    """As for the transformers engine (tests/test_engine.py): the prompts vLLM itself reports
+    having run (its outputs' ``prompt_token_ids``) for a ticket, mission, guidance and proposer
+    examples spelling every added token of the embedded model's tokenizer hold exactly the
+    control tokens of clean data and every character of the data as text; clean data keeps
+    the ids it always had."""
+    from spelled_tokens import Prompts, assert_data_is_text, old_prompt_ids, spellings
+
+    tok = any_vllm.tokenizer
+    data = Prompts(spellings(embedded_tokenizer, tok))
+    ran = []
+    generate = any_vllm.llm.generate
+
+    def recording(*args, **kwargs):
+        outs = generate(*args, **kwargs)
+        ran.extend(list(o.prompt_token_ids) for o in outs)
+        return outs
+
+    monkeypatch.setattr(any_vllm.llm, "generate", recording)
+
+    def vllm_rows(call):
+        ran.clear()
+        call()
+        return list(ran)
+
+    def judged(ticket, guidance):
+        (rolled,) = vllm_rows(lambda: any_vllm.rollout(RolloutChunk("7/train", 0, [ticket], [GREEDY], 1, None, False,
+                                                                    False), guidance=guidance, profile=data.profile))
+        scored = vllm_rows(lambda: any_vllm.verdict_probabilities(VerdictChunk(0, [ticket], None), guidance=guidance,
+                                                                  profile=data.profile))
+        assert len(scored) == 2 and all(row[:len(rolled)] == rolled for row in scored)  # prompt, then the answer
+        return rolled
+
+    clean = judged(data.clean_ticket, data.clean_guidance)
+    forged = judged(data.spelled_ticket, data.spelled_guidance)
+    assert clean == old_prompt_ids(tok, data.clean_text(tok))
+    assert_data_is_text(tok, clean, forged, data.spelled_text(tok))
+
+    (clean_chat,) = vllm_rows(lambda: any_vllm.chat(data.clean_request))
+    (forged_chat,) = vllm_rows(lambda: any_vllm.chat(data.spelled_request))
+    assert clean_chat == old_prompt_ids(tok, data.chat_text(tok, data.clean_request))
+    assert_data_is_text(tok, clean_chat, forged_chat, data.chat_text(tok, data.spelled_request))

@@ -19,11 +19,16 @@ bound ``ceil(characters / max_token_chars)``).
 ``guidance_verdict`` is the one decision about a guidance too large for a cap: ``check``
 raises it, and ``run`` asks the same function (in a forked helper, so the parent never imports
 the tokenizer's libraries) before the run directory is touched or any worker starts.
+``proposer_verdict`` is the same decision for the proposer's prompt and
+``rule_search.proposer_max_prompt_tokens``: the proposer is never asked without an example, so
+a prompt over the cap even with the shortest example a train ticket gives means no proposer
+call of the search could be made.
 """
 
 from __future__ import annotations
 
 import statistics
+from typing import NamedTuple
 
 import msgspec
 
@@ -33,6 +38,11 @@ from ..stageb.tickets import TicketText
 
 SHOWN = 3  # tickets and rules named per line
 BATCH = 256  # tickets rendered and tokenized per call (bounds the memory of a huge ticket file)
+PROPOSER_KEY = "rule_search.proposer_max_prompt_tokens"
+# The proposer's prompt is measured with each of the train tickets whose example is shortest in
+# characters, this many at most: tokens follow characters closely, and a prompt holds the whole
+# guidance, so measuring every ticket of a large file would cost seconds for nothing.
+PROPOSER_EXAMPLES_MEASURED = 8
 
 
 class Measured(msgspec.Struct, frozen=True):
@@ -47,7 +57,8 @@ class Measured(msgspec.Struct, frozen=True):
 
 def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]]:
     """``check``'s lines about prompt lengths (raises InputError when a sampler's every
-    ticket is over its cap)."""
+    ticket is over its cap, or when the proposer's prompt is over its cap with any one example)."""
+    train = _train_tickets(measured)
     measured = [m for m in measured if m.cap is not None and m.tickets]
     try:
         from ..engine import models
@@ -60,7 +71,8 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
     # GGUF) is bad input, said here as the workers would say it, not a failed render.
     models.require_chat_template(tokenizer, f"{cfg.model.path}")
     if not measured:
-        return [("prompt tokens", "not measured: no cap (max_prompt_tokens is null)")]
+        return [("prompt tokens", "not measured: no cap (max_prompt_tokens is null)"),
+                *_proposer_lines(tokenizer, cfg, inputs, train)]
     guidance = dict(inputs.seed_guidance.experiences)
     alone = guidance_verdict(tokenizer, cfg, inputs, measured)
     everyone = {t.key: t for m in measured for t in m.tickets}
@@ -80,7 +92,7 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
             text = (f"{m.cap} ({m.key}): {len(over)} of {len(m.tickets)} {m.label} tickets over, dropped by the run: "
                     + ", ".join(f"{key} ({n} tokens)" for key, n in over[:SHOWN]) + (", ..." if len(over) > SHOWN else ""))
         lines.append((f"  {m.label} cap", text))
-    return lines
+    return lines + _proposer_lines(tokenizer, cfg, inputs, train)
 
 
 def sampler_caps(cfg, tickets: list) -> list[Measured]:
@@ -109,7 +121,9 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
 
     from ..pool.fork import fork_child
 
-    measured = [m for m in sampler_caps(cfg, inputs.tickets) if m.cap is not None and m.tickets]
+    everyone = sampler_caps(cfg, inputs.tickets)
+    train = _train_tickets(everyone)
+    measured = [m for m in everyone if m.cap is not None and m.tickets]
     read, write = os.pipe()
 
     def helper():
@@ -120,6 +134,7 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
             tokenizer = models.tokenizer_only(inputs.model, cfg.model.trust_remote_code)
             models.require_chat_template(tokenizer, cfg.model.path)
             guidance_verdict(tokenizer, cfg, inputs, measured)
+            proposer_verdict(tokenizer, cfg, inputs, train)
         except InputError as err:
             answer = [err.message, err.location]
         except Exception:  # noqa: BLE001 - no tokenizer, no verdict: the workers report their own load errors
@@ -151,6 +166,80 @@ def guidance_verdict(tokenizer, cfg, inputs, measured: list[Measured]) -> int:
                              f"the {len(m.tickets)} {m.label} tickets would be dropped and none judged; "
                              f"{_guidance_part(cfg, inputs, alone, m.cap)}", m.key)
     return alone
+
+
+def proposer_verdict(tokenizer, cfg, inputs, train: list) -> tuple[int, str] | None:
+    """``(tokens, ticket key)`` of the proposer's prompt (its system prompt, the mission, the
+    seed guidance) with one example, the shortest in tokens of the train tickets' examples
+    that are shortest in characters (``PROPOSER_EXAMPLES_MEASURED``; the vote an example
+    shows is a stand-in of the same length: a wrong majority, agreement and difficulty 1.000);
+    None without a proposer (an audit) or train tickets. InputError at
+    ``rule_search.proposer_max_prompt_tokens`` when it is over that cap: examples are dropped
+    down to one, never to none, so every proposer call of the search would come back unusable
+    and propose nothing."""
+    if cfg.mode != "search" or not train or inputs.proposer_system is None:
+        return None
+    from ..engine.chat_text import PromptEncoder, chat_messages, render
+    from ..stageb import proposer
+
+    cap = cfg.rule_search.proposer_max_prompt_tokens
+    lang = proposer.proposer_language(inputs.profile.verdict)
+    head = proposer.build_proposer_prompt(inputs.proposer_system, inputs.mission,
+                                          dict(inputs.seed_guidance.experiences), [], lang=lang)
+    example = lambda t: proposer.render_example(1, _wrong_vote(t), t, lang=lang)  # noqa: E731
+    per_token = max_token_chars(tokenizer)
+    encoder = PromptEncoder(tokenizer)
+    shortest = None
+    for _, key, t in sorted((len(example(t)), t.key, t) for t in train)[:PROPOSER_EXAMPLES_MEASURED]:
+        messages = chat_messages(msgspec.structs.replace(head, examples=[example(t)]), 1)
+        chars = len(render(tokenizer, messages))
+        # Too long in characters to fit whatever its tokens are (as for the samplers' caps), and
+        # so is every later one, whose example is longer: its lower bound stands for it.
+        bounded = chars > cap * per_token
+        tokens = -(-chars // per_token) if bounded else len(encoder.encode([messages])[0])
+        shortest = min(shortest or (tokens, key), (tokens, key))
+        if bounded:
+            break
+    if shortest[0] > cap:
+        size = f"at least {shortest[0]}" if bounded else f"{shortest[0]}"
+        system = cfg.rule_search.proposer_prompt_path or f"proposer.txt of profile {cfg.prompt.profile}"
+        rules = inputs.seed_guidance.experiences
+        raise InputError(f"the proposer's prompt is over this cap of {cap} tokens even with one example "
+                         f"({size} tokens with the shortest example, ticket {shortest[1]}), and the proposer is "
+                         f"never asked without one, so no proposer call of the search could be made; the prompt holds "
+                         f"the proposer's system prompt ({len(inputs.proposer_system)} characters, {system}), the "
+                         f"mission name ({len(inputs.mission)} characters) and the guidance {cfg.guidance.path}: "
+                         f"{rules_summary(rules)}; largest " + _largest_rules(rules), PROPOSER_KEY)
+    return shortest
+
+
+class _WrongVote(NamedTuple):
+    """The vote an example shows, as long as any: a ticket the judge got wrong (the only kind
+    the proposer is shown) has the other label as its majority; 1.000 is as long as any
+    agreement and difficulty."""
+
+    majority: str
+    agreement: float = 1.0
+    difficulty: float = 1.0
+
+
+def _wrong_vote(ticket) -> _WrongVote:
+    return _WrongVote("fail" if ticket.label == "pass" else "pass")
+
+
+def _train_tickets(measured: list[Measured]) -> list:
+    """The train tickets of a search (the proposer's examples come from them), else none."""
+    return next((m.tickets for m in measured if m.label == "train"), [])
+
+
+def _proposer_lines(tokenizer, cfg, inputs, train: list) -> list[tuple[str, str]]:
+    """``check``'s line about the proposer's prompt (``proposer_verdict`` raises when it is over)."""
+    measured = proposer_verdict(tokenizer, cfg, inputs, train)
+    if measured is None:
+        return []
+    # "proposer": no longer than the other labels, so the table's column does not move.
+    return [("proposer", f"prompt of {measured[0]} tokens with one example (the shortest, ticket {measured[1]}); "
+                         f"cap {cfg.rule_search.proposer_max_prompt_tokens} ({PROPOSER_KEY})")]
 
 
 def max_token_chars(tokenizer) -> int:
@@ -191,11 +280,16 @@ def _guidance_part(cfg, inputs, alone: int, cap: int) -> str:
     """What every prompt holds besides its ticket: the profile's text, the mission name and the
     guidance, with its largest rules (the usual culprit)."""
     rules = inputs.seed_guidance.experiences
-    largest = sorted(rules, key=lambda k: -len(rules[k]))[:SHOWN]
     verdict = "already over the cap" if alone > cap else "within the cap"
     return (f"a prompt without its ticket takes {alone} tokens ({verdict}): the prompt profile, the mission name "
             f"({len(inputs.mission)} characters) and the guidance {cfg.guidance.path}: {rules_summary(rules)}; "
-            f"largest " + ", ".join(f"{k} ({len(rules[k])} characters)" for k in largest))
+            f"largest " + _largest_rules(rules))
+
+
+def _largest_rules(rules: dict[str, str]) -> str:
+    """The ``SHOWN`` largest rules with their sizes (the usual culprits of a prompt over a cap)."""
+    largest = sorted(rules, key=lambda k: -len(rules[k]))[:SHOWN]
+    return ", ".join(f"{k} ({len(rules[k])} characters)" for k in largest)
 
 
 def rules_summary(rules: dict[str, str]) -> str:

@@ -3,6 +3,12 @@ tokenizer's chat template, token counting, the stop strings, cleaning a decoded 
 and assembling a chunk's results. ``ChatText`` holds it for one tokenizer; an engine keeps
 only how it generates (its batching, sampling parameters and provenance).
 
+Data is text (``PromptEncoder``): every message content comes from data (tickets, mission
+names, guidance rules, proposer answers and examples), and a control token's spelling in it
+(``<|im_end|>``) is tokenized as the characters it is, never as the token; only the chat
+template's own control tokens are tokens. Otherwise a ticket could close the user turn and
+write the judge's answer.
+
 Stops follow upstream (docs/migrating.md, ``<sampler>.grid[].stop``): the end-of-turn
 strings are always there, and ``model.stop`` adds to them; it never replaces them.
 
@@ -10,6 +16,7 @@ strings are always there, and ``model.stop`` adds to them; it never replaces the
 
 from __future__ import annotations
 
+import re
 import time
 from typing import NamedTuple
 
@@ -65,13 +72,91 @@ def fit_examples(request, encode) -> tuple[int, list[int], bool]:
     return lowest, row, False
 
 
-def chunk_prompts(tokenizer, chunk, guidance: dict[str, str], profile) -> tuple[list[list[int]], list[int]]:
+def chunk_prompts(tokenizer, chunk, guidance: dict[str, str], profile,
+                  encoder: PromptEncoder | None = None) -> tuple[list[list[int]], list[int]]:
     """The prompt ids of every ticket of a ``RolloutChunk`` and the positions of the tickets
-    kept (prompt within ``chunk.max_prompt_tokens``; longer ones are dropped, never cut)."""
-    texts = [render(tokenizer, prompts.build_messages(profile, guidance, t)) for t in chunk.tickets]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    kept (prompt within ``chunk.max_prompt_tokens``; longer ones are dropped, never cut).
+    ``encoder``: the tokenizer's ``PromptEncoder``, when the caller keeps one."""
+    encoder = encoder or PromptEncoder(tokenizer)
+    ids = encoder.encode([prompts.build_messages(profile, guidance, t) for t in chunk.tickets])
     limit = chunk.max_prompt_tokens
     return ids, [i for i, row in enumerate(ids) if limit is None or len(row) <= limit]
+
+
+# A private-use plane (U+F0000 on): the characters that stand in for a control token's
+# spelling in data while the template is rendered. Unassigned by Unicode, so the data that
+# needs one almost never holds one; a character the data does hold is skipped.
+_STAND_IN_START = 0xF0000
+
+
+class PromptEncoder:
+    """The token ids of chat prompts whose message contents are data, for one tokenizer.
+
+    A prompt whose contents spell no control token (every added token of the vocabulary,
+    special or not, except whitespace ones, which templates and text share) is rendered and
+    tokenized in one call, as it always was: its ids are unchanged. A prompt whose data
+    spells one is rendered with a stand-in character for each spelling, so that the only
+    spellings in the rendered text are the template's own; the text is cut at those (where
+    the tokenizer itself cuts a text: at every added token), each cut piece gets its data
+    back and is tokenized with the tokenizer's own normalizer, pre-tokenizer and model but
+    without its added tokens, and the template's tokens go between the pieces. An added
+    token's whitespace stripping (``lstrip``/``rstrip``) is not reproduced on that path: no
+    tokenizer this project ships has one."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        added = {t.content for t in tokenizer.added_tokens_decoder.values() if t.content}
+        self.token_ids = {s: tokenizer.convert_tokens_to_ids(s) for s in added}
+        # Longest first: at one position the longest spelling wins, as in the tokenizer.
+        self.added = _alternatives(added)
+        self.control = _alternatives(s for s in added if not s.isspace())
+
+    def encode(self, conversations: list[list[dict]]) -> list[list[int]]:
+        """The prompt ids of each conversation (``render`` with the generation prompt)."""
+        spelled = {i for i, messages in enumerate(conversations) if self._spells_a_control_token(messages)}
+        clean = [render(self.tokenizer, m) for i, m in enumerate(conversations) if i not in spelled]
+        # The usual case, in one batched call as before: the ids of a prompt without a spelling never change.
+        out = self.tokenizer(clean, add_special_tokens=False)["input_ids"] if clean else []
+        for i in sorted(spelled):  # ascending: every earlier conversation is in place
+            out.insert(i, self._encode_spelled(conversations[i]))
+        return out
+
+    def _spells_a_control_token(self, messages: list[dict]) -> bool:
+        return self.control is not None and any(self.control.search(m["content"]) for m in messages)
+
+    def _encode_spelled(self, messages: list[dict]) -> list[int]:
+        taken = {c for m in messages for c in m["content"]} | set(self.tokenizer.chat_template or "")
+        spellings = sorted({s for m in messages for s in self.control.findall(m["content"])})
+        stand_ins = (chr(c) for c in range(_STAND_IN_START, 0x10FFFE) if chr(c) not in taken)
+        stand_in = dict(zip(spellings, stand_ins))
+        restore = {ord(c): s for s, c in stand_in.items()}
+        escaped = [dict(m, content=self.control.sub(lambda found: stand_in[found.group()], m["content"]))
+                   for m in messages]
+        text = render(self.tokenizer, escaped)
+        ids, start = [], 0
+        for found in self.added.finditer(text):
+            ids += self._plain(text[start:found.start()].translate(restore))
+            ids.append(self.token_ids[found.group()])
+            start = found.end()
+        return ids + self._plain(text[start:].translate(restore))
+
+    def _plain(self, text: str) -> list[int]:
+        """The ids of ``text`` as text: the tokenizer's pipeline without its added tokens."""
+        if not text:
+            return []
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a Python tokenizer: transformers' own switch (special tokens only)
+            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+        return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+
+
+def _alternatives(spellings) -> re.Pattern | None:
+    """A pattern of any of ``spellings``, longest first (None for none)."""
+    ordered = sorted(spellings, key=lambda s: (-len(s), s))
+    return re.compile("|".join(map(re.escape, ordered))) if ordered else None
 
 
 class Completion(NamedTuple):
@@ -100,16 +185,17 @@ class ChatText:
         self.stop_strings = stop_strings(tokenizer, stop)
         self.stop_ids = [vocab[s] for s in self.stop_strings if s in vocab]
         self.multi_token_stops = [s for s in self.stop_strings if s not in vocab]
+        self.encoder = PromptEncoder(tokenizer)
 
     # -- prompts in
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The token ids of ``messages`` rendered with the chat template."""
-        return self.tokenizer(render(self.tokenizer, messages), add_special_tokens=False)["input_ids"]
+        """The token ids of ``messages`` rendered with the chat template (the contents as text)."""
+        return self.encoder.encode([messages])[0]
 
     def chunk_prompts(self, chunk, guidance: dict[str, str], profile) -> tuple[list[list[int]], list[int]]:
         """``chunk_prompts`` with this tokenizer."""
-        return chunk_prompts(self.tokenizer, chunk, guidance, profile)
+        return chunk_prompts(self.tokenizer, chunk, guidance, profile, self.encoder)
 
     def fit_examples(self, request) -> tuple[int, list[int], bool]:
         """``fit_examples`` with this tokenizer's prompt ids."""

@@ -123,6 +123,8 @@ def run_iteration(inp: IterationInput, settings, recorder, log) -> IterationOutc
         log.warning("iteration %d: the proposer call failed (%s); no proposer candidates", it, chat.error)
     failures = Failures(it, settings.mission, len(examples))
     proposed, answer = _parse_proposals(inp, settings, runner, chat, example_keys, failures)
+    if answer is not None and not answer.parsed and not isinstance(chat, ChatFailure):  # a failed call: said above
+        log.warning("iteration %d: the proposer answer is unusable (%s); no proposer candidates", it, answer.error)
     previews, ablation_note = _previews(inp, settings, proposed, example_keys, failures)
     if answer is not None:
         recorder.append(PROPOSER_ANSWERS, [answer])

@@ -209,11 +209,12 @@ def _resolve(op: str, target: str, targets: list[str], lookup: dict[str, str]):
             return f"merge target signature not found: {sig!r}"
         if key == "G0" or not LEARNABLE_KEY.match(key):
             return f"merge target {key} cannot be merged"
-        if key not in keys:
-            keys.append(key)
-    if len(keys) < 2:
-        return "merge needs at least 2 distinct rules"
-    return keys[0], keys[1:]
+        # A merge naming a rule twice is not the merge it claims (nor one of fewer rules):
+        # refused, never silently read as the merge of the distinct ones.
+        if key in keys:
+            return f"merge names rule {key} twice"
+        keys.append(key)
+    return keys[0], keys[1:]  # at least 2 distinct keys: _entry_targets asks for 2 targets
 
 
 def _entry_targets(op: str, entry: dict):

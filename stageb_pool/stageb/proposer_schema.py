@@ -6,7 +6,10 @@ not an existing rule's signature (targets are an ``enum`` of the signatures the 
 shows), removing or merging G0, a merge of fewer than two rules, more than
 ``num_candidate_rules`` operations, a rule that does not conclude with a verdict word, and an
 answer longer than the token budget (every string is bounded). What a rule *says* is still
-judged by the text filters (``rule_text``), which name why they reject.
+judged by the text filters (``rule_text``), which name why they reject. A merge that names one
+rule twice passes the grammar (llguidance implements no ``uniqueItems``: a schema with it is
+refused, and spelling out every set of distinct targets grows with the powers of the rule
+count); the candidate validation rejects it (``merge names rule G1 twice``).
 
 Without the schema, small models rarely produce a usable answer: on the demo all three
 answers of the embedded 135M model were cut off at the token budget, one of them prose
