@@ -26,7 +26,7 @@ from ..report import REPORT_FILE, TIMELINE_FILE, render_report
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
-from ..search.fileio import atomic_write_bytes, write_json, write_jsonl
+from ..search.fileio import atomic_write_bytes, file_mode, normalise_modes, write_json, write_jsonl
 from ..search.guidance_store import GUIDANCE_FILE, GuidanceStore
 from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
@@ -149,6 +149,10 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
         if resume:
             for stale in rundir.remove_temporaries(run_dir):
                 log.info("resume: removed %s (a write the interrupted run did not finish)", stale)
+            changed = normalise_modes(run_dir)
+            if changed:
+                log.info("resume: %d file(s) given mode %04o, as every file a run writes (versions before 0.2.0 "
+                         "wrote whole files 0600)", len(changed), file_mode())
         # run.json first: it marks the directory as a stageb-pool run even if the start fails
         # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
         atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)
