@@ -6,6 +6,7 @@ in-process with job.run_plan replaced."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -395,7 +396,10 @@ def test_run_passes_flags_to_the_job(fake_job, project):
     [(config, devices, kwargs)] = calls
     assert config.runner.epochs == 1 and [d.name for d in devices] == ["cpu:0", "cpu:1"]
     assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False,
-                      "config_path": str(project / "c.yaml"), "ray_address": None, "wait": True}
+                      "config_path": str(project / "c.yaml"), "ray_address": None, "wait": math.inf}
+    assert cli.main(["--gpus", "cpu:2", str(project / "c.yaml"), "--wait", "2.5"]) == 0
+    assert cli.main(["--gpus", "cpu:2", str(project / "c.yaml")]) == 0
+    assert [kw["wait"] for _, _, kw in calls[1:]] == [2.5, False]
 
 
 def test_ray_takes_a_gpu_count_and_passes_the_address(fake_job, project, capsys):

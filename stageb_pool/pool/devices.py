@@ -47,9 +47,8 @@ class GroupSizeError(DeviceSpecError):
 
 
 class Device(msgspec.Struct, frozen=True):
-    """A worker's device. ``index`` is the GPU index as ``--gpus`` numbers it (the first GPU
-    of a group; relative to the parent's CUDA_VISIBLE_DEVICES: ``physical_gpus`` names the
-    machine's) or the CPU worker's number; ``rank`` is the worker's position in
+    """A worker's device. ``index`` is the GPU index as ``--gpus`` numbers it (the first GPU of a
+    group; ``physical_gpus`` names the machine's) or the CPU worker's number; ``rank`` is the worker's position in
     the pool; ``threads`` is the torch intra-op thread count the worker sets before its
     first torch op.
 
