@@ -172,8 +172,8 @@ def normalise_modes(root: str | os.PathLike) -> list[Path]:
     """Give every regular file under ``root`` (a run directory being resumed) ``file_mode()``,
     as if this version had written it: versions before 0.2.0 wrote whole files 0600 (mkstemp),
     and a resumed run only appends to some of them. Links are left alone (never followed), and
-    so is a file whose mode this process may not change (another user's). Returns the files
-    changed."""
+    so is a file whose mode cannot change (another user's, a read-only file system: the run's
+    own writes say what is wrong there). Returns the files changed."""
     mode, changed = file_mode(), []
     for folder, _dirs, names in os.walk(root):  # os.walk does not descend into linked folders
         for name in names:
@@ -183,7 +183,7 @@ def normalise_modes(root: str | os.PathLike) -> list[Path]:
                 if stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) != mode:
                     os.chmod(path, mode)
                     changed.append(path)
-            except (FileNotFoundError, PermissionError):
+            except OSError:
                 continue
     return changed
 

@@ -187,15 +187,17 @@ def preflight_resume(run_dir: Path, identity: RunIdentity, *, train_keys: list[s
 
 def state_to_continue(run_dir: Path, identity: RunIdentity, *, log: logging.Logger) -> SearchState | None:
     """For a ``--resume``: the committed state to continue from (``check_resumable``), or None
-    when there is none or when its iterations are redone (a format of ``REDONE_FORMATS``: said
-    in a warning). The caller validates the state it continues."""
+    when there is none or when its iterations are redone (a format of ``REDONE_FORMATS``, said
+    in a warning). A state whose iterations are redone is removed: the caller empties the
+    artifacts next, and the directory is then that of a run killed before its first commit
+    (any version resumes it from the start). The caller validates the state it continues."""
     committed = load_state(run_dir)
     if committed is None or check_resumable(committed, identity, run_dir=run_dir):
         return committed
     log.warning("resume: state.json was written by %s, whose %d committed iteration(s) may not hold the rows this "
-                "version writes: they are redone from the start (same config, so the same result as an "
-                "uninterrupted run; to keep them, finish the run with the version that wrote it)",
-                written_by(committed.version, committed.tool_version), committed.iteration)
+                "version writes: they are redone from the start, so the run ends as an uninterrupted run of this "
+                "version would", written_by(committed.version, committed.tool_version), committed.iteration)
+    fileio.remove(Path(run_dir) / STATE_FILE)
     return None
 
 
