@@ -6,6 +6,7 @@ in-process with job.run_plan replaced."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -448,7 +449,10 @@ def test_run_passes_flags_to_the_job(fake_job, project):
     [(config, devices, kwargs)] = calls
     assert config.runner.epochs == 1 and [d.name for d in devices] == ["cpu:0", "cpu:1"]
     assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False,
-                      "config_path": str(project / "c.yaml"), "ray_address": None, "wait": True}
+                      "config_path": str(project / "c.yaml"), "ray_address": None, "wait": math.inf}
+    assert cli.main(["--gpus", "cpu:2", str(project / "c.yaml"), "--wait", "2.5"]) == 0
+    assert cli.main(["--gpus", "cpu:2", str(project / "c.yaml")]) == 0
+    assert [kw["wait"] for _, _, kw in calls[1:]] == [2.5, False]
 
 
 def test_ray_takes_a_gpu_count_and_passes_the_address(fake_job, project, capsys):
@@ -626,6 +630,33 @@ def test_check_prints_the_worker_layout(project, four_gpus, capsys):
     assert "workers        2 workers of 2 GPUs each" in out
     assert "  w0           cuda:0,1 (GPUs 0, 1)" in out and "  w1           cuda:2,3 (GPUs 2, 3)" in out
     assert "memory         the tiny test model (a few MB): no estimate needed" in out
+
+
+def test_check_shows_the_gpus_a_mask_gives_the_workers(project, monkeypatch, capsys):
+    """Under a scheduler's CUDA_VISIBLE_DEVICES=4,5,6,7, --gpus 0-3 are the machine's GPUs 4-7:
+    check says so (the workers' own masks are 4,5 and 6,7: test_devices), and a request outside
+    the mask names it."""
+    from stageb_pool.pool import devices
+
+    monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    cfg = str(project / "c.yaml")
+    fast = ["--set", "model.path=tiny", "--set", "rule_search.train_sampler.max_prompt_tokens=null",
+            "--set", "rule_search.eval_sampler.max_prompt_tokens=null"]
+    assert cli.main(["check", cfg, "--gpus", "0-3", "--gpus-per-worker", "2", *fast]) == 0
+    out = capsys.readouterr().out
+    assert "  w0           GPUs 4, 5 (visible as 0, 1)\n  w1           GPUs 6, 7 (visible as 2, 3)\n" \
+           "  mask         CUDA_VISIBLE_DEVICES='4,5,6,7': --gpus numbers the GPUs it makes visible from 0\n" in out, out
+    assert cli.main(["check", cfg, "--gpus", "2", *fast]) == 0
+    assert "  w0           GPU 6 (visible as 2)\n" in capsys.readouterr().out
+    assert cli.main(["check", cfg, "--gpus", "4-7", "--gpus-per-worker", "2", *fast]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("stageb-pool: error: --gpus: GPU 4-7 does not exist: CUDA_VISIBLE_DEVICES='4,5,6,7' makes 4 GPUs "
+                   "visible, which --gpus numbers 0-3 (GPUs 4, 5, 6, 7)"), err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,-1,5")
+    assert cli.main(["check", cfg, "--gpus", "0", *fast]) == 0
+    assert "  w0           GPU 4 (visible as 0)\n  mask         CUDA_VISIBLE_DEVICES='4,-1,5' (CUDA stops at its " \
+           "invalid entry '-1'): --gpus numbers" in capsys.readouterr().out
 
 
 def write_checkpoint(folder: Path, shape=(10, 100)) -> Path:

@@ -161,3 +161,59 @@ def test_ray_group_specs_count_gpus_and_number_groups_by_rank():
     with pytest.raises(DeviceSpecError, match="GPU workers only"):
         parse_ray_spec("cpu:2", gpus_per_worker=2)
     assert parse_ray_spec(parse_gpus("0-3", gpu_count=4, gpus_per_worker=2)) == ("cuda", 4)
+
+
+# --- the parent's CUDA_VISIBLE_DEVICES, read as CUDA reads it (issue 32 item 8) -------------------
+
+
+@pytest.mark.parametrize("mask, visible", [
+    ("4,5,6,7", ["4", "5", "6", "7"]),
+    ("4,-1,5", ["4"]),  # CUDA stops enumerating at an invalid entry: one GPU, not two
+    ("4,,5", ["4"]),
+    ("-1", []),
+    ("", []),
+    (" 2 , 0 ", ["2", "0"]),
+    ("GPU-8a3f2c1e-0d4b-4e5f-9a8b-7c6d5e4f3a2b,GPU-11111111-2222-3333-4444-555555555555",
+     ["GPU-8a3f2c1e-0d4b-4e5f-9a8b-7c6d5e4f3a2b", "GPU-11111111-2222-3333-4444-555555555555"]),
+    ("MIG-0a1b2c3d-aaaa-bbbb-cccc-123456789abc,MIG-GPU-8a3f2c1e/1/0,x",
+     ["MIG-0a1b2c3d-aaaa-bbbb-cccc-123456789abc", "MIG-GPU-8a3f2c1e/1/0"]),
+])
+def test_the_mask_is_read_as_cuda_reads_it(monkeypatch, mask, visible):
+    from stageb_pool.pool.devices import count_gpus, visible_mask
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
+    assert visible_mask() == visible and count_gpus() == len(visible)
+    if visible:  # each worker's mask names its GPU as the parent's mask does
+        assert [d.visible_devices() for d in parse_gpus(f"0-{len(visible) - 1}")] == visible
+
+
+def test_a_worker_after_an_invalid_mask_entry_is_refused_not_given_no_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,-1,5")
+    with pytest.raises(DeviceSpecError) as info:
+        parse_gpus("0-1")
+    assert str(info.value) == ("GPU 1 does not exist: CUDA_VISIBLE_DEVICES='4,-1,5' (CUDA stops at its invalid "
+                               "entry '-1') makes 1 GPU visible, which --gpus numbers 0 (GPU 4)")
+    with Pool(DeviceReport, parse_gpus("0")) as forked:  # the one worker really gets GPU 4
+        assert [w["mask"] for w in forked.worker_info] == ["4"]
+
+
+def test_a_request_outside_the_mask_names_the_mask(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with pytest.raises(DeviceSpecError) as info:
+        parse_gpus("4-7", gpus_per_worker=2)
+    assert str(info.value) == ("GPU 4-7 does not exist: CUDA_VISIBLE_DEVICES='4,5,6,7' makes 4 GPUs visible, "
+                               "which --gpus numbers 0-3 (GPUs 4, 5, 6, 7)")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    with pytest.raises(DeviceSpecError, match=r"^GPU 0 does not exist: no GPU is visible under CUDA_VISIBLE_DEVICES="
+                                              r"'-1' \(CUDA stops at its invalid entry '-1'\) \(use --gpus cpu:N\)$"):
+        parse_gpus("0")
+
+
+def test_mig_devices_are_one_per_worker(monkeypatch):
+    from stageb_pool.pool.devices import GroupSizeError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-aaaa,MIG-bbbb")
+    assert [d.visible_devices() for d in parse_gpus("0-1")] == ["MIG-aaaa", "MIG-bbbb"]
+    with pytest.raises(GroupSizeError, match=r"^CUDA_VISIBLE_DEVICES='MIG-aaaa,MIG-bbbb' lists MIG devices, and "
+                                             r"a CUDA process uses only one: 2 GPUs per worker"):
+        parse_gpus("0-1", gpus_per_worker=2)

@@ -48,7 +48,9 @@ def test_volatile_lists_match_the_contract():
     inputs = ("config.stage_a_paths", "config.guidance.path", "config.prompt.profile",
               "config.rule_search.proposer_prompt_path", "config.ticket_filter.exclude_ticket_keys_path",
               "config.stage_b_distillation.log_chatml_path")
-    assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output", *inputs), "summary.json": ("timing", "workers")}
+    versions = ("tool.version", "tool.format")
+    assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output", *inputs, *versions),
+                              "state.json": ("version", "tool_version"), "summary.json": ("timing", "workers")}
     assert VOLATILE_FILES == {"pool_timeline.jsonl", "report.html"}
 
 
@@ -66,6 +68,20 @@ def test_volatile_fields_are_ignored(tmp_path):
         rule_candidates__jsonl=[{"iteration": 1, "timestamp": 5.0, "rer": 0.5}, {"iteration": 2, "timestamp": 6.0, "rer": 0.1}],
     )
     assert diff_runs(a, b) == []
+
+
+def test_the_version_that_wrote_a_run_is_not_a_result(tmp_path):
+    """A run of 0.1.0 (no format, a state without tool_version) and the same run of today's
+    version: identical (what a format change changes shows in the rows themselves)."""
+    state = {"iteration": 2, "version": 2}
+    a = make_run(tmp_path / "a", run__json={"tool": {"name": "stageb_pool", "version": "0.1.0"}, "config": {}},
+                 state__json=state)
+    b = make_run(tmp_path / "b", run__json={"tool": {"name": "stageb_pool", "version": "0.2.0", "format": 3},
+                                            "config": {}}, state__json={**state, "version": 3, "tool_version": "0.2.0"})
+    assert diff_runs(a, b) == []
+    c = make_run(tmp_path / "c", run__json={"tool": {"name": "other", "version": "0.1.0"}, "config": {}},
+                 state__json={**state, "iteration": 3})
+    assert [(d.file, d.key) for d in diff_runs(a, c)] == [("run.json", "tool.name"), ("state.json", "iteration")]
 
 
 def test_the_timeline_and_the_report_are_ignored_whole_even_on_one_side_only(tmp_path):

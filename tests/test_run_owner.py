@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -149,6 +150,50 @@ def test_a_second_process_is_refused_at_once_and_waits_only_when_asked(tmp_path,
         if first.poll() is None:
             first.kill()
             first.wait()
+
+
+def test_wait_says_whom_it_waits_for_at_every_log_level_and_a_bound_ends_it_with_exit_2(inputs):
+    """This test process holds the run directory; the CLI with ``--wait 0.5`` under
+    ``--log-level warning`` says whom it waits for, then gives up with one line."""
+    cfg, run = inputs
+    with rundir_lock.acquire(run):
+        code, err = finished(cli_process("--gpus", "cpu:2", cfg, "--wait", "0.5", "--log-level", "warning"))
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines() == [
+        f"stageb-pool: waiting for at most 0.5 s for pid {os.getpid()}, which holds the run directory {run} "
+        "(--wait); nothing is started until it ends",
+        f"stageb-pool: error: {run}: the run directory is still in use by another stageb-pool run (pid {os.getpid()}) "
+        "after waiting 0.5 s (--wait 0.5): nothing was started; wait longer, or without a bound (--wait)"]
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("stop, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_while_waiting_says_that_nothing_was_started(inputs, stop, code):
+    """Plain ``--wait`` (before the config: it is not taken for SECONDS) waits without a bound
+    until a signal; the signal's line says nothing was started, not how to resume."""
+    cfg, run = inputs
+    with rundir_lock.acquire(run):
+        waiting = cli_process("--gpus", "cpu:2", "--wait", cfg, "--log-level", "error")
+        watchdog = threading.Timer(120, waiting.kill)  # a wait that says nothing fails the test, never hangs it
+        watchdog.start()
+        try:
+            wait_for_line(waiting, f"stageb-pool: waiting for pid {os.getpid()}, which holds the run directory {run}")
+        finally:
+            watchdog.cancel()
+        waiting.send_signal(stop)
+        status, err = finished(waiting, timeout=60)
+    assert status == code, err[-2000:]
+    assert err.strip().splitlines() == [f"stageb-pool: stopped by {signal.Signals(stop).name} while waiting for pid "
+                                        f"{os.getpid()} (--wait): nothing was started"]
+    assert not run.exists()
+
+
+def test_wait_takes_a_number_of_seconds_or_nothing(tmp_path, inputs, capsys):
+    cfg, _ = inputs
+    for bad in ("0", "-5", "1e999"):
+        assert cli.main(["--gpus", "cpu:2", cfg, "--wait", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"error: argument --wait: SECONDS must be a number above 0, got {bad!r}" in err, err
 
 
 def test_the_lock_is_refused_in_process_and_free_after_release(tmp_path):

@@ -22,6 +22,7 @@ from stageb_pool.app.plan import load_inputs, plan_command
 from stageb_pool.pool.devices import parse_gpus
 from stageb_pool.search.fileio import read_json
 from stageb_pool.search.rundir import (
+    FORMAT_VERSION,
     NAME_MAX_BYTES,
     gpus_spec,
     prepare_run_dir,
@@ -182,7 +183,7 @@ def test_run_json_content(tmp_path):
     cfg_path = audit_inputs(tmp_path, n_tickets=6)
     assert audit(cfg_path, "cpu:2", engine_factory=fake_factory()) == 0
     doc = read_json(tmp_path / "out" / MISSION / "run" / "run.json")
-    assert doc["tool"] == {"name": "stageb_pool", "version": __version__}
+    assert doc["tool"] == {"name": "stageb_pool", "version": __version__, "format": FORMAT_VERSION}
     assert doc["config"]["seed"] == SEED and doc["config"]["mode"] == "audit"
     assert doc["config"]["runner"]["chunk_size"] == 4
     prov = doc["provenance"]

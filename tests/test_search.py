@@ -35,6 +35,7 @@ from stageb_pool.app.identity import run_identity
 from stageb_pool.search import state as state_mod
 from stageb_pool.search.distill import distill_sampler
 from stageb_pool.search.guidance_store import GuidanceStore
+from stageb_pool.search.run_format import differing_keys
 from stageb_pool.stageb.errors import InputError
 from stageb_pool.stageb.hashing import content_hash
 from stageb_pool.stageb.ticket_pools import split_eval_pool
@@ -485,8 +486,8 @@ def test_resume_with_a_changed_seed_guidance_is_refused(tmp_path):
 def test_differing_keys_names_nested_paths():
     old = {"a": 1, "b": {"c": [1, 2], "d": "x"}, "e": None}
     new = {"a": 1, "b": {"c": [1, 3], "d": "x"}, "f": 2}
-    assert state_mod.differing_keys(old, new) == ["b.c", "e", "f"]
-    assert state_mod.differing_keys(old, old) == []
+    assert differing_keys(old, new) == ["b.c", "e", "f"]
+    assert differing_keys(old, old) == []
 
 
 # ----------------------------------------------------------------------------- options

@@ -1,6 +1,6 @@
 """The ``stageb-pool`` command: run, check, diff, report and import-config.
 
-    stageb-pool [run] --gpus SPEC CONFIG [--gpus-per-worker N] [--audit] [--resume | --overwrite] [--wait]
+    stageb-pool [run] --gpus SPEC CONFIG [--gpus-per-worker N] [--audit] [--resume | --overwrite] [--wait [SECONDS]]
                       [--debug | --ray ADDRESS] [--log-level LEVEL] [--upstream-root DIR] [--set key.path=value ...]
     stageb-pool check CONFIG [--gpus SPEC] [--gpus-per-worker N] [--ray ADDRESS] [--audit] [--upstream-root DIR]
                       [--set key.path=value ...]
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
+import math
 import os
 import re
 import shlex
@@ -31,9 +32,11 @@ import sys
 
 from .. import __version__
 from ..search.fileio import OutputError
+from ..search.rundir_lock import WaitStopped
 from ..stageb.errors import InputError, UsageError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+_NUMBER = re.compile(r"[-+]?[0-9.]+(?:e[-+]?[0-9]+)?")  # a number argparse would take for --wait's SECONDS
 COMMANDS = ("run", "check", "diff", "report", "import-config")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UPSTREAM_LOG_LEVELS = {"logging": "info"}  # upstream's launcher spells info "logging"
@@ -105,9 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     again = run.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the run directory from its last completed iteration")
     again.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    run.add_argument("--wait", action="store_true",
-                     help="when another process holds the run directory, wait for it to end instead of "
-                          "refusing at once (exit 2)")
+    run.add_argument("--wait", nargs="?", const=math.inf, default=False, type=_wait_bound, metavar="SECONDS",
+                     help="when another run holds the run directory, wait (at most SECONDS) instead of exit 2")
     where = run.add_mutually_exclusive_group()
     where.add_argument("--debug", action="store_true",
                        help="one worker, inline in this process (breakpoints work); upstream's --debug, "
@@ -149,8 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _wait_bound(text: str) -> float:
+    """``--wait``'s SECONDS, a number above 0; ``""``, a bare ``--wait`` (``_with_default_command``): no bound."""
+    seconds = math.inf if text == "" else float(text) if _NUMBER.fullmatch(text) else math.nan
+    if not (0 < seconds < math.inf or text == ""):
+        raise argparse.ArgumentTypeError(f"SECONDS must be a number above 0, got {text!r}")
+    return seconds
+
+
 def _with_default_command(argv: list[str]) -> list[str]:
-    """``stageb-pool --gpus 0 cfg.yaml`` means ``stageb-pool run --gpus 0 cfg.yaml``."""
+    """``stageb-pool --gpus 0 cfg.yaml`` means ``stageb-pool run --gpus 0 cfg.yaml``; a ``--wait`` not
+    followed by a number is ``--wait=`` (no bound: the config after it is not its SECONDS)."""
+    argv = ["--wait=" if arg == "--wait" and not (i + 1 < len(argv) and _NUMBER.fullmatch(argv[i + 1])) else arg
+            for i, arg in enumerate(argv)]
     if not argv or argv[0] in COMMANDS or argv[0] in ("-h", "--help", "--version"):
         return argv
     first = argv[0]
@@ -346,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as err:
         print(capped(f"stageb-pool: error: {err}"), file=sys.stderr)
         return EXIT_INPUT
+    except WaitStopped as stop:  # before the run started: nothing to continue (Ctrl-C: no signum, SIGINT)
+        print(f"stageb-pool: stopped by {signal.Signals(stop.signum or signal.SIGINT).name} while waiting for pid "
+              f"{stop.holder} (--wait): nothing was started", file=sys.stderr)
+        return 128 + (stop.signum or signal.SIGINT)
     except KeyboardInterrupt as stop:  # Ctrl-C, or a stop signal (Terminated, or Ray's stand-in for it)
         signum = stop.signum if isinstance(stop, Terminated) else Terminated.received
         if signum is None:

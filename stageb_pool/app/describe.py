@@ -80,7 +80,10 @@ def describe(plan) -> str:
 
 def layout_lines(devices, *, ray: bool = False) -> list[tuple[str, str]]:
     """The workers a run would start and the GPUs each holds (what run.json's layout records).
-    Under Ray the GPUs are numbered in rank order: which ones they are is Ray's choice."""
+    Under Ray the GPUs are numbered in rank order: which ones they are is Ray's choice. Under
+    a mask that renames the GPUs, a line names it (what --gpus counts)."""
+    from ..pool.devices import mask_stop, mask_text, visible_mask
+
     size = devices[0].group_size
     kind = "CPU" if devices[0].kind == "cpu" else f"{size} GPU{'s' if size != 1 else ''}"
     lines = [("workers", f"{len(devices)} worker{'s' if len(devices) != 1 else ''} of {kind} each")]
@@ -88,11 +91,25 @@ def layout_lines(devices, *, ray: bool = False) -> list[tuple[str, str]]:
         where = f"its {size} GPUs on one node" if size > 1 else "its GPU"
         lines.append(("  placement", f"Ray actors, one bundle per worker ({where}); Ray chooses the nodes and GPUs"))
     shown = devices if len(devices) <= 16 else devices[:8]
-    lines += [(f"  w{d.rank}", d.name + (f" (GPUs {', '.join(map(str, d.gpus))})" if d.group_size > 1 else ""))
-              for d in shown]
+    lines += [(f"  w{d.rank}", _worker_gpus(d, ray=ray)) for d in shown]
     if len(shown) < len(devices):
         lines.append(("  ...", f"{len(devices) - len(shown)} more, up to w{devices[-1].rank} {devices[-1].name}"))
+    mask = None if ray or devices[0].kind != "cuda" else visible_mask()
+    if mask is not None and (mask != [str(i) for i in range(len(mask))] or mask_stop() is not None):
+        lines.append(("  mask", f"{mask_text()}: --gpus numbers the GPUs it makes visible from 0"))
     return lines
+
+
+def _worker_gpus(device, *, ray: bool = False) -> str:
+    """A worker's GPUs for ``check``: ``cuda:0,1 (GPUs 0, 1)``; under a mask that renames them
+    (CUDA_VISIBLE_DEVICES=4,5,6,7) the machine's GPUs, ``GPUs 4, 5 (visible as 0, 1)``, which is
+    what the worker gets. Under Ray the numbers are ranks: Ray chooses the GPUs."""
+    own = [str(g) for g in device.gpus]
+    physical = own if ray else device.physical_gpus()
+    if physical != own:
+        s = "s" if len(own) > 1 else ""
+        return f"GPU{s} {', '.join(physical)} (visible as {', '.join(own)})"
+    return device.name + (f" (GPUs {', '.join(own)})" if device.group_size > 1 else "")
 
 
 def memory_lines(cfg, model, devices, *, ray: bool = False) -> list[tuple[str, str]]:

@@ -31,7 +31,10 @@ VOLATILE_PATHS: dict[str, tuple[str, ...]] = {
     # were read from (inputs are identified by content: provenance and state.json hold hashes)
     "run.json": ("invocation", "config.output", "config.stage_a_paths", "config.guidance.path",
                  "config.prompt.profile", "config.rule_search.proposer_prompt_path",
-                 "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path"),
+                 "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path",
+                 # which stageb-pool wrote the run: not a result (a format change shows in the rows)
+                 "tool.version", "tool.format"),
+    "state.json": ("version", "tool_version"),  # the same, in the resume state
     "summary.json": ("timing", "workers"),  # wall time per phase; throughput and restarts per worker
 }
 

@@ -26,7 +26,7 @@ from ..report import REPORT_FILE, TIMELINE_FILE, render_report
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
-from ..search.fileio import atomic_write_bytes, write_json, write_jsonl
+from ..search.fileio import atomic_write_bytes, file_mode, normalise_modes, write_json, write_jsonl
 from ..search.guidance_store import GUIDANCE_FILE, GuidanceStore
 from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
@@ -66,7 +66,7 @@ def engine_settings(model_config) -> EngineSettings:
 
 def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
             debug: bool = False, engine_factory=None, argv: list[str] | None = None,
-            config_path: str | None = None, ray_address: str | None = None, wait: bool = False) -> int:
+            config_path: str | None = None, ray_address: str | None = None, wait: bool | float = False) -> int:
     """``run_plan`` of a config already loaded (tests, benchmarks): planned with the ``--gpus``
     spec ``gpus`` and ``ray_address`` (``--ray``) as the CLI plans it. ``engine_factory`` (a
     test seam) replaces the model engine, and then the prompts are not measured with the
@@ -79,7 +79,7 @@ def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, ove
 
 
 def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, debug: bool = False,
-             wait: bool = False, engine_factory=None, argv: list[str] | None = None) -> int:
+             wait: bool | float = False, engine_factory=None, argv: list[str] | None = None) -> int:
     """Run the audit or rule search of ``plan``; return 0 on success. Exceptions propagate (the
     CLI maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
 
@@ -88,7 +88,8 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, de
     With the plan's ``ray_address`` (``--ray``) the workers are Ray actors on that cluster; the
     parent still writes every artifact here, and the placement may take
     ``pool.start_timeout``. Another process holding the run directory is an InputError naming
-    its pid, or, with ``wait`` (``--wait``), waited for."""
+    its pid, or, with ``wait`` (``--wait [SECONDS]``: True or a bound in seconds), waited for
+    (``rundir_lock.acquire``)."""
     started = time.monotonic()
     started_at = rundir.utc_now()
     config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
@@ -149,6 +150,10 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
         if resume:
             for stale in rundir.remove_temporaries(run_dir):
                 log.info("resume: removed %s (a write the interrupted run did not finish)", stale)
+            changed = normalise_modes(run_dir)
+            if changed:
+                log.info("resume: %d file(s) given mode %04o, as every file a run writes (versions before 0.2.0 "
+                         "wrote whole files 0600)", len(changed), file_mode())
         # run.json first: it marks the directory as a stageb-pool run even if the start fails
         # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
         atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)

@@ -7,6 +7,10 @@ A worker may hold a group of GPUs (``gpus_per_worker``, issue 25): a judge too l
 GPU is sharded over the group by the worker's engine, and the pool keeps one worker per group.
 Groups are contiguous in the spec's order (``0-7`` in pairs: 0,1 / 2,3 / 4,5 / 6,7).
 
+``--gpus`` numbers the GPUs as this process sees them: under ``CUDA_VISIBLE_DEVICES=4,5,6,7``
+(as a scheduler sets it) ``0-3`` are the machine's GPUs 4-7, and each worker's own mask names
+them as the parent's mask does. The mask is read as CUDA reads it (``visible_mask``).
+
 A spec is untrusted input: only ASCII digits count as numbers, GPU ranges are checked
 against the GPUs present before anything is expanded, at most ``MAX_CPU_WORKERS`` CPU
 workers may be asked for, and every problem is a ``DeviceSpecError`` that quotes at most
@@ -45,8 +49,8 @@ class GroupSizeError(DeviceSpecError):
 
 
 class Device(msgspec.Struct, frozen=True):
-    """A worker's device. ``index`` is the physical GPU index (as the user wrote it; the
-    first GPU of a group) or the CPU worker's number; ``rank`` is the worker's position in
+    """A worker's device. ``index`` is the GPU index as ``--gpus`` numbers it (the first GPU of a
+    group; ``physical_gpus`` names the machine's) or the CPU worker's number; ``rank`` is the worker's position in
     the pool; ``threads`` is the torch intra-op thread count the worker sets before its
     first torch op: the pool's ``threads_per_worker``, never derived from the worker count or
     the machine's cores, since a reduction split over another number of threads adds in
@@ -107,21 +111,62 @@ class Device(msgspec.Struct, frozen=True):
         """This device as seen by an engine built in the parent itself (inline mode)."""
         return msgspec.structs.replace(self, ordinal=self.index if self.kind == "cuda" else 0, in_parent=True)
 
+    def physical_gpus(self) -> list[str]:
+        """This worker's GPUs as the machine names them: the parent's mask entries (an index or
+        a GPU or MIG UUID) at its GPUs' places; without a mask, its GPUs' own numbers."""
+        mask = visible_mask()
+        return [str(g) if mask is None else mask[g] for g in self.gpus]
+
     def visible_devices(self) -> str:
         """The CUDA_VISIBLE_DEVICES value for this worker, relative to the parent's own:
         its GPUs, comma-separated, as the parent's mask names them."""
-        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if parent is None:
-            return ",".join(str(g) for g in self.gpus)
-        visible = [d.strip() for d in parent.split(",") if d.strip()]
-        return ",".join(visible[g] for g in self.gpus)
+        return ",".join(self.physical_gpus())
+
+
+# An entry of CUDA_VISIBLE_DEVICES that CUDA enumerates: a GPU index, or a GPU or MIG UUID
+# (nvidia-smi -L; "MIG-GPU-<uuid>/<gi>/<ci>" is the older MIG spelling).
+_MASK_ENTRY = re.compile(r"[0-9]+|(?:GPU|MIG)-[0-9A-Za-z/-]+")
+
+
+def visible_mask() -> list[str] | None:
+    """The GPUs ``CUDA_VISIBLE_DEVICES`` lets this process see, as CUDA reads it: its entries in
+    order up to the first invalid one, where CUDA stops enumerating (``4,-1,5`` is GPU 4 alone;
+    ``-1``, an empty entry or a typo ends the list); None without a mask (every GPU). An index
+    past the machine's GPUs also ends CUDA's list; that is not checked here (it would take the
+    driver): the worker holding it finds no GPU."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mask is None:
+        return None
+    entries = []
+    for entry in mask.split(","):
+        if not _MASK_ENTRY.fullmatch(entry.strip()):
+            break
+        entries.append(entry.strip())
+    return entries
+
+
+def mask_stop() -> str | None:
+    """The invalid entry where CUDA stops reading the mask (None: it reads it all, or there is
+    no mask; an empty mask is no GPU, not a stop)."""
+    mask, visible = os.environ.get("CUDA_VISIBLE_DEVICES"), visible_mask()
+    if mask is None or not mask.strip() or len(visible) == len(mask.split(",")):
+        return None
+    return mask.split(",")[len(visible)].strip()
+
+
+def mask_text() -> str:
+    """The mask for a message: ``CUDA_VISIBLE_DEVICES='4,-1,5'`` (a huge one cut short), and
+    where CUDA stops reading it when an entry is invalid."""
+    stop = mask_stop()
+    where = f" (CUDA stops at its invalid entry {_quote(stop)})" if stop is not None else ""
+    return f"CUDA_VISIBLE_DEVICES={_quote(os.environ.get('CUDA_VISIBLE_DEVICES', ''))}{where}"
 
 
 def count_gpus() -> int:
     """Number of GPUs this process may use, without initialising CUDA."""
-    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if parent is not None:
-        return len([d for d in parent.split(",") if d.strip() and d.strip() != "-1"])
+    mask = visible_mask()
+    if mask is not None:
+        return len(mask)
     proc = "/proc/driver/nvidia/gpus"
     if os.path.isdir(proc):
         return len(os.listdir(proc))
@@ -150,10 +195,9 @@ def gpu_memory_bytes() -> dict[int, int] | None:
             by_name[parts[0]] = by_name[parts[1]] = mib  # a mask may name a GPU by index or UUID
     if out.returncode != 0 or not by_name:
         return None
-    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if parent is None:
+    names = visible_mask()
+    if names is None:
         return {int(k): v for k, v in by_name.items() if k.isascii() and k.isdigit()}
-    names = [d.strip() for d in parent.split(",") if d.strip() and d.strip() != "-1"]
     if not all(name in by_name for name in names):
         return None
     return {i: by_name[name] for i, name in enumerate(names)}
@@ -196,6 +240,30 @@ def _gpu_ranges(spec: str) -> list[tuple[int, int, str]]:
             raise DeviceSpecError(f"GPU range {_quote(part.strip())} runs backwards")
         ranges.append((lo, hi, high))
     return ranges
+
+
+def _which_exist(have: int, counted: bool) -> str:
+    """The GPUs ``--gpus`` may name, for an error; ``counted``: ``have`` was counted here, so
+    under a mask it is the mask's GPUs, and the message names the mask and what they are."""
+    mask = visible_mask() if counted else None
+    if mask is None:
+        return f"GPUs 0-{have - 1} exist" if have > 1 else ("GPU 0 exists" if have == 1 else
+                                                            "no GPU is visible (use --gpus cpu:N)")
+    if not mask:
+        return f"no GPU is visible under {mask_text()} (use --gpus cpu:N)"
+    numbers = f"0-{have - 1}" if have > 1 else "0"
+    shown = ", ".join(mask[:8]) + (", ..." if len(mask) > 8 else "")
+    return (f"{mask_text()} makes {have} GPU{'s' if have != 1 else ''} visible, which --gpus numbers {numbers} "
+            f"(GPU{'s' if have != 1 else ''} {shown})")
+
+
+def _refuse_mig_groups(gpus_per_worker: int, counted: bool) -> None:
+    # A CUDA process uses one MIG device, whatever its mask lists: a group of them would leave
+    # all but one idle (and a sharded model without room). Refused, not silently shrunk.
+    mask = visible_mask() if counted else None
+    if gpus_per_worker > 1 and mask and any(entry.startswith("MIG-") for entry in mask):
+        raise GroupSizeError(f"{mask_text()} lists MIG devices, and a CUDA process uses only one: "
+                             f"{gpus_per_worker} GPUs per worker cannot be MIG devices (use 1)")
 
 
 def check_gpus_per_worker(gpus_per_worker) -> int:
@@ -270,8 +338,8 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
     # Check before expanding: "0-99999999" must not build a list of 10^8 indices.
     missing = [_show(max(lo, have), hi, high) for lo, hi, high in ranges if hi >= have]
     if missing:
-        which = f"GPUs 0-{have - 1} exist" if have > 1 else ("GPU 0 exists" if have == 1 else "no GPU is visible (use --gpus cpu:N)")
-        raise DeviceSpecError(f"GPU {', '.join(missing)} does not exist: {which}")
+        raise DeviceSpecError(f"GPU {', '.join(missing)} does not exist: {_which_exist(have, gpu_count is None)}")
+    _refuse_mig_groups(gpus_per_worker, gpu_count is None)
     indices = [i for lo, hi, _ in ranges for i in range(lo, hi + 1)]
     if len(set(indices)) != len(indices):
         raise DeviceSpecError(f"GPU list {_quote(spec)} names a GPU twice")

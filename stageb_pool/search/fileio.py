@@ -9,7 +9,8 @@ the name; a symbolic link or a hard link that had the name keeps pointing at the
 content), and an append that finds a symbolic link or a file with other hard links first
 replaces it with a private copy of its content (a ``cp -al`` backup or a link's target
 elsewhere never changes). Every file gets mode ``0666 & ~umask``, whole or appended, like
-any Unix tool's output.
+any Unix tool's output; a resume gives it to the files an earlier version wrote
+(``normalise_modes``: those wrote whole files 0600).
 """
 
 from __future__ import annotations
@@ -165,6 +166,26 @@ def make_private(path: str | os.PathLike) -> bool:
         raise OutputError(path, OSError(0, "it is not a regular file"))
     atomic_write_bytes(path, path.read_bytes())
     return True
+
+
+def normalise_modes(root: str | os.PathLike) -> list[Path]:
+    """Give every regular file under ``root`` (a run directory being resumed) ``file_mode()``,
+    as if this version had written it: versions before 0.2.0 wrote whole files 0600 (mkstemp),
+    and a resumed run only appends to some of them. Links are left alone (never followed), and
+    so is a file whose mode cannot change (another user's, a read-only file system: the run's
+    own writes say what is wrong there). Returns the files changed."""
+    mode, changed = file_mode(), []
+    for folder, _dirs, names in os.walk(root):  # os.walk does not descend into linked folders
+        for name in names:
+            path = Path(folder, name)
+            try:
+                info = path.lstat()
+                if stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) != mode:
+                    os.chmod(path, mode)
+                    changed.append(path)
+            except OSError:
+                continue
+    return changed
 
 
 def remove(path: str | os.PathLike) -> None:

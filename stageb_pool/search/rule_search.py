@@ -70,17 +70,16 @@ class RuleSearch:
 
     def _start(self) -> state_mod.SearchState:
         """A fresh state; on resume the committed one, with the run dir brought back to it."""
-        committed = state_mod.load_state(self.run_dir) if self.resume else None
+        committed = state_mod.state_to_continue(self.run_dir, self.identity, log=self.log) if self.resume else None
         if committed is None:
             # Nothing committed (a new run, or a resume of a run killed in iteration 1,
-            # whose guidance.json may already hold iteration 1's edit): start from the seed
-            # guidance with empty artifacts.
+            # whose guidance.json may already hold iteration 1's edit), or iterations of an
+            # earlier format to redo: start from the seed guidance with empty artifacts.
             if self.resume:
                 self.store.write(self.seed_guidance)
             fresh = self._fresh_state()
             state_mod.truncate_artifacts(self.run_dir, fresh.artifacts)
             return fresh
-        state_mod.check_resumable(committed, self.identity, run_dir=self.run_dir)
         state_mod.validate_state(committed, self.run_dir, train_keys=[t.key for t in self.train], store=self.store,
                                  start_sampler=state_mod.start_sampler(len(self.train), self.settings.rule_search,
                                                                        self.settings.seed))

@@ -31,6 +31,7 @@ from .. import __version__
 from ..stageb.errors import InputError
 from ..stageb.inputs import first_lone_surrogate
 from .fileio import TMP_SUFFIX, json_document, remove
+from .run_format import FORMAT_VERSION
 
 RUN_JSON = "run.json"
 SUMMARY_JSON = "summary.json"
@@ -337,7 +338,7 @@ def run_json_document(*, config, provenance: dict, devices, workers: int, debug:
     argv = [arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
             for arg in (sys.argv if argv is None else argv)]
     return {
-        "tool": {"name": "stageb_pool", "version": __version__},
+        "tool": {"name": "stageb_pool", "version": __version__, "format": FORMAT_VERSION},
         "config": msgspec.to_builtins(config),
         "provenance": provenance,
         "invocation": {

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import logging
+import math
 import os
 import stat
+import sys
+import time
 from pathlib import Path
 
 from ..stageb.errors import InputError
-
-log = logging.getLogger("stageb_pool")
 
 
 def lock_path(run_dir: str | Path) -> Path:
@@ -57,12 +57,28 @@ class RunDirLock:
         self.release()
 
 
-def acquire(run_dir: str | Path, *, wait: bool = False) -> RunDirLock:
+class WaitStopped(KeyboardInterrupt):
+    """Ctrl-C or a stop signal (``signum``; None for Ctrl-C) while ``--wait`` waited for
+    another run (``holder``, its pid) to release the run directory: nothing was started and
+    nothing on disk changed. A KeyboardInterrupt, as the stop it stands for."""
+
+    def __init__(self, signum: int | None, holder: str):
+        super().__init__(signum, holder)
+        self.signum, self.holder = signum, holder
+
+
+WAIT_POLL_S = 0.1  # how often a bounded wait tries the lock again
+
+
+def acquire(run_dir: str | Path, *, wait: bool | float = False) -> RunDirLock:
     """Lock ``run_dir`` for this process, creating its mission folder and lock file if needed.
 
-    Another holder: an InputError located at the run directory naming its pid, at once; with
-    ``wait`` this blocks until the holder is gone instead. A lock file that is a symbolic
-    link, a hard link or not a regular file is refused (its pid would be written elsewhere)."""
+    Another holder: an InputError located at the run directory naming its pid, at once. With
+    ``wait`` (True or ``math.inf``: without a bound; a number: at most that many seconds) it
+    says on stderr, at every log level, which pid it waits for and waits until the holder is
+    gone; past the bound, an InputError says so. A stop while waiting is a ``WaitStopped``.
+    A lock file that is a symbolic link, a hard link or not a regular file is refused (its pid
+    would be written elsewhere)."""
     run_dir = Path(run_dir)
     path = lock_path(run_dir)
     try:
@@ -87,14 +103,40 @@ def acquire(run_dir: str | Path, *, wait: bool = False) -> RunDirLock:
             if not wait:
                 raise InputError(f"the run directory is in use by another stageb-pool run (pid {holder}): "
                                  "wait for it to end, or pass --wait to wait for it", str(run_dir)) from None
-            log.info("waiting for pid %s, which holds the run directory %s (--wait)", holder, run_dir)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _wait(fd, run_dir, holder, math.inf if wait is True else float(wait))
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     except BaseException:
         os.close(fd)
         raise
     return RunDirLock(run_dir, fd)
+
+
+def _wait(fd: int, run_dir: Path, holder: str, bound: float) -> None:
+    """Block until the lock is this process's, at most ``bound`` seconds. Said on stderr rather
+    than logged: a silent wait looks like a hang whatever ``--log-level`` says."""
+    limit = "" if math.isinf(bound) else f" for at most {bound:g} s"
+    try:  # the line is inside: a stop that comes as soon as it is read is a stop while waiting
+        print(f"stageb-pool: waiting{limit} for pid {holder}, which holds the run directory {run_dir} (--wait); "
+              "nothing is started until it ends", file=sys.stderr, flush=True)
+        if math.isinf(bound):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return
+        deadline = time.monotonic() + bound
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(WAIT_POLL_S, left))
+    except KeyboardInterrupt as stop:
+        raise WaitStopped(getattr(stop, "signum", None), holder) from None
+    raise InputError(f"the run directory is still in use by another stageb-pool run (pid {_holder(fd)}) after "
+                     f"waiting {bound:g} s (--wait {bound:g}): nothing was started; wait longer, or without a bound "
+                     "(--wait)", str(run_dir))
 
 
 def _holder(fd: int) -> str:

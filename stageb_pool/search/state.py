@@ -15,21 +15,22 @@ refusal (exit 2), never a wrong result or a traceback after the whole resumed lo
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from .. import __version__
 from ..stageb.errors import InputError
 from ..stageb.guidance import parse_section
 from ..stageb.ticket_pools import TrainPoolSampler
 from . import fileio, rundir
+from .run_format import FORMAT_VERSION, REDONE_FORMATS, config_differences, written_by
 from .settings import RunIdentity
 
 STATE_FILE = "state.json"
-STATE_VERSION = 2  # 2: the identity compares inputs by content; the run's generation counts
-
 # Every append-only artifact of the search, relative to the run directory. Their byte
 # lengths go into state.json; a resume truncates them back to those lengths.
 APPEND_ARTIFACTS = (
@@ -101,7 +102,8 @@ class SearchState(msgspec.Struct, forbid_unknown_fields=True):
     generations_done: Count = 0
     generations_saved: Count = 0
     chunks_used: list[str] = []
-    version: int = STATE_VERSION
+    version: int = FORMAT_VERSION  # the format (FORMAT_VERSION of the version that wrote it)
+    tool_version: str | None = None  # the package version that wrote it (write_state); None: before versions
 
 
 def load_state(run_dir: Path) -> SearchState | None:
@@ -131,6 +133,8 @@ def _split_key_path(message: str) -> tuple[str, str]:
 
 
 def write_state(run_dir: Path, state: SearchState) -> None:
+    """Commit ``state``, marked with this version's format and package version (the writer)."""
+    state.version, state.tool_version = FORMAT_VERSION, __version__
     fileio.write_json(Path(run_dir) / STATE_FILE, state)
 
 
@@ -166,21 +170,6 @@ def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]
     return removed
 
 
-def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted key paths where two plain-data documents differ (lists compared whole)."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        keys = sorted(set(old) | set(new))
-        out: list[str] = []
-        for key in keys:
-            path = f"{prefix}.{key}" if prefix else str(key)
-            if key not in old or key not in new:
-                out.append(path)
-            else:
-                out.extend(differing_keys(old[key], new[key], path))
-        return out
-    return [] if old == new else [prefix or "<root>"]
-
-
 def start_sampler(n_train: int, rule_search, seed: int) -> TrainPoolSampler:
     """The train-pool sampler a fresh run starts with (``rule_search``: the config section)."""
     return TrainPoolSampler.start(n_train, rule_search.train_pool_size, seed, fraction=rule_search.train_pool_fraction)
@@ -192,9 +181,24 @@ def preflight_resume(run_dir: Path, identity: RunIdentity, *, train_keys: list[s
     does not hold together, before the pool starts or run.json is rewritten. The search checks
     again when it starts (the same functions)."""
     committed = load_state(run_dir)
-    if committed is not None:
-        check_resumable(committed, identity, run_dir=run_dir)
+    if committed is not None and check_resumable(committed, identity, run_dir=run_dir):
         validate_state(committed, run_dir, train_keys=train_keys, start_sampler=start_sampler, store=store)
+
+
+def state_to_continue(run_dir: Path, identity: RunIdentity, *, log: logging.Logger) -> SearchState | None:
+    """For a ``--resume``: the committed state to continue from (``check_resumable``), or None
+    when there is none or when its iterations are redone (a format of ``REDONE_FORMATS``, said
+    in a warning). A state whose iterations are redone is removed: the caller empties the
+    artifacts next, and the directory is then that of a run killed before its first commit
+    (any version resumes it from the start). The caller validates the state it continues."""
+    committed = load_state(run_dir)
+    if committed is None or check_resumable(committed, identity, run_dir=run_dir):
+        return committed
+    log.warning("resume: state.json was written by %s, whose %d committed iteration(s) may not hold the rows this "
+                "version writes: they are redone from the start, so the run ends as an uninterrupted run of this "
+                "version would", written_by(committed.version, committed.tool_version), committed.iteration)
+    fileio.remove(Path(run_dir) / STATE_FILE)
+    return None
 
 
 def _check_lengths(state: SearchState, run_dir: Path, location: str) -> None:
@@ -345,22 +349,30 @@ def validate_state(state: SearchState, run_dir: Path, *, train_keys: list[str], 
                              str(store.path))
 
 
-def check_resumable(state: SearchState, identity: RunIdentity, *, run_dir: Path) -> None:
-    """Refuse (InputError) a resume whose config or tickets differ from the committed run."""
+def check_resumable(state: SearchState, identity: RunIdentity, *, run_dir: Path) -> bool:
+    """Refuse (InputError, one line) a resume whose config or tickets differ from the committed
+    run, or whose state format this version cannot read. Returns whether the committed
+    iterations are continued (True) or redone from the start (False: a format of
+    ``REDONE_FORMATS``, whose rows may not be this version's)."""
     location = str(Path(run_dir) / STATE_FILE)
-    if state.version != STATE_VERSION:
-        raise InputError(f"cannot resume: state.json has version {state.version} (written by another stageb-pool "
-                         f"version), this one reads version {STATE_VERSION}: start the run again with --overwrite",
-                         location)
-    if identity.config_hash != state.config_hash:
-        keys = differing_keys(state.config, identity.config) or ["<unknown>"]
+    writer = written_by(state.version, state.tool_version)
+    upgrade = state.version != FORMAT_VERSION or state.tool_version != __version__
+    way_out = (f"; state.json was written by {writer}: start the run again with --overwrite, or resume it with "
+               "that version") if upgrade else ""
+    if state.version != FORMAT_VERSION and state.version not in REDONE_FORMATS:
+        raise InputError(f"cannot resume: state.json was written by {writer}, which stageb-pool {__version__} "
+                         f"(state format {FORMAT_VERSION}) cannot continue: start the run again with --overwrite, "
+                         "or resume it with that version", location)
+    keys = config_differences(state.config_hash, state.config, identity.config)
+    if keys:
         raise InputError(
             "cannot resume: the config differs from the interrupted run's at " + ", ".join(keys)
-            + " (input files are compared by content)", location
+            + " (input files are compared by content)" + way_out, location
         )
     if identity.tickets_hash != state.tickets_hash:
         raise InputError(
             "cannot resume: the tickets differ from the interrupted run's (stage_a_paths content or "
-            "ticket_filter changed)",
+            "ticket_filter changed)" + way_out,
             location,
         )
+    return state.version == FORMAT_VERSION

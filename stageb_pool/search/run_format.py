@@ -1,0 +1,84 @@
+"""The format of a run directory, and what a ``--resume`` does with a run of another format.
+
+The format says what run.json, state.json and the artifacts a rule search commits hold. It
+changes, with the package version (``stageb_pool.__version__``), whenever one of them changes
+shape or content, so a resume knows whether the committed iterations are what this version
+would have written (docs/rule_search.md, "Upgrades"). run.json records it as ``tool.format``
+and state.json as ``version``, each beside the package version. A resume compares the
+committed run's config with this one's here (``config_differences``), keys added since included.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgspec
+
+from ..stageb.hashing import content_hash
+
+# The formats so far:
+#   1: the resume identity compared input files by path (a resume of it is refused);
+#   2: by content: every version up to 0.1.0, which recorded no package version ("before
+#      versions"; their rows changed without a new format: rule_search_iterations.jsonl and
+#      proposer_answers.jsonl came later), so a resume redoes their committed iterations;
+#   3: 0.2.0: run.json and state.json record the package version.
+FORMAT_VERSION = 3
+
+# Formats whose committed iterations a resume redoes from the start instead of continuing
+# them: their rows may not be the rows this version writes. Any other format but this one's is
+# refused.
+REDONE_FORMATS = frozenset({2})
+
+# Config keys added to the resume identity since format 2, each with a test of whether its
+# value computes what the runs before it did: a run of an earlier version, whose state.json
+# has no such key, resumes when every such key holds such a value and the rest is the same.
+ADDED_KEYS: dict[str, Callable[[Any], bool]] = {
+    # what the line limit selects is in the tickets, which a resume compares by content anyway
+    "ingest.max_line_bytes": lambda value: True,
+    # earlier versions never held the proposer's answer to its schema
+    "rule_search.constrain_proposer": lambda value: value is False,
+}
+
+
+def written_by(version: int, tool_version: str | None) -> str:
+    """The version that wrote a state of format ``version`` and package version
+    ``tool_version`` (None: before versions), for messages."""
+    if tool_version is None:
+        return f"stageb-pool 0.1.0 or earlier (before versions; state format {version})"
+    return f"stageb-pool {tool_version} (state format {version})"
+
+
+def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted key paths where two plain-data documents differ (lists compared whole)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(set(old) | set(new))
+        out: list[str] = []
+        for key in keys:
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old or key not in new:
+                out.append(path)
+            else:
+                out.extend(differing_keys(old[key], new[key], path))
+        return out
+    return [] if old == new else [prefix or "<root>"]
+
+
+def config_differences(committed_hash: str, committed: dict, config: dict) -> list[str]:
+    """The keys where the identity document ``config`` differs from the committed run's
+    (``committed``, whose hash is ``committed_hash``); [] when it is the same config. A key
+    ``committed`` does not have that ``ADDED_KEYS`` says computes what the runs before it did
+    is the same config."""
+    if content_hash(config) == committed_hash:
+        return []
+    doc = msgspec.json.decode(msgspec.json.encode(config))  # a copy to prune
+    for dotted, neutral in ADDED_KEYS.items():
+        *parents, key = dotted.split(".")
+        old, new = committed, doc
+        for name in parents:
+            old = old.get(name) if isinstance(old, dict) else None
+            new = new.get(name) if isinstance(new, dict) else None
+        if isinstance(old, dict) and isinstance(new, dict) and key not in old and key in new and neutral(new[key]):
+            del new[key]
+    if content_hash(doc) == committed_hash:
+        return []
+    return differing_keys(committed, doc) or ["<unknown>"]
