@@ -4,7 +4,7 @@ run.json and state.json record the package version and the run directory's forma
 search written by an earlier version (tests/data/run_before_versions: 0.1.0 at 1793fe9, before
 versions were recorded, interrupted after iteration 1) resumes with today's code to exactly the
 artifacts of an uninterrupted run of today's code, although the config gained keys since
-(``ingest.max_line_bytes``, ``rule_search.constrain_proposer``) at values that compute what
+(``ingest.max_line_bytes``, ``rule_search.constrain_proposer``, ``pool.threads_per_worker``) at values that compute what
 that version did; a config that differs in a key that matters is refused with one line naming
 the version that wrote the run, the keys and the way out. A resume also gives every file of the
 run the mode a run writes (earlier versions wrote whole files 0600).
@@ -61,11 +61,11 @@ def test_a_run_before_versions_resumes_to_the_result_of_an_uninterrupted_run(old
     config, run_dir = old_run
     assert json.loads((run_dir / "state.json").read_text())["iteration"] == 1
     assert cli_run(config, "--resume", "--log-level", "warning") == 0
-    said = capsys.readouterr().err.splitlines()
-    assert [line for line in said if "WARNING" in line] == [
-        line for line in said if "WARNING resume: state.json was written by stageb-pool 0.1.0 or earlier (before "
-        "versions; state format 2), whose 1 committed iteration(s)" in line and "are redone" in line], said
+    said = [line for line in capsys.readouterr().err.splitlines() if "WARNING resume:" in line]
+    # One line on the resume (the scripted proposer's cut-off answer of iteration 2 warns too).
     assert len(said) == 1, said
+    assert ("WARNING resume: state.json was written by stageb-pool 0.1.0 or earlier (before versions; state "
+            "format 2), whose 1 committed iteration(s)" in said[0] and "are redone" in said[0]), said
     assert cli_run(config, "--set", "output.run_name=straight") == 0
     straight = run_dir.parent / "straight"
     differences = diff_runs(run_dir, straight, limit=None)
@@ -79,6 +79,7 @@ def test_a_run_before_versions_resumes_to_the_result_of_an_uninterrupted_run(old
 
 @pytest.mark.parametrize("setting, keys", [
     ("rule_search.constrain_proposer=true", "rule_search.constrain_proposer"),  # a key added since, at a new value
+    ("pool.threads_per_worker=2", "pool.threads_per_worker"),  # added since, in a section that version left out
     ("rule_search.reflect_size=5", "rule_search.reflect_size"),  # a key that version had
 ])
 def test_a_run_before_versions_with_a_config_that_matters_is_refused_in_one_line(old_run, capsys, setting, keys):

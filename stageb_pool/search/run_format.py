@@ -37,6 +37,11 @@ ADDED_KEYS: dict[str, Callable[[Any], bool]] = {
     "ingest.max_line_bytes": lambda value: True,
     # earlier versions never held the proposer's answer to its schema
     "rule_search.constrain_proposer": lambda value: value is False,
+    # earlier versions gave a worker a share of the cores: one thread on a run with as many
+    # workers as cores (cpu:2 on CI's 2 cores), and on a GPU, where the model computes on the
+    # GPU; a cpu:1 run on a larger machine had more, and its resumed iterations may differ
+    # in low bits from the ones it committed
+    "pool.threads_per_worker": lambda value: value == 1,
 }
 
 
@@ -56,11 +61,20 @@ def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
         for key in keys:
             path = f"{prefix}.{key}" if prefix else str(key)
             if key not in old or key not in new:
-                out.append(path)
+                # a section on one side only: named by its keys, which a --set can match
+                present = new[key] if key in new else old[key]
+                out.extend(differing_keys({}, present, path) if isinstance(present, dict) and present else [path])
             else:
                 out.extend(differing_keys(old[key], new[key], path))
         return out
     return [] if old == new else [prefix or "<root>"]
+
+
+def _at(doc: Any, path: list[str]) -> Any:
+    """The value at the key path ``path`` of ``doc`` (None where there is none)."""
+    for name in path:
+        doc = doc.get(name) if isinstance(doc, dict) else None
+    return doc
 
 
 def config_differences(committed_hash: str, committed: dict, config: dict) -> list[str]:
@@ -73,12 +87,15 @@ def config_differences(committed_hash: str, committed: dict, config: dict) -> li
     doc = msgspec.json.decode(msgspec.json.encode(config))  # a copy to prune
     for dotted, neutral in ADDED_KEYS.items():
         *parents, key = dotted.split(".")
-        old, new = committed, doc
-        for name in parents:
-            old = old.get(name) if isinstance(old, dict) else None
-            new = new.get(name) if isinstance(new, dict) else None
-        if isinstance(old, dict) and isinstance(new, dict) and key not in old and key in new and neutral(new[key]):
+        old, new = _at(committed, parents), _at(doc, parents)
+        if isinstance(new, dict) and key in new and not (isinstance(old, dict) and key in old) and neutral(new[key]):
             del new[key]
+            # A section the committed run's identity lacks whole (``pool`` before
+            # pool.threads_per_worker) goes when the pruning leaves it empty.
+            for depth in range(len(parents), 0, -1):
+                if _at(doc, parents[:depth]) or _at(committed, parents[:depth]) is not None:
+                    break
+                del _at(doc, parents[:depth - 1])[parents[depth - 1]]
     if content_hash(doc) == committed_hash:
         return []
     return differing_keys(committed, doc) or ["<unknown>"]
