@@ -34,6 +34,7 @@ from .. import __version__
 from ..search.fileio import OutputError
 from ..search.rundir_lock import WaitStopped
 from ..stageb.errors import InputError, UsageError
+from .stop_signals import Terminated, stop_signals_raise_terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 _NUMBER = re.compile(r"[-+]?[0-9.]+(?:e[-+]?[0-9]+)?")  # a number argparse would take for --wait's SECONDS
@@ -192,36 +193,6 @@ def config_path(args) -> str:
     return path
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP to the main process. Raised where the run was (as Ctrl-C's
-    KeyboardInterrupt is, so no ``except Exception`` catches it) so that every ``finally`` on
-    the way out runs: the pool stops and reaps its workers, nothing is left half-written.
-
-    A KeyboardInterrupt, because Ray's blocking calls (``ray.wait`` under ``--ray``) pass on
-    only a KeyboardInterrupt raised by a signal handler: any other exception is lost there and
-    the run goes on (measured: a SIGHUP'd ``--ray local`` run did not exit). Ray then raises a
-    KeyboardInterrupt of its own, so the signal is also kept in ``received`` for ``main`` to
-    name."""
-
-    received: int | None = None  # the stop signal of this process's run, once one came
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_terminated(signum, frame):
-    # A second signal while the pool closes would abort the close and leave workers behind
-    # for a moment; the close is bounded (seconds), so later ones are ignored (SIGKILL still works).
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    Terminated.received = signum
-    raise Terminated(signum)
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
 def resume_command(argv: list[str]) -> str:
     """The command line that continues this run: the same arguments with ``--resume``
     (``--overwrite`` dropped: it would start the run again)."""
@@ -235,16 +206,10 @@ def cmd_run(args) -> int:
     from . import job
     from .plan import plan_command
 
-    # Only for the run's life: a caller of main() in-process gets its own handlers back.
-    Terminated.received = None
-    previous = {sig: signal.signal(sig, _raise_terminated) for sig in STOP_SIGNALS}
-    try:
+    with stop_signals_raise_terminated():
         plan = plan_command(config_path(args), args.overrides, audit=args.audit, upstream_root=args.upstream_root,
                             devices=device_request(args), check_prompts=True)
         return job.run_plan(plan, resume=args.resume, overwrite=args.overwrite, debug=args.debug, wait=args.wait)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def device_request(args):

@@ -35,8 +35,7 @@ MAX_RAY_WORKERS = 4096
 # GPUs one worker may hold. The largest single machines have 16 GPUs; more than that in
 # one group would have to span nodes, which a group never does.
 MAX_GPUS_PER_WORKER = 16
-# torch threads one worker may use (pool.threads_per_worker): more cores than any one machine has.
-MAX_THREADS_PER_WORKER = 1024
+MAX_THREADS_PER_WORKER = 1024  # torch threads of one worker: more cores than any machine has
 
 
 class DeviceSpecError(ValueError):
@@ -52,9 +51,8 @@ class Device(msgspec.Struct, frozen=True):
     """A worker's device. ``index`` is the GPU index as ``--gpus`` numbers it (the first GPU of a
     group; ``physical_gpus`` names the machine's) or the CPU worker's number; ``rank`` is the worker's position in
     the pool; ``threads`` is the torch intra-op thread count the worker sets before its
-    first torch op: the pool's ``threads_per_worker``, never derived from the worker count or
-    the machine's cores, since a reduction split over another number of threads adds in
-    another order and changes low bits (docs/architecture.md, "Determinism contract").
+    first torch op: the pool's ``threads_per_worker``, never a share of the cores (another
+    count changes low bits: docs/architecture.md, "Determinism contract").
 
     ``group``: every GPU of a worker that holds more than one, in order (``index`` is the
     first); ``()`` for a one-GPU or CPU worker, so a one-GPU Device is exactly what it was
@@ -292,7 +290,7 @@ def _check_multiple(count: int, gpus_per_worker: int, what: str) -> None:
 
 
 def check_threads_per_worker(value) -> int:
-    """``threads_per_worker`` as an int in [1, ``MAX_THREADS_PER_WORKER``], else a ValueError."""
+    """``value`` if an int in [1, ``MAX_THREADS_PER_WORKER``], else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS_PER_WORKER:
         raise ValueError(f"threads_per_worker must be an integer from 1 to {MAX_THREADS_PER_WORKER}, got {value!r}")
     return value
@@ -314,9 +312,8 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
 
     GPU indices are checked against the GPUs that exist (``gpu_count``, counted when not
     given); an index that does not exist is an error naming the ones that do.
-    CPU workers number at most ``MAX_CPU_WORKERS``. Every worker, CPU or GPU, computes with
-    ``threads_per_worker`` torch threads, whatever the worker count and the cores: the same
-    numbers on any layout (``Device``).
+    At most ``MAX_CPU_WORKERS`` CPU workers. Every worker computes with ``threads_per_worker``
+    torch threads, whatever the worker count and the cores (``Device``).
 
     ``gpus_per_worker``: one worker per group of that many GPUs, contiguous in the spec's
     order; the GPU count must be a multiple of it, and a CPU spec takes only 1.
