@@ -45,13 +45,18 @@ log = logging.getLogger("stageb_pool")
 def engine_factory_for(model_config, model: ModelRef):
     """The factory each worker calls after fork: the engine of ``model`` (checked in the parent,
     sent as it is) built as the config's model section says. It imports the engine (torch,
-    transformers) inside the worker: the parent never imports torch."""
+    transformers) inside the worker: the parent never imports torch. What every worker would
+    load alike and the parent can load safely (the simulated engine's tokenizer) is loaded
+    here, once, before the fork (``build.preload``), and inherited."""
+    from ..engine.build import preload
+
     settings = engine_settings(model_config)
+    preloaded = preload(model, settings)
 
     def build(device: Device):
         from ..engine.build import build_engine
 
-        return build_engine(device, model, settings)
+        return build_engine(device, model, settings, preloaded)
 
     return build
 
