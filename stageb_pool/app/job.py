@@ -210,8 +210,13 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
     except BaseException:
         close_after_failure(pool)
         raise
-    pool.close()
-    write_report(run_dir)  # after close: the report imports matplotlib, never before the workers end
+    # The page is rendered by a child process while this one closes the pool: the close and
+    # the report (seconds of matplotlib) overlap, and this process never imports matplotlib.
+    report = ReportJob(run_dir)
+    try:
+        pool.close()
+    finally:
+        report.wait()
     return 0
 
 
@@ -287,16 +292,73 @@ def timeline_rows(pool) -> list[dict]:
 
 
 def write_report(run_dir) -> bool:
-    """Write ``report.html`` (atomically). A finished run stays finished whatever happens
-    here: a failure is a warning naming the cause (`stageb-pool report` can retry)."""
+    """Write ``report.html`` (atomically), in this process. A finished run stays finished
+    whatever happens here: a failure is a warning naming the cause (`stageb-pool report` can
+    retry)."""
+    return _report_outcome(run_dir, render_report_file(run_dir))
+
+
+def render_report_file(run_dir) -> str | None:
+    """Render and write ``report.html``; None, or the failure as ``Type: message``."""
     try:
         atomic_write_bytes(Path(run_dir) / REPORT_FILE, render_report(run_dir).encode("utf-8"))
     except Exception as err:  # noqa: BLE001 - the run's results are written; the page is a view of them
-        log.warning("report.html was not written (%s: %s); rebuild it with: stageb-pool report %s",
-                    type(err).__name__, err, run_dir)
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _report_outcome(run_dir, error: str | None) -> bool:
+    if error is not None:
+        log.warning("report.html was not written (%s); rebuild it with: stageb-pool report %s", error, run_dir)
         return False
     log.info("report written to %s", Path(run_dir) / REPORT_FILE)
     return True
+
+
+class ReportJob:
+    """``write_report`` in a forked child, started at once; ``wait`` for it (it logs the
+    outcome as ``write_report`` does). The same function renders the same bytes: only the
+    process differs, so the parent's pool close runs meanwhile and the parent never imports
+    matplotlib (the fork rules of any later pool in this process)."""
+
+    def __init__(self, run_dir):
+        import os
+
+        from ..pool.fork import fork_child
+
+        self.run_dir = run_dir
+        read, write = os.pipe()
+
+        def child():
+            error = render_report_file(run_dir)
+            with os.fdopen(write, "w") as out:
+                out.write("" if error is None else error)
+
+        try:
+            self.pid = fork_child(child, keep=(write,))
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        self.answer = read
+
+    def wait(self) -> bool:
+        """Whether report.html was written (a warning says why not)."""
+        import os
+        import signal
+
+        try:
+            with os.fdopen(self.answer) as answer:
+                error = answer.read()
+            _, status = os.waitpid(self.pid, 0)
+        except BaseException:  # Ctrl-C while waiting: the page is not worth a lingering process
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            raise
+        if not error and os.waitstatus_to_exitcode(status) != 0:
+            error = f"its process ended with status {os.waitstatus_to_exitcode(status)}"
+        return _report_outcome(self.run_dir, error or None)
 
 
 def worker_throughput(pool, tickets_by_rank: dict[int, int] | None = None) -> dict:

@@ -23,6 +23,7 @@ the tokenizer's libraries) before the run directory is touched or any worker sta
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import msgspec
@@ -103,13 +104,27 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
     guidance alone is over a sampler's cap (``guidance_verdict``). The tokenizer is loaded in
     a forked helper process, so this process never imports the tokenizer's libraries (torch
     among them) before it forks its workers; a tokenizer that cannot be loaded skips the
-    check, as in ``check``."""
+    check, as in ``check``.
+
+    The simulated engine renders no chat template: its workers measure a prompt with their
+    token counter (``simulated_engine.messages_tokens``), so the guidance is measured with
+    that counter, the one the workers inherit (``simulated_engine.preloaded_counter``),
+    in this process and in milliseconds; only a counter that cannot be loaded without
+    threads (the tiny model's BPE is trained) is measured in the helper."""
     import json
     import os
 
     from ..pool.fork import fork_child
 
     measured = [m for m in sampler_caps(cfg, inputs.tickets) if m.cap is not None and m.tickets]
+    simulated = cfg.model.engine == "simulated"
+    if simulated:
+        from ..engine.simulated_engine import preloaded_counter
+
+        counter = preloaded_counter(inputs.model)
+        if counter is not None:
+            guidance_verdict(None, cfg, inputs, measured, lengths=simulated_lengths(counter))
+            return
     read, write = os.pipe()
 
     def helper():
@@ -117,9 +132,14 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
         try:
             from ..engine import models
 
-            tokenizer = models.tokenizer_only(inputs.model, cfg.model.trust_remote_code)
-            models.require_chat_template(tokenizer, cfg.model.path)
-            guidance_verdict(tokenizer, cfg, inputs, measured)
+            if simulated:
+                from ..engine.simulated_engine import token_counter
+
+                guidance_verdict(None, cfg, inputs, measured, lengths=simulated_lengths(token_counter(inputs.model)))
+            else:
+                tokenizer = models.tokenizer_only(inputs.model, cfg.model.trust_remote_code)
+                models.require_chat_template(tokenizer, cfg.model.path)
+                guidance_verdict(tokenizer, cfg, inputs, measured)
         except InputError as err:
             answer = [err.message, err.location]
         except Exception:  # noqa: BLE001 - no tokenizer, no verdict: the workers report their own load errors
@@ -139,18 +159,33 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
         raise InputError(answer[0], answer[1])
 
 
-def guidance_verdict(tokenizer, cfg, inputs, measured: list[Measured]) -> int:
+def guidance_verdict(tokenizer, cfg, inputs, measured: list[Measured], lengths=None) -> int:
     """The tokens of a prompt without any ticket (the profile, the mission, the guidance);
     InputError at the first sampler's cap key that it exceeds: every prompt holds the whole
-    guidance, so that sampler would drop every ticket and judge none."""
+    guidance, so that sampler would drop every ticket and judge none. ``lengths``: how the
+    workers measure prompts (``prompt_lengths``'s signature; default: rendered with
+    ``tokenizer`` as the model engines render them)."""
     guidance = dict(inputs.seed_guidance.experiences)
-    alone = prompt_lengths(tokenizer, [TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
+    lengths = lengths or functools.partial(prompt_lengths, tokenizer)
+    alone = lengths([TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
     for m in measured:
         if m.cap is not None and alone > m.cap:
             raise InputError(f"the prompt with no ticket at all is over this cap of {m.cap} tokens, so every one of "
                              f"the {len(m.tickets)} {m.label} tickets would be dropped and none judged; "
                              f"{_guidance_part(cfg, inputs, alone, m.cap)}", m.key)
     return alone
+
+
+def simulated_lengths(counter):
+    """``prompt_lengths`` as the simulated engine's workers measure prompts, with ``counter``."""
+    from ..engine.simulated_engine import messages_tokens
+    from ..stageb import prompts
+
+    def lengths(tickets: list[TicketText], guidance: dict[str, str], profile, cap: int | None = None):
+        conversations = [prompts.build_messages(profile, guidance, t) for t in tickets]
+        return dict(zip([t.key for t in tickets], messages_tokens(counter, conversations)))
+
+    return lengths
 
 
 def max_token_chars(tokenizer) -> int:

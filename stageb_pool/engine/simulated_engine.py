@@ -193,6 +193,15 @@ def token_counter(model: ModelRef) -> TokenCounter:
     return TokenCounter(lambda text: len(slow(text, add_special_tokens=False)["input_ids"]), split_lines=False)
 
 
+def messages_tokens(count, conversations: list[list[dict]]) -> list[int]:
+    """Prompt tokens of each conversation as the simulated engine measures them (its contents,
+    plus the chat template's tokens), with ``count`` (a ``TokenCounter``)."""
+    contents = [m["content"] for messages in conversations for m in messages]
+    counts = iter(count(contents))
+    return [sum(next(counts) + CHAT_TOKENS_PER_MESSAGE for _ in messages) + GENERATION_PROMPT_TOKENS
+            for messages in conversations]
+
+
 _preloaded: dict[ModelRef, TokenCounter] = {}
 
 
@@ -238,11 +247,7 @@ class SimulatedEngine:
         return self.messages_tokens([messages])[0]
 
     def messages_tokens(self, conversations: list[list[dict]]) -> list[int]:
-        """Prompt tokens of each conversation (its contents, plus the chat template's tokens)."""
-        contents = [m["content"] for messages in conversations for m in messages]
-        counts = iter(self.count(contents))
-        return [sum(next(counts) + CHAT_TOKENS_PER_MESSAGE for _ in messages) + GENERATION_PROMPT_TOKENS
-                for messages in conversations]
+        return messages_tokens(self.count, conversations)
 
     def _prompt_tokens(self, tickets, guidance: dict[str, str], profile) -> list[int]:
         return self.messages_tokens([prompts.build_messages(profile, guidance, t) for t in tickets])

@@ -117,11 +117,28 @@ class Trouble(NamedTuple):
     timeout: float | None
 
 
+class Earliest:
+    """A lower bound of every slot's deadline and next stall warning, kept without scanning
+    the slots at each event: a slot that sets a time lowers it (``Slot``'s setters), and the
+    dispatcher recomputes it exactly (one scan) only once it has passed. Times cleared or
+    moved later leave it low: the loop then wakes early once, which costs one scan."""
+
+    __slots__ = ("at",)
+
+    def __init__(self):
+        self.at: float | None = None
+
+    def lower(self, t: float | None) -> None:
+        if t is not None and (self.at is None or t < self.at):
+            self.at = t
+
+
 class Slot:
     """The parent's view of the worker of one rank (one process; a replacement gets a new Slot)."""
 
-    def __init__(self, rank: int, device, deadline: float | None):
+    def __init__(self, rank: int, device, deadline: float | None, earliest: Earliest | None = None):
         self.rank, self.device = rank, device
+        self.earliest = earliest or Earliest()
         self.state = WorkerState.SPAWNING
         self.deadline = deadline  # of the current state; None: no limit
         self.pid: int | None = None
@@ -130,6 +147,24 @@ class Slot:
         self.next_warning: float | None = None  # when the running task's silence is next reported
         self.trouble: Trouble | None = None
         self.cache = SnapshotCache()
+
+    @property
+    def deadline(self) -> float | None:
+        return self._deadline
+
+    @deadline.setter
+    def deadline(self, t: float | None) -> None:
+        self._deadline = t
+        self.earliest.lower(t)
+
+    @property
+    def next_warning(self) -> float | None:
+        return self._next_warning
+
+    @next_warning.setter
+    def next_warning(self, t: float | None) -> None:
+        self._next_warning = t
+        self.earliest.lower(t)
 
     @property
     def task(self) -> TaskHandle | None:
@@ -204,6 +239,11 @@ class Dispatcher:
         self.worker_info: list[dict] = [{} for _ in devices]
         self._outcomes: list[Outcome] = []
         self._started = False
+        self._earliest = Earliest()  # no deadline or warning of any slot is before it
+        # Ranks that may be idle (every idle one is here): depth-1 dispatch visits these, not
+        # every worker, at each event; and the ranks that may have pinned tasks queued.
+        self._free: set[int] = set()
+        self._pinned: set[int] = set()
 
     @property
     def pids(self) -> list[int | None]:
@@ -211,7 +251,8 @@ class Dispatcher:
 
     def start(self) -> None:
         """Start every worker; return once all are ready."""
-        self.slots = [Slot(rank, device, _deadline(self.start_timeout)) for rank, device in enumerate(self.devices)]
+        self.slots = [Slot(rank, device, _deadline(self.start_timeout), self._earliest)
+                      for rank, device in enumerate(self.devices)]
         for rank in range(len(self.devices)):
             self.transport.spawn(rank)
         while any(slot.state is not WorkerState.IDLE for slot in self.slots):
@@ -220,6 +261,8 @@ class Dispatcher:
         self._started = True
 
     def submit(self, task: TaskHandle) -> None:
+        if task.rank is not None:
+            self._pinned.add(task.rank)
         self.queue.push(task)
 
     def advance(self, waiting) -> list[Outcome]:
@@ -236,10 +279,8 @@ class Dispatcher:
     def _step(self) -> None:
         self._dispatch()
         # a busy worker's next stall warning wakes the loop too, also when its task has no deadline
-        deadlines = [t for slot in self.slots
-                     for t in (slot.deadline, slot.next_warning if slot.state is WorkerState.BUSY else None)
-                     if t is not None]
-        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        earliest = self._earliest.at
+        timeout = max(0.0, earliest - time.monotonic()) if earliest is not None else None
         for event in self.transport.poll(timeout):
             slot = self.slots[event.rank]
             if isinstance(event, WorkerStarted):
@@ -255,6 +296,9 @@ class Dispatcher:
         self._dispatch()
 
     def _dispatch(self) -> None:
+        if self.depth == 1:
+            self._dispatch_to_free()
+            return
         # Round by round: every idle worker gets a task before any gets a second one, and a
         # second only while more tasks are queued than there are workers: the last ones go
         # to whichever worker is free first, never behind a long task (a short tail).
@@ -266,6 +310,26 @@ class Dispatcher:
                     task = self.queue.pop(slot.rank)
                     if task is not None:
                         self._send_task(slot, task)
+
+    def _dispatch_to_free(self) -> None:
+        """One task to each idle worker, in rank order (as the rounds above, with depth 1),
+        visiting only the ranks in ``_free``: once the shared queue is empty, only ranks that
+        may have pinned tasks are asked."""
+        exhausted = False  # the queue holds no task any worker may run
+        for rank in sorted(self._free):
+            slot = self.slots[rank]
+            if slot.state is not WorkerState.IDLE or slot.tasks:
+                self._free.discard(rank)
+                continue
+            if exhausted and rank not in self._pinned:
+                continue
+            task = self.queue.pop(rank)
+            if task is None:  # neither the shared queue nor this rank's has a task
+                exhausted = True
+                self._pinned.discard(rank)
+                continue
+            self._free.discard(rank)
+            self._send_task(slot, task)
 
     def _send_task(self, slot: Slot, task: TaskHandle) -> None:
         if not slot.tasks:  # it starts at once; a later one when those before it are done
@@ -293,6 +357,7 @@ class Dispatcher:
             if msg.version != PROTOCOL_VERSION:
                 raise ProtocolError(f"worker {slot.rank} speaks protocol {msg.version}, the parent {PROTOCOL_VERSION}")
             slot.state, slot.deadline = WorkerState.IDLE, None
+            self._free.add(slot.rank)
             slot.pid = slot.pid or msg.pid  # a backend may only learn it here (Ray)
             self.worker_info[slot.rank] = msg.info
             if self._started:  # a replacement; at start all are compared at once
@@ -311,6 +376,7 @@ class Dispatcher:
                     self._start_running(slot, now)
                 else:
                     slot.state, slot.deadline, slot.next_warning = WorkerState.IDLE, None, None
+                    self._free.add(slot.rank)
             if isinstance(msg, Result):
                 self._outcomes.append(Outcome(task, raw=msg.value))
             else:
@@ -345,6 +411,8 @@ class Dispatcher:
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
+        if self._earliest.at is None or now < self._earliest.at:
+            return  # no slot's time has come: nothing to scan
         for slot in self.slots:
             if slot.next_warning is not None and now >= slot.next_warning and slot.state is WorkerState.BUSY:
                 self._warn_stalled(slot, now)
@@ -360,6 +428,13 @@ class Dispatcher:
                 slot.trouble = Trouble(slot.state, limit)
             slot.state, slot.deadline, slot.next_warning = WorkerState.KILLED, now + KILL_REPORT_TIMEOUT, None
             self.transport.kill(slot.rank)
+        # The exact earliest time again (a busy worker's next stall warning counts; an idle
+        # one has none).
+        self._earliest.at = None
+        for slot in self.slots:
+            self._earliest.lower(slot.deadline)
+            if slot.state is WorkerState.BUSY:
+                self._earliest.lower(slot.next_warning)
 
     def _on_exited(self, slot: Slot, exited: WorkerExited) -> None:
         """The worker is gone: replace it and retry its tasks, or raise."""
@@ -387,7 +462,7 @@ class Dispatcher:
         raise fault
 
     def _spawn(self, rank: int) -> None:
-        self.slots[rank] = Slot(rank, self.devices[rank], _deadline(self.start_timeout))
+        self.slots[rank] = Slot(rank, self.devices[rank], _deadline(self.start_timeout), self._earliest)
         self.transport.spawn(rank)
 
 
