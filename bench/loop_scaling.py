@@ -1,43 +1,67 @@
 """The whole rule search at 1 to 64 workers, on the simulated engine (a latency model).
 
-    .venv/bin/python bench/loop_scaling.py                       # 1,2,4,8,16,32,64 fork; Ray at 8 and 64
-    .venv/bin/python bench/loop_scaling.py --workers 1,8,64 --json rows.json --no-ray
+    .venv/bin/python bench/loop_scaling.py                       # small: 1,2,4,8,16,32,64 fork; Ray at 8 and 64
+    .venv/bin/python bench/loop_scaling.py --workers 1,8,64 --no-ray --workload small,production --json rows.json
 
-Workload: 400 demo-style tickets (``configs/demo/make_tickets.py`` with n=400; the demo's seed
-guidance), 5 iterations (early stop off), 3 candidates per iteration, a train pool of 256 of
-the 320 train tickets (so that the pools, and with them the proposer's examples, change from
-one iteration to the next) and an eval pool of 80, chunks of 4 tickets (so that a train
-rollout is 64 chunks: with 16-ticket chunks it would be 16, and 64 workers could never all be
-busy), the judge-headroom check on;
+Two workloads (``--workload``), both on demo-style tickets (``configs/demo/make_tickets.py``,
+the demo's seed guidance), 3 candidates per iteration, early stop off, the judge-headroom
+check on:
+
+- ``small``: 400 tickets, 5 iterations, a train pool of 256 of the 320 train tickets (so that
+  the pools, and with them the proposer's examples, change from one iteration to the next),
+  an eval pool of 80, chunks of 4 tickets (a train rollout is 64 chunks: with 16-ticket
+  chunks it would be 16, and 64 workers could never all be busy), one decode of 32 tokens, a
+  512-token proposer budget, reflect size 8. Its serial share is large: the issue's targets
+  are set on it.
+- ``production``: shaped like upstream's production configs (``configs/bbu_line.yaml``):
+  600 tickets, 3 iterations, a train pool of 512, an eval pool of 20, chunks of 16, three
+  decodes per ticket (T 0.3/0.5/0.7, seed 43) each ending at ``PRODUCTION_ANSWER_TOKENS``
+  (the longest answer of a batch as the embedded and tiny models write them: the simulated
+  engine runs a batch to its decode's ``max_new_tokens``), reflect size 16, a 2048-token
+  proposer budget (the simulated proposer answers about 110 tokens, three operations, and
+  now takes the time of those).
+
 ``model.engine: simulated`` with the embedded model's tokenizer counting the tokens and its
 default latency model (a 7-8B model on one H100, docs/performance.md) slept at
-``--time-scale`` (default 0.25: four times faster than the modelled GPU, so that the whole
-bench fits 15 minutes on two cores; the parent's own work is not scaled, so the speedups
-here are a lower bound of those at time scale 1).
+``--time-scale`` (default 0.25: four times faster than the modelled GPU, so that the bench
+fits minutes on two cores; the parent's own work is not scaled, so the speedups here are a
+lower bound of those at time scale 1).
 
-Each worker count runs the same search in this process (``app.job.run_job``, as the CLI
-does), into its own run directory; the fork rows first, then the Ray rows on a local Ray
-cluster this bench starts (2 CPUs, 64 declared GPUs: the actors sleep, no GPU is used), as no
-fork pool may start after ``ray.init``. Per row:
+Each row runs in a fresh Python process (``--row``: no row pays another's imports, e.g.
+matplotlib's or Ray's, or inherits its caches), the same search (``app.job.run_job``, as the
+CLI does) into its own run directory; the Ray rows start their own local Ray cluster (2 CPUs,
+the row's declared GPUs: the actors sleep, no GPU is used) before the row's clock starts.
+Per row:
 
-- ``wall_s``: the run, start to end (the tokenizer check of the guidance, the workers' start
-  and report.html included); ``speedup`` = wall of 1 fork worker / this wall. ``search_s``:
-  the rule search alone (``summary.json`` timing ``search_s``), ``search_speedup`` likewise.
+- ``wall_s``: ``run_job``, start to end (the guidance check, the workers' start, the search,
+  the close); ``speedup`` = the workload's first row's wall / this wall. report.html is
+  rendered by its own process while the pool closes and is waited for apart: ``report_s``
+  (its render, from the fork to its end). ``run_s``: the run without any wait for the report
+  (code that renders it inside the run: its wall minus the render), ``run_speedup`` likewise.
+- ``start-up s``: from the call to the pool's ready workers (plan, the guidance check, the
+  fork of every worker); ``close s``: the pool's close.
+- ``search_s``: the rule search alone (``summary.json`` timing ``search_s``), ``search_speedup``.
 - ``rollout_s``: the time the search spent gathering rollouts (``summary.json`` timing
-  ``rollout_s``); ``rollout_speedup`` against 1 worker, ``rollout_efficiency`` = that / workers.
+  ``rollout_s``); ``rollout_speedup`` against the first row, ``rollout_efficiency`` = that / workers.
+- ``critical path s``: the run's length with infinitely many workers and the same parent:
+  ``serial s`` (all the time outside the pool's gathers: start-up, the parent's work between
+  gathers, the gate, the writes, the close) plus ``rounds s`` (per gather, its longest task: a
+  rollout round, or the proposer call). ``bound``: the first row's wall / this critical path,
+  the speedup no worker count can pass with this parent (Amdahl).
 - the wall time of each phase: the union of the intervals in which at least one task of that
   phase ran on some worker (``pool_timeline.jsonl``): headroom, train baselines, proposer
   calls, candidate rollouts, eval rollouts, final train rollout; ``parent_only_s``: the time
-  no worker had a task (the parent's gate, bootstrap, proposer parsing, writes, start, report).
+  between the first task and the last in which no worker had a task.
 - ``idle_share``: the share of worker-seconds idle between the first task's start and the
   last task's end, split by why: ``idle_proposer`` (a proposer call was running: the others
   had nothing to do), ``idle_parent`` (no task anywhere: the parent was busy), ``idle_tail``
   (some tasks running, this worker out of work: the end of a gather).
 - ``parent_us_per_item``: the parent's CPU time inside the rollout runner's submit and wait
-  (building chunks, dispatching, decoding and assembling results) per pool task;
-  ``parent_total_us_per_item``: all of the parent's CPU over the run per pool task.
-- ``identical``: ``stageb-pool diff`` (``app.diff.diff_runs``) of this run against the first
-  row's finds no difference.
+  (building chunks, dispatching, decoding and assembling results) per pool task: its dispatch
+  cost; ``parent_total_us_per_item``: all of the parent's CPU over the run per pool task.
+- speculation hits, once the loop speculates (``speculation``; a column then appears).
+- ``identical``: ``stageb-pool diff`` (``app.diff.diff_runs``) of this run against the
+  workload's first row finds no difference.
 """
 
 from __future__ import annotations
@@ -45,6 +69,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -314,13 +339,18 @@ def run_row(root: Path, workload: str, backend: str, workers: int, time_scale: f
     gpus = str(workers) if backend == "ray" else f"cpu:{workers}"
     with Probes().installed() as probes:
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        run_job(config, gpus, argv=["loop_scaling"], config_path=str(config_path), ray_address=ray_address)
+        reports = []  # the report's process, waited for apart (code without report_jobs: waited in the run)
+        kwargs = dict(report_jobs=reports) if "report_jobs" in inspect.signature(run_job).parameters else {}
+        run_job(config, gpus, argv=["loop_scaling"], config_path=str(config_path), ray_address=ray_address, **kwargs)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        for report in reports:
+            report.wait()
     run_dir = next((root / "runs").glob(f"*/{name}"))
     timeline = [json.loads(line) for line in (run_dir / "pool_timeline.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"workload": workload, "backend": backend, "workers": workers, "wall_s": round(wall, 3),
-            "run_s": round(wall - probes.report_wait_s, 3),
+            # the run without the report: this code's run_job waits for none; older code renders it inside
+            "run_s": round(wall - (0.0 if reports else probes.report_wait_s), 3),
             "startup_s": round(probes.pool_ready_at - wall0, 3) if probes.pool_ready_at else None,
             "pool_start_s": round(probes.pool_start_s, 3), "pool_close_s": round(probes.pool_close_s, 3),
             "report_s": round(probes.report_s, 3), "report_wait_s": round(probes.report_wait_s, 3),
@@ -389,7 +419,7 @@ COLUMNS = [("backend", "backend"), ("workers", "workers"), ("wall_s", "wall s"),
            ("rollout_efficiency", "rollout eff."), ("critical_path_s", "critical path s"),
            ("serial_s", "serial s"), ("rounds_s", "rounds s"), ("bound", "bound"),
            ("startup_s", "start-up s"), ("pool_close_s", "close s"),
-           ("report_s", "report s"), ("report_wait_s", "report wait s"),
+           ("report_s", "report s"),
            ("headroom_s", "headroom s"), ("train_base_s", "train base s"),
            ("proposer_s", "proposer s"), ("candidates_s", "candidates s"), ("eval_s", "eval s"),
            ("final_s", "final s"), ("gate_s", "gate+bootstrap s"), ("io_s", "writes s"),

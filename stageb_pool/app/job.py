@@ -71,7 +71,8 @@ def engine_settings(model_config) -> EngineSettings:
 
 def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
             debug: bool = False, engine_factory=None, argv: list[str] | None = None,
-            config_path: str | None = None, ray_address: str | None = None, wait: bool = False) -> int:
+            config_path: str | None = None, ray_address: str | None = None, wait: bool = False,
+            report_jobs: list | None = None) -> int:
     """``run_plan`` of a config already loaded (tests, benchmarks): planned with the ``--gpus``
     spec ``gpus`` and ``ray_address`` (``--ray``) as the CLI plans it. ``engine_factory`` (a
     test seam) replaces the model engine, and then the prompts are not measured with the
@@ -80,11 +81,12 @@ def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, ove
     plan = plan_run(config, audit=audit, config_path=config_path, devices=DeviceRequest(gpus, ray_address=ray_address),
                     check_prompts=engine_factory is None)  # the model's own tokenizer renders the prompts
     return run_plan(plan, resume=resume, overwrite=overwrite, debug=debug, wait=wait, engine_factory=engine_factory,
-                    argv=argv)
+                    argv=argv, report_jobs=report_jobs)
 
 
 def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, debug: bool = False,
-             wait: bool = False, engine_factory=None, argv: list[str] | None = None) -> int:
+             wait: bool = False, engine_factory=None, argv: list[str] | None = None,
+             report_jobs: list | None = None) -> int:
     """Run the audit or rule search of ``plan``; return 0 on success. Exceptions propagate (the
     CLI maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
 
@@ -93,7 +95,10 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, de
     With the plan's ``ray_address`` (``--ray``) the workers are Ray actors on that cluster; the
     parent still writes every artifact here, and the placement may take
     ``pool.start_timeout``. Another process holding the run directory is an InputError naming
-    its pid, or, with ``wait`` (``--wait``), waited for."""
+    its pid, or, with ``wait`` (``--wait``), waited for. report.html is rendered by a child
+    process while the pool closes, and waited for before this returns; with ``report_jobs`` (a
+    list) its ``ReportJob`` is appended there instead, for the caller to ``wait`` (a benchmark
+    that times the run and the report apart)."""
     started = time.monotonic()
     started_at = rundir.utc_now()
     config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
@@ -124,7 +129,7 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, de
     lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
     try:
         return _run_locked(plan, prepared, resume=resume, overwrite=overwrite, debug=debug,
-                           engine_factory=engine_factory)
+                           engine_factory=engine_factory, report_jobs=report_jobs)
     finally:
         lock.release()
 
@@ -145,7 +150,7 @@ class _Prepared(NamedTuple):
 
 
 def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: bool, debug: bool,
-                engine_factory) -> int:
+                engine_factory, report_jobs: list | None = None) -> int:
     """``run_plan`` from the moment it owns the run directory."""
     config, inputs, run_dir, ray_address = plan.config, plan.inputs, plan.run_dir, plan.ray_address
     devices, store, identity, first_run_json, seed_guidance, run_json, prov, started = prepared
@@ -216,7 +221,10 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
     try:
         pool.close()
     finally:
-        report.wait()
+        if report_jobs is None:
+            report.wait()
+        else:
+            report_jobs.append(report)
     return 0
 
 
