@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -22,6 +24,7 @@ import msgspec
 from ..engine.model_path import ModelRef
 from ..engine.records import EngineSettings
 from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Pool
+from ..pool.fork import fork_child
 from ..report import REPORT_FILE, TIMELINE_FILE, render_report
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
@@ -330,10 +333,6 @@ class ReportJob:
     matplotlib (the fork rules of any later pool in this process)."""
 
     def __init__(self, run_dir):
-        import os
-
-        from ..pool.fork import fork_child
-
         self.run_dir = run_dir
         read, write = os.pipe()
 
@@ -353,9 +352,6 @@ class ReportJob:
 
     def wait(self) -> bool:
         """Whether report.html was written (a warning says why not)."""
-        import os
-        import signal
-
         try:
             with os.fdopen(self.answer) as answer:
                 error = answer.read()
