@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -24,8 +22,7 @@ import msgspec
 from ..engine.model_path import ModelRef
 from ..engine.records import EngineSettings
 from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Pool
-from ..pool.fork import fork_child
-from ..report import REPORT_FILE, TIMELINE_FILE, render_report
+from ..report import TIMELINE_FILE
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
@@ -40,6 +37,7 @@ from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import split_eval_pool
 from .outputs import check_distillation_target
 from .progress import Progress, pool_items_per_rank
+from .report_process import ReportJob, write_report  # noqa: F401 - write_report: in this process, for callers
 from .plan import DeviceRequest, RunInputs, RunPlan, plan_run
 
 log = logging.getLogger("stageb_pool")
@@ -174,12 +172,19 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
 
     factory = engine_factory or engine_factory_for(config.model, inputs.model)
     ray = ray_address is not None and not debug
-    pool = Pool(
-        factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
-        max_restarts=config.pool.max_restarts, stall_warning=config.pool.stall_warning, inline=debug, backend="ray" if ray else "fork",
-        ray_address=ray_address or "auto", placement_timeout=config.pool.start_timeout,
-        connect_timeout=config.pool.connect_timeout, engine_agreement=engine_agreement(ray),
-    )
+    # The report's process, forked while this one is clean: it loads matplotlib during the run.
+    report = ReportJob()
+    try:
+        pool = Pool(
+            factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
+            max_restarts=config.pool.max_restarts, stall_warning=config.pool.stall_warning, inline=debug,
+            backend="ray" if ray else "fork", ray_address=ray_address or "auto",
+            placement_timeout=config.pool.start_timeout, connect_timeout=config.pool.connect_timeout,
+            engine_agreement=engine_agreement(ray),
+        )
+    except BaseException:
+        report.cancel()
+        raise
     try:
         run_json["devices"] = devices = pool.devices  # under Ray: the threads its plan gave each worker
         progress = Progress(log=log, stats_fn=pool_items_per_rank(pool))
@@ -216,11 +221,11 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
         write_jsonl(run_dir / TIMELINE_FILE, timeline_rows(pool))
     except BaseException:
+        report.cancel()
         close_after_failure(pool)
         raise
-    # The page is rendered by a child process while this one closes the pool: the close and
-    # the report (seconds of matplotlib) overlap, and this process never imports matplotlib.
-    report = ReportJob(run_dir)
+    # The page is drawn by its process while this one closes the pool.
+    report.render(run_dir)
     try:
         pool.close()
     finally:
@@ -300,69 +305,6 @@ def timeline_rows(pool) -> list[dict]:
              "start_s": round(start, 3), "end_s": round(end, 3)}
             for rank, method, label, start, end in pool.stats.intervals]
     return sorted(rows, key=lambda r: (r["start_s"], r["rank"]))
-
-
-def write_report(run_dir) -> bool:
-    """Write ``report.html`` (atomically), in this process. A finished run stays finished
-    whatever happens here: a failure is a warning naming the cause (`stageb-pool report` can
-    retry)."""
-    return _report_outcome(run_dir, render_report_file(run_dir))
-
-
-def render_report_file(run_dir) -> str | None:
-    """Render and write ``report.html``; None, or the failure as ``Type: message``."""
-    try:
-        atomic_write_bytes(Path(run_dir) / REPORT_FILE, render_report(run_dir).encode("utf-8"))
-    except Exception as err:  # noqa: BLE001 - the run's results are written; the page is a view of them
-        return f"{type(err).__name__}: {err}"
-    return None
-
-
-def _report_outcome(run_dir, error: str | None) -> bool:
-    if error is not None:
-        log.warning("report.html was not written (%s); rebuild it with: stageb-pool report %s", error, run_dir)
-        return False
-    log.info("report written to %s", Path(run_dir) / REPORT_FILE)
-    return True
-
-
-class ReportJob:
-    """``write_report`` in a forked child, started at once; ``wait`` for it (it logs the
-    outcome as ``write_report`` does). The same function renders the same bytes: only the
-    process differs, so the parent's pool close runs meanwhile and the parent never imports
-    matplotlib (the fork rules of any later pool in this process)."""
-
-    def __init__(self, run_dir):
-        self.run_dir = run_dir
-        read, write = os.pipe()
-
-        def child():
-            error = render_report_file(run_dir)
-            with os.fdopen(write, "w") as out:
-                out.write("" if error is None else error)
-
-        try:
-            self.pid = fork_child(child, keep=(write,))
-        except BaseException:
-            os.close(read)
-            raise
-        finally:
-            os.close(write)
-        self.answer = read
-
-    def wait(self) -> bool:
-        """Whether report.html was written (a warning says why not)."""
-        try:
-            with os.fdopen(self.answer) as answer:
-                error = answer.read()
-            _, status = os.waitpid(self.pid, 0)
-        except BaseException:  # Ctrl-C while waiting: the page is not worth a lingering process
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-            raise
-        if not error and os.waitstatus_to_exitcode(status) != 0:
-            error = f"its process ended with status {os.waitstatus_to_exitcode(status)}"
-        return _report_outcome(self.run_dir, error or None)
 
 
 def worker_throughput(pool, tickets_by_rank: dict[int, int] | None = None) -> dict:

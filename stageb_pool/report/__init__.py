@@ -3,10 +3,11 @@ files alone (it imports nothing of the pool, the engines or the search).
 
     html = render_report(run_dir)     # raises ReportError when run_dir is not a run
 
-matplotlib is imported only inside ``render_report``: the run's parent forks its workers
-and must not carry a heavy import (or its threads) before that.
+matplotlib is imported only inside ``render_report`` (or ``load_chart_libraries``, in the
+process that will render): the run's parent forks its workers and must not carry a heavy
+import (or its threads) before that.
 """
 
-from .page import REPORT_FILE, TIMELINE_FILE, ReportError, render_report
+from .page import REPORT_FILE, TIMELINE_FILE, ReportError, load_chart_libraries, render_report
 
-__all__ = ["REPORT_FILE", "TIMELINE_FILE", "ReportError", "render_report"]
+__all__ = ["REPORT_FILE", "TIMELINE_FILE", "ReportError", "load_chart_libraries", "render_report"]

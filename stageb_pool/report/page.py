@@ -130,6 +130,11 @@ def verdict(ok: bool | None, yes: str = "yes", no: str = "no") -> str:
 
 
 # -- the page ------------------------------------------------------------------------------
+def load_chart_libraries() -> None:
+    """Import what ``render_report`` draws with (matplotlib, seconds), ahead of a render."""
+    from . import charts  # noqa: F401
+
+
 def render_report(run_dir) -> str:
     """The report of ``run_dir`` as one HTML document. Raises ReportError when the directory
     is not a run; anything a run of another version lacks is named on the page instead."""
