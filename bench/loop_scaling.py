@@ -35,8 +35,8 @@ Per row:
 
 - ``wall_s``: ``run_job``, start to end (the guidance check, the workers' start, the search,
   the close); ``speedup`` = the workload's first row's wall / this wall. report.html is
-  rendered by its own process while the pool closes and is waited for apart: ``report_s``
-  (its render, from the fork to its end). ``run_s``: the run without any wait for the report
+  drawn by its own process while the pool closes and is waited for apart: ``report_s``
+  (from the request for the page to its end). ``run_s``: the run without any wait for the report
   (code that renders it inside the run: its wall minus the render), ``run_speedup`` likewise.
 - ``start-up s``: from the call to the pool's ready workers (plan, the guidance check, the
   fork of every worker); ``close s``: the pool's close.
@@ -215,7 +215,7 @@ class Probes:
                 self.pool_close_s += time.perf_counter() - started
             return call
 
-        def report_init(method):
+        def report_start(method):  # the page is asked for (render), or, in older code, forked
             def call(report, *args, **kwargs):
                 report.bench_started = time.perf_counter()
                 method(report, *args, **kwargs)
@@ -237,7 +237,8 @@ class Probes:
         patch(Pool, "close", pool_close)
         patch(Pool, "gather", gather_window)
         if hasattr(job, "ReportJob"):  # the report in its own process (older code: in the run's)
-            patch(job.ReportJob, "__init__", report_init)
+            has_render = hasattr(job.ReportJob, "render")  # forked at the start, asked at the end
+            patch(job.ReportJob, "render" if has_render else "__init__", report_start)
             patch(job.ReportJob, "wait", report_wait)
         else:
             def write_report(method):
