@@ -149,7 +149,6 @@ class RolloutRunner:
         cost estimate, the sampler's fields) is encoded or computed once per rollout."""
         guidance_hash = spec.guidance_hash
         sampler = msgspec.to_builtins(spec.sampler)
-        per_sample = len(spec.sampler.grid) * spec.sampler.samples_per_decode
         rules_chars = guidance_chars(spec.guidance)
         shared = None  # the snapshots, encoded at the first chunk to generate
         parts = []
@@ -175,7 +174,7 @@ class RolloutRunner:
                     shared = dict(guidance=self.pool.share(spec.guidance), profile=self._shared_profile())
                 self._inflight[key] = self.pool.submit(
                     "rollout", chunk, result_type=ChunkResult,
-                    cost=tickets_prompt_chars(tickets, rules_chars) * per_sample,  # chunk_cost's value
+                    cost=chunk_cost(tickets, rules_chars, spec.sampler),
                     label=spec.name,  # the report's timeline: which rollout kept a worker busy
                     **shared,
                 )
@@ -337,12 +336,12 @@ class RolloutRunner:
         )
 
 
-def chunk_cost(tickets: list[Ticket], guidance: dict[str, str], sampler: SamplerConfig) -> float:
+def chunk_cost(tickets: list[Ticket], rules_chars: int, sampler: SamplerConfig) -> float:
     """A chunk's expected work, for the pool to start the most expensive chunks first (a
     shorter tail than submission order; seeds do not depend on the order): its prompt
-    characters times the samples it generates. (``submit`` computes the same value with the
-    guidance's characters counted once per rollout.)"""
-    return prompt_chars(tickets, guidance) * len(sampler.grid) * sampler.samples_per_decode
+    characters (``rules_chars``: the guidance's, ``guidance_chars``, counted once per
+    rollout) times the samples it generates."""
+    return tickets_prompt_chars(tickets, rules_chars) * len(sampler.grid) * sampler.samples_per_decode
 
 
 def prompt_chars(tickets: list[Ticket], guidance: dict[str, str]) -> float:
