@@ -1,43 +1,67 @@
 """The whole rule search at 1 to 64 workers, on the simulated engine (a latency model).
 
-    .venv/bin/python bench/loop_scaling.py                       # 1,2,4,8,16,32,64 fork; Ray at 8 and 64
-    .venv/bin/python bench/loop_scaling.py --workers 1,8,64 --json rows.json --no-ray
+    .venv/bin/python bench/loop_scaling.py                       # small: 1,2,4,8,16,32,64 fork; Ray at 8 and 64
+    .venv/bin/python bench/loop_scaling.py --workers 1,8,64 --no-ray --workload small,production --json rows.json
 
-Workload: 400 demo-style tickets (``configs/demo/make_tickets.py`` with n=400; the demo's seed
-guidance), 5 iterations (early stop off), 3 candidates per iteration, a train pool of 256 of
-the 320 train tickets (so that the pools, and with them the proposer's examples, change from
-one iteration to the next) and an eval pool of 80, chunks of 4 tickets (so that a train
-rollout is 64 chunks: with 16-ticket chunks it would be 16, and 64 workers could never all be
-busy), the judge-headroom check on;
+Two workloads (``--workload``), both on demo-style tickets (``configs/demo/make_tickets.py``,
+the demo's seed guidance), 3 candidates per iteration, early stop off, the judge-headroom
+check on:
+
+- ``small``: 400 tickets, 5 iterations, a train pool of 256 of the 320 train tickets (so that
+  the pools, and with them the proposer's examples, change from one iteration to the next),
+  an eval pool of 80, chunks of 4 tickets (a train rollout is 64 chunks: with 16-ticket
+  chunks it would be 16, and 64 workers could never all be busy), one decode of 32 tokens, a
+  512-token proposer budget, reflect size 8. Its serial share is large: the issue's targets
+  are set on it.
+- ``production``: shaped like upstream's production configs (``configs/bbu_line.yaml``):
+  600 tickets, 3 iterations, a train pool of 512, an eval pool of 20, chunks of 16, three
+  decodes per ticket (T 0.3/0.5/0.7, seed 43) each ending at ``PRODUCTION_ANSWER_TOKENS``
+  (an estimate of the longest verdict answer of a batch: the simulated engine runs a batch to
+  its decode's ``max_new_tokens``), reflect size 16, a 2048-token
+  proposer budget (the simulated proposer answers about 110 tokens, three operations, and
+  now takes the time of those).
+
 ``model.engine: simulated`` with the embedded model's tokenizer counting the tokens and its
 default latency model (a 7-8B model on one H100, docs/performance.md) slept at
-``--time-scale`` (default 0.25: four times faster than the modelled GPU, so that the whole
-bench fits 15 minutes on two cores; the parent's own work is not scaled, so the speedups
-here are a lower bound of those at time scale 1).
+``--time-scale`` (default 0.25: four times faster than the modelled GPU, so that the bench
+fits minutes on two cores; the parent's own work is not scaled, so the speedups here are a
+lower bound of those at time scale 1).
 
-Each worker count runs the same search in this process (``app.job.run_job``, as the CLI
-does), into its own run directory; the fork rows first, then the Ray rows on a local Ray
-cluster this bench starts (2 CPUs, 64 declared GPUs: the actors sleep, no GPU is used), as no
-fork pool may start after ``ray.init``. Per row:
+Each row runs in a fresh Python process (``--row``: no row pays another's imports, e.g.
+matplotlib's or Ray's, or inherits its caches), the same search (``app.job.run_job``, as the
+CLI does) into its own run directory; the Ray rows start their own local Ray cluster (2 CPUs,
+the row's declared GPUs: the actors sleep, no GPU is used) before the row's clock starts.
+Per row:
 
-- ``wall_s``: the run, start to end (the tokenizer check of the guidance, the workers' start
-  and report.html included); ``speedup`` = wall of 1 fork worker / this wall. ``search_s``:
-  the rule search alone (``summary.json`` timing ``search_s``), ``search_speedup`` likewise.
+- ``wall_s``: ``run_job``, start to end (the guidance check, the workers' start, the search,
+  the close); ``speedup`` = the workload's first row's wall / this wall. report.html is
+  drawn by its own process while the pool closes and is waited for apart: ``report_s``
+  (from the request for the page to its end). ``run_s``: the run without any wait for the report
+  (code that renders it inside the run: its wall minus the render), ``run_speedup`` likewise.
+- ``start-up s``: from the call to the pool's ready workers (plan, the guidance check, the
+  fork of every worker); ``close s``: the pool's close.
+- ``search_s``: the rule search alone (``summary.json`` timing ``search_s``), ``search_speedup``.
 - ``rollout_s``: the time the search spent gathering rollouts (``summary.json`` timing
-  ``rollout_s``); ``rollout_speedup`` against 1 worker, ``rollout_efficiency`` = that / workers.
+  ``rollout_s``); ``rollout_speedup`` against the first row, ``rollout_efficiency`` = that / workers.
+- ``critical path s``: the run's length with infinitely many workers and the same parent:
+  ``serial s`` (all the time outside the pool's gathers: start-up, the parent's work between
+  gathers, the gate, the writes, the close) plus ``rounds s`` (per gather, its longest task: a
+  rollout round, or the proposer call). ``bound``: the first row's wall / this critical path,
+  the speedup no worker count can pass with this parent (Amdahl).
 - the wall time of each phase: the union of the intervals in which at least one task of that
   phase ran on some worker (``pool_timeline.jsonl``): headroom, train baselines, proposer
   calls, candidate rollouts, eval rollouts, final train rollout; ``parent_only_s``: the time
-  no worker had a task (the parent's gate, bootstrap, proposer parsing, writes, start, report).
+  between the first task and the last in which no worker had a task.
 - ``idle_share``: the share of worker-seconds idle between the first task's start and the
   last task's end, split by why: ``idle_proposer`` (a proposer call was running: the others
   had nothing to do), ``idle_parent`` (no task anywhere: the parent was busy), ``idle_tail``
   (some tasks running, this worker out of work: the end of a gather).
 - ``parent_us_per_item``: the parent's CPU time inside the rollout runner's submit and wait
-  (building chunks, dispatching, decoding and assembling results) per pool task;
-  ``parent_total_us_per_item``: all of the parent's CPU over the run per pool task.
-- ``identical``: ``stageb-pool diff`` (``app.diff.diff_runs``) of this run against the first
-  row's finds no difference.
+  (building chunks, dispatching, decoding and assembling results) per pool task: its dispatch
+  cost; ``parent_total_us_per_item``: all of the parent's CPU over the run per pool task.
+- speculation hits, once the loop speculates (``speculation``; a column then appears).
+- ``identical``: ``stageb-pool diff`` (``app.diff.diff_runs``) of this run against the
+  workload's first row finds no difference.
 """
 
 from __future__ import annotations
@@ -45,8 +69,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,12 +82,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from stageb_pool.app import job  # noqa: E402
 from stageb_pool.app.config import load_config  # noqa: E402
 from stageb_pool.app.diff import diff_runs  # noqa: E402
 from stageb_pool.app.job import run_job  # noqa: E402
+from stageb_pool.pool import Pool  # noqa: E402
 from stageb_pool.search.rollout import RolloutRunner  # noqa: E402
 
-TICKETS = 400
 CONFIG = """\
 seed: 7
 stage_a_paths: tickets.jsonl
@@ -73,14 +100,14 @@ model:
 prompt: {{profile: generic}}
 guidance: {{path: guidance.json}}
 output: {{root: {root}, run_name: {run_name}}}
-runner: {{epochs: 5, chunk_size: 4}}
+runner: {{epochs: {epochs}, chunk_size: {chunk_size}}}
 pool: {{task_timeout: 600}}
 rule_search:
-  proposer_max_new_tokens: 512
-  reflect_size: 8
+  proposer_max_new_tokens: {proposer_max_new_tokens}
+  reflect_size: {reflect_size}
   num_candidate_rules: 3
-  train_pool_size: 256
-  eval_pool_size: 80
+  train_pool_size: {train_pool_size}
+  eval_pool_size: {eval_pool_size}
   gate:
     min_relative_error_reduction: 0.05
     max_changed_fraction: 0.3
@@ -88,35 +115,71 @@ rule_search:
     bootstrap: {{iterations: 200, min_prob: 0.5}}
   early_stop: {{patience: 5}}
   train_sampler:
-    grid: [{{temperature: 0.7, top_p: 0.9, max_new_tokens: 32}}]
+    grid: {train_grid}
   eval_sampler:
-    grid: [{{temperature: 0.7, top_p: 0.9, max_new_tokens: 32}}]
+    grid: {eval_grid}
 """
+
+
+def _grid(temperatures, max_new_tokens: int, seed: int | None = None) -> str:
+    extra = f", seed: {seed}" if seed is not None else ""
+    return "[" + ", ".join(f"{{temperature: {t}, top_p: 0.9, max_new_tokens: {max_new_tokens}{extra}}}"
+                           for t in temperatures) + "]"
+
+
+# The two workloads (module docstring). A decode's max_new_tokens is where the simulated
+# engine ends a batch (its longest row): for "production" an estimate of the longest answer
+# of a 16-ticket batch held to the verdict line at T 0.3-0.7 (docs/performance.md says why
+# it is not measured yet: the tiny model, random weights, runs every answer to its budget).
+PRODUCTION_ANSWER_TOKENS = 48
+WORKLOADS = {
+    "small": dict(tickets=400, epochs=5, chunk_size=4, proposer_max_new_tokens=512, reflect_size=8,
+                  train_pool_size=256, eval_pool_size=80, train_grid=_grid([0.7], 32), eval_grid=_grid([0.7], 32),
+                  what="400 tickets, 5 iterations, 3 candidates, train pool 256, eval 80, chunks of 4, "
+                       "1 decode of 32 tokens"),
+    "production": dict(tickets=600, epochs=3, chunk_size=16, proposer_max_new_tokens=2048, reflect_size=16,
+                       train_pool_size=512, eval_pool_size=20,
+                       train_grid=_grid([0.3, 0.5, 0.7], PRODUCTION_ANSWER_TOKENS, 43),
+                       eval_grid=_grid([0.1], PRODUCTION_ANSWER_TOKENS, 43),
+                       what=f"600 tickets, 3 iterations, 3 candidates, train pool 512, eval 20, chunks of 16, "
+                            f"3 decodes (T 0.3/0.5/0.7) of {PRODUCTION_ANSWER_TOKENS} tokens, reflect 16"),
+}
 PHASES = ("headroom", "train_base", "proposer", "candidates", "eval", "final")
 
 
-def write_inputs(root: Path) -> None:
-    """The tickets and the seed guidance of the demo's generator, with 400 tickets."""
+def write_inputs(root: Path, tickets: int) -> None:
+    """The tickets and the seed guidance of the demo's generator."""
     spec = importlib.util.spec_from_file_location("make_tickets", REPO / "configs" / "demo" / "make_tickets.py")
     make = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "tickets.jsonl").write_text("".join(json.dumps(t) + "\n" for t in make.make_tickets(n=TICKETS)))
+    (root / "tickets.jsonl").write_text("".join(json.dumps(t) + "\n" for t in make.make_tickets(n=tickets)))
     (root / "guidance.json").write_text(json.dumps(make.GUIDANCE))
 
 
-class ParentCpu:
-    """CPU time of the parent inside the rollout runner's submit and wait calls (nested calls
-    counted once): what the parent spends per item on dispatch and results."""
+class Probes:
+    """What the bench measures inside the run, by wrapping a few methods: the parent's CPU
+    inside the rollout runner's submit and wait (nested calls counted once): its dispatch
+    cost per task; each rollout gather's window (monotonic start, end); the pool's start and
+    close; and the report: its render (from the fork of its process to its end) and how long
+    the run waited for it."""
 
     def __init__(self):
         self.seconds, self._depth = 0.0, 0
+        self.gathers: list[tuple[float, float]] = []
+        self.pool_start_s = self.pool_close_s = self.report_s = self.report_wait_s = 0.0
+        self.pool_ready_at = self.origin = None
 
     @contextlib.contextmanager
     def installed(self):
-        originals = {name: getattr(RolloutRunner, name) for name in ("submit", "submit_chat", "wait")}
+        patches = []
 
-        def timed(method):
+        def patch(owner, name, wrapper):
+            original = getattr(owner, name)
+            patches.append((owner, name, original))
+            setattr(owner, name, wrapper(original))
+
+        def cpu_timed(method):
             def call(runner, *args, **kwargs):
                 self._depth += 1
                 start = time.process_time() if self._depth == 1 else None
@@ -128,13 +191,71 @@ class ParentCpu:
                         self.seconds += time.process_time() - start
             return call
 
-        for name, method in originals.items():
-            setattr(RolloutRunner, name, timed(method))
+        def gather_window(method):
+            def call(pool, *args, **kwargs):
+                wall = time.monotonic()
+                try:
+                    return method(pool, *args, **kwargs)
+                finally:
+                    self.gathers.append((wall, time.monotonic()))
+            return call
+
+        def pool_init(method):
+            def call(pool, *args, **kwargs):
+                started = time.perf_counter()
+                method(pool, *args, **kwargs)
+                self.origin = pool.stats.origin  # the timeline's zero (time.monotonic)
+                self.pool_start_s = time.perf_counter() - started
+                self.pool_ready_at = time.perf_counter()
+            return call
+
+        def pool_close(method):
+            def call(pool):
+                started = time.perf_counter()
+                method(pool)
+                self.pool_close_s += time.perf_counter() - started
+            return call
+
+        def report_start(method):  # the page is asked for (render), or, in older code, forked
+            def call(report, *args, **kwargs):
+                report.bench_started = time.perf_counter()
+                method(report, *args, **kwargs)
+            return call
+
+        def report_wait(method):
+            def call(report):
+                waited = time.perf_counter()
+                try:
+                    return method(report)
+                finally:
+                    end = time.perf_counter()
+                    self.report_s, self.report_wait_s = end - report.bench_started, end - waited
+            return call
+
+        for name in ("submit", "submit_chat", "wait"):
+            patch(RolloutRunner, name, cpu_timed)
+        patch(Pool, "__init__", pool_init)
+        patch(Pool, "close", pool_close)
+        patch(Pool, "gather", gather_window)
+        if hasattr(job, "ReportJob"):  # the report in its own process (older code: in the run's)
+            has_render = hasattr(job.ReportJob, "render")  # forked at the start, asked at the end
+            patch(job.ReportJob, "render" if has_render else "__init__", report_start)
+            patch(job.ReportJob, "wait", report_wait)
+        else:
+            def write_report(method):
+                def call(run_dir):
+                    started = time.perf_counter()
+                    try:
+                        return method(run_dir)
+                    finally:
+                        self.report_s = self.report_wait_s = time.perf_counter() - started
+                return call
+            patch(job, "write_report", write_report)
         try:
             yield self
         finally:
-            for name, method in originals.items():
-                setattr(RolloutRunner, name, method)
+            for owner, name, original in reversed(patches):
+                setattr(owner, name, original)
 
 
 def phase_of(method: str, label: str | None) -> str:
@@ -185,25 +306,63 @@ def timeline_analysis(rows: list[dict], workers: int) -> dict:
     return out
 
 
-def run_row(root: Path, backend: str, workers: int, time_scale: float, ray_address: str | None) -> dict:
-    name = f"{backend}-{workers}"
+def critical_path(rows: list[dict], gathers: list[tuple[float, float]], origin: float, wall_s: float) -> dict:
+    """The run's length with infinitely many workers and the same parent: everything outside
+    the pool's gathers (start-up, the parent's work between them, the close, the report's
+    wait: serial) plus, per gather (a rollout phase, the headroom check), its longest task (a round: every task of the gather
+    could start at once; a proposer call in the gather is usually that task)."""
+    rounds = 0.0
+    inside = 0.0
+    for start, end in gathers:
+        a, b = start - origin, end - origin
+        durations = [r["end_s"] - r["start_s"] for r in rows if a - 1e-3 <= r["start_s"] <= b]
+        rounds += max(durations, default=0.0)
+        inside += end - start
+    serial = wall_s - inside
+    return {"serial_s": round(serial, 3), "rounds_s": round(rounds, 3), "critical_path_s": round(serial + rounds, 3),
+            "gathers": len(gathers)}
+
+
+def speculation(summary: dict) -> dict:
+    """Speculation hits and wasted worker-seconds, from summary.json's volatile part, once
+    the loop speculates (issue 31 item 3); empty until then."""
+    found = summary.get("speculation") or (summary.get("timing") or {}).get("speculation") or {}
+    return {"speculation_hits": found.get("hits"), "speculation_wasted_s": found.get("wasted_s")} if found else {}
+
+
+def run_row(root: Path, workload: str, backend: str, workers: int, time_scale: float,
+            ray_address: str | None) -> dict:
+    """One run of ``workload`` (in this process: ``main`` gives each row a fresh one)."""
+    name = f"{workload}-{backend}-{workers}"
     config_path = root / f"{name}.yaml"
-    config_path.write_text(CONFIG.format(root=root / "runs", run_name=name, time_scale=time_scale))
+    fields = {k: v for k, v in WORKLOADS[workload].items() if k not in ("tickets", "what")}
+    config_path.write_text(CONFIG.format(root=root / "runs", run_name=name, time_scale=time_scale, **fields))
     config = load_config(config_path, announce=False)
     gpus = str(workers) if backend == "ray" else f"cpu:{workers}"
-    with ParentCpu().installed() as dispatch:
+    with Probes().installed() as probes:
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        run_job(config, gpus, argv=["loop_scaling"], config_path=str(config_path), ray_address=ray_address)
+        reports = []  # the report's process, waited for apart (code without report_jobs: waited in the run)
+        kwargs = dict(report_jobs=reports) if "report_jobs" in inspect.signature(run_job).parameters else {}
+        run_job(config, gpus, argv=["loop_scaling"], config_path=str(config_path), ray_address=ray_address, **kwargs)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        for report in reports:
+            report.wait()
     run_dir = next((root / "runs").glob(f"*/{name}"))
     timeline = [json.loads(line) for line in (run_dir / "pool_timeline.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"backend": backend, "workers": workers, "wall_s": round(wall, 3),
-            "search_s": summary["timing"].get("search_s"), "rollout_s": summary["timing"]["rollout_s"], "proposer_gather_s": summary["timing"].get("proposer_s"),
+    return {"workload": workload, "backend": backend, "workers": workers, "wall_s": round(wall, 3),
+            # the run without the report: this code's run_job waits for none; older code renders it inside
+            "run_s": round(wall - (0.0 if reports else probes.report_wait_s), 3),
+            "startup_s": round(probes.pool_ready_at - wall0, 3) if probes.pool_ready_at else None,
+            "pool_start_s": round(probes.pool_start_s, 3), "pool_close_s": round(probes.pool_close_s, 3),
+            "report_s": round(probes.report_s, 3), "report_wait_s": round(probes.report_wait_s, 3),
+            "search_s": summary["timing"].get("search_s"), "rollout_s": summary["timing"]["rollout_s"],
+            "proposer_gather_s": summary["timing"].get("proposer_s"),
             "gate_s": summary["timing"].get("gate_s"), "io_s": summary["timing"].get("io_s"),
             "items": len(timeline), "edits_accepted": summary["edits_accepted"],
-            "parent_us_per_item": round(dispatch.seconds / len(timeline) * 1e6, 1),
+            "parent_us_per_item": round(probes.seconds / len(timeline) * 1e6, 1),
             "parent_total_us_per_item": round(cpu / len(timeline) * 1e6, 1),
+            **critical_path(timeline, probes.gathers, probes.origin, wall), **speculation(summary),
             **timeline_analysis(timeline, workers), "run_dir": str(run_dir)}
 
 
@@ -220,14 +379,34 @@ def start_ray(gpus: int) -> str:
     return "auto"
 
 
+def row_in_fresh_process(root: Path, workload: str, backend: str, workers: int, time_scale: float) -> dict:
+    """``run_row`` in a new Python process: no row pays another's imports (matplotlib, Ray)
+    or inherits its caches."""
+    out = root / f"row-{workload}-{backend}-{workers}.json"
+    subprocess.run([sys.executable, __file__, "--row", f"{backend}:{workers}", "--workload", workload,
+                    "--time-scale", str(time_scale), "--keep", str(root), "--json", str(out)], check=True)
+    return json.loads(out.read_text())
+
+
+def one_row(args) -> None:
+    """``--row``: one row, written as JSON to ``--json`` (the child side of ``row_in_fresh_process``)."""
+    backend, workers = args.row.split(":")
+    address = start_ray(int(workers)) if backend == "ray" else None  # before the timing: Ray's own start
+    row = run_row(Path(args.keep), args.workload, backend, int(workers), args.time_scale, address)
+    Path(args.json).write_text(json.dumps(row) + "\n")
+
+
 def finish(rows: list[dict]) -> None:
-    """Speedups against the first row (1 fork worker) and the artifact check against it."""
+    """Speedups against the first row of each workload (1 fork worker) and the artifact check
+    against it; the Amdahl bound of the first row's critical path."""
     base = rows[0]
     for row in rows:
         row["speedup"] = round(base["wall_s"] / row["wall_s"], 2)
+        row["run_speedup"] = round(base["run_s"] / row["run_s"], 2)
         row["search_speedup"] = round(base["search_s"] / row["search_s"], 2)
         row["rollout_speedup"] = round(base["rollout_s"] / row["rollout_s"], 2) if row["rollout_s"] else None
         row["rollout_efficiency"] = round(row["rollout_speedup"] / row["workers"], 3) if row["rollout_speedup"] else None
+        row["bound"] = round(base["wall_s"] / row["critical_path_s"], 2)  # this row's critical path: infinite workers
         if "identical" not in row:
             differences = diff_runs(base["run_dir"], row["run_dir"], limit=3)
             row["identical"] = not differences
@@ -236,21 +415,28 @@ def finish(rows: list[dict]) -> None:
 
 
 COLUMNS = [("backend", "backend"), ("workers", "workers"), ("wall_s", "wall s"), ("speedup", "speedup"),
+           ("run_s", "run s (no report wait)"), ("run_speedup", "run speedup"),
            ("search_s", "search s"), ("search_speedup", "search speedup"),
            ("rollout_s", "rollout s"), ("rollout_speedup", "rollout speedup"),
-           ("rollout_efficiency", "rollout eff."), ("headroom_s", "headroom s"), ("train_base_s", "train base s"),
+           ("rollout_efficiency", "rollout eff."), ("critical_path_s", "critical path s"),
+           ("serial_s", "serial s"), ("rounds_s", "rounds s"), ("bound", "bound"),
+           ("startup_s", "start-up s"), ("pool_close_s", "close s"),
+           ("report_s", "report s"),
+           ("headroom_s", "headroom s"), ("train_base_s", "train base s"),
            ("proposer_s", "proposer s"), ("candidates_s", "candidates s"), ("eval_s", "eval s"),
            ("final_s", "final s"), ("gate_s", "gate+bootstrap s"), ("io_s", "writes s"),
            ("parent_only_s", "parent-only s"), ("idle_share", "idle share"), ("idle_proposer", "idle: proposer"),
            ("idle_tail", "idle: tail"), ("idle_parent", "idle: parent"),
            ("parent_us_per_item", "parent µs/item (dispatch)"), ("parent_total_us_per_item", "parent µs/item (all)"),
+           # speculation (issue 31 item 3) adds its hits here: ("speculation_hits", "spec. hits")
            ("edits_accepted", "edits"), ("identical", "identical")]
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |",
-             "|" + "|".join("---" if key == "backend" else "---:" for key, _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(str(row.get(key, "")) for key, _ in COLUMNS) + " |" for row in rows]
+    columns = COLUMNS + ([("speculation_hits", "spec. hits")] if any("speculation_hits" in r for r in rows) else [])
+    lines = ["| " + " | ".join(title for _, title in columns) + " |",
+             "|" + "|".join("---" if key == "backend" else "---:" for key, _ in columns) + "|"]
+    lines += ["| " + " | ".join(str(row.get(key, "")) for key, _ in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -259,34 +445,42 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2,4,8,16,32,64", help="fork worker counts (the first is the base)")
     parser.add_argument("--ray-workers", default="8,64", help="Ray actor counts ('' for none)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray rows")
+    parser.add_argument("--workload", default="small", help=f"comma-separated: {', '.join(WORKLOADS)}")
     parser.add_argument("--time-scale", type=float, default=0.25, help="model.simulated.time_scale")
     parser.add_argument("--json", help="write the rows (a JSON list of objects) to this file")
     parser.add_argument("--keep", help="write the run directories here (default: a temporary directory)")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # BACKEND:WORKERS, one row in this process
     args = parser.parse_args()
+    if args.row:
+        return one_row(args)
     started = time.perf_counter()
+    workloads = [w for w in args.workload.split(",") if w]
+    for workload in workloads:
+        if workload not in WORKLOADS:
+            parser.error(f"--workload {workload!r}: one of {', '.join(WORKLOADS)}")
     fork_counts = [int(w) for w in args.workers.split(",") if w]
     ray_counts = [] if args.no_ray else [int(w) for w in args.ray_workers.split(",") if w]
     if ray_counts and importlib.util.find_spec("ray") is None:
         print("Ray rows skipped: ray is not installed (.venv/bin/python -m pip install -e '.[ray]')")
         ray_counts = []
+    everything = []
     with contextlib.ExitStack() as stack:
         root = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        write_inputs(root)
-        rows = []
-        for workers in fork_counts:
-            rows.append(run_row(root, "fork", workers, args.time_scale, None))
-            print(f"fork {workers}: {rows[-1]['wall_s']} s", flush=True)
-        if ray_counts:  # last: no fork pool may start after ray.init
-            address = start_ray(max(ray_counts))
-            for workers in ray_counts:
-                rows.append(run_row(root, "ray", workers, args.time_scale, address))
-                print(f"ray {workers}: {rows[-1]['wall_s']} s", flush=True)
-        finish(rows)
-    print(f"time scale {args.time_scale}; {TICKETS} tickets, 5 iterations, 3 candidates, chunks of 4; "
-          f"bench wall {time.perf_counter() - started:.0f} s")
-    print(table(rows))
+        for workload in workloads:
+            folder = root / workload
+            write_inputs(folder, WORKLOADS[workload]["tickets"])
+            rows = []
+            for backend, counts in (("fork", fork_counts), ("ray", ray_counts)):
+                for workers in counts:
+                    rows.append(row_in_fresh_process(folder, workload, backend, workers, args.time_scale))
+                    print(f"{workload} {backend} {workers}: {rows[-1]['wall_s']} s", flush=True)
+            finish(rows)
+            print(f"\n{workload}: {WORKLOADS[workload]['what']}; time scale {args.time_scale}")
+            print(table(rows))
+            everything += rows
+    print(f"bench wall {time.perf_counter() - started:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "run_dir"} for r in rows],
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "run_dir"} for r in everything],
                                               indent=1) + "\n")
 
 

@@ -291,6 +291,12 @@ def test_run_refuses_the_guidance_check_refuses_before_any_rollout(project, mode
     ran = assert_one_line_error(run_cli("run", "--gpus", "cpu:2", *args), 2)
     assert ran == checked and "rule_search.train_sampler.max_prompt_tokens" in ran
     assert not (project / "runs").exists()  # refused before the run directory or any worker
+    # The simulated engine's workers measure prompts with their token counter, and so does
+    # the run's check for it (no chat template rendered): the same refusal, its own count.
+    simulated = assert_one_line_error(run_cli("run", "--gpus", "cpu:2", *args, "--set", "model.engine=simulated"), 2)
+    assert simulated.startswith("stageb-pool: error: rule_search.train_sampler.max_prompt_tokens: "), simulated
+    assert "would be dropped" in simulated and "a prompt without its ticket takes" in simulated
+    assert not (project / "runs").exists()
 
 
 # The proposer's prompt and its cap (issue 32): refused like a guidance over a sampler's cap.

@@ -161,6 +161,22 @@ def run(d, tasks) -> dict[int, object]:
     raise AssertionError("the dispatcher made no progress")
 
 
+# -- the cost of an event -----------------------------------------------------------------------
+def test_an_event_visits_the_free_workers_not_every_worker(clock, monkeypatch):
+    """At 64 workers, a result that arrives while nothing is queued costs a look or two at
+    the queue, not one per idle worker (issue 31: no scan of every worker per event)."""
+    t = ScriptedTransport(clock)
+    d, store = make(t, 64)
+    run(d, [task(store, i, item=i) for i in range(64)])  # every worker ran one: all idle now
+    pops = []
+    monkeypatch.setattr(d.queue, "pop", lambda rank, real=d.queue.pop: pops.append(rank) or real(rank))
+    for i in range(64, 74):  # one task at a time: each result leaves the queue empty
+        pops.clear()
+        assert run(d, [task(store, i, item=3)]) == {i: 9}
+        assert len(pops) <= 4, pops  # the worker that takes it, then one empty look per dispatch
+        assert t.sent[-1][0] == 0  # the first free worker in rank order, as before
+
+
 # -- start ------------------------------------------------------------------------------------
 def test_start_spawns_every_rank_and_waits_for_ready(clock):
     t = ScriptedTransport(clock)

@@ -23,7 +23,7 @@ from doubles.pool_engines import Echoed, Engine, FailingEngine, touch, wait_for_
 from processes import gone, parent_pid
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout
-from stageb_pool.pool import RemoteTraceback, TaskCancelled
+from stageb_pool.pool import RemoteTraceback, TaskCancelled, protocol
 from stageb_pool.pool.protocol import FrameTooLarge, ProtocolError
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -121,6 +121,22 @@ def test_each_snapshot_is_sent_once_per_worker():
         assert pool.stats.frames_sent["Snapshot"] == 4  # {a, b} x 2 workers
         assert pool.stats.snapshot_sends == 4
         assert pool.stats.frames_sent["Task"] == 30
+
+
+def test_a_value_shared_once_is_the_same_snapshot_as_the_value_itself(monkeypatch):
+    """``pool.share`` encodes a value once for many submits (a rollout's chunks): the workers
+    get the same value and the same snapshot as when each submit passes the value."""
+    a = {"G0": "rule a", "G1": "x"}
+    with Pool(Engine, "cpu:2") as pool:
+        shared = pool.share(a)
+        encoded = []
+        monkeypatch.setattr(protocol, "encode", lambda value, real=protocol.encode: encoded.append(value) or real(value))
+        tasks = [pool.submit("echo", i, rank=i % 2, guidance=shared) for i in range(10)]
+        tasks += [pool.submit("echo", i, rank=i % 2, guidance=dict(a)) for i in range(10)]
+        out = pool.gather(tasks)
+        assert [o["shared"]["guidance"] for o in out] == [a] * 20
+        assert pool.stats.snapshot_sends == 2  # one snapshot: {a} x 2 workers
+        assert encoded.count(a) == 10  # encoded by the 10 submits that pass the value, never by the others
 
 
 def test_snapshot_cache_evicts_and_resends():

@@ -50,6 +50,20 @@ def test_result_value_stays_raw_until_the_parent_decodes_it():
     assert msgspec.json.decode(got.value) == {"a": [1, 2.5, None]}
 
 
+def test_reader_says_how_many_bytes_complete_the_frame_it_reads():
+    """The parent asks a socket for this much (at least 64 KiB): never 1 MiB per small result,
+    and a big frame in few reads."""
+    data = protocol.frame(Result(1, "x" * 100_000))
+    reader = FrameReader()
+    assert reader.needed() == 4  # the header first
+    reader.feed(data[:2])
+    assert reader.needed() == 2
+    reader.feed(data[2:10])
+    assert reader.needed() == len(data) - 10  # the rest of this frame, whatever was announced
+    assert reader.feed(data[10:] + data[:3]) == [Result(1, msgspec.Raw(protocol.encode("x" * 100_000)))]
+    assert reader.needed() == 1  # the next frame's header
+
+
 def test_reader_reassembles_frames_fed_byte_by_byte():
     data = b"".join(protocol.frame(m) for m in MESSAGES)
     reader, got = FrameReader(), []

@@ -26,7 +26,7 @@ from doubles import scripted_engine as se
 from doubles.run_inputs import MISSION, search_inputs
 from headless import Browser, chromium
 
-from stageb_pool.app import cli, job
+from stageb_pool.app import cli, job, report_process
 from stageb_pool.app import config as config_mod
 from stageb_pool.report import ReportError, files, render_report
 
@@ -142,7 +142,7 @@ def test_a_failing_report_leaves_the_run_finished_with_a_warning(tmp_path, monke
     def broken(run_dir):
         raise RuntimeError("no ink")
 
-    monkeypatch.setattr(job, "render_report", broken)
+    monkeypatch.setattr(report_process, "render_report", broken)  # the report's process inherits it
     with caplog.at_level(logging.WARNING, logger="stageb_pool"):
         run_dir = run_search(tmp_path, gpus="cpu:1", epochs=1)
     assert (run_dir / "summary.json").is_file() and not (run_dir / "report.html").exists()

@@ -20,7 +20,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "pool_scripts", "cli_scripted_r
 
 def start_run(tmp_path, *extra, env=None):
     """The CLI inside iteration 2 (a worker blocks in the proposer call); returns the process,
-    its child processes (zygote and workers) and the command's arguments."""
+    its child processes (the report's process, the zygote and workers) and the command's
+    arguments."""
     cfg = search_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     marker = tmp_path / "hanging"
     args = ["run", "--gpus", "cpu:2", cfg, *extra]
@@ -34,7 +35,7 @@ def start_run(tmp_path, *extra, env=None):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_to_the_main_process_names_it_and_the_resume_command(tmp_path, sig):
     proc, children, args = start_run(tmp_path)
-    assert len(children) == 3  # the zygote and two workers
+    assert len(children) == 4  # the report's process (forked at the start), the zygote and two workers
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + sig
@@ -49,7 +50,8 @@ def test_a_stop_signal_to_the_main_process_names_it_and_the_resume_command(tmp_p
 
 def test_a_dead_zygote_is_named_and_not_hidden_by_the_close(tmp_path):
     proc, children, _ = start_run(tmp_path)
-    [zygote] = [p for p in children if parent_pid(p) == proc.pid]  # the workers are its children
+    # the workers are its children (the run's other child, the report's process, has none)
+    [zygote] = [p for p in children if parent_pid(p) == proc.pid and any(parent_pid(q) == p for q in children)]
     os.kill(zygote, signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1

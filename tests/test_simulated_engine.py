@@ -144,7 +144,35 @@ def test_the_proposer_proposes_rules_on_the_falsely_passed_examples(count):
     # Words only one falsely passed example shows come first; the falsely failed one is not read.
     assert set(texts) == {se.rule("rust"), se.rule("side"), se.rule("crack")}
     assert first.examples_used == 3 and first.finish_reason == "stop"
+    # It takes the time of the tokens it answers (a real engine stops at the answer's end),
+    # not its budget; never more than the budget (here 100, fewer than the answer's tokens).
+    assert first.completion_tokens > 100
     assert e.modelled_s == pytest.approx(sim.chat_seconds(SETTINGS, first.prompt_tokens, 100), rel=1e-12)
+    roomy = engine(count)
+    answer = roomy.chat(msgspec.structs.replace(request, decode=Decode(0.4, max_new_tokens=5000)))
+    assert answer == first
+    assert roomy.modelled_s == pytest.approx(sim.chat_seconds(SETTINGS, first.prompt_tokens, first.completion_tokens),
+                                             rel=1e-12)
+
+
+@pytest.mark.parametrize("model", ["tiny", "embedded"])
+def test_token_counts_by_lines_are_the_tokenizers_counts_and_each_line_is_encoded_once(model, profile):
+    counter = sim.token_counter(check_model_path(model))
+    fast = counter.encode_len
+    assert counter.split_lines  # both are byte-level BPEs: prompts are counted line by line
+    guidances = [{"G0": "Check the cabinet.\nThen   the door.", "G1": "If any photo shows rust, the verdict is fail."},
+                 {"G0": "Check the cabinet.", "G1": "Rule 2:\n\n  indented\tline \n\nend.\n"}]
+    texts = [m["content"] for g in guidances for t in tickets(24) for m in prompts.build_messages(profile, g, t)]
+    texts += ["a\nb", "a \nb", "a\n b", "\n\nx\n", "x.\n\ny", "123\n456", "<|im_start|>\nuser", "", "\u00e9t\u00e9\nok"]
+    assert counter(texts) == [fast(t) for t in texts]  # exact: the same counts as the whole texts
+    encoded = counter.encoded
+    assert counter(texts) == [fast(t) for t in texts]
+    assert counter.encoded == encoded  # the second time, every line came from the memo
+    fresh = sim.token_counter(check_model_path(model))
+    fresh([m["content"] for t in tickets(24) for m in prompts.build_messages(profile, guidances[0], t)])
+    # 48 prompts of 24 tickets: the system prompt, the template's and guidance's lines once,
+    # each ticket's summary lines once; far fewer encodes than prompts x lines.
+    assert fresh.encoded < 24 * 6
 
 
 def test_info_says_it_is_a_simulation(count):

@@ -22,7 +22,7 @@ import msgspec
 from ..engine.model_path import ModelRef
 from ..engine.records import EngineSettings
 from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Pool
-from ..report import REPORT_FILE, TIMELINE_FILE, render_report
+from ..report import TIMELINE_FILE
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
@@ -37,6 +37,7 @@ from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import split_eval_pool
 from .outputs import check_distillation_target
 from .progress import Progress, pool_items_per_rank
+from .report_process import ReportJob, write_report  # noqa: F401 - write_report: in this process, for callers
 from .plan import DeviceRequest, RunInputs, RunPlan, plan_run
 
 log = logging.getLogger("stageb_pool")
@@ -45,13 +46,18 @@ log = logging.getLogger("stageb_pool")
 def engine_factory_for(model_config, model: ModelRef):
     """The factory each worker calls after fork: the engine of ``model`` (checked in the parent,
     sent as it is) built as the config's model section says. It imports the engine (torch,
-    transformers) inside the worker: the parent never imports torch."""
+    transformers) inside the worker: the parent never imports torch. What every worker would
+    load alike and the parent can load safely (the simulated engine's tokenizer) is loaded
+    here, once, before the fork (``build.preload``), and inherited."""
+    from ..engine.build import preload
+
     settings = engine_settings(model_config)
+    preloaded = preload(model, settings)
 
     def build(device: Device):
         from ..engine.build import build_engine
 
-        return build_engine(device, model, settings)
+        return build_engine(device, model, settings, preloaded)
 
     return build
 
@@ -66,7 +72,8 @@ def engine_settings(model_config) -> EngineSettings:
 
 def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
             debug: bool = False, engine_factory=None, argv: list[str] | None = None,
-            config_path: str | None = None, ray_address: str | None = None, wait: bool | float = False) -> int:
+            config_path: str | None = None, ray_address: str | None = None, wait: bool | float = False,
+            report_jobs: list | None = None) -> int:
     """``run_plan`` of a config already loaded (tests, benchmarks): planned with the ``--gpus``
     spec ``gpus`` and ``ray_address`` (``--ray``) as the CLI plans it. ``engine_factory`` (a
     test seam) replaces the model engine, and then the prompts are not measured with the
@@ -75,11 +82,12 @@ def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, ove
     plan = plan_run(config, audit=audit, config_path=config_path, devices=DeviceRequest(gpus, ray_address=ray_address),
                     check_prompts=engine_factory is None)  # the model's own tokenizer renders the prompts
     return run_plan(plan, resume=resume, overwrite=overwrite, debug=debug, wait=wait, engine_factory=engine_factory,
-                    argv=argv)
+                    argv=argv, report_jobs=report_jobs)
 
 
 def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, debug: bool = False,
-             wait: bool | float = False, engine_factory=None, argv: list[str] | None = None) -> int:
+             wait: bool | float = False, engine_factory=None, argv: list[str] | None = None,
+             report_jobs: list | None = None) -> int:
     """Run the audit or rule search of ``plan``; return 0 on success. Exceptions propagate (the
     CLI maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
 
@@ -89,7 +97,10 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, de
     parent still writes every artifact here, and the placement may take
     ``pool.start_timeout``. Another process holding the run directory is an InputError naming
     its pid, or, with ``wait`` (``--wait [SECONDS]``: True or a bound in seconds), waited for
-    (``rundir_lock.acquire``)."""
+    (``rundir_lock.acquire``). report.html is rendered by a child process while the pool
+    closes, and waited for before this returns; with ``report_jobs`` (a list) its ``ReportJob``
+    is appended there instead, for the caller to ``wait`` (a benchmark that times the run and
+    the report apart)."""
     started = time.monotonic()
     started_at = rundir.utc_now()
     config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
@@ -120,7 +131,7 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, de
     lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
     try:
         return _run_locked(plan, prepared, resume=resume, overwrite=overwrite, debug=debug,
-                           engine_factory=engine_factory)
+                           engine_factory=engine_factory, report_jobs=report_jobs)
     finally:
         lock.release()
 
@@ -141,7 +152,7 @@ class _Prepared(NamedTuple):
 
 
 def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: bool, debug: bool,
-                engine_factory) -> int:
+                engine_factory, report_jobs: list | None = None) -> int:
     """``run_plan`` from the moment it owns the run directory."""
     config, inputs, run_dir, ray_address = plan.config, plan.inputs, plan.run_dir, plan.ray_address
     devices, store, identity, first_run_json, seed_guidance, run_json, prov, started = prepared
@@ -166,12 +177,19 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
 
     factory = engine_factory or engine_factory_for(config.model, inputs.model)
     ray = ray_address is not None and not debug
-    pool = Pool(
-        factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
-        max_restarts=config.pool.max_restarts, stall_warning=config.pool.stall_warning, inline=debug, backend="ray" if ray else "fork",
-        ray_address=ray_address or "auto", placement_timeout=config.pool.start_timeout,
-        connect_timeout=config.pool.connect_timeout, engine_agreement=engine_agreement(ray),
-    )
+    # The report's process, forked while this one is clean: it loads matplotlib during the run.
+    report = ReportJob()
+    try:
+        pool = Pool(
+            factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
+            max_restarts=config.pool.max_restarts, stall_warning=config.pool.stall_warning, inline=debug,
+            backend="ray" if ray else "fork", ray_address=ray_address or "auto",
+            placement_timeout=config.pool.start_timeout, connect_timeout=config.pool.connect_timeout,
+            engine_agreement=engine_agreement(ray),
+        )
+    except BaseException:
+        report.cancel()
+        raise
     try:
         run_json["devices"] = devices = pool.devices  # under Ray: the threads its plan gave each worker
         progress = Progress(log=log, stats_fn=pool_items_per_rank(pool))
@@ -208,10 +226,18 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
         write_jsonl(run_dir / TIMELINE_FILE, timeline_rows(pool))
     except BaseException:
+        report.cancel()
         close_after_failure(pool)
         raise
-    pool.close()
-    write_report(run_dir)  # after close: the report imports matplotlib, never before the workers end
+    # The page is drawn by its process while this one closes the pool.
+    report.render(run_dir)
+    try:
+        pool.close()
+    finally:
+        if report_jobs is None:
+            report.wait()
+        else:
+            report_jobs.append(report)
     return 0
 
 
@@ -284,19 +310,6 @@ def timeline_rows(pool) -> list[dict]:
              "start_s": round(start, 3), "end_s": round(end, 3)}
             for rank, method, label, start, end in pool.stats.intervals]
     return sorted(rows, key=lambda r: (r["start_s"], r["rank"]))
-
-
-def write_report(run_dir) -> bool:
-    """Write ``report.html`` (atomically). A finished run stays finished whatever happens
-    here: a failure is a warning naming the cause (`stageb-pool report` can retry)."""
-    try:
-        atomic_write_bytes(Path(run_dir) / REPORT_FILE, render_report(run_dir).encode("utf-8"))
-    except Exception as err:  # noqa: BLE001 - the run's results are written; the page is a view of them
-        log.warning("report.html was not written (%s: %s); rebuild it with: stageb-pool report %s",
-                    type(err).__name__, err, run_dir)
-        return False
-    log.info("report written to %s", Path(run_dir) / REPORT_FILE)
-    return True
 
 
 def worker_throughput(pool, tickets_by_rank: dict[int, int] | None = None) -> dict:

@@ -27,6 +27,7 @@ call of the search could be made.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import NamedTuple
 
@@ -111,11 +112,19 @@ def sampler_caps(cfg, tickets: list) -> list[Measured]:
 
 def refuse_unusable_prompts(cfg, inputs) -> None:
     """``run``'s copy of ``check``'s decisions, before any worker loads the model: InputError
-    when the tokenizer has no chat template (every prompt is rendered with it) or when the
-    guidance alone is over a sampler's cap (``guidance_verdict``). The tokenizer is loaded in
+    when the tokenizer has no chat template (every prompt is rendered with it), when the
+    guidance alone is over a sampler's cap (``guidance_verdict``) or when the proposer's prompt
+    is over its cap with one example (``proposer_verdict``; a model engine's only: the
+    simulated engine's proposer is a latency model). The tokenizer is loaded in
     a forked helper process, so this process never imports the tokenizer's libraries (torch
     among them) before it forks its workers; a tokenizer that cannot be loaded skips the
-    check, as in ``check``."""
+    check, as in ``check``.
+
+    The simulated engine renders no chat template: its workers measure a prompt with their
+    token counter (``simulated_engine.messages_tokens``), so the guidance is measured with
+    that counter, the one the workers inherit (``simulated_engine.preloaded_counter``),
+    in this process and in milliseconds; only a counter that cannot be loaded without
+    threads (the tiny model's BPE is trained) is measured in the helper."""
     import json
     import os
 
@@ -124,6 +133,14 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
     everyone = sampler_caps(cfg, inputs.tickets)
     train = _train_tickets(everyone)
     measured = [m for m in everyone if m.cap is not None and m.tickets]
+    simulated = cfg.model.engine == "simulated"
+    if simulated:
+        from ..engine.simulated_engine import preloaded_counter
+
+        counter = preloaded_counter(inputs.model)
+        if counter is not None:
+            guidance_verdict(None, cfg, inputs, measured, lengths=simulated_lengths(counter))
+            return
     read, write = os.pipe()
 
     def helper():
@@ -131,10 +148,15 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
         try:
             from ..engine import models
 
-            tokenizer = models.tokenizer_only(inputs.model, cfg.model.trust_remote_code)
-            models.require_chat_template(tokenizer, cfg.model.path)
-            guidance_verdict(tokenizer, cfg, inputs, measured)
-            proposer_verdict(tokenizer, cfg, inputs, train)
+            if simulated:
+                from ..engine.simulated_engine import token_counter
+
+                guidance_verdict(None, cfg, inputs, measured, lengths=simulated_lengths(token_counter(inputs.model)))
+            else:
+                tokenizer = models.tokenizer_only(inputs.model, cfg.model.trust_remote_code)
+                models.require_chat_template(tokenizer, cfg.model.path)
+                guidance_verdict(tokenizer, cfg, inputs, measured)
+                proposer_verdict(tokenizer, cfg, inputs, train)
         except InputError as err:
             answer = [err.message, err.location]
         except Exception:  # noqa: BLE001 - no tokenizer, no verdict: the workers report their own load errors
@@ -154,12 +176,15 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
         raise InputError(answer[0], answer[1])
 
 
-def guidance_verdict(tokenizer, cfg, inputs, measured: list[Measured]) -> int:
+def guidance_verdict(tokenizer, cfg, inputs, measured: list[Measured], lengths=None) -> int:
     """The tokens of a prompt without any ticket (the profile, the mission, the guidance);
     InputError at the first sampler's cap key that it exceeds: every prompt holds the whole
-    guidance, so that sampler would drop every ticket and judge none."""
+    guidance, so that sampler would drop every ticket and judge none. ``lengths``: how the
+    workers measure prompts (``prompt_lengths``'s signature; default: rendered with
+    ``tokenizer`` as the model engines render them)."""
     guidance = dict(inputs.seed_guidance.experiences)
-    alone = prompt_lengths(tokenizer, [TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
+    lengths = lengths or functools.partial(prompt_lengths, tokenizer)
+    alone = lengths([TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
     for m in measured:
         if m.cap is not None and alone > m.cap:
             raise InputError(f"the prompt with no ticket at all is over this cap of {m.cap} tokens, so every one of "
@@ -240,6 +265,18 @@ def _proposer_lines(tokenizer, cfg, inputs, train: list) -> list[tuple[str, str]
     # "proposer": no longer than the other labels, so the table's column does not move.
     return [("proposer", f"prompt of {measured[0]} tokens with one example (the shortest, ticket {measured[1]}); "
                          f"cap {cfg.rule_search.proposer_max_prompt_tokens} ({PROPOSER_KEY})")]
+
+
+def simulated_lengths(counter):
+    """``prompt_lengths`` as the simulated engine's workers measure prompts, with ``counter``."""
+    from ..engine.simulated_engine import messages_tokens
+    from ..stageb import prompts
+
+    def lengths(tickets: list[TicketText], guidance: dict[str, str], profile, cap: int | None = None):
+        conversations = [prompts.build_messages(profile, guidance, t) for t in tickets]
+        return dict(zip([t.key for t in tickets], messages_tokens(counter, conversations)))
+
+    return lengths
 
 
 def max_token_chars(tokenizer) -> int:

@@ -22,18 +22,32 @@ from .records import ENGINES, EngineSettings
 _DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
 
 
-def build_engine(device, model: ModelRef, settings: EngineSettings = EngineSettings()):
+def preload(model: ModelRef, settings: EngineSettings = EngineSettings()):
+    """What every worker of this engine would load alike, loaded once in the parent before it
+    forks the pool, so that each worker inherits it (pass it to ``build_engine``): the
+    simulated engine's token counter (``simulated_engine.preloaded_counter``: a
+    ``tokenizer.json`` read without any thread). None for the model engines: their model and
+    tokenizer need torch or transformers, which the parent never imports."""
+    if settings.engine != "simulated":
+        return None
+    from .simulated_engine import preloaded_counter
+
+    return preloaded_counter(model)
+
+
+def build_engine(device, model: ModelRef, settings: EngineSettings = EngineSettings(), preloaded=None):
     """The engine ``settings.engine`` ("transformers", "vllm" or "simulated") for ``device``,
     with ``model`` loaded as it is: its path was checked in the parent
     (``model_path.check_model_path``) and is not checked again here. The simulated engine
-    loads no model, only ``model``'s tokenizer, and never touches torch."""
+    loads no model, only ``model``'s tokenizer (``preloaded``: ``preload``'s, inherited from
+    the parent), and never touches torch."""
     device = device if isinstance(device, Device) else msgspec.convert(device, Device)
     if settings.engine not in ENGINES:
         raise ValueError(f"unknown engine {settings.engine!r} (expected one of {', '.join(ENGINES)})")
     if settings.engine == "simulated":
         from .simulated_engine import build_simulated_engine
 
-        return build_simulated_engine(device, model, settings)
+        return build_simulated_engine(device, model, settings, preloaded)
     if device.kind == "cuda":
         _pin_cuda_environment()
     if settings.engine == "vllm":

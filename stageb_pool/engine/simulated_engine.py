@@ -23,12 +23,15 @@ The latency model (documented with its sources in docs/performance.md), per requ
 
 A rollout chunk is one batch per (decode, sample) over its kept tickets (as the transformers
 engine generates it); a batch runs until its longest row stops, modelled as the decode's
-``max_new_tokens``. The proposer call is one batch of one row with its own prompt and
-``max_new_tokens``; the headroom check (verdict probabilities) is a prefill only. Prompt
-tokens are counted with the configured model's own tokenizer (``token_counter``) on the
-rendered messages, plus the chat template's few tokens per message (``CHAT_TOKENS_PER_MESSAGE``),
-so tickets with longer summaries cost more and a longer guidance costs every prompt more.
-The engine sleeps ``seconds x time_scale``; ``modelled_s`` adds up the unscaled seconds.
+``max_new_tokens`` (pessimistic: a verdict answer is a few tokens). The proposer call is one
+batch of one row: its prompt, then the tokens of the answer it returns (``ChatResult``'s
+``completion_tokens``, at most ``max_new_tokens``), as a real engine stops at the answer's
+end; the headroom check (verdict probabilities) is a prefill only. Prompt tokens are counted
+with the configured model's own tokenizer (``TokenCounter``: each distinct line encoded once
+per process) on the rendered messages, plus the chat template's few tokens per message
+(``CHAT_TOKENS_PER_MESSAGE``), so tickets with longer summaries cost more and a longer
+guidance costs every prompt more. The engine sleeps ``seconds x time_scale``; ``modelled_s``
+adds up the unscaled seconds.
 """
 
 from __future__ import annotations
@@ -98,24 +101,125 @@ def chat_seconds(settings: SimulatedSettings, prompt_tokens: int, new_tokens: in
 # ----------------------------------------------------------------------------- token counts
 
 
-def token_counter(model: ModelRef):
-    """``count(texts) -> [tokens per text]`` with the tokenizer of ``model`` (``model.path`` as
-    the parent checked it), loaded cheaply: the bare ``tokenizers`` BPE of the tiny model or a
-    checkpoint's ``tokenizer.json`` (the embedded model's converted copy included); only a
-    model without one (a .gguf file) loads the transformers tokenizer."""
+# A line break between two non-space characters is a boundary of the byte-level BPE's
+# pre-tokenizer (GPT-2's split pattern makes "\n" a word of its own there, at the end of a
+# text as inside one), and BPE merges never cross a word: the text's tokens are its pieces'
+# tokens, split after each such line break.
+_LINE_BOUNDARY = re.compile(r"(?<=\S\n)(?=\S)")
+MEMO_LIMIT = 200_000  # distinct pieces a counter remembers (then it starts over)
+
+
+class TokenCounter:
+    """``count(texts) -> [tokens per text]`` with a tokenizer's ``encode_len(text)``, each
+    distinct piece of text encoded once per process: a prompt is split into lines where that
+    is exact (``split_lines``: a byte-level BPE without a normaliser), so the guidance's
+    rules, the template and a ticket's summaries are each encoded once, however many prompts
+    and guidances they appear in; a text that cannot be split is remembered whole. The
+    simulated worker's CPU per chunk is then a few dictionary look-ups, not the tokenizer."""
+
+    def __init__(self, encode_len, *, split_lines: bool):
+        self.encode_len = encode_len
+        self.split_lines = split_lines
+        self.memo: dict[str, int] = {}
+        self.encoded = 0  # pieces encoded so far (the rest came from the memo)
+
+    def __call__(self, texts) -> list[int]:
+        return [self.count(text) for text in texts]
+
+    def count(self, text: str) -> int:
+        if not self.split_lines:
+            return self._piece(text)
+        return sum(self._piece(piece) for piece in _LINE_BOUNDARY.split(text))
+
+    def _piece(self, text: str) -> int:
+        n = self.memo.get(text)
+        if n is None:
+            if len(self.memo) >= MEMO_LIMIT:
+                self.memo.clear()
+            n = self.memo[text] = self.encode_len(text)
+            self.encoded += 1
+        return n
+
+
+def splits_exactly(fast) -> bool:
+    """Whether counting a text's lines apart gives its token count (``_LINE_BOUNDARY``): no
+    normaliser, GPT-2's byte-level pre-tokenizer, and no added token spanning a line break."""
+    from tokenizers import pre_tokenizers
+
+    pre = fast.pre_tokenizer
+    return (fast.normalizer is None and isinstance(pre, pre_tokenizers.ByteLevel) and pre.use_regex
+            and not any("\n" in token.content for token in fast.get_added_tokens_decoder().values()))
+
+
+def fast_counter(fast) -> TokenCounter:
+    """A ``TokenCounter`` over a ``tokenizers.Tokenizer``. ``encode``, never ``encode_batch``:
+    a batch starts the library's thread pool, and the parent loads the counter before it
+    forks (``preloaded_counter``), when no thread may exist."""
+    return TokenCounter(lambda text: len(fast.encode(text, add_special_tokens=False).ids),
+                        split_lines=splits_exactly(fast))
+
+
+def tokenizer_file(model: ModelRef) -> Path | None:
+    """The ``tokenizer.json`` of ``model`` when it is already on disk (a checkpoint's, or the
+    embedded model's converted copy), without converting or loading anything."""
+    from . import models
+
+    if model.kind == "embedded":
+        path = models.embedded_cache_dir() / "tokenizer.json"
+    elif model.kind == "checkpoint":
+        path = Path(model.path) / "tokenizer.json"
+    else:
+        return None
+    return path if path.is_file() else None
+
+
+def token_counter(model: ModelRef) -> TokenCounter:
+    """The counter with the tokenizer of ``model`` (``model.path`` as the parent checked it),
+    loaded cheaply: the bare ``tokenizers`` BPE of the tiny model or a checkpoint's
+    ``tokenizer.json`` (the embedded model's converted copy included); only a model without
+    one (a .gguf file) loads the transformers tokenizer."""
     from tokenizers import Tokenizer
 
     from . import models, tiny
 
     if model.kind == "tiny":
-        fast = tiny.build_bpe()
-    else:
-        folder = models.ensure_embedded() if model.kind == "embedded" else Path(model.path)
-        fast = Tokenizer.from_file(str(folder / "tokenizer.json")) if (folder / "tokenizer.json").is_file() else None
-    if fast is not None:
-        return lambda texts: [len(e.ids) for e in fast.encode_batch(list(texts), add_special_tokens=False)]
+        return fast_counter(tiny.build_bpe())
+    path = tokenizer_file(model)
+    if path is None and model.kind == "embedded":
+        path = models.ensure_embedded() / "tokenizer.json"
+    if path is not None and path.is_file():
+        return fast_counter(Tokenizer.from_file(str(path)))
     slow = models.tokenizer_only(model)
-    return lambda texts: [len(ids) for ids in slow(list(texts), add_special_tokens=False)["input_ids"]]
+    return TokenCounter(lambda text: len(slow(text, add_special_tokens=False)["input_ids"]), split_lines=False)
+
+
+def messages_tokens(count, conversations: list[list[dict]]) -> list[int]:
+    """Prompt tokens of each conversation as the simulated engine measures them (its contents,
+    plus the chat template's tokens), with ``count`` (a ``TokenCounter``)."""
+    contents = [m["content"] for messages in conversations for m in messages]
+    counts = iter(count(contents))
+    return [sum(next(counts) + CHAT_TOKENS_PER_MESSAGE for _ in messages) + GENERATION_PROMPT_TOKENS
+            for messages in conversations]
+
+
+_preloaded: dict[ModelRef, TokenCounter] = {}
+
+
+def preloaded_counter(model: ModelRef) -> TokenCounter | None:
+    """The counter of ``model``, loaded once in this process (the parent, before it forks the
+    pool: every simulated worker inherits it instead of loading the tokenizer itself, 0.13 s
+    of CPU each) when that is safe and cheap: a ``tokenizer.json`` already on disk, read by
+    the ``tokenizers`` library, which starts no thread for it (the tiny model's BPE is
+    trained, which does, and a conversion would import torch). None otherwise: each worker
+    loads its own."""
+    if model not in _preloaded:
+        path = tokenizer_file(model)
+        if path is None:
+            return None
+        from tokenizers import Tokenizer
+
+        _preloaded[model] = fast_counter(Tokenizer.from_file(str(path)))
+    return _preloaded[model]
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -123,7 +227,8 @@ def token_counter(model: ModelRef):
 
 class SimulatedEngine:
     """The simulated engine on one (pretend) device: the real engines' methods, verdicts from
-    ``rule_judge``, a sleep from the latency model. ``count`` is a ``token_counter``."""
+    ``rule_judge``, a sleep from the latency model. ``count`` is a ``TokenCounter`` (or any
+    ``count(texts) -> [tokens]``)."""
 
     def __init__(self, device: Device, count, *, settings: SimulatedSettings = SimulatedSettings(),
                  model_path: str = ""):
@@ -142,11 +247,7 @@ class SimulatedEngine:
         return self.messages_tokens([messages])[0]
 
     def messages_tokens(self, conversations: list[list[dict]]) -> list[int]:
-        """Prompt tokens of each conversation (its contents, plus the chat template's tokens)."""
-        contents = [m["content"] for messages in conversations for m in messages]
-        counts = iter(self.count(contents))
-        return [sum(next(counts) + CHAT_TOKENS_PER_MESSAGE for _ in messages) + GENERATION_PROMPT_TOKENS
-                for messages in conversations]
+        return messages_tokens(self.count, conversations)
 
     def _prompt_tokens(self, tickets, guidance: dict[str, str], profile) -> list[int]:
         return self.messages_tokens([prompts.build_messages(profile, guidance, t) for t in tickets])
@@ -209,8 +310,10 @@ class SimulatedEngine:
         if not fits:
             return ChatResult(None, k, len(row))
         text = proposed_rules(request.examples[:k], request.seed_key)
-        self._sleep(chat_seconds(self.settings, len(row), request.decode.max_new_tokens))
-        return ChatResult(text, k, len(row), self.count([text])[0], "stop")
+        # The answer's own tokens (a real engine stops at its end), at most the budget.
+        completion = self.count([text])[0]
+        self._sleep(chat_seconds(self.settings, len(row), min(completion, request.decode.max_new_tokens)))
+        return ChatResult(text, k, len(row), completion, "stop")
 
 
 def proposed_rules(examples: list[str], seed_key: str) -> str:
@@ -233,7 +336,10 @@ def proposed_rules(examples: list[str], seed_key: str) -> str:
          "rationale": f"the falsely passed tickets show {word}"} for word in picked]})
 
 
-def build_simulated_engine(device: Device, model: ModelRef, settings: EngineSettings) -> SimulatedEngine:
-    """The engine for a worker: ``model`` only chooses the tokenizer that counts the tokens;
+def build_simulated_engine(device: Device, model: ModelRef, settings: EngineSettings,
+                           count: TokenCounter | None = None) -> SimulatedEngine:
+    """The engine for a worker: ``model`` only chooses the tokenizer that counts the tokens
+    (``count``: its counter, already loaded by the parent; None: loaded here);
     ``settings.simulated`` is the latency model."""
-    return SimulatedEngine(device, token_counter(model), settings=settings.simulated, model_path=model.path)
+    return SimulatedEngine(device, count or token_counter(model), settings=settings.simulated,
+                           model_path=model.path)

@@ -10,7 +10,7 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
   expensive first for tasks submitted with a ``cost``; one task in flight per worker, or
   ``depth`` where a transport's round trip is worth hiding (the next task then waits in the
   worker, which runs its tasks in order; free workers are served first);
-- one ``Slot`` per rank: its ``WorkerState``, the tasks in flight and the deadline of the
+- one ``Slot`` per rank (slots.py): its ``WorkerState``, the tasks in flight and the deadline of the
   state it is in (engine start, the running task, exit report), and the mirror of its
   snapshot cache;
 - faults: a worker past its deadline is killed; once its exit is reported it is replaced
@@ -23,11 +23,9 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
 
 from __future__ import annotations
 
-import enum
 import heapq
 import logging
 import time
-from collections import deque
 from typing import NamedTuple, Protocol
 
 import msgspec
@@ -36,7 +34,8 @@ from . import protocol
 from .engine_agreement import ACCEPT_ANY, EngineAgreement
 from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTimeout
 from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snapshot, Task
-from .snapshots import SnapshotCache, SnapshotStore
+from .slots import Earliest, Slot, Trouble, WorkerState
+from .snapshots import SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
 
 log = logging.getLogger("stageb_pool.pool")
@@ -96,52 +95,6 @@ class Transport(Protocol):
 
     def close(self, busy: list[int]) -> None:
         """Stop every worker (``busy`` ones at once) and release everything."""
-
-
-# -- the parent's view of one worker ----------------------------------------------------------
-class WorkerState(enum.Enum):
-    SPAWNING = "spawning"  # asked for; no process reported yet (start_timeout)
-    STARTING = "starting"  # its process builds the engine (start_timeout)
-    IDLE = "idle"
-    BUSY = "busy"  # tasks in flight; the first is running (task_timeout)
-    LOST = "lost"  # its channel closed; the exit report is due (EXIT_REPORT_GRACE)
-    KILLED = "killed"  # killed by the pool; the exit report is due (KILL_REPORT_TIMEOUT)
-    DEAD = "dead"  # exit reported
-
-
-class Trouble(NamedTuple):
-    """The first sign that a worker is failing: what it was doing, and the limit it
-    exceeded (None when it died or closed its channel)."""
-
-    during: WorkerState
-    timeout: float | None
-
-
-class Slot:
-    """The parent's view of the worker of one rank (one process; a replacement gets a new Slot)."""
-
-    def __init__(self, rank: int, device, deadline: float | None):
-        self.rank, self.device = rank, device
-        self.state = WorkerState.SPAWNING
-        self.deadline = deadline  # of the current state; None: no limit
-        self.pid: int | None = None
-        self.tasks: deque[TaskHandle] = deque()  # in flight, in the order the worker runs them
-        self.started = 0.0  # when the running task (the first) started, as far as we know
-        self.next_warning: float | None = None  # when the running task's silence is next reported
-        self.trouble: Trouble | None = None
-        self.cache = SnapshotCache()
-
-    @property
-    def task(self) -> TaskHandle | None:
-        """The task the worker is running (the first in flight), if any."""
-        return self.tasks[0] if self.tasks else None
-
-    def where(self) -> dict:
-        """The keyword arguments that locate a fault of this worker in an error."""
-        task = self.task
-        starting = self.trouble is not None and self.trouble.during is WorkerState.STARTING
-        return dict(rank=self.rank, device=self.device.name, index=task.index if task else None,
-                    method=task.method if task else ("engine_factory" if starting else None))
 
 
 class TaskQueue:
@@ -204,6 +157,11 @@ class Dispatcher:
         self.worker_info: list[dict] = [{} for _ in devices]
         self._outcomes: list[Outcome] = []
         self._started = False
+        self._earliest = Earliest()  # no deadline or warning of any slot is before it
+        # Ranks that may be idle (every idle one is here): depth-1 dispatch visits these, not
+        # every worker, at each event; and the ranks that may have pinned tasks queued.
+        self._free: set[int] = set()
+        self._pinned: set[int] = set()
 
     @property
     def pids(self) -> list[int | None]:
@@ -211,7 +169,8 @@ class Dispatcher:
 
     def start(self) -> None:
         """Start every worker; return once all are ready."""
-        self.slots = [Slot(rank, device, _deadline(self.start_timeout)) for rank, device in enumerate(self.devices)]
+        self.slots = [Slot(rank, device, _deadline(self.start_timeout), self._earliest)
+                      for rank, device in enumerate(self.devices)]
         for rank in range(len(self.devices)):
             self.transport.spawn(rank)
         while any(slot.state is not WorkerState.IDLE for slot in self.slots):
@@ -220,6 +179,8 @@ class Dispatcher:
         self._started = True
 
     def submit(self, task: TaskHandle) -> None:
+        if task.rank is not None:
+            self._pinned.add(task.rank)
         self.queue.push(task)
 
     def advance(self, waiting) -> list[Outcome]:
@@ -236,10 +197,8 @@ class Dispatcher:
     def _step(self) -> None:
         self._dispatch()
         # a busy worker's next stall warning wakes the loop too, also when its task has no deadline
-        deadlines = [t for slot in self.slots
-                     for t in (slot.deadline, slot.next_warning if slot.state is WorkerState.BUSY else None)
-                     if t is not None]
-        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        earliest = self._earliest.at
+        timeout = max(0.0, earliest - time.monotonic()) if earliest is not None else None
         for event in self.transport.poll(timeout):
             slot = self.slots[event.rank]
             if isinstance(event, WorkerStarted):
@@ -255,6 +214,9 @@ class Dispatcher:
         self._dispatch()
 
     def _dispatch(self) -> None:
+        if self.depth == 1:
+            self._dispatch_to_free()
+            return
         # Round by round: every idle worker gets a task before any gets a second one, and a
         # second only while more tasks are queued than there are workers: the last ones go
         # to whichever worker is free first, never behind a long task (a short tail).
@@ -266,6 +228,26 @@ class Dispatcher:
                     task = self.queue.pop(slot.rank)
                     if task is not None:
                         self._send_task(slot, task)
+
+    def _dispatch_to_free(self) -> None:
+        """One task to each idle worker, in rank order (as the rounds above, with depth 1),
+        visiting only the ranks in ``_free``: once the shared queue is empty, only ranks that
+        may have pinned tasks are asked."""
+        exhausted = False  # the queue holds no task any worker may run
+        for rank in sorted(self._free):
+            slot = self.slots[rank]
+            if slot.state is not WorkerState.IDLE or slot.tasks:
+                self._free.discard(rank)
+                continue
+            if exhausted and rank not in self._pinned:
+                continue
+            task = self.queue.pop(rank)
+            if task is None:  # neither the shared queue nor this rank's has a task
+                exhausted = True
+                self._pinned.discard(rank)
+                continue
+            self._free.discard(rank)
+            self._send_task(slot, task)
 
     def _send_task(self, slot: Slot, task: TaskHandle) -> None:
         if not slot.tasks:  # it starts at once; a later one when those before it are done
@@ -293,6 +275,7 @@ class Dispatcher:
             if msg.version != PROTOCOL_VERSION:
                 raise ProtocolError(f"worker {slot.rank} speaks protocol {msg.version}, the parent {PROTOCOL_VERSION}")
             slot.state, slot.deadline = WorkerState.IDLE, None
+            self._free.add(slot.rank)
             slot.pid = slot.pid or msg.pid  # a backend may only learn it here (Ray)
             self.worker_info[slot.rank] = msg.info
             if self._started:  # a replacement; at start all are compared at once
@@ -311,6 +294,7 @@ class Dispatcher:
                     self._start_running(slot, now)
                 else:
                     slot.state, slot.deadline, slot.next_warning = WorkerState.IDLE, None, None
+                    self._free.add(slot.rank)
             if isinstance(msg, Result):
                 self._outcomes.append(Outcome(task, raw=msg.value))
             else:
@@ -345,6 +329,8 @@ class Dispatcher:
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
+        if self._earliest.at is None or now < self._earliest.at:
+            return  # no slot's time has come: nothing to scan
         for slot in self.slots:
             if slot.next_warning is not None and now >= slot.next_warning and slot.state is WorkerState.BUSY:
                 self._warn_stalled(slot, now)
@@ -360,6 +346,13 @@ class Dispatcher:
                 slot.trouble = Trouble(slot.state, limit)
             slot.state, slot.deadline, slot.next_warning = WorkerState.KILLED, now + KILL_REPORT_TIMEOUT, None
             self.transport.kill(slot.rank)
+        # The exact earliest time again (a busy worker's next stall warning counts; an idle
+        # one has none).
+        self._earliest.at = None
+        for slot in self.slots:
+            self._earliest.lower(slot.deadline)
+            if slot.state is WorkerState.BUSY:
+                self._earliest.lower(slot.next_warning)
 
     def _on_exited(self, slot: Slot, exited: WorkerExited) -> None:
         """The worker is gone: replace it and retry its tasks, or raise."""
@@ -387,7 +380,7 @@ class Dispatcher:
         raise fault
 
     def _spawn(self, rank: int) -> None:
-        self.slots[rank] = Slot(rank, self.devices[rank], _deadline(self.start_timeout))
+        self.slots[rank] = Slot(rank, self.devices[rank], _deadline(self.start_timeout), self._earliest)
         self.transport.spawn(rank)
 
 

@@ -23,7 +23,7 @@ from .fork_transport import ForkedTransport
 from .inline import InlineRunner
 from .cluster_probe import CONNECT_TIMEOUT
 from .protocol import MAX_FRAME_BYTES, encode
-from .snapshots import SnapshotStore
+from .snapshots import SharedValue, SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
 
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week; a longer limit is a typo (and overflows select())
@@ -160,6 +160,12 @@ class Pool:
         if label is not None and not isinstance(label, str):
             raise ValueError(f"label must be a string or None, got {label!r}")
         return self._submit(method, item, rank, result_type, self._snapshots.share(shared), cost, label)
+
+    def share(self, value) -> SharedValue:
+        """``value`` encoded once, to pass as a shared keyword of many ``submit`` calls
+        (``submit("m", item, guidance=pool.share(g))``): the same snapshot as the value
+        itself, without encoding and hashing it again for each task."""
+        return self._snapshots.encode(value)
 
     def gather(self, tasks, *, on_result=None) -> list:
         """Run the pool until every task is done; results in the order of ``tasks``.

@@ -169,6 +169,16 @@ class FrameReader:
         self.max_frame = max_frame
         self.buffer = bytearray()
 
+    def needed(self) -> int:
+        """The bytes that would complete the frame being read (its header first): how much
+        the parent asks a ready socket for, so that a read allocates what the frame needs and
+        a big frame takes few reads."""
+        have = len(self.buffer)
+        if have < HEADER.size:
+            return HEADER.size - have
+        (size,) = HEADER.unpack_from(self.buffer)
+        return max(HEADER.size + size - have, 0)
+
     def feed(self, data: bytes) -> list[Message]:
         """The messages of the frames that ``data`` completes."""
         return [decode(body) for body in self.bodies(data)]

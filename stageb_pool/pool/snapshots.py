@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import NamedTuple
 
 from . import protocol
 from .errors import FrameTooLarge
 
 SNAPSHOT_CACHE_SIZE = 8  # distinct shared values each worker keeps (a baseline + candidates)
+
+
+class SharedValue(NamedTuple):
+    """A shared value encoded once (``Pool.share``): passed to ``submit`` in place of the
+    value, it is neither encoded nor hashed again (a rollout's chunks share one guidance)."""
+
+    key: str
+    data: bytes
 
 
 class SnapshotStore:
@@ -25,12 +34,18 @@ class SnapshotStore:
         self.max_frame = max_frame
         self._values: dict[str, list] = {}  # key -> [encoded value, tasks using it]
 
+    def encode(self, value) -> SharedValue:
+        """``value`` encoded and keyed by the hash of its bytes (equal encodings are one
+        snapshot)."""
+        data = protocol.encode(value)
+        return SharedValue(hashlib.sha256(data).hexdigest()[:16], data)
+
     def share(self, shared: dict) -> dict[str, str]:
-        """Snapshot keys (name -> key) of shared values; each distinct value is encoded once."""
+        """Snapshot keys (name -> key) of shared values; each distinct value is encoded once
+        (a ``SharedValue`` already is)."""
         keys = {}
         for name, value in shared.items():
-            data = protocol.encode(value)
-            key = hashlib.sha256(data).hexdigest()[:16]  # equal encodings are one snapshot
+            key, data = value if isinstance(value, SharedValue) else self.encode(value)
             if key not in self._values:
                 if len(data) > self.max_frame:
                     raise FrameTooLarge(len(data), self.max_frame, f"shared value {name!r}")

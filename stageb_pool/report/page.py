@@ -51,6 +51,12 @@ CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
 # -- the page ------------------------------------------------------------------------------
+def load_chart_libraries() -> None:
+    """Import what ``render_report`` draws with (matplotlib, seconds), ahead of a render, with
+    matplotlib's folders as ``render_report`` sets them (``_import_charts``)."""
+    _import_charts()
+
+
 def render_report(run_dir) -> str:
     """The report of ``run_dir`` as one HTML document. Raises ReportError when the directory
     is not a run; anything a run of another version lacks, or a file that cannot be read as

@@ -138,13 +138,19 @@ class RolloutRunner:
         self._cache: dict[str, ChunkResult] = {}
         self._inflight: dict[str, object] = {}  # cache key -> pool task, submitted, not yet gathered
         self._done_s: dict[str, float] = {}
+        self._profile_snapshot = None
+        self._verdicts: dict[str, object] = {}  # answer text -> parsed verdict (answers repeat)
 
     # -- submission ---------------------------------------------------------------------------
 
     def submit(self, spec: RolloutSpec) -> Pending:
-        """Queue every chunk of ``spec`` that is neither cached nor already in flight."""
+        """Queue every chunk of ``spec`` that is neither cached nor already in flight. What
+        all chunks share (the guidance and profile snapshots, the guidance's part of the
+        cost estimate, the sampler's fields) is encoded or computed once per rollout."""
         guidance_hash = spec.guidance_hash
         sampler = msgspec.to_builtins(spec.sampler)
+        rules_chars = guidance_chars(spec.guidance)
+        shared = None  # the snapshots, encoded at the first chunk to generate
         parts = []
         for index, start in enumerate(range(0, len(spec.tickets), self.chunk_size)):
             tickets = spec.tickets[start : start + self.chunk_size]
@@ -164,13 +170,22 @@ class RolloutRunner:
                     return_token_ids=self.save_rollouts,
                     constrain_verdict=spec.sampler.constrain_verdict,
                 )
+                if shared is None:
+                    shared = dict(guidance=self.pool.share(spec.guidance), profile=self._shared_profile())
                 self._inflight[key] = self.pool.submit(
-                    "rollout", chunk, guidance=spec.guidance, profile=self.profile,
-                    result_type=ChunkResult, cost=chunk_cost(tickets, spec.guidance, spec.sampler),
+                    "rollout", chunk, result_type=ChunkResult,
+                    cost=chunk_cost(tickets, rules_chars, spec.sampler),
                     label=spec.name,  # the report's timeline: which rollout kept a worker busy
+                    **shared,
                 )
             parts.append(_Part(key, len(tickets), owner))
         return Pending(spec, guidance_hash, parts)
+
+    def _shared_profile(self):
+        """The profile's snapshot, encoded once per runner."""
+        if self._profile_snapshot is None:
+            self._profile_snapshot = self.pool.share(self.profile)
+        return self._profile_snapshot
 
     def submit_chat(self, request: ChatRequest) -> Pending:
         """Queue one free-form generation (the proposer); ``wait`` returns its ChatResult."""
@@ -263,6 +278,17 @@ class RolloutRunner:
         """Submit and wait for one rollout."""
         return self.wait([self.submit(spec)])[0]
 
+    def _parsed(self, text: str):
+        """``parse_verdict`` of an answer under this runner's profile, once per distinct
+        text: a judge's answers repeat ("Verdict: pass" with a few reasons), and the
+        parsing is the parent's largest cost per item."""
+        parsed = self._verdicts.get(text)
+        if parsed is None:
+            if len(self._verdicts) >= VERDICT_MEMO:
+                self._verdicts.clear()
+            parsed = self._verdicts[text] = verdicts.parse_verdict(text, self.profile.verdict)
+        return parsed
+
     def _assemble(self, pending: Pending) -> RolloutResult:
         spec = pending.spec
         stats, dropped, rollouts = {}, {}, {}
@@ -281,7 +307,7 @@ class RolloutRunner:
                 if rollout.dropped:
                     dropped[ticket.key] = rollout.prompt_tokens
                     continue
-                parsed = [verdicts.parse_verdict(s.text, self.profile.verdict) for s in rollout.samples]
+                parsed = [self._parsed(s.text) for s in rollout.samples]
                 stats[ticket.key] = verdicts.ticket_stats(ticket.key, ticket.label, parsed)
                 rollouts[ticket.key] = rollout
                 n += len(rollout.samples)
@@ -310,17 +336,29 @@ class RolloutRunner:
         )
 
 
-def chunk_cost(tickets: list[Ticket], guidance: dict[str, str], sampler: SamplerConfig) -> float:
+def chunk_cost(tickets: list[Ticket], rules_chars: int, sampler: SamplerConfig) -> float:
     """A chunk's expected work, for the pool to start the most expensive chunks first (a
     shorter tail than submission order; seeds do not depend on the order): its prompt
-    characters times the samples it generates."""
-    return prompt_chars(tickets, guidance) * len(sampler.grid) * sampler.samples_per_decode
+    characters (``rules_chars``: the guidance's, ``guidance_chars``, counted once per
+    rollout) times the samples it generates."""
+    return tickets_prompt_chars(tickets, rules_chars) * len(sampler.grid) * sampler.samples_per_decode
 
 
 def prompt_chars(tickets: list[Ticket], guidance: dict[str, str]) -> float:
     """The prompt characters of a chunk: each ticket's summaries plus the guidance."""
-    guidance_chars = sum(len(rule) for rule in guidance.values())
-    return float(sum(sum(len(text) for text in t.per_image.values()) + guidance_chars for t in tickets))
+    return tickets_prompt_chars(tickets, guidance_chars(guidance))
+
+
+def guidance_chars(guidance: dict[str, str]) -> int:
+    return sum(len(rule) for rule in guidance.values())
+
+
+def tickets_prompt_chars(tickets: list[Ticket], rules_chars: int) -> float:
+    """``prompt_chars`` with the guidance's characters already counted."""
+    return float(sum(sum(len(text) for text in t.per_image.values()) + rules_chars for t in tickets))
+
+
+VERDICT_MEMO = 100_000  # distinct answer texts whose parsed verdict a runner remembers
 
 
 def _check_chunk(result: ChunkResult, tickets: list[Ticket], key: str) -> None:

@@ -1,0 +1,94 @@
+"""The parent's view of each worker of a process pool: its ``Slot`` (state, tasks in flight,
+the deadline of the state it is in, the mirror of its snapshot cache), the states a worker
+goes through (``WorkerState``), the first sign of its trouble (``Trouble``), and the lower
+bound of every slot's deadline (``Earliest``) that lets the dispatcher scan the slots only
+when one is due. The dispatcher (dispatch.py) moves slots between states."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import NamedTuple
+
+from .snapshots import SnapshotCache
+from .tasks import TaskHandle
+
+
+class WorkerState(enum.Enum):
+    SPAWNING = "spawning"  # asked for; no process reported yet (start_timeout)
+    STARTING = "starting"  # its process builds the engine (start_timeout)
+    IDLE = "idle"
+    BUSY = "busy"  # tasks in flight; the first is running (task_timeout)
+    LOST = "lost"  # its channel closed; the exit report is due (EXIT_REPORT_GRACE)
+    KILLED = "killed"  # killed by the pool; the exit report is due (KILL_REPORT_TIMEOUT)
+    DEAD = "dead"  # exit reported
+
+
+class Trouble(NamedTuple):
+    """The first sign that a worker is failing: what it was doing, and the limit it
+    exceeded (None when it died or closed its channel)."""
+
+    during: WorkerState
+    timeout: float | None
+
+
+class Earliest:
+    """A lower bound of every slot's deadline and next stall warning, kept without scanning
+    the slots at each event: a slot that sets a time lowers it (``Slot``'s setters), and the
+    dispatcher recomputes it exactly (one scan) only once it has passed. Times cleared or
+    moved later leave it low: the loop then wakes early once, which costs one scan."""
+
+    __slots__ = ("at",)
+
+    def __init__(self):
+        self.at: float | None = None
+
+    def lower(self, t: float | None) -> None:
+        if t is not None and (self.at is None or t < self.at):
+            self.at = t
+
+
+class Slot:
+    """The parent's view of the worker of one rank (one process; a replacement gets a new Slot)."""
+
+    def __init__(self, rank: int, device, deadline: float | None, earliest: Earliest | None = None):
+        self.rank, self.device = rank, device
+        self.earliest = earliest or Earliest()
+        self.state = WorkerState.SPAWNING
+        self.deadline = deadline  # of the current state; None: no limit
+        self.pid: int | None = None
+        self.tasks: deque[TaskHandle] = deque()  # in flight, in the order the worker runs them
+        self.started = 0.0  # when the running task (the first) started, as far as we know
+        self.next_warning: float | None = None  # when the running task's silence is next reported
+        self.trouble: Trouble | None = None
+        self.cache = SnapshotCache()
+
+    @property
+    def deadline(self) -> float | None:
+        return self._deadline
+
+    @deadline.setter
+    def deadline(self, t: float | None) -> None:
+        self._deadline = t
+        self.earliest.lower(t)
+
+    @property
+    def next_warning(self) -> float | None:
+        return self._next_warning
+
+    @next_warning.setter
+    def next_warning(self, t: float | None) -> None:
+        self._next_warning = t
+        self.earliest.lower(t)
+
+    @property
+    def task(self) -> TaskHandle | None:
+        """The task the worker is running (the first in flight), if any."""
+        return self.tasks[0] if self.tasks else None
+
+    def where(self) -> dict:
+        """The keyword arguments that locate a fault of this worker in an error."""
+        task = self.task
+        starting = self.trouble is not None and self.trouble.during is WorkerState.STARTING
+        return dict(rank=self.rank, device=self.device.name, index=task.index if task else None,
+                    method=task.method if task else ("engine_factory" if starting else None))
