@@ -48,7 +48,8 @@ def test_volatile_lists_match_the_contract():
     inputs = ("config.stage_a_paths", "config.guidance.path", "config.prompt.profile",
               "config.rule_search.proposer_prompt_path", "config.ticket_filter.exclude_ticket_keys_path",
               "config.stage_b_distillation.log_chatml_path")
-    assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output", *inputs), "summary.json": ("timing", "workers")}
+    assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output", *inputs, "config.runner.speculate"),
+                              "summary.json": ("timing", "workers")}
     assert VOLATILE_FILES == {"pool_timeline.jsonl", "report.html"}
 
 

@@ -73,7 +73,9 @@ def test_a_run_writes_its_timeline_and_its_report(run_dir):
     timeline = rows(run_dir / "pool_timeline.jsonl")
     assert {tuple(r) for r in timeline} == {("rank", "device", "method", "label", "start_s", "end_s")}
     assert {r["device"] for r in timeline} == {"cpu:0", "cpu:1"}
-    assert [r["label"] for r in timeline if r["method"] == "chat"] == ["proposer"] * 5  # one call per iteration
+    chats = [r["label"] for r in timeline if r["method"] == "chat"]
+    # one call per iteration, plus at most one speculated ahead and wasted per accepted edit (2)
+    assert set(chats) == {"proposer"} and 5 <= len(chats) <= 7
     assert "train/it1/base" in {r["label"] for r in timeline} and "train/it1/cand1" in {r["label"] for r in timeline}
     assert {r["label"] for r in timeline if r["method"] == "verdict_probabilities"} == {"headroom"}
     assert all(0 <= r["start_s"] <= r["end_s"] for r in timeline)

@@ -31,7 +31,8 @@ VOLATILE_PATHS: dict[str, tuple[str, ...]] = {
     # were read from (inputs are identified by content: provenance and state.json hold hashes)
     "run.json": ("invocation", "config.output", "config.stage_a_paths", "config.guidance.path",
                  "config.prompt.profile", "config.rule_search.proposer_prompt_path",
-                 "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path"),
+                 "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path",
+                 "config.runner.speculate"),  # how fast, never what: speculation leaves every result as it is
     "summary.json": ("timing", "workers"),  # wall time per phase; throughput and restarts per worker
 }
 

@@ -5,7 +5,7 @@ everything the search's results depend on, and nothing else:
 
 - the resolved config without the keys that do not change a result: ``output`` (where the
   run is written), ``pool`` (timeouts and restarts), ``runner.epochs`` (the budget: raising
-  it extends a run), ``stage_b_distillation.log_chatml_path`` (where the export goes) and
+  it extends a run), ``runner.speculate`` (work computed ahead, never different work), ``stage_b_distillation.log_chatml_path`` (where the export goes) and
   ``headroom`` (the judge-headroom check only reports; the search never reads it);
 - the inputs by content, never by path, so a data folder may move: the tickets (in run
   order, ``tickets_hash``), and in place of their paths the content of the seed guidance,
@@ -21,7 +21,7 @@ from ..stageb.hashing import content_hash, tickets_hash
 from .config import config_document
 
 # Keys whose value does not change what a run computes (see the module docstring).
-NOT_IDENTITY = ("output", "pool", "runner.epochs", "stage_b_distillation.log_chatml_path", "stage_a_paths",
+NOT_IDENTITY = ("output", "pool", "runner.epochs", "runner.speculate", "stage_b_distillation.log_chatml_path", "stage_a_paths",
                 "ticket_filter.exclude_ticket_keys_path", "headroom")
 
 

@@ -24,7 +24,6 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
 from __future__ import annotations
 
 import enum
-import heapq
 import logging
 import time
 from collections import deque
@@ -37,7 +36,7 @@ from .engine_agreement import ACCEPT_ANY, EngineAgreement
 from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTimeout
 from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snapshot, Task
 from .snapshots import SnapshotCache, SnapshotStore
-from .tasks import Outcome, PoolStats, TaskHandle
+from .tasks import Outcome, PoolStats, TaskHandle, TaskQueue
 
 log = logging.getLogger("stageb_pool.pool")
 
@@ -144,44 +143,6 @@ class Slot:
                     method=task.method if task else ("engine_factory" if starting else None))
 
 
-class TaskQueue:
-    """Tasks waiting for a worker: one heap for any worker, one per rank for pinned tasks.
-
-    A free worker takes, among the tasks it may run: a retried task first (it is older than
-    anything still queued); then tasks without a cost, in submission order; then tasks with
-    a cost, most expensive first (longest-processing-time-first: the longest tasks never
-    start last, so the tail after the last start is short), equal costs in submission order.
-    The order never changes a result: a task's seeds come from its work, not its turn."""
-
-    def __init__(self, size: int):
-        self._any: list = []
-        self._pinned: list[list] = [[] for _ in range(size)]
-
-    def push(self, task: TaskHandle, *, retry: bool = False) -> None:
-        key = (not retry, task.cost is not None, -(task.cost or 0.0), task.id)
-        heapq.heappush(self._any if task.rank is None else self._pinned[task.rank], (key, task))
-
-    def retry(self, task: TaskHandle) -> None:
-        """A task whose worker died goes first."""
-        self.push(task, retry=True)
-
-    def __len__(self) -> int:
-        """Tasks queued (cancelled ones included until they are dropped)."""
-        return len(self._any) + sum(len(heap) for heap in self._pinned)
-
-    def pop(self, rank: int) -> TaskHandle | None:
-        """The first task the worker of ``rank`` may run; tasks already done (cancelled)
-        are dropped on the way."""
-        heaps = (self._any, self._pinned[rank])
-        for heap in heaps:
-            while heap and heap[0][1].done():
-                heapq.heappop(heap)
-        candidates = [heap for heap in heaps if heap]
-        if not candidates:
-            return None
-        return heapq.heappop(min(candidates, key=lambda heap: heap[0][0]))[1]
-
-
 # -- the dispatcher ---------------------------------------------------------------------------
 class Dispatcher:
     """Runs tasks on the workers of ``transport``; the pool's runner for every backend but
@@ -221,6 +182,9 @@ class Dispatcher:
 
     def submit(self, task: TaskHandle) -> None:
         self.queue.push(task)
+
+    def promote(self, task: TaskHandle) -> None:
+        self.queue.promote(task)
 
     def advance(self, waiting) -> list[Outcome]:
         """Wait for the next event (or deadline), handle it, hand out queued tasks; the
@@ -263,7 +227,7 @@ class Dispatcher:
                 return
             for slot in self.slots:
                 if len(slot.tasks) == in_flight and slot.state in (WorkerState.IDLE, WorkerState.BUSY):
-                    task = self.queue.pop(slot.rank)
+                    task = self.queue.pop(slot.rank, speculative=not in_flight)
                     if task is not None:
                         self._send_task(slot, task)
 

@@ -12,6 +12,8 @@ runner decides where a task runs and turns every worker fault into an error or a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import msgspec
 
 from .devices import Device, DeviceSpecError, check_gpus_per_worker, parse_gpus, parse_ray_spec, ray_workers
@@ -87,6 +89,7 @@ class Pool:
         self._unfinished: dict[int, TaskHandle] = {}  # by id: submitted, not yet finished
         self._next_id = 0
         self._closed = False
+        self._speculating = False  # inside ``speculation()``
         ray_limits = dict(placement_timeout=placement_timeout, connect_timeout=connect_timeout)
         if engine_agreement is None:
             engine_agreement = ACCEPT_ANY if ray_spec is None else REFUSE_ANY_DIFFERENCE
@@ -152,6 +155,24 @@ class Pool:
             raise ValueError(f"label must be a string or None, got {label!r}")
         return self._submit(method, item, rank, result_type, self._snapshots.share(shared), cost, label)
 
+    @contextmanager
+    def speculation(self):
+        """Tasks submitted inside are speculative: work the caller may need later. A worker
+        takes one only when it has nothing in flight and no other task is queued, so it
+        never delays the work a gather waits for; once a gather waits for it, it is an
+        ordinary task. One never gathered is dropped with ``cancel``. (Inline mode runs
+        tasks only when gathered: there, speculation computes nothing ahead.)"""
+        self._speculating = True
+        try:
+            yield
+        finally:
+            self._speculating = False
+
+    def cancel(self, tasks) -> None:
+        """Drop tasks that will not be gathered (e.g. a speculation that turned out wrong):
+        queued ones never run; a running one's result is discarded when it comes."""
+        self._cancel(list(tasks), "cancelled by its submitter")
+
     def gather(self, tasks, *, on_result=None) -> list:
         """Run the pool until every task is done; results in the order of ``tasks``.
 
@@ -163,6 +184,9 @@ class Pool:
         owner = object()
         for index, task in enumerate(tasks):
             task.index, task.owner = index, owner
+            if task.speculative:  # waited for now: an ordinary task (also if its worker dies)
+                task.speculative = False
+                self._runner.promote(task)
         try:
             for task in tasks:
                 if task.done():  # finished before this gather
@@ -218,6 +242,7 @@ class Pool:
             raise FrameTooLarge(len(data), self.max_frame, f"item for {method}()")
         self._snapshots.acquire(keys)
         task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type, cost, label)
+        task.speculative = self._speculating
         self._next_id += 1
         self._unfinished[task.id] = task
         self._runner.submit(task)

@@ -23,6 +23,7 @@ from . import decisions, fileio, rows
 from . import state as state_mod
 from .distill import export_distillation
 from .iteration import IterationInput, IterationOutcome, run_iteration
+from .speculation import Speculation
 from .recorder import Recorder
 from .rundir import BENCHMARKS, CANDIDATES, ITERATIONS, REGRESSIONS
 from .settings import RunIdentity, SearchSettings
@@ -39,7 +40,7 @@ class RuleSearch:
 
     def __init__(self, *, runner, store, run_dir, tickets: list, seed_guidance: Guidance,
                  settings: SearchSettings, identity: RunIdentity, resume: bool = False,
-                 log: logging.Logger | None = None, headroom: dict | None = None):
+                 log: logging.Logger | None = None, headroom: dict | None = None, speculate: bool = False):
         self.settings = settings
         self.identity = identity
         self.tickets = list(tickets)
@@ -54,6 +55,7 @@ class RuleSearch:
         self.guidance: Guidance = seed_guidance  # the committed guidance; set again by _start
         self.iterations_this_run = 0
         self.headroom = headroom  # the judge-headroom check's summary entry, reported as it is
+        self.speculation = Speculation(runner, settings, enabled=speculate)
 
     # -- start / resume ---------------------------------------------------------------------
 
@@ -121,9 +123,13 @@ class RuleSearch:
             if st.iteration >= self.settings.epochs:
                 st.stop_reason = "epochs"
                 break
-            outcome = run_iteration(self._next_input(st), self.settings, self.recorder, self.log)
+            inp = self._next_input(st)
+            self.speculation.ahead(self._speculated_input(st, inp))
+            outcome = run_iteration(inp, self.settings, self.recorder, self.log)
             self._record(outcome)
             self._commit(outcome)
+            self.speculation.settle(keep=outcome.applied is None and st.stop_reason is None)
+        self.speculation.settle(keep=False)
         return self._finish(time.monotonic() - started)
 
     def _next_input(self, st: state_mod.SearchState) -> IterationInput:
@@ -132,6 +138,16 @@ class RuleSearch:
         pool = [self.train[i] for i in sorted(st.sampler.next_pool())]
         return IterationInput(iteration=st.iteration + 1, guidance=self.guidance, pool=pool,
                               eval_pool=self.eval, rejected_ids=frozenset(st.rejected_ids))
+
+    def _speculated_input(self, st: state_mod.SearchState, inp: IterationInput) -> IterationInput | None:
+        """The iteration after ``inp`` as it will be if ``inp`` accepts nothing: the next
+        pool (from a copy of the sampler) under the same guidance; None when no iteration
+        would follow (the budget, or early stop after one more no-gain round)."""
+        if inp.iteration >= self.settings.epochs or st.no_gain + 1 >= self.settings.rule_search.early_stop.patience:
+            return None
+        pool = [self.train[i] for i in sorted(msgspec.structs.replace(st.sampler).next_pool())]
+        return IterationInput(iteration=inp.iteration + 1, guidance=inp.guidance, pool=pool, eval_pool=self.eval,
+                              rejected_ids=inp.rejected_ids)
 
     def _record(self, outcome: IterationOutcome) -> None:
         """The outcome's rows; with an edit: snapshot, the new guidance.json, the benchmark row;
@@ -192,6 +208,7 @@ class RuleSearch:
                               eval_pool=self.eval, iterations=st.iteration)
         runner = self.recorder.runner
         timing = {**{f"{k}_s": round(v, 3) for k, v in self.recorder.seconds.items()},
+                  "speculation": runner.speculation_summary(),
                   "search_s": round(wall_s, 3), "iterations_this_process": self.iterations_this_run,
                   "generations_done_this_process": runner.generations_done,
                   "generations_saved_this_process": runner.generations_saved, "resumed": bool(self.resume)}
