@@ -111,8 +111,11 @@ def common_metrics(base_stats: dict, cand_stats: dict) -> tuple[Metrics, Metrics
     return compute_metrics([base_stats[k] for k in keys]), compute_metrics([cand_stats[k] for k in keys])
 
 
-def run_iteration(inp: IterationInput, settings, recorder, log) -> IterationOutcome:
-    """Compute one iteration; append its hard cases and proposer failures on the way."""
+def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) -> IterationOutcome:
+    """Compute one iteration; append its hard cases and proposer failures on the way.
+    ``on_gate(guidance)``: called once the gate has passed a candidate, with the guidance
+    the iteration will most likely end with (the best passing candidate's; certain without
+    an eval veto), before the eval rollouts (the loop speculates on it)."""
     rs, it, g, runner = settings.rule_search, inp.iteration, inp.guidance, recorder.runner
     seed_key = pool_seed_key(settings.seed, inp.pool)
     log.info("iteration %d: %d train tickets, guidance step %d (%s)", it, len(inp.pool), g.step, g.hash)
@@ -139,7 +142,7 @@ def run_iteration(inp: IterationInput, settings, recorder, log) -> IterationOutc
     previews, ablation_note = _previews(inp, settings, proposed, example_keys, failures)
     recorder.append(PROPOSER_ANSWERS, answers)
     recorder.append(PROPOSER_FAILURES, failures.rows)
-    evaluated = _evaluate(inp, settings, recorder, seed_key, base, eval_base, previews)
+    evaluated = _evaluate(inp, settings, recorder, seed_key, base, eval_base, previews, on_gate)
     evaluated, applied = _choose(evaluated)
     return msgspec.structs.replace(
         outcome, eval_base_metrics=compute_metrics(eval_base.stats) if eval_base is not None else None,
@@ -309,7 +312,7 @@ def _no_ablation_note(g: Guidance, rejected_ids) -> str:
 
 
 def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: RolloutResult,
-              eval_base: RolloutResult | None, previews: list[tuple]) -> list[Evaluated]:
+              eval_base: RolloutResult | None, previews: list[tuple], on_gate=None) -> list[Evaluated]:
     """All candidates' train rollouts in one gather, the gate, then the passing ones' eval
     rollouts in one gather and the optional eval veto."""
     if not previews:
@@ -329,6 +332,8 @@ def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: Roll
                 train_metrics=common_metrics(base.stats, train.stats)[1],
                 decision="promoted" if gate.passed else "rejected", reason=gate.reason))
     passing = [c for c in evaluated if c.gate.passed]
+    if passing and on_gate is not None:
+        on_gate(_choose(evaluated)[1].guidance)
     if not passing or eval_base is None:
         return evaluated
     pendings = [runner.submit(eval_spec(f"eval/it{it}/cand{c.index}", settings, inp.eval_pool, c.guidance))

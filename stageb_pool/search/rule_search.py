@@ -124,12 +124,13 @@ class RuleSearch:
                 st.stop_reason = "epochs"
                 break
             inp = self._next_input(st)
-            self.speculation.ahead(self._speculated_input(st, inp))
-            outcome = run_iteration(inp, self.settings, self.recorder, self.log)
+            self.speculation.ahead(self._speculated_input(st, inp, inp.guidance))
+            outcome = run_iteration(inp, self.settings, self.recorder, self.log, on_gate=lambda g: (
+                self.speculation.retarget(self._speculated_input(st, inp, g))))
             self._record(outcome)
             self._commit(outcome)
-            self.speculation.settle(keep=outcome.applied is None and st.stop_reason is None)
-        self.speculation.settle(keep=False)
+            self.speculation.settle(self._speculated_input(st, inp, self.guidance, decided=True))
+        self.speculation.settle(None)
         return self._finish(time.monotonic() - started)
 
     def _next_input(self, st: state_mod.SearchState) -> IterationInput:
@@ -139,14 +140,20 @@ class RuleSearch:
         return IterationInput(iteration=st.iteration + 1, guidance=self.guidance, pool=pool,
                               eval_pool=self.eval, rejected_ids=frozenset(st.rejected_ids))
 
-    def _speculated_input(self, st: state_mod.SearchState, inp: IterationInput) -> IterationInput | None:
-        """The iteration after ``inp`` as it will be if ``inp`` accepts nothing: the next
-        pool (from a copy of the sampler) under the same guidance; None when no iteration
-        would follow (the budget, or early stop after one more no-gain round)."""
-        if inp.iteration >= self.settings.epochs or st.no_gain + 1 >= self.settings.rule_search.early_stop.patience:
+    def _speculated_input(self, st: state_mod.SearchState, inp: IterationInput, guidance: Guidance, *,
+                          decided: bool = False) -> IterationInput | None:
+        """The iteration after ``inp`` if ``inp`` ends with ``guidance``: the next pool
+        (from a copy of the sampler: pools never depend on decisions) under that guidance;
+        None when no iteration would follow (the budget, early stop). ``decided``: ``inp``
+        is committed (``st`` is after it), else it is running."""
+        if decided:
+            if st.stop_reason is not None or st.iteration >= self.settings.epochs:
+                return None
+        elif inp.iteration >= self.settings.epochs or (
+                guidance is inp.guidance and st.no_gain + 1 >= self.settings.rule_search.early_stop.patience):
             return None
         pool = [self.train[i] for i in sorted(msgspec.structs.replace(st.sampler).next_pool())]
-        return IterationInput(iteration=inp.iteration + 1, guidance=inp.guidance, pool=pool, eval_pool=self.eval,
+        return IterationInput(iteration=inp.iteration + 1, guidance=guidance, pool=pool, eval_pool=self.eval,
                               rejected_ids=inp.rejected_ids)
 
     def _record(self, outcome: IterationOutcome) -> None:

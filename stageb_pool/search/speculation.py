@@ -3,12 +3,14 @@
 While iteration i runs, the loop knows iteration i+1's train pool (the sampler does not
 depend on what i decides) and, if i accepts nothing (the common case), its guidance: the
 current one. So while i's proposer call runs, idle workers compute i+1's train baseline;
-once that is in, i+1's proposer calls are started, while i's candidates run. All of it is
+once that is in, i+1's proposer calls are started, while i's candidates run. When i's gate
+passes a candidate, the speculation is retargeted to the guidance that candidate makes
+(certain without an eval veto): i+1 under it, while i's eval rollouts run. All of it is
 speculative pool work (``Pool.speculation``: only a worker with nothing in flight takes it,
 only while nothing else is queued) submitted through the runner, which claims it when
 iteration i+1 submits the same work (chunks by cache key, proposer calls by their whole
-request) and counts it as generated there. When i accepts an edit, the next guidance differs
-and the speculation is discarded; so is whatever an iteration did not claim. A result never
+request) and counts it as generated there. A speculation whose guidance turns out not to be
+the next one is discarded; so is whatever an iteration did not claim. A result never
 depends on speculation: it decides only when work starts, never what is computed.
 """
 
@@ -34,6 +36,17 @@ class Speculation:
         """Before an iteration runs: speculate ``target``, the iteration after it as it
         will be if nothing is accepted (None: none will run then, nothing to do)."""
         self._previous, self._keys = self._keys, []
+        self._start(target)
+
+    def retarget(self, target: IterationInput | None) -> None:
+        """The running iteration's gate passed a candidate: the next iteration most likely
+        starts from its guidance; speculate that one instead (what this round speculated
+        under the old guidance is discarded)."""
+        self.runner.discard(self._keys)
+        self._keys = []
+        self._start(target)
+
+    def _start(self, target: IterationInput | None) -> None:
         self._target, self._base, self._chats_sent = None, None, False
         if not self.enabled or target is None:
             return
@@ -57,11 +70,14 @@ class Speculation:
         for request in proposer_requests(target, self.settings, self.runner.profile, examples):
             self._keys.append(self.runner.speculate_chat(request))
 
-    def settle(self, *, keep: bool) -> None:
+    def settle(self, next_input: IterationInput | None) -> None:
         """After an iteration: the previous round's unclaimed work is discarded, and this
-        round's too unless ``keep`` (nothing accepted and the loop goes on)."""
+        round's too unless it speculated ``next_input`` (None: the loop stops) as it is:
+        the same iteration and guidance (the pool always is)."""
         self.runner.discard(self._previous)
         self._previous = []
-        if not keep:
+        target = self._target
+        if (next_input is None or target is None or target.iteration != next_input.iteration
+                or (target.guidance.hash, target.guidance.step) != (next_input.guidance.hash, next_input.guidance.step)):
             self.runner.discard(self._keys)
             self._keys, self._target, self._base = [], None, None
