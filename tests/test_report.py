@@ -95,6 +95,8 @@ def test_the_report_shows_the_artifacts_numbers_and_charts(run_dir):
     assert f"+ G2: {html.escape(se.rule('rust'))}" in page  # the guidance diff of the first edit
     assert "RER -0.375 &lt; 0.100" in page  # the gate's reason for the harmful rule
     assert f">{summary['generations_saved']}<" in page
+    spec = summary["timing"]["speculation"]  # the run speculated on its 2 workers
+    assert f"Speculation: {spec['used']} of {spec['tasks']} speculative tasks used" in page
     for name in ("rule_search_iterations.jsonl", "reflection_cache/proposer_answers.jsonl", "judge_headroom.json",
                  "pool_timeline.jsonl"):
         assert f"<code>{name}</code> missing" not in page  # the run wrote them all

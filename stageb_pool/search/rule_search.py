@@ -55,7 +55,8 @@ class RuleSearch:
         self.guidance: Guidance = seed_guidance  # the committed guidance; set again by _start
         self.iterations_this_run = 0
         self.headroom = headroom  # the judge-headroom check's summary entry, reported as it is
-        self.speculation = Speculation(runner, settings, enabled=speculate)
+        # One worker is never idle while the loop waits: speculation could only delay it.
+        self.speculation = Speculation(runner, settings, enabled=speculate and runner.pool.size > 1)
 
     # -- start / resume ---------------------------------------------------------------------
 
