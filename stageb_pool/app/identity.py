@@ -38,6 +38,9 @@ def identity_document(config, *, seed_guidance, profile, proposer_system: str | 
         # One GPU per worker is what every run before GPU groups did: left out, so their
         # identity (and a resume of them) stays the same; any other group size is compared.
         doc["model"].pop("gpus_per_worker")
+    if doc["rule_search"].get("proposer_calls") == 1:
+        # One proposer call is what every run before the fan-out did: left out, as above.
+        doc["rule_search"].pop("proposer_calls")
     if doc["model"].get("engine") != "simulated":
         # The latency model's rates only matter to the simulated engine: left out otherwise,
         # so a run made before that engine existed keeps its identity (and can be resumed).
