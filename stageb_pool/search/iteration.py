@@ -3,8 +3,9 @@
 commits. Every GPU is busy at each step:
 
 1. train baseline: the iteration's train pool under the current guidance;
-2. ONE gather: the proposer call (the ``reflect_size`` most confidently wrong tickets) and
-   the eval-pool baseline (served by the runner's cache while the guidance is unchanged);
+2. ONE gather: the proposer call (the ``reflect_size`` most confidently wrong tickets; with
+   ``proposer_calls: K``, K calls with their own seed keys, candidates merged in call order)
+   and the eval-pool baseline (served by the runner's cache while the guidance is unchanged);
 3. candidates: the proposer's answer (kept whole in ``proposer_answers.jsonl``; held to
    the schema of ``stageb.proposer_schema`` with ``constrain_proposer``) extracted and
    validated (every rejection logged), ablation ``remove`` candidates fill up to
