@@ -81,8 +81,9 @@ class RolloutResult(msgspec.Struct):
 
 
 class ChatFailure(msgspec.Struct, frozen=True):
-    """What ``wait`` returns for a chat call whose engine method raised: the worker's
-    one-line error. The proposer's failure, not the run's (upstream: zero candidates)."""
+    """What ``wait`` returns for a chat call whose engine method raised: the engine's
+    one-line error (``chat(): RuntimeError: ...``; not where it ran). The proposer's
+    failure, not the run's (upstream: zero candidates)."""
 
     error: str
 
@@ -210,7 +211,8 @@ class RolloutRunner(SpeculativeSubmissions):
                             and current[i].chat_task.exception() is err), None)
                 if err.method != "chat" or bad is None:
                     raise
-                failed[bad] = ChatFailure(str(err.args[0] if err.args else err))
+                # The engine's error, not where it ran: an artifact holds it, the same on any worker.
+                failed[bad] = ChatFailure(f"{err.method}(): {err.summary}")
                 for i in live:
                     if i != bad:
                         current[i] = self._again(current[i])
