@@ -173,10 +173,12 @@ class Pool:
         queued ones never run; a running one's result is discarded when it comes."""
         self._cancel(list(tasks), "cancelled by its submitter")
 
-    def gather(self, tasks, *, on_result=None) -> list:
+    def gather(self, tasks, *, on_result=None, between=None) -> list:
         """Run the pool until every task is done; results in the order of ``tasks``.
 
-        ``on_result(index, result)`` is called as each task completes. On an error, this
+        ``on_result(index, result)`` is called as each task completes; ``between()`` after
+        every turn of the event loop in which any task finished (one of another gather, a
+        speculative one), e.g. to submit work that just became possible. On an error, this
         gather's remaining tasks are cancelled; the pool stays usable after a WorkerError
         and is closed after a death, a timeout or an interrupt."""
         self._check_open()
@@ -194,10 +196,13 @@ class Pool:
             waiting = [task for task in tasks if not task.done()]
             remaining = len(waiting)
             while remaining:
-                for task in self._advance(waiting):
+                finished = self._advance(waiting)
+                for task in finished:
                     if task.owner is owner:
                         remaining -= 1
                         self._deliver(task, on_result)
+                if finished and between is not None:
+                    between()
             return [task.result() for task in tasks]
         except BaseException:
             self._cancel(tasks, "an earlier error in its gather")

@@ -142,7 +142,7 @@ class RolloutRunner(SpeculativeSubmissions):
         self._cache: dict[str, ChunkResult] = {}
         self._inflight: dict[str, object] = {}  # cache key -> pool task, submitted, not yet gathered
         self._done_s: dict[str, float] = {}
-        self.on_progress = None  # called at the start of every wait and after each result it gets
+        self.on_progress = None  # called at the start of every wait and after each of its event-loop turns
         self._start_speculation()
 
     # -- submission ---------------------------------------------------------------------------
@@ -265,11 +265,9 @@ class RolloutRunner(SpeculativeSubmissions):
                 self.tickets_by_rank[rank] = self.tickets_by_rank.get(rank, 0) + counts[index]
             if counts[index] and self.progress is not None:
                 self.progress.advance(counts[index])
-            if self.on_progress is not None:
-                self.on_progress()
 
         try:
-            results = self.pool.gather(tasks, on_result=on_result) if tasks else []
+            results = self.pool.gather(tasks, on_result=on_result, between=self.on_progress) if tasks else []
         finally:
             # Done or cancelled (the pool cancels a failed gather's tasks): no longer in
             # flight, so a later submit of an unfinished chunk generates it again.
