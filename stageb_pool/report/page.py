@@ -390,6 +390,7 @@ def _pool(files: RunFiles, summary: dict, charts) -> str:
     spec = timing.get("speculation") or {}
     if spec.get("tasks"):
         parts.append(f"<p>Speculation: {num(spec.get('used'))} of {num(spec.get('tasks'))} speculative tasks used "
+                     f"ahead, {num(spec.get('claimed_unstarted'))} claimed before they started "
                      f"(hit rate {num(spec.get('hit_rate'), 2)}); {num(spec.get('wasted_worker_s'), 1)} worker-seconds "
                      "went to discarded ones.</p>")
     other = {k: v for k, v in timing.items() if k not in ("wall_s", "rollout_s", "speculation")}

@@ -183,7 +183,7 @@ class RolloutRunner(SpeculativeSubmissions):
         (a speculative call of the same request is claimed instead)."""
         task = self._speculative.pop(chat_key(request), None)
         if task is not None:
-            self.speculation_used += 1
+            self._count_claim(task)
         else:
             task = self.pool.submit("chat", request, result_type=ChatResult, label="proposer")
         return Pending(chat_task=task, request=request)

@@ -26,7 +26,8 @@ class SpeculativeSubmissions:
         self._speculative: dict[str, object] = {}  # cache key -> speculative pool task, not yet claimed
         self._discarded: list = []  # speculative tasks dropped unclaimed: their worker time was wasted
         self._speculating = False  # inside speculate(): a speculation claims nothing
-        self.speculation_used = 0  # speculative tasks a submit claimed
+        self.speculation_used = 0  # speculative tasks a submit claimed after they had started: work done ahead
+        self.speculation_unstarted = 0  # claimed before any worker took them: nothing gained, nothing lost
         self.speculation_tasks = 0  # speculative tasks submitted
 
     def speculate(self, spec):
@@ -89,9 +90,11 @@ class SpeculativeSubmissions:
             self._discarded.append(task)
 
     def speculation_summary(self) -> dict:
-        """Speculative tasks submitted, used (claimed by a submit), discarded, and the worker
-        seconds the discarded ones took (wall clock: volatile)."""
+        """Speculative tasks submitted, used (claimed by a submit after a worker had taken
+        them), claimed before any had, discarded, and the worker seconds the discarded ones
+        took (wall clock: volatile)."""
         return {"tasks": self.speculation_tasks, "used": self.speculation_used,
+                "claimed_unstarted": self.speculation_unstarted,
                 "discarded": len(self._discarded) + len(self._speculative),
                 "hit_rate": round(self.speculation_used / self.speculation_tasks, 3) if self.speculation_tasks else None,
                 "wasted_worker_s": round(sum(t.busy_s for t in [*self._discarded, *self._speculative.values()]), 3)}
@@ -104,8 +107,14 @@ class SpeculativeSubmissions:
             task = None if self._speculating else self._speculative.pop(part.key, None)
             if task is not None:
                 part.owner, task.label = True, label
-                self.speculation_used += 1
+                self._count_claim(task)
         return parts
+
+    def _count_claim(self, task) -> None:
+        if task.ran_on is None:
+            self.speculation_unstarted += 1
+        else:
+            self.speculation_used += 1
 
 
 def chat_key(request: ChatRequest) -> str:
