@@ -37,7 +37,8 @@ def outcome(candidates=(), *, answer=None, rejections=(), ablation_note=None) ->
     applied = next((c for c in candidates if c.applied), None)
     return IterationOutcome(iteration=2, guidance=G, pool_keys=["a", "b"], base_metrics=metrics(0.4),
                             eval_base_metrics=metrics(0.5, 24), example_keys=["a"], candidates=candidates,
-                            applied=applied, rejected_ids=[], proposer=answer, rejections=list(rejections),
+                            applied=applied, rejected_ids=[], proposers=[answer] if answer is not None else [],
+                            rejections=list(rejections),
                             ablation_note=ablation_note)
 
 

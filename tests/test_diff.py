@@ -49,7 +49,7 @@ def test_volatile_lists_match_the_contract():
               "config.rule_search.proposer_prompt_path", "config.ticket_filter.exclude_ticket_keys_path",
               "config.stage_b_distillation.log_chatml_path")
     versions = ("tool.version", "tool.format")
-    assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output", *inputs, *versions),
+    assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output", *inputs, "config.runner.speculate", *versions),
                               "state.json": ("version", "tool_version"), "summary.json": ("timing", "workers")}
     assert VOLATILE_FILES == {"pool_timeline.jsonl", "report.html"}
 

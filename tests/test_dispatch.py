@@ -437,6 +437,38 @@ def test_task_queue_runs_costed_tasks_most_expensive_first_after_the_others():
     assert [q.pop(0).id for _ in costs] == [1, 5, 6, 2, 0, 3, 4]
 
 
+def test_task_queue_gives_speculative_tasks_only_when_asked_and_nothing_else_waits():
+    q = TaskQueue(1)
+    tasks = [TaskHandle(None, i, "m", b"0", {}, None, None, cost) for i, cost in enumerate([None, 5.0, 1.0, None])]
+    tasks[0].speculative = tasks[1].speculative = True
+    for x in tasks:
+        q.push(x)
+    assert [q.pop(0, speculative=True).id for _ in range(2)] == [3, 2]  # the ordinary ones first
+    assert q.pop(0) is None  # a busy worker's next task is never speculative
+    tasks[0].speculative = False  # a gather waits for it now (the pool clears the flag)
+    q.promote(tasks[0])
+    assert q.pop(0).id == 0
+    q.promote(tasks[1])  # still speculative: promote of a non-cleared flag queues it again as such
+    assert q.pop(0) is None and q.pop(0, speculative=True).id == 1
+    assert q.pop(0, speculative=True) is None  # nothing twice
+
+
+def test_a_speculative_task_takes_only_an_idle_worker_and_never_one_a_queued_task_wants(clock):
+    t = ScriptedTransport(clock)
+    d, store = make(t, 2)
+    spec = [task(store, i) for i in range(3)]
+    for x in spec:
+        x.speculative = True
+        d.submit(x)
+    real = task(store, 3)
+    d.submit(real)
+    d._dispatch()
+    # the ordinary task first, then speculation on the other idle worker; the third waits
+    assert [m.id for _, m in t.sent] == [3, 0]
+    assert {o.task.id for o in d.advance([real])} == {3, 0}
+    assert [m.id for _, m in t.sent] == [3, 0, 1, 2]  # both idle again: the rest of the speculation
+
+
 def test_snapshot_cache_never_evicts_what_the_task_needs():
     cache = SnapshotCache(capacity=2)
     assert cache.admit({"a": "k1", "b": "k2"}) == [("k1", []), ("k2", [])]

@@ -60,6 +60,22 @@ def test_results_come_back_in_input_order(pool3, n):
     assert sorted(seen) == [(i, i * i) for i in range(n)]
 
 
+def test_speculative_tasks_run_on_idle_workers_and_between_sees_them_finish(pool3):
+    before = sum(pool3.stats.items)
+    with pool3.speculation():
+        ahead = [pool3.submit("square", x) for x in range(4)]
+    seen = []
+    # one real task on 3 idle workers: the other two take speculative tasks at once, and
+    # ``between`` runs after every turn in which any task finished, this gather's or not
+    assert pool3.gather([pool3.submit("square", 10)], between=lambda: seen.append(sum(t.done() for t in ahead))) == [100]
+    assert seen and seen == sorted(seen)
+    assert pool3.gather([ahead[0]]) == [0]  # gathered: an ordinary task with its result
+    pool3.cancel(ahead)  # what the run did not need: queued ones never run, late results are dropped
+    assert pool3.gather([pool3.submit("square", 3)]) == [9]
+    assert all(t.done() for t in ahead) and not ahead[0].cancelled()
+    assert sum(pool3.stats.items) - before >= 2 + 1  # the two real tasks and the gathered speculative one
+
+
 def test_every_worker_gets_work_and_results_name_their_rank(pool3):
     out = pool3.map("echo", list(range(30)))
     assert [o["item"] for o in out] == list(range(30))

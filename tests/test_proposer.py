@@ -433,6 +433,30 @@ def test_rejected_ids_and_duplicate_ids_are_skipped():
     assert rej[0] == {"index": 1, "op": "remove", "text": None, "reason": "duplicate candidate"}
 
 
+def test_a_rule_text_rejected_earlier_is_rejected_whatever_its_op():
+    # The gate rejected this text as an update of G1: proposed again as an upsert (another id),
+    # only its text is the same after normalisation (case, spaces, punctuation).
+    rejected = {f"update:{SIG1}:若机柜门未关闭则判定不通过"}
+    assert one({"text": " 若机柜门未关闭 ，则判定不通过 "}, rejected_ids=rejected)[1] == [
+        "repeats a rule text rejected earlier in the run"]
+    assert one({"text": GOOD}, rejected_ids={"remove:若机柜门未关闭则判定不通过"})[1] == []  # a remove has no text
+
+
+def test_a_rule_copying_a_ticket_key_or_a_long_digit_run_of_the_examples_is_rejected():
+    key = "ROOF-DEMO-20250317-0000073::fail"
+    examples = f"Sample 1: ticket_key={key}; gt_label=fail\n  - image_1: serial 4471923"
+    kw = dict(evidence=[key], examples_text=examples)
+    assert one({"text": "若工单roof-demo-20250317-0000073的机柜门未关闭，则判定不通过"}, **kw)[1] == [
+        "copies a ticket key from the examples: 'ROOF-DEMO-20250317-0000073'"]
+    assert one({"text": "若序列号为4471923的机柜门未关闭，则判定不通过"}, **kw)[1] == [
+        "copies a digit run from the examples: '4471923'"]
+    assert one({"text": "若日期20250317之后机柜门未关闭，则判定不通过"}, **kw)[1] == [
+        "copies a digit run from the examples: '20250317'"]
+    # digits the examples do not hold, or short ones, are a rule's own business
+    assert one({"text": "若序列号为9999999的机柜门未关闭，则判定不通过"}, **kw)[1] == []
+    assert one({"text": "若超过44719个螺丝未关闭，则判定不通过"}, **kw)[1] == []
+
+
 def test_limit_stops_examining_entries():
     entries = [{"text": f"若第{n}号机柜门未关闭，则判定不通过"} for n in range(5)] + ["garbage"]
     accepted, rejected = parse(entries, limit=2)

@@ -52,6 +52,9 @@ def cli_process(*args: str, hang_at: int | None = None, marker: Path | None = No
     env.pop("SCRIPTED_HANG_AT", None)
     if hang_at is not None:
         env.update(SCRIPTED_HANG_AT=str(hang_at), SCRIPTED_MARKER=str(marker))
+        # Speculation would start iteration N's proposer call during iteration N-1: the hang
+        # must mark iteration N itself.
+        args = (*args, "--set", "runner.speculate=false")
     return subprocess.Popen([sys.executable, "-c", DRIVER.format(tests=str(TESTS)), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

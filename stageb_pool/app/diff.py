@@ -32,6 +32,7 @@ VOLATILE_PATHS: dict[str, tuple[str, ...]] = {
     "run.json": ("invocation", "config.output", "config.stage_a_paths", "config.guidance.path",
                  "config.prompt.profile", "config.rule_search.proposer_prompt_path",
                  "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path",
+                 "config.runner.speculate",  # how fast, never what: speculation leaves every result as it is
                  # which stageb-pool wrote the run: not a result (a format change shows in the rows)
                  "tool.version", "tool.format"),
     "state.json": ("version", "tool_version"),  # the same, in the resume state

@@ -6,7 +6,8 @@ everything the search's results depend on, and nothing else:
 - the resolved config without the keys that do not change a result: ``output`` (where the
   run is written), the ``pool`` timeouts and restarts (``pool.threads_per_worker`` stays: a
   worker's thread count changes low bits), ``runner.epochs`` (the budget: raising
-  it extends a run), ``stage_b_distillation.log_chatml_path`` (where the export goes) and
+  it extends a run), ``runner.speculate`` (work computed ahead, never different work),
+  ``stage_b_distillation.log_chatml_path`` (where the export goes) and
   ``headroom`` (the judge-headroom check only reports; the search never reads it);
 - the inputs by content, never by path, so a data folder may move: the tickets (in run
   order, ``tickets_hash``), and in place of their paths the content of the seed guidance,
@@ -23,8 +24,8 @@ from .config import config_document
 
 # Keys whose value does not change what a run computes (see the module docstring).
 NOT_IDENTITY = ("output", "pool.task_timeout", "pool.start_timeout", "pool.max_restarts", "pool.stall_warning",
-                "pool.connect_timeout", "runner.epochs", "stage_b_distillation.log_chatml_path", "stage_a_paths",
-                "ticket_filter.exclude_ticket_keys_path", "headroom")
+                "pool.connect_timeout", "runner.epochs", "runner.speculate", "stage_b_distillation.log_chatml_path",
+                "stage_a_paths", "ticket_filter.exclude_ticket_keys_path", "headroom")
 
 
 def identity_document(config, *, seed_guidance, profile, proposer_system: str | None) -> dict:

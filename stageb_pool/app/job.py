@@ -221,7 +221,8 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
         else:
             summary = run_search(runner=runner, store=store, run_dir=run_dir, tickets=inputs.tickets,
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
-                                 identity=identity, resume=resume, log=log, headroom=headroom)
+                                 identity=identity, resume=resume, log=log, headroom=headroom,
+                                 speculate=config.runner.speculate)
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
         write_jsonl(run_dir / TIMELINE_FILE, timeline_rows(pool))

@@ -23,7 +23,6 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from typing import NamedTuple, Protocol
@@ -36,7 +35,7 @@ from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTim
 from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snapshot, Task
 from .slots import Earliest, Slot, Trouble, WorkerState
 from .snapshots import SnapshotStore
-from .tasks import Outcome, PoolStats, TaskHandle
+from .tasks import Outcome, PoolStats, TaskHandle, TaskQueue
 
 log = logging.getLogger("stageb_pool.pool")
 
@@ -97,42 +96,6 @@ class Transport(Protocol):
         """Stop every worker (``busy`` ones at once) and release everything."""
 
 
-class TaskQueue:
-    """Tasks waiting for a worker: one heap for any worker, one per rank for pinned tasks.
-
-    A free worker takes, among the tasks it may run: a retried task first (it is older than
-    anything still queued); then tasks without a cost, in submission order; then tasks with
-    a cost, most expensive first (longest-processing-time-first: the longest tasks never
-    start last, so the tail after the last start is short), equal costs in submission order.
-    The order never changes a result: a task's seeds come from its work, not its turn."""
-
-    def __init__(self, size: int):
-        self._any: list = []
-        self._pinned: list[list] = [[] for _ in range(size)]
-
-    def push(self, task: TaskHandle, *, retry: bool = False) -> None:
-        key = (not retry, task.cost is not None, -(task.cost or 0.0), task.id)
-        heapq.heappush(self._any if task.rank is None else self._pinned[task.rank], (key, task))
-
-    def retry(self, task: TaskHandle) -> None:
-        """A task whose worker died goes first."""
-        self.push(task, retry=True)
-
-    def __len__(self) -> int:
-        """Tasks queued (cancelled ones included until they are dropped)."""
-        return len(self._any) + sum(len(heap) for heap in self._pinned)
-
-    def pop(self, rank: int) -> TaskHandle | None:
-        """The first task the worker of ``rank`` may run; tasks already done (cancelled)
-        are dropped on the way."""
-        heaps = (self._any, self._pinned[rank])
-        for heap in heaps:
-            while heap and heap[0][1].done():
-                heapq.heappop(heap)
-        candidates = [heap for heap in heaps if heap]
-        if not candidates:
-            return None
-        return heapq.heappop(min(candidates, key=lambda heap: heap[0][0]))[1]
 
 
 # -- the dispatcher ---------------------------------------------------------------------------
@@ -183,6 +146,9 @@ class Dispatcher:
             self._pinned.add(task.rank)
         self.queue.push(task)
 
+    def promote(self, task: TaskHandle) -> None:
+        self.queue.promote(task)
+
     def advance(self, waiting) -> list[Outcome]:
         """Wait for the next event (or deadline), handle it, hand out queued tasks; the
         tasks finished meanwhile (any task, not only ``waiting``)."""
@@ -225,7 +191,7 @@ class Dispatcher:
                 return
             for slot in self.slots:
                 if len(slot.tasks) == in_flight and slot.state in (WorkerState.IDLE, WorkerState.BUSY):
-                    task = self.queue.pop(slot.rank)
+                    task = self.queue.pop(slot.rank, speculative=not in_flight)
                     if task is not None:
                         self._send_task(slot, task)
 
@@ -241,7 +207,7 @@ class Dispatcher:
                 continue
             if exhausted and rank not in self._pinned:
                 continue
-            task = self.queue.pop(rank)
+            task = self.queue.pop(rank, speculative=True)  # an idle worker may take speculative work
             if task is None:  # neither the shared queue nor this rank's has a task
                 exhausted = True
                 self._pinned.discard(rank)

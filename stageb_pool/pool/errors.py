@@ -63,6 +63,7 @@ class _WorkerFault(PoolError):
         if index is not None:
             where += f" on item {index}"
         super().__init__(f"{where}: {summary}")
+        self.summary = summary  # what went wrong, without where: the same whichever worker ran it
         self.rank, self.device, self.index, self.method = rank, device, index, method
 
 

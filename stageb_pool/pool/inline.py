@@ -44,6 +44,9 @@ class InlineRunner:
     def submit(self, task: TaskHandle) -> None:
         pass  # run when a gather asks for it
 
+    def promote(self, task: TaskHandle) -> None:
+        pass  # a speculative task never runs here before a gather asks for it
+
     def advance(self, waiting) -> list[Outcome]:
         """Run the first unfinished task of ``waiting``."""
         task = next(t for t in waiting if not t.done())

@@ -12,6 +12,8 @@ runner decides where a task runs and turns every worker fault into an error or a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import msgspec
 
 from .devices import (Device, DeviceSpecError, check_gpus_per_worker, check_threads_per_worker, parse_gpus,
@@ -96,6 +98,7 @@ class Pool:
         self._unfinished: dict[int, TaskHandle] = {}  # by id: submitted, not yet finished
         self._next_id = 0
         self._closed = False
+        self._speculating = False  # inside ``speculation()``
         ray_limits = dict(placement_timeout=placement_timeout, connect_timeout=connect_timeout)
         if engine_agreement is None:
             engine_agreement = ACCEPT_ANY if ray_spec is None else REFUSE_ANY_DIFFERENCE
@@ -167,10 +170,30 @@ class Pool:
         itself, without encoding and hashing it again for each task."""
         return self._snapshots.encode(value)
 
-    def gather(self, tasks, *, on_result=None) -> list:
+    @contextmanager
+    def speculation(self):
+        """Tasks submitted inside are speculative: work the caller may need later. A worker
+        takes one only when it has nothing in flight and no other task is queued, so it
+        never delays the work a gather waits for; once a gather waits for it, it is an
+        ordinary task. One never gathered is dropped with ``cancel``. (Inline mode runs
+        tasks only when gathered: there, speculation computes nothing ahead.)"""
+        self._speculating = True
+        try:
+            yield
+        finally:
+            self._speculating = False
+
+    def cancel(self, tasks) -> None:
+        """Drop tasks that will not be gathered (e.g. a speculation that turned out wrong):
+        queued ones never run; a running one's result is discarded when it comes."""
+        self._cancel(list(tasks), "cancelled by its submitter")
+
+    def gather(self, tasks, *, on_result=None, between=None) -> list:
         """Run the pool until every task is done; results in the order of ``tasks``.
 
-        ``on_result(index, result)`` is called as each task completes. On an error, this
+        ``on_result(index, result)`` is called as each task completes; ``between()`` after
+        every turn of the event loop in which any task finished (one of another gather, a
+        speculative one), e.g. to submit work that just became possible. On an error, this
         gather's remaining tasks are cancelled; the pool stays usable after a WorkerError
         and is closed after a death, a timeout or an interrupt."""
         self._check_open()
@@ -178,6 +201,9 @@ class Pool:
         owner = object()
         for index, task in enumerate(tasks):
             task.index, task.owner = index, owner
+            if task.speculative:  # waited for now: an ordinary task (also if its worker dies)
+                task.speculative = False
+                self._runner.promote(task)
         try:
             for task in tasks:
                 if task.done():  # finished before this gather
@@ -185,10 +211,13 @@ class Pool:
             waiting = [task for task in tasks if not task.done()]
             remaining = len(waiting)
             while remaining:
-                for task in self._advance(waiting):
+                finished = self._advance(waiting)
+                for task in finished:
                     if task.owner is owner:
                         remaining -= 1
                         self._deliver(task, on_result)
+                if finished and between is not None:
+                    between()
             return [task.result() for task in tasks]
         except BaseException:
             self._cancel(tasks, "an earlier error in its gather")
@@ -233,6 +262,7 @@ class Pool:
             raise FrameTooLarge(len(data), self.max_frame, f"item for {method}()")
         self._snapshots.acquire(keys)
         task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type, cost, label)
+        task.speculative = self._speculating
         self._next_id += 1
         self._unfinished[task.id] = task
         self._runner.submit(task)

@@ -1,9 +1,11 @@
-"""A submitted task (``TaskHandle``, shaped like a ``concurrent.futures.Future``), how a
-runner reports it finished (``Outcome``), and the pool's counters (``PoolStats``)."""
+"""A submitted task (``TaskHandle``, shaped like a ``concurrent.futures.Future``), the queue
+it waits in for a worker (``TaskQueue``), how a runner reports it finished (``Outcome``), and
+the pool's counters (``PoolStats``)."""
 
 from __future__ import annotations
 
 import enum
+import heapq
 import time
 from typing import NamedTuple
 
@@ -36,6 +38,7 @@ class PoolStats(msgspec.Struct):
         """Count a completed task of ``rank`` that ran from ``start`` to ``end`` (monotonic)."""
         self.items[rank] += 1
         self.busy_s[rank] += end - start
+        task.busy_s += end - start
         self.intervals.append((rank, task.method, task.label, start - self.origin, end - self.origin))
 
 
@@ -52,10 +55,13 @@ class TaskHandle:
     ``result()``/``exception()`` of an unfinished task drive the pool until it is finished,
     as ``pool.gather([task])`` does (which is also how several tasks come back in order).
     ``ran_on`` is the rank of the worker that computed the result; ``label`` is the
-    submitter's name for the task (in ``PoolStats.intervals``)."""
+    submitter's name for the task (in ``PoolStats.intervals``). A ``speculative`` task runs
+    only on an idle worker while nothing else is queued, until a gather waits for it
+    (``Pool.speculation``); ``busy_s`` is the worker time it took (the speculation's
+    accounting: the time of one never used was wasted)."""
 
     __slots__ = ("id", "method", "item", "shared", "rank", "result_type", "cost", "label", "index", "owner",
-                 "ran_on", "_pool", "_state", "_result", "_error")
+                 "ran_on", "speculative", "busy_s", "_pool", "_state", "_result", "_error")
 
     def __init__(self, pool, id: int, method: str, item: bytes, shared: dict[str, str],
                  rank: int | None, result_type, cost: float | None = None, label: str | None = None):
@@ -64,6 +70,8 @@ class TaskHandle:
         self.index: int | None = None  # position in the gather that waits for it
         self.owner = None  # the gather waiting for it
         self.ran_on: int | None = None
+        self.speculative = False
+        self.busy_s = 0.0
         self._pool = pool
         self._state = _State.PENDING
         self._result = None
@@ -108,3 +116,63 @@ class Outcome(NamedTuple):
     task: TaskHandle
     raw: bytes | None = None
     error: BaseException | None = None
+
+
+class TaskQueue:
+    """Tasks waiting for a worker: one heap for any worker, one per rank for pinned tasks.
+
+    A free worker takes, among the tasks it may run: a retried task first (it is older than
+    anything still queued); then tasks without a cost, in submission order; then tasks with
+    a cost, most expensive first (longest-processing-time-first: the longest tasks never
+    start last, so the tail after the last start is short), equal costs in submission order.
+    The order never changes a result: a task's seeds come from its work, not its turn.
+
+    Speculative tasks (``TaskHandle.speculative``) come after every other task, and only a
+    worker with nothing in flight takes one (``pop(..., speculative=True)``): speculation
+    never takes a worker from a queued task nor queues behind one. A speculative task that
+    a gather now waits for is ``promote``d to an ordinary one."""
+
+    def __init__(self, size: int):
+        self._any: list = []
+        self._pinned: list[list] = [[] for _ in range(size)]
+        self._speculative: set[int] = set()  # ids of the speculative tasks still queued as such
+
+    def push(self, task: TaskHandle, *, retry: bool = False) -> None:
+        key = (task.speculative, not retry, task.cost is not None, -(task.cost or 0.0), task.id)
+        if task.speculative:
+            self._speculative.add(task.id)
+        heapq.heappush(self._any if task.rank is None else self._pinned[task.rank], (key, task))
+
+    def promote(self, task: TaskHandle) -> None:
+        """A speculative task (its flag already cleared by the pool) still queued is queued
+        again as an ordinary one (its old entry is dropped when reached); one already sent
+        to a worker just runs on."""
+        if task.id in self._speculative:
+            self._speculative.discard(task.id)
+            self.push(task)
+
+    def retry(self, task: TaskHandle) -> None:
+        """A task whose worker died goes first."""
+        self.push(task, retry=True)
+
+    def __len__(self) -> int:
+        """Tasks queued (cancelled ones included until they are dropped)."""
+        return len(self._any) + sum(len(heap) for heap in self._pinned)
+
+    def pop(self, rank: int, *, speculative: bool = False) -> TaskHandle | None:
+        """The first task the worker of ``rank`` may run (a speculative one only with
+        ``speculative``); tasks already done (cancelled) and entries a promotion replaced
+        are dropped on the way."""
+        heaps = (self._any, self._pinned[rank])
+        for heap in heaps:
+            while heap and (heap[0][1].done() or (heap[0][0][0] and heap[0][1].id not in self._speculative)):
+                heapq.heappop(heap)
+        candidates = [heap for heap in heaps if heap]
+        if not candidates:
+            return None
+        heap = min(candidates, key=lambda heap: heap[0][0])
+        if heap[0][0][0]:
+            if not speculative:
+                return None
+            self._speculative.discard(heap[0][1].id)
+        return heapq.heappop(heap)[1]

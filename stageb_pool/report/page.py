@@ -375,7 +375,13 @@ def _pool(files: RunFiles, summary: Summary, charts) -> str:
             [esc(name), num(w.items), num(w.busy_s, 2),
              num(w.busy_s / span if span and w.busy_s is not None else None, 2),
              num(w.rollout_tickets), num(w.tickets_per_s, 2)] for name, w in workers.items()]))
-    other = {k: v for k, v in timing.items() if k not in ("wall_s", "rollout_s")}
+    spec = timing.get("speculation")
+    if isinstance(spec, dict) and spec.get("tasks"):
+        parts.append(f"<p>Speculation: {num(spec.get('used'))} of {num(spec.get('tasks'))} speculative tasks used "
+                     f"ahead, {num(spec.get('claimed_unstarted'))} claimed before they started "
+                     f"(hit rate {num(spec.get('hit_rate'), 2)}); {num(spec.get('wasted_worker_s'), 1)} worker-seconds "
+                     "went to discarded ones.</p>")
+    other = {k: v for k, v in timing.items() if k not in ("wall_s", "rollout_s", "speculation")}
     if other:
         parts.append("<h3>Time per phase</h3>" + table(["phase", "value"], [[esc(k), num(v, 2)] for k, v in other.items()]))
     return "".join(parts) or "<p>Nothing is recorded about the pool.</p>"

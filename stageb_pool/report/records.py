@@ -70,7 +70,8 @@ class Summary(Record):
     n_used: int | None = None
     n_dropped_overlength: int | None = None
     workers: dict[str, WorkerStats] | None = None
-    timing: dict[str, Num | bool | str | None] | None = None  # seconds, counts, "resumed": shown as they are
+    # seconds, counts, "resumed": shown as they are; "speculation": its counts
+    timing: dict[str, Num | bool | str | None | dict[str, Num | None]] | None = None
     generations_done: int | None = None
     generations_saved: int | None = None
 

@@ -50,7 +50,6 @@ def reason_kind(reason: str) -> str:
 
 
 def iteration_row(outcome, mission: str) -> IterationRow:
-    answer = outcome.proposer
     evaluated = outcome.candidates
     best = _best(outcome)
     if outcome.applied is not None:
@@ -62,8 +61,8 @@ def iteration_row(outcome, mission: str) -> IterationRow:
         reasons = _why_nothing(outcome)
     return IterationRow(
         iteration=outcome.iteration, mission=mission, guidance_step=outcome.guidance.step,
-        guidance_hash=outcome.guidance.hash, proposer_calls=int(answer is not None),
-        proposer_parsed=int(answer is not None and answer.parsed),
+        guidance_hash=outcome.guidance.hash, proposer_calls=len(outcome.proposers),
+        proposer_parsed=sum(a.parsed for a in outcome.proposers),
         candidates_proposed=len(outcome.rejections) + len(evaluated),
         candidates_rejected=dict(sorted(Counter(reason_kind(r) for r in outcome.rejections).items())),
         candidates_evaluated=len(evaluated), decision=decision,

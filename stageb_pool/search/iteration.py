@@ -3,8 +3,9 @@
 commits. Every GPU is busy at each step:
 
 1. train baseline: the iteration's train pool under the current guidance;
-2. ONE gather: the proposer call (the ``reflect_size`` most confidently wrong tickets) and
-   the eval-pool baseline (served by the runner's cache while the guidance is unchanged);
+2. ONE gather: the proposer call (the ``reflect_size`` most confidently wrong tickets; with
+   ``proposer_calls: K``, K calls with their own seed keys, candidates merged in call order)
+   and the eval-pool baseline (served by the runner's cache while the guidance is unchanged);
 3. candidates: the proposer's answer (kept whole in ``proposer_answers.jsonl``; held to
    the schema of ``stageb.proposer_schema`` with ``constrain_proposer``) extracted and
    validated (every rejection logged), ablation ``remove`` candidates fill up to
@@ -76,9 +77,14 @@ class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
     candidates: list[Evaluated]
     applied: Evaluated | None  # the edit to apply (one of ``candidates``)
     rejected_ids: list[str]  # this iteration's candidates that were not promoted
-    proposer: rows.ProposerAnswerRow | None = None  # the proposer call (None: no call)
+    proposers: list[rows.ProposerAnswerRow] = []  # one per proposer call (none: no call)
     rejections: list[str] = []  # why each candidate that never reached the A/B test was rejected
     ablation_note: str | None = None  # why no ablation candidate filled up, when none could
+
+    @property
+    def proposer(self) -> rows.ProposerAnswerRow | None:
+        """The first proposer call's answer row (None: no call)."""
+        return self.proposers[0] if self.proposers else None
 
     @property
     def new_guidance(self) -> Guidance:
@@ -88,6 +94,12 @@ class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
 def pool_seed_key(seed: int, tickets) -> str:
     """A train pool's identity: run seed + the hash of its ticket keys (not the guidance)."""
     return f"{seed}/train/{content_hash([t.key for t in tickets])}"
+
+
+def baseline_spec(inp: IterationInput, settings) -> RolloutSpec:
+    """The iteration's train baseline: its pool under the guidance it starts from."""
+    return rollout_spec(f"train/it{inp.iteration}/base", pool_seed_key(settings.seed, inp.pool), inp.pool,
+                        inp.guidance, settings.rule_search.train_sampler)
 
 
 def eval_spec(name: str, settings, eval_pool, guidance: Guidance) -> RolloutSpec:
@@ -100,13 +112,15 @@ def common_metrics(base_stats: dict, cand_stats: dict) -> tuple[Metrics, Metrics
     return compute_metrics([base_stats[k] for k in keys]), compute_metrics([cand_stats[k] for k in keys])
 
 
-def run_iteration(inp: IterationInput, settings, recorder, log) -> IterationOutcome:
-    """Compute one iteration; append its hard cases and proposer failures on the way."""
+def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) -> IterationOutcome:
+    """Compute one iteration; append its hard cases and proposer failures on the way.
+    ``on_gate(guidance)``: called once the gate has passed a candidate, with the guidance
+    the iteration will most likely end with (the best passing candidate's; certain without
+    an eval veto), before the eval rollouts (the loop speculates on it)."""
     rs, it, g, runner = settings.rule_search, inp.iteration, inp.guidance, recorder.runner
     seed_key = pool_seed_key(settings.seed, inp.pool)
     log.info("iteration %d: %d train tickets, guidance step %d (%s)", it, len(inp.pool), g.step, g.hash)
-    base = recorder.wait([runner.submit(
-        rollout_spec(f"train/it{it}/base", seed_key, inp.pool, g, rs.train_sampler))])[0]
+    base = recorder.wait([runner.submit(baseline_spec(inp, settings))])[0]
     recorder.append(HARD_CASES, rows.hard_case_rows(
         base.stats, iteration=it, sampler="train", limit=max(100, 4 * rs.reflect_size),
         mission=settings.mission, guidance_hash=g.hash, now=utc_timestamp()))
@@ -118,24 +132,29 @@ def run_iteration(inp: IterationInput, settings, recorder, log) -> IterationOutc
         return outcome
     examples = proposer.select_examples(base.stats, {t.key: t for t in inp.pool}, rs.reflect_size)
     example_keys = [stats.key for stats, _ in examples]
-    chat, eval_base = _propose_and_eval_baseline(inp, settings, recorder, examples)
-    if isinstance(chat, ChatFailure):
-        log.warning("iteration %d: the proposer call failed (%s); no proposer candidates", it, chat.error)
+    requests = proposer_requests(inp, settings, runner.profile, examples)
+    chats, eval_base = _propose_and_eval_baseline(inp, settings, recorder, requests)
+    for call, chat in enumerate(chats):
+        if isinstance(chat, ChatFailure):
+            log.warning("iteration %d: proposer call %d failed (%s); no proposer candidates from it", it, call + 1,
+                        chat.error)
     failures = Failures(it, settings.mission, len(examples))
-    proposed, answer = _parse_proposals(inp, settings, runner, chat, example_keys, failures)
-    if answer is not None and not answer.parsed and not isinstance(chat, ChatFailure):  # a failed call: said above
-        log.warning("iteration %d: the proposer answer is unusable (%s); no proposer candidates", it, answer.error)
+    proposed, answers = _merge_proposals(inp, settings, runner, chats, requests, example_keys, failures)
+    for call, (chat, answer) in enumerate(zip(chats, answers)):
+        if not answer.parsed and not isinstance(chat, ChatFailure):  # a failed call: said above
+            which = f" of call {call + 1}" if len(chats) > 1 else ""
+            log.warning("iteration %d: the proposer answer%s is unusable (%s); no proposer candidates", it, which,
+                        answer.error)
     previews, ablation_note = _previews(inp, settings, proposed, example_keys, failures)
-    if answer is not None:
-        recorder.append(PROPOSER_ANSWERS, [answer])
+    recorder.append(PROPOSER_ANSWERS, answers)
     recorder.append(PROPOSER_FAILURES, failures.rows)
-    evaluated = _evaluate(inp, settings, recorder, seed_key, base, eval_base, previews)
+    evaluated = _evaluate(inp, settings, recorder, seed_key, base, eval_base, previews, on_gate)
     evaluated, applied = _choose(evaluated)
     return msgspec.structs.replace(
         outcome, eval_base_metrics=compute_metrics(eval_base.stats) if eval_base is not None else None,
         example_keys=example_keys, candidates=evaluated, applied=applied,
         rejected_ids=sorted({c.candidate.candidate_id for c in evaluated if c.decision != "promoted"}),
-        proposer=answer, rejections=[r.error for r in failures.rows if r.stage in REJECTING_STAGES],
+        proposers=answers, rejections=[r.error for r in failures.rows if r.stage in REJECTING_STAGES],
         ablation_note=ablation_note)
 
 
@@ -160,6 +179,17 @@ class Failures:
             error=error, stage=stage, raw=raw, **entry))
 
 
+def proposer_requests(inp: IterationInput, settings, profile, examples) -> list[ChatRequest]:
+    """The iteration's ``rule_search.proposer_calls`` proposer requests (none without
+    examples): the same prompt, each call with its own seed key, derived from the work (run
+    seed, iteration, call), never from a worker; the first call's is upstream's."""
+    if not examples:
+        return []
+    first = _proposer_request(inp, settings, profile, examples)
+    return [first, *(msgspec.structs.replace(first, seed_key=f"{first.seed_key}/call{call}")
+                     for call in range(1, settings.rule_search.proposer_calls))]
+
+
 def _proposer_request(inp: IterationInput, settings, profile, examples) -> ChatRequest:
     rs = settings.rule_search
     decode = Decode(temperature=rs.proposer_temperature, top_p=rs.proposer_top_p,
@@ -177,26 +207,48 @@ def _proposer_request(inp: IterationInput, settings, profile, examples) -> ChatR
                        max_prompt_tokens=rs.proposer_max_prompt_tokens, json_schema=schema)
 
 
-def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, examples):
-    """One gather: the proposer call and the eval baseline share the workers. The chat is
-    submitted first, so it starts at once on the first free worker. No examples (nothing
-    wrong): no proposer call."""
+def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, requests: list[ChatRequest]):
+    """One gather: the proposer calls and the eval baseline share the workers. The chats
+    are submitted first, so they start at once on the first free workers."""
     runner = recorder.runner
-    chat = runner.submit_chat(_proposer_request(inp, settings, runner.profile, examples)) if examples else None
+    chats = [runner.submit_chat(request) for request in requests]
     ev = (runner.submit(eval_spec(f"eval/it{inp.iteration}/base", settings, inp.eval_pool, inp.guidance))
           if inp.eval_pool else None)
-    pendings = [p for p in (chat, ev) if p is not None]
+    pendings = [*chats, *([ev] if ev is not None else [])]
     results = recorder.wait(pendings, "proposer") if pendings else []
-    return (results[0] if chat is not None else None), (results[-1] if ev is not None else None)
+    return results[:len(chats)], (results[-1] if ev is not None else None)
 
 
-def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str],
-                     failures: Failures) -> tuple[list[proposer.Candidate], rows.ProposerAnswerRow | None]:
+def _merge_proposals(inp: IterationInput, settings, runner, chats: list, requests: list[ChatRequest],
+                     example_keys: list[str], failures: Failures):
+    """Every call's valid candidates, in call order, a candidate an earlier call already
+    proposed (same id or rule text) rejected as a duplicate; one answer row per call (the
+    call's number only when there are several)."""
+    proposed, answers = [], []
+    for call, (chat, request) in enumerate(zip(chats, requests)):
+        accepted, answer = _parse_proposals(inp, settings, runner, chat, example_keys,
+                                            "\n\n".join(request.examples), failures)
+        if len(chats) > 1:
+            answer = msgspec.structs.replace(answer, call=call + 1)
+        answers.append(answer)
+        ids = {c.candidate_id for c in proposed}
+        texts = {c.signature for c in proposed if c.op != "remove"}
+        for cand in accepted:
+            if cand.candidate_id in ids or (cand.op != "remove" and cand.signature in texts):
+                failures.add("duplicate of a candidate of an earlier proposer call", stage="validate", chat=chat,
+                             op=cand.op, text=cand.text, candidate_id=cand.candidate_id)
+                continue
+            proposed.append(cand)
+            ids.add(cand.candidate_id)
+            texts.add(cand.signature)
+    return proposed, answers
+
+
+def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str], examples_text: str,
+                     failures: Failures) -> tuple[list[proposer.Candidate], rows.ProposerAnswerRow]:
     """The proposer's valid candidates and its answer row; every failure and rejection
     becomes a failure row. A proposer call that raised leaves the iteration with no proposer
     candidates (the ablation fill still runs), as upstream."""
-    if chat is None:
-        return [], None
     rs = settings.rule_search
     answer = rows.ProposerAnswerRow(iteration=inp.iteration, mission=settings.mission,
                                     constrained=rs.constrain_proposer, parsed=False)
@@ -214,7 +266,7 @@ def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: 
         obj = proposer.extract_json(chat.text)
         accepted, rejections = proposer.parse_candidates(
             obj, inp.guidance, vocab=runner.profile.verdict, rejected_ids=set(inp.rejected_ids),
-            limit=rs.num_candidate_rules, evidence=example_keys)
+            limit=rs.num_candidate_rules, evidence=example_keys, examples_text=examples_text)
     except ValueError as err:
         # A cut-off answer often holds a complete inner object that does parse: its error
         # ("neither 'operations' nor 'rules'") would hide the real cause, the budget.
@@ -266,7 +318,7 @@ def _no_ablation_note(g: Guidance, rejected_ids) -> str:
 
 
 def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: RolloutResult,
-              eval_base: RolloutResult | None, previews: list[tuple]) -> list[Evaluated]:
+              eval_base: RolloutResult | None, previews: list[tuple], on_gate=None) -> list[Evaluated]:
     """All candidates' train rollouts in one gather, the gate, then the passing ones' eval
     rollouts in one gather and the optional eval veto."""
     if not previews:
@@ -286,6 +338,8 @@ def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: Roll
                 train_metrics=common_metrics(base.stats, train.stats)[1],
                 decision="promoted" if gate.passed else "rejected", reason=gate.reason))
     passing = [c for c in evaluated if c.gate.passed]
+    if passing and on_gate is not None:
+        on_gate(_choose(evaluated)[1].guidance)
     if not passing or eval_base is None:
         return evaluated
     pendings = [runner.submit(eval_spec(f"eval/it{it}/cand{c.index}", settings, inp.eval_pool, c.guidance))

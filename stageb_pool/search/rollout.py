@@ -10,7 +10,8 @@ in ticket order.
 
 A chunk result is cached under the content hash of everything that determines it (ticket
 keys, guidance hash, profile hash, sampler, seed key, chunk index): within a run it is never
-generated twice, e.g. the eval baseline while the guidance is unchanged.
+generated twice, e.g. the eval baseline while the guidance is unchanged. Work submitted
+speculatively ahead (``rollout_speculation``) is claimed by the submit of the same work.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..stageb.hashing import content_hash
 from ..stageb.text import short
 from ..stageb.tickets import Ticket
 from ..stageb.verdicts import TicketStats
+from .rollout_speculation import SpeculativeSubmissions, chat_key
 
 log = logging.getLogger("stageb_pool")
 DROPS_SHOWN = 5  # dropped tickets named in the warning of a rollout phase
@@ -79,8 +81,9 @@ class RolloutResult(msgspec.Struct):
 
 
 class ChatFailure(msgspec.Struct, frozen=True):
-    """What ``wait`` returns for a chat call whose engine method raised: the worker's
-    one-line error. The proposer's failure, not the run's (upstream: zero candidates)."""
+    """What ``wait`` returns for a chat call whose engine method raised: the engine's
+    one-line error (``chat(): RuntimeError: ...``; not where it ran). The proposer's
+    failure, not the run's (upstream: zero candidates)."""
 
     error: str
 
@@ -96,17 +99,18 @@ class _Part(msgspec.Struct):
 class Pending:
     """A submitted rollout or chat call; pass it to ``RolloutRunner.wait``."""
 
-    __slots__ = ("spec", "guidance_hash", "parts", "chat_task", "done")
+    __slots__ = ("spec", "guidance_hash", "parts", "chat_task", "request", "done")
 
-    def __init__(self, spec=None, guidance_hash="", parts=(), chat_task=None):
+    def __init__(self, spec=None, guidance_hash="", parts=(), chat_task=None, request=None):
         self.spec = spec
         self.guidance_hash = guidance_hash
         self.parts = list(parts)
         self.chat_task = chat_task
+        self.request = request  # a chat's ChatRequest (submitted again after a failed gather)
         self.done = False
 
 
-class RolloutRunner:
+class RolloutRunner(SpeculativeSubmissions):
     """Runs rollouts over ``pool`` with the prompt ``profile``.
 
     ``save_rollouts`` (an addition to the contract) asks the engine for token ids too, for
@@ -140,6 +144,8 @@ class RolloutRunner:
         self._done_s: dict[str, float] = {}
         self._profile_snapshot = None
         self._verdicts: dict[str, object] = {}  # answer text -> parsed verdict (answers repeat)
+        self.on_progress = None  # called at the start of every wait and after each of its event-loop turns
+        self._start_speculation()
 
     # -- submission ---------------------------------------------------------------------------
 
@@ -179,7 +185,7 @@ class RolloutRunner:
                     **shared,
                 )
             parts.append(_Part(key, len(tickets), owner))
-        return Pending(spec, guidance_hash, parts)
+        return Pending(spec, guidance_hash, self._claim(parts, spec.name))
 
     def _shared_profile(self):
         """The profile's snapshot, encoded once per runner."""
@@ -188,9 +194,14 @@ class RolloutRunner:
         return self._profile_snapshot
 
     def submit_chat(self, request: ChatRequest) -> Pending:
-        """Queue one free-form generation (the proposer); ``wait`` returns its ChatResult."""
-        task = self.pool.submit("chat", request, result_type=ChatResult, label="proposer")
-        return Pending(chat_task=task)
+        """Queue one free-form generation (the proposer); ``wait`` returns its ChatResult
+        (a speculative call of the same request is claimed instead)."""
+        task = self._speculative.pop(chat_key(request), None)
+        if task is not None:
+            self._count_claim(task)
+        else:
+            task = self.pool.submit("chat", request, result_type=ChatResult, label="proposer")
+        return Pending(chat_task=task, request=request)
 
     # -- completion -------------------------------------------------------------------------
 
@@ -199,20 +210,40 @@ class RolloutRunner:
         pending, a RolloutResult (rollout) or a ChatResult (chat), in the given order.
 
         A chat call whose engine method raises (``WorkerError``) gives a ``ChatFailure``
-        instead: the gather cancelled the other tasks, so the rollouts are submitted again
-        (chunks that finished before the error come from the cache). A worker's death or
-        timeout, and an error in a rollout, still end the wait."""
-        try:
-            return self._wait(pendings)
-        except WorkerError as err:
-            chats = [p for p in pendings if p.chat_task is not None]
-            if err.method != "chat" or len(chats) != 1:
-                raise
-            failure = ChatFailure(str(err.args[0] if err.args else err))
+        instead: the gather cancelled the other tasks, so they are submitted again (chunks
+        that finished before the error come from the cache, a finished chat keeps its
+        result) and gathered once more. A worker's death or timeout, and an error in a
+        rollout, still end the wait."""
+        current = list(pendings)  # per given pending, what is waited for (resubmitted after a failure)
+        failed: dict[int, ChatFailure] = {}
+        while True:
+            live = [i for i in range(len(current)) if i not in failed]
+            try:
+                results = self._wait([current[i] for i in live])
+                break
+            except WorkerError as err:
+                bad = next((i for i in live if current[i].chat_task is not None and current[i].chat_task.done()
+                            and current[i].chat_task.exception() is err), None)
+                if err.method != "chat" or bad is None:
+                    raise
+                # The engine's error, not where it ran: an artifact holds it, the same on any worker.
+                failed[bad] = ChatFailure(f"{err.method}(): {err.summary}")
+                for i in live:
+                    if i != bad:
+                        current[i] = self._again(current[i])
         for pending in pendings:
             pending.done = True
-        retried = iter(self._wait([self.submit(p.spec) for p in pendings if p.chat_task is None]))
-        return [failure if p.chat_task is not None else next(retried) for p in pendings]
+        out = {**dict(zip(live, results)), **failed}
+        return [out[i] for i in range(len(current))]
+
+    def _again(self, pending: Pending) -> Pending:
+        """A pending of a failed gather, to be gathered again: a chat that finished keeps
+        its result; anything else is submitted again."""
+        task = pending.chat_task
+        if task is not None and task.done() and not task.cancelled():
+            return pending
+        pending.done = True
+        return self.submit(pending.spec) if task is None else self.submit_chat(pending.request)
 
     def _wait(self, pendings: list[Pending]) -> list:
         keys, tasks, counts = [], [], []
@@ -236,6 +267,8 @@ class RolloutRunner:
         started = time.monotonic()
         if self.progress is not None:
             self.progress.start(_label(pendings), sum(counts))
+        if self.on_progress is not None:
+            self.on_progress()
 
         def on_result(index, result):
             # Cached as it arrives: chunks finished before a failure are not generated again.
@@ -249,7 +282,7 @@ class RolloutRunner:
                 self.progress.advance(counts[index])
 
         try:
-            results = self.pool.gather(tasks, on_result=on_result) if tasks else []
+            results = self.pool.gather(tasks, on_result=on_result, between=self.on_progress) if tasks else []
         finally:
             # Done or cancelled (the pool cancels a failed gather's tasks): no longer in
             # flight, so a later submit of an unfinished chunk generates it again.
@@ -290,10 +323,31 @@ class RolloutRunner:
         return parsed
 
     def _assemble(self, pending: Pending) -> RolloutResult:
+        """The rollout's result from the cache, counted: a chunk is generated by the
+        rollout that owns it, cached for the others; done by the run the first time it is
+        used, saved every later time."""
+        result, samples = self._build(pending)
+        generations = cached = 0
+        for part, n in zip(pending.parts, samples):
+            if part.owner:
+                generations += n
+            else:
+                cached += n
+            if part.key in self.chunks_used:
+                self.run_saved += n
+            else:
+                self.run_done += n
+                self.chunks_used.add(part.key)
+        self.generations_done += generations
+        self.generations_saved += cached
+        result.generations, result.cached_generations = generations, cached
+        return result
+
+    def _build(self, pending: Pending) -> tuple[RolloutResult, list[int]]:
+        """The rollout's result from the cache, uncounted, and the samples of each chunk."""
         spec = pending.spec
         stats, dropped, rollouts = {}, {}, {}
-        generations = cached = 0
-        done_s = []
+        done_s, samples = [], []
         position = 0
         for part in pending.parts:
             result = self._cache.get(part.key)
@@ -311,29 +365,12 @@ class RolloutRunner:
                 stats[ticket.key] = verdicts.ticket_stats(ticket.key, ticket.label, parsed)
                 rollouts[ticket.key] = rollout
                 n += len(rollout.samples)
-            if part.owner:
-                generations += n
-                done_s.append(self._done_s.get(part.key, 0.0))
-            else:
-                cached += n
-                done_s.append(0.0)
-            if part.key in self.chunks_used:
-                self.run_saved += n
-            else:
-                self.run_done += n
-                self.chunks_used.add(part.key)
-        self.generations_done += generations
-        self.generations_saved += cached
-        return RolloutResult(
-            spec_name=spec.name,
-            guidance_hash=pending.guidance_hash,
-            stats=stats,
-            dropped=dropped,
-            rollouts=rollouts,
-            generations=generations,
-            cached_generations=cached,
-            chunk_done_s=done_s,
-        )
+            samples.append(n)
+            done_s.append(self._done_s.get(part.key, 0.0) if part.owner else 0.0)
+        result = RolloutResult(spec_name=spec.name, guidance_hash=pending.guidance_hash, stats=stats,
+                               dropped=dropped, rollouts=rollouts, generations=0, cached_generations=0,
+                               chunk_done_s=done_s)
+        return result, samples
 
 
 def chunk_cost(tickets: list[Ticket], rules_chars: int, sampler: SamplerConfig) -> float:

@@ -208,6 +208,7 @@ class ProposerAnswerRow(msgspec.Struct, kw_only=True):
     operations: int = 0
     error: str | None = None
     text: str | None = None
+    call: int | UnsetType = UNSET  # which of the iteration's proposer calls (only with proposer_calls > 1)
 
 
 class DistillRow(msgspec.Struct):

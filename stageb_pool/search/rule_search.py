@@ -23,6 +23,7 @@ from . import decisions, fileio, rows
 from . import state as state_mod
 from .distill import export_distillation
 from .iteration import IterationInput, IterationOutcome, run_iteration
+from .speculation import Speculation
 from .recorder import Recorder
 from .rundir import BENCHMARKS, CANDIDATES, ITERATIONS, REGRESSIONS
 from .settings import RunIdentity, SearchSettings
@@ -39,7 +40,7 @@ class RuleSearch:
 
     def __init__(self, *, runner, store, run_dir, tickets: list, seed_guidance: Guidance,
                  settings: SearchSettings, identity: RunIdentity, resume: bool = False,
-                 log: logging.Logger | None = None, headroom: dict | None = None):
+                 log: logging.Logger | None = None, headroom: dict | None = None, speculate: bool = False):
         self.settings = settings
         self.identity = identity
         self.tickets = list(tickets)
@@ -54,6 +55,8 @@ class RuleSearch:
         self.guidance: Guidance = seed_guidance  # the committed guidance; set again by _start
         self.iterations_this_run = 0
         self.headroom = headroom  # the judge-headroom check's summary entry, reported as it is
+        # One worker is never idle while the loop waits: speculation could only delay it.
+        self.speculation = Speculation(runner, settings, enabled=speculate and runner.pool.size > 1)
 
     # -- start / resume ---------------------------------------------------------------------
 
@@ -120,9 +123,14 @@ class RuleSearch:
             if st.iteration >= self.settings.epochs:
                 st.stop_reason = "epochs"
                 break
-            outcome = run_iteration(self._next_input(st), self.settings, self.recorder, self.log)
+            inp = self._next_input(st)
+            self.speculation.ahead(self._speculated_input(st, inp, inp.guidance))
+            outcome = run_iteration(inp, self.settings, self.recorder, self.log, on_gate=lambda g: (
+                self.speculation.retarget(self._speculated_input(st, inp, g))))
             self._record(outcome)
             self._commit(outcome)
+            self.speculation.settle(self._speculated_input(st, inp, self.guidance, decided=True))
+        self.speculation.settle(None)
         return self._finish(time.monotonic() - started)
 
     def _next_input(self, st: state_mod.SearchState) -> IterationInput:
@@ -131,6 +139,22 @@ class RuleSearch:
         pool = [self.train[i] for i in sorted(st.sampler.next_pool())]
         return IterationInput(iteration=st.iteration + 1, guidance=self.guidance, pool=pool,
                               eval_pool=self.eval, rejected_ids=frozenset(st.rejected_ids))
+
+    def _speculated_input(self, st: state_mod.SearchState, inp: IterationInput, guidance: Guidance, *,
+                          decided: bool = False) -> IterationInput | None:
+        """The iteration after ``inp`` if ``inp`` ends with ``guidance``: the next pool
+        (from a copy of the sampler: pools never depend on decisions) under that guidance;
+        None when no iteration would follow (the budget, early stop). ``decided``: ``inp``
+        is committed (``st`` is after it), else it is running."""
+        if decided:
+            if st.stop_reason is not None or st.iteration >= self.settings.epochs:
+                return None
+        elif inp.iteration >= self.settings.epochs or (
+                guidance is inp.guidance and st.no_gain + 1 >= self.settings.rule_search.early_stop.patience):
+            return None
+        pool = [self.train[i] for i in sorted(msgspec.structs.replace(st.sampler).next_pool())]
+        return IterationInput(iteration=inp.iteration + 1, guidance=guidance, pool=pool, eval_pool=self.eval,
+                              rejected_ids=inp.rejected_ids)
 
     def _record(self, outcome: IterationOutcome) -> None:
         """The outcome's rows; with an edit: snapshot, the new guidance.json, the benchmark row;
@@ -191,6 +215,7 @@ class RuleSearch:
                               eval_pool=self.eval, iterations=st.iteration)
         runner = self.recorder.runner
         timing = {**{f"{k}_s": round(v, 3) for k, v in self.recorder.seconds.items()},
+                  "speculation": runner.speculation_summary(),
                   "search_s": round(wall_s, 3), "iterations_this_process": self.iterations_this_run,
                   "generations_done_this_process": runner.generations_done,
                   "generations_saved_this_process": runner.generations_saved, "resumed": bool(self.resume)}

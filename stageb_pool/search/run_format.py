@@ -42,6 +42,8 @@ ADDED_KEYS: dict[str, Callable[[Any], bool]] = {
     # GPU; a cpu:1 run on a larger machine had more, and its resumed iterations may differ
     # in low bits from the ones it committed
     "pool.threads_per_worker": lambda value: value == 1,
+    # earlier versions made one proposer call per iteration
+    "rule_search.proposer_calls": lambda value: value == 1,
 }
 
 

@@ -24,7 +24,7 @@ import msgspec
 
 from .answer_json import extract_json, json_candidates  # noqa: F401 - the proposer's API: callers parse answers here
 from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
-from .rule_text import normalize_signature, text_problem
+from .rule_text import copied_identifier, normalize_signature, text_problem
 from .text import CJK_CHAR
 
 # --------------------------------------------------------------------------- example selection
@@ -170,6 +170,18 @@ def reflection_id(*parts) -> str:
     return hashlib.sha256("/".join(str(p) for p in parts).encode()).hexdigest()[:12]
 
 
+def rejected_signatures(rejected_ids: Iterable[str]) -> set[str]:
+    """The rule-text signatures of rejected candidate ids (the last ``:``-part of an
+    upsert, update or merge id; a signature never holds ``:``, ``normalize_signature``
+    turns it into a space). A ``remove`` carries no text of its own."""
+    out = set()
+    for cid in rejected_ids:
+        op, _, rest = str(cid).strip().partition(":")
+        if op in ("upsert", "update", "merge") and rest:
+            out.add(rest.rsplit(":", 1)[-1])
+    return out - {""}
+
+
 def _operations_list(obj) -> list:
     if not isinstance(obj, dict):
         raise ValueError(f"the proposer must return a JSON object, got {type(obj).__name__}")
@@ -274,6 +286,14 @@ def _check_entry(entry, ctx: dict, seen: _Seen, evidence: Sequence[str]) -> Cand
     cid = candidate_id(op, signature, target, target_list)
     if cid in ctx["rejected"]:
         return "previously rejected candidate"
+    # Checks of our own, after upstream's (an entry upstream rejects keeps its reason): rules
+    # that cannot win, rejected before any rollout is spent on them.
+    if signature and signature in ctx["rejected_signatures"]:
+        return "repeats a rule text rejected earlier in the run"
+    if text:
+        copied = copied_identifier(text, ticket_keys=evidence, examples_text=ctx["examples_text"])
+        if copied:
+            return copied
     if cid in seen.ids:
         return "duplicate candidate"
     seen.ids.add(cid)
@@ -289,6 +309,7 @@ def _check_entry(entry, ctx: dict, seen: _Seen, evidence: Sequence[str]) -> Cand
 
 def parse_candidates(
     obj, guidance, *, vocab=None, rejected_ids: Iterable[str] = (), limit: int = 3, evidence: Sequence[str] = (),
+    examples_text: str = "",
 ) -> tuple[list[Candidate], list[dict]]:
     """Validate the proposer's JSON (upstream 3.5) into at most ``limit`` candidates.
 
@@ -298,6 +319,12 @@ def parse_candidates(
     and ``rules``, not a list) raises ValueError. ``vocab`` is the profile's
     ``VerdictVocab`` (None accepts 通过/不通过 and pass/fail); ``evidence`` (the example
     ticket keys) goes into each operation.
+
+    Beyond upstream's filters, a rule text is rejected when its signature equals that of a
+    rule text in ``rejected_ids`` (whatever the op: ``repeats a rule text rejected earlier in
+    the run``), or when it copies a ticket key of ``evidence`` or a long digit run of
+    ``examples_text`` (the example blocks the proposer was shown;
+    ``rule_text.copied_identifier``).
     """
     entries = _operations_list(obj)
     exp = _experiences(guidance)
@@ -306,6 +333,8 @@ def parse_candidates(
         "lookup": {normalize_signature(v): k for k, v in exp.items()},
         "existing": {normalize_signature(v): k for k, v in sorted(exp.items(), reverse=True)},
         "rejected": {str(i).strip() for i in rejected_ids},
+        "rejected_signatures": rejected_signatures(rejected_ids),
+        "examples_text": examples_text,
         "vocab": vocab,
     }
     seen = _Seen()

@@ -35,6 +35,27 @@ def normalize_signature(text: str | None) -> str:
     return normalize_spaces(value).strip()
 
 
+# A digit run this long in a rule text is an identifier (a date, a serial, a ticket number),
+# never a reusable condition; found in the proposer's examples it was copied from them.
+LONG_DIGIT_RUN = re.compile(r"\d{6,}")
+
+
+def copied_identifier(text: str, *, ticket_keys: Iterable[str], examples_text: str) -> str | None:
+    """Why a rule text copies an identifier out of the proposer's examples, or None: a ticket
+    key (or its group id, the part before ``::``) of an example, compared casefolded, or a
+    run of 6+ digits that also occurs in the examples' text. Such a rule names tickets, not a
+    condition, and cannot generalise: it is rejected before any rollout is spent on it."""
+    folded = (text or "").casefold()
+    for key in ticket_keys:
+        for name in dict.fromkeys((key, key.split("::", 1)[0])):
+            if name and name.casefold() in folded:
+                return f"copies a ticket key from the examples: {name!r}"
+    for digits in LONG_DIGIT_RUN.findall(text or ""):
+        if digits in examples_text:
+            return f"copies a digit run from the examples: {digits!r}"
+    return None
+
+
 def _check_form(text: str) -> str:
     """Form used by the word-list filters: spaces normalised, lower-cased, ``_``/``-`` as spaces."""
     value = normalize_spaces(text or "").lower().replace("_", " ").replace("-", " ")

@@ -59,7 +59,7 @@ from stageb_pool.engine.records import (
 )
 from stageb_pool.stageb.hashing import content_hash, stable_seed
 
-_ITERATION = re.compile(r"/proposer/it(\d+)$")
+_ITERATION = re.compile(r"/proposer/it(\d+)(?:/call\d+)?$")  # every call of rule_search.proposer_calls
 
 
 def rule(feature: str) -> str:

@@ -119,6 +119,7 @@ class RunnerConfig(_Section, kw_only=True):
     epochs: Int(1, 10_000) = 10  # rule-search iteration budget
     chunk_size: Int(1, 4096) = 16  # tickets per work item sent to a worker; generation seeds are per chunk, so it is part of the result
     logging_steps: Int(1, TICKETS) = 256  # audit mode: a baseline_metrics_steps.jsonl row every this many tickets
+    speculate: bool = True  # idle workers compute the next iteration's baseline and proposer calls ahead; same results either way
 
 
 class BootstrapConfig(_Section, kw_only=True):
@@ -149,6 +150,7 @@ class RuleSearchConfig(_Section, kw_only=True):
     constrain_proposer: bool = False  # hold the answer to its JSON schema (stageb/proposer_schema.py); off: upstream
     reflect_size: Int(1, 10_000) = 16  # confidently wrong tickets shown to the proposer
     num_candidate_rules: Int(1, 100) = 3  # candidates per iteration (proposer, then ablation fill)
+    proposer_calls: Int(1, 64) = 1  # proposer calls per iteration, each with its own seed, candidates merged (1: upstream)
     train_pool_size: Int(1, TICKETS) = 512  # tickets per iteration's train pool
     train_pool_fraction: Float(0, 1, open_low=True) | None = None  # overrides the size: round(N_train * f)
     eval_pool_size: Int(0, TICKETS) = 128  # fixed stratified eval pool (0: no eval pool)
