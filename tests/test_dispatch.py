@@ -169,7 +169,7 @@ def test_an_event_visits_the_free_workers_not_every_worker(clock, monkeypatch):
     d, store = make(t, 64)
     run(d, [task(store, i, item=i) for i in range(64)])  # every worker ran one: all idle now
     pops = []
-    monkeypatch.setattr(d.queue, "pop", lambda rank, real=d.queue.pop: pops.append(rank) or real(rank))
+    monkeypatch.setattr(d.queue, "pop", lambda rank, real=d.queue.pop, **kw: pops.append(rank) or real(rank, **kw))
     for i in range(64, 74):  # one task at a time: each result leaves the queue empty
         pops.clear()
         assert run(d, [task(store, i, item=3)]) == {i: 9}
@@ -467,6 +467,23 @@ def test_a_speculative_task_takes_only_an_idle_worker_and_never_one_a_queued_tas
     assert [m.id for _, m in t.sent] == [3, 0]
     assert {o.task.id for o in d.advance([real])} == {3, 0}
     assert [m.id for _, m in t.sent] == [3, 0, 1, 2]  # both idle again: the rest of the speculation
+
+
+def test_with_depth_2_no_task_waits_behind_a_speculative_one(clock):
+    """Under Ray a second task waits in a busy worker; never behind speculative work, which
+    may run long (a proposer call) while nobody waits for it."""
+    t = ScriptedTransport(clock)
+    d, store = make(t, 2, depth=2)
+    ahead = task(store, 0)
+    ahead.speculative = True
+    d.submit(ahead)
+    d._dispatch()
+    assert [m.id for _, m in t.sent] == [0]  # speculation on an idle worker
+    for i in range(1, 5):
+        d.submit(task(store, i))
+    d._dispatch()
+    sent = [(rank, m.id) for rank, m in t.sent]
+    assert sent[0] == (0, 0) and all(rank != 0 for rank, _ in sent[1:]), sent  # the rest go to worker 1 only
 
 
 def test_snapshot_cache_never_evicts_what_the_task_needs():

@@ -223,7 +223,7 @@ def test_the_page_loads_offline_in_chromium_without_errors_and_its_charts_have_a
 
 
 # -- stageb-pool report -o: a report and nothing else (issue 32) --------------------------------
-def report_process(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def report_command(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``stageb-pool report ARGS`` as a real process; its address space is capped (3 GiB), so
     that a report that did read /dev/zero fails with a MemoryError instead of filling the machine."""
     def cap_memory():
@@ -255,12 +255,12 @@ def test_report_o_writes_a_new_file_over_a_previous_report_or_to_stdout(run_dir,
     page = render_report(run_dir).encode()
     own = entry(run_dir / "report.html")
     out = tmp_path / "r.html"
-    assert report_process(str(run_dir), "-o", str(out)).returncode == 0 and out.read_bytes() == page
+    assert report_command(str(run_dir), "-o", str(out)).returncode == 0 and out.read_bytes() == page
     out.write_bytes(page.replace(b"Overview", b"An older overview"))  # a previous report, of another version
-    again = report_process(str(run_dir), "-o", str(out))
+    again = report_command(str(run_dir), "-o", str(out))
     assert again.returncode == 0 and out.read_bytes() == page
     assert again.stderr.decode() == f"wrote {out}\n"
-    to_stdout = report_process(str(run_dir), "-o", "-")
+    to_stdout = report_command(str(run_dir), "-o", "-")
     assert to_stdout.returncode == 0 and to_stdout.stdout == page and to_stdout.stderr == b""
     assert entry(run_dir / "report.html") == own and sorted(os.listdir(tmp_path)) == ["r.html"]
 
@@ -284,23 +284,23 @@ def test_report_o_refuses_whatever_is_not_a_new_file_or_a_previous_report(run_di
     before = {name: entry(tmp_path / name) for name in targets if (tmp_path / name).exists()}
     listing = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     for name, words in targets.items():
-        one_error_line(report_process(str(run), "-o", str(tmp_path / name)), f"{tmp_path / name}: {words}")
+        one_error_line(report_command(str(run), "-o", str(tmp_path / name)), f"{tmp_path / name}: {words}")
     assert {name: entry(tmp_path / name) for name in before} == before
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == listing  # no new file, no temp file left
-    one_error_line(report_process(str(run), "-o", str(tmp_path / "no" / "such" / "r.html")),
+    one_error_line(report_command(str(run), "-o", str(tmp_path / "no" / "such" / "r.html")),
                    f"no folder {tmp_path / 'no' / 'such'} (the report creates none")
     assert not (tmp_path / "no").exists()
-    assert report_process(str(run), "-o", str(run / "report.html")).returncode == 0  # the run's own report
+    assert report_command(str(run), "-o", str(run / "report.html")).returncode == 0  # the run's own report
 
 
 def test_report_o_dev_null_is_refused_and_stays_a_device(run_dir, tmp_path):
     # /dev/null takes the same path as a FIFO: shown first, so that this test never hands
     # /dev/null to a report that would replace it (as root, the old code did)
     os.mkfifo(tmp_path / "fifo")
-    one_error_line(report_process(str(run_dir), "-o", str(tmp_path / "fifo")), "is a FIFO")
+    one_error_line(report_command(str(run_dir), "-o", str(tmp_path / "fifo")), "is a FIFO")
     before = os.lstat("/dev/null")
     assert stat.S_ISCHR(before.st_mode)
-    one_error_line(report_process(str(run_dir), "-o", "/dev/null"), "/dev/null: is a character device")
+    one_error_line(report_command(str(run_dir), "-o", "/dev/null"), "/dev/null: is a character device")
     after = os.lstat("/dev/null")
     assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
 
@@ -359,7 +359,7 @@ def test_a_fifo_or_a_link_out_of_the_run_is_not_read_and_a_link_inside_is(run_di
     for case, (make, note) in cases.items():
         summary.unlink()
         make()
-        proc = report_process(str(run), "-o", str(tmp_path / "r.html"), timeout=60)  # a hang: TimeoutExpired
+        proc = report_command(str(run), "-o", str(tmp_path / "r.html"), timeout=60)  # a hang: TimeoutExpired
         assert proc.returncode == 0, (case, proc.stderr.decode())
         page = (tmp_path / "r.html").read_text()
         if note:
@@ -493,7 +493,7 @@ def test_a_report_leaves_no_matplotlib_files_in_home_or_in_the_temporary_folder(
     env = {"HOME": str(home), "TMPDIR": str(tmp)}
     for name in ("XDG_CONFIG_HOME", "XDG_CACHE_HOME", "MPLCONFIGDIR"):
         env[name] = ""  # unset for matplotlib: an empty value counts as none
-    proc = report_process(str(run_dir), "-o", str(tmp_path / "r.html"), env=env)
+    proc = report_command(str(run_dir), "-o", str(tmp_path / "r.html"), env=env)
     assert proc.returncode == 0, proc.stderr.decode()
     assert (tmp_path / "r.html").read_text() == render_report(run_dir)
     assert list(home.rglob("*")) == [] and list(tmp.rglob("*")) == []

@@ -27,7 +27,12 @@ def start_run(tmp_path, *extra, env=None):
     args = ["run", "--gpus", "cpu:2", cfg, *extra]
     proc = subprocess.Popen([sys.executable, SCRIPT, str(marker), *args], cwd=str(tmp_path),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    assert wait_until(lambda: marker.exists() or proc.poll() is not None, 120), "iteration 2 never started"
+    # Speculation may start iteration 2's proposer call (the one that blocks) while iteration 1
+    # still runs on the other worker: inside iteration 2 means that call blocks and iteration 1
+    # is committed.
+    state = tmp_path / "out" / MISSION / "run" / "state.json"
+    assert wait_until(lambda: (marker.exists() and state.exists()) or proc.poll() is not None, 120), \
+        "iteration 2 never started"
     assert proc.poll() is None, proc.communicate()[1]
     return proc, descendants(proc.pid), args
 

@@ -185,12 +185,14 @@ class Dispatcher:
             return
         # Round by round: every idle worker gets a task before any gets a second one, and a
         # second only while more tasks are queued than there are workers: the last ones go
-        # to whichever worker is free first, never behind a long task (a short tail).
+        # to whichever worker is free first, never behind a long task (a short tail), and
+        # never behind a speculative one (work nobody waits for must not delay work somebody does).
         for in_flight in range(self.depth):
             if in_flight and len(self.queue) <= len(self.slots):
                 return
             for slot in self.slots:
-                if len(slot.tasks) == in_flight and slot.state in (WorkerState.IDLE, WorkerState.BUSY):
+                if (len(slot.tasks) == in_flight and slot.state in (WorkerState.IDLE, WorkerState.BUSY)
+                        and not any(task.speculative for task in slot.tasks)):
                     task = self.queue.pop(slot.rank, speculative=not in_flight)
                     if task is not None:
                         self._send_task(slot, task)

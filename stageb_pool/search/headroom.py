@@ -40,7 +40,7 @@ import msgspec
 from ..engine.records import VerdictChunk, VerdictChunkResult
 from ..stageb.hashing import content_hash, stable_seed
 from .fileio import write_json
-from .rollout import prompt_chars
+from .chunk_cost import prompt_chars
 
 HEADROOM_FILE = "judge_headroom.json"
 DECIMALS = 6  # rounding of every derived number in the file (the engine rounds P(pass) too)

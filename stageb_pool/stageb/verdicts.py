@@ -93,6 +93,24 @@ def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
     return Parsed(verdict, reason)
 
 
+class VerdictParser:
+    """``parse_verdict`` under one vocabulary, once per distinct text: a judge's answers repeat
+    ("Verdict: pass" with a few reasons), and parsing them is the parent's largest cost per
+    item. At most ``limit`` texts are remembered (then it starts afresh)."""
+
+    def __init__(self, vocab: VerdictVocab, limit: int = 100_000):
+        self.vocab, self.limit = vocab, limit
+        self._parsed: dict[str, Parsed] = {}
+
+    def parse(self, text: str) -> Parsed:
+        parsed = self._parsed.get(text)
+        if parsed is None:
+            if len(self._parsed) >= self.limit:
+                self._parsed.clear()
+            parsed = self._parsed[text] = parse_verdict(text, self.vocab)
+        return parsed
+
+
 class TicketStats(msgspec.Struct):
     """The vote of one ticket's candidates (upstream ``build_ticket_stats``)."""
 
