@@ -59,7 +59,7 @@ Per row:
 - ``parent_us_per_item``: the parent's CPU time inside the rollout runner's submit and wait
   (building chunks, dispatching, decoding and assembling results) per pool task: its dispatch
   cost; ``parent_total_us_per_item``: all of the parent's CPU over the run per pool task.
-- speculation hits, once the loop speculates (``speculation``; a column then appears).
+- speculation: its hit rate and the worker-seconds of discarded speculative tasks (columns shown when any row speculated).
 - ``identical``: ``stageb-pool diff`` (``app.diff.diff_runs``) of this run against the
   workload's first row finds no difference.
 """
@@ -324,10 +324,11 @@ def critical_path(rows: list[dict], gathers: list[tuple[float, float]], origin: 
 
 
 def speculation(summary: dict) -> dict:
-    """Speculation hits and wasted worker-seconds, from summary.json's volatile part, once
-    the loop speculates (issue 31 item 3); empty until then."""
+    """Speculation's hit rate (speculative tasks used ahead, of those submitted) and the
+    worker-seconds of discarded ones, from summary.json's volatile part (empty without
+    speculation: one worker, or ``runner.speculate: false``)."""
     found = summary.get("speculation") or (summary.get("timing") or {}).get("speculation") or {}
-    return {"speculation_hits": found.get("hits"), "speculation_wasted_s": found.get("wasted_s")} if found else {}
+    return {"speculation_hits": found.get("hit_rate"), "speculation_wasted_s": found.get("wasted_worker_s")} if found else {}
 
 
 def run_row(root: Path, workload: str, backend: str, workers: int, time_scale: float,
@@ -428,12 +429,12 @@ COLUMNS = [("backend", "backend"), ("workers", "workers"), ("wall_s", "wall s"),
            ("parent_only_s", "parent-only s"), ("idle_share", "idle share"), ("idle_proposer", "idle: proposer"),
            ("idle_tail", "idle: tail"), ("idle_parent", "idle: parent"),
            ("parent_us_per_item", "parent µs/item (dispatch)"), ("parent_total_us_per_item", "parent µs/item (all)"),
-           # speculation (issue 31 item 3) adds its hits here: ("speculation_hits", "spec. hits")
            ("edits_accepted", "edits"), ("identical", "identical")]
 
 
 def table(rows: list[dict]) -> str:
-    columns = COLUMNS + ([("speculation_hits", "spec. hits")] if any("speculation_hits" in r for r in rows) else [])
+    spec = [("speculation_hits", "spec. hit rate"), ("speculation_wasted_s", "spec. wasted worker-s")]
+    columns = COLUMNS + (spec if any("speculation_hits" in r for r in rows) else [])
     lines = ["| " + " | ".join(title for _, title in columns) + " |",
              "|" + "|".join("---" if key == "backend" else "---:" for key, _ in columns) + "|"]
     lines += ["| " + " | ".join(str(row.get(key, "")) for key, _ in columns) + " |" for row in rows]
