@@ -37,7 +37,7 @@ from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import split_eval_pool
 from .outputs import check_distillation_target
 from .progress import Progress, pool_items_per_rank
-from .report_process import ReportJob, write_report  # noqa: F401 - write_report: in this process, for callers
+from .report_process import ReportJob
 from .plan import DeviceRequest, RunInputs, RunPlan, plan_run
 
 log = logging.getLogger("stageb_pool")

@@ -1,7 +1,7 @@
-"""report.html for a run: rendered in this process (``write_report``), or by a forked process
-that loads matplotlib while the run goes on and draws the page while the run closes its pool
-(``ReportJob``, what ``job.run_plan`` uses). Either way the same function writes the same
-bytes as ``stageb-pool report``; a failure is a warning, never the run's failure."""
+"""report.html for a run, drawn by a forked process that loads matplotlib while the run goes
+on and draws the page while the run closes its pool (``ReportJob``, what ``job.run_plan``
+uses). The same function writes the same bytes as ``stageb-pool report``; a failure is a
+warning, never the run's failure."""
 
 from __future__ import annotations
 
@@ -17,13 +17,6 @@ from ..search.fileio import atomic_write_bytes
 log = logging.getLogger("stageb_pool")
 
 
-def write_report(run_dir) -> bool:
-    """Write ``report.html`` (atomically), in this process. A finished run stays finished
-    whatever happens here: a failure is a warning naming the cause (`stageb-pool report` can
-    retry)."""
-    return _report_outcome(run_dir, render_report_file(run_dir))
-
-
 def render_report_file(run_dir) -> str | None:
     """Render and write ``report.html``; None, or the failure as ``Type: message``."""
     try:
@@ -34,6 +27,8 @@ def render_report_file(run_dir) -> str | None:
 
 
 def _report_outcome(run_dir, error: str | None) -> bool:
+    """A finished run stays finished whatever happened to its page: a failure is a warning
+    naming the cause (``stageb-pool report`` can retry)."""
     if error is not None:
         log.warning("report.html was not written (%s); rebuild it with: stageb-pool report %s", error, run_dir)
         return False
@@ -46,8 +41,8 @@ class ReportJob:
     clean, it imports the chart libraries (matplotlib: seconds) while the run goes on, then
     waits; ``render(run_dir)`` once the run's files are written makes it draw and write the
     page (``render_report_file``, the same bytes as ``stageb-pool report``) while this
-    process closes its pool; ``wait`` collects the outcome (logged as ``write_report``
-    logs it); ``cancel`` (a failed run) ends it without a page. This process never imports
+    process closes its pool; ``wait`` collects the outcome (``_report_outcome`` logs it);
+    ``cancel`` (a failed run) ends it without a page. This process never imports
     matplotlib (the fork rules of any later pool in it)."""
 
     def __init__(self):
