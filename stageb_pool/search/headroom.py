@@ -37,10 +37,10 @@ from pathlib import Path
 
 import msgspec
 
-from ..engine.records import VerdictChunk, VerdictChunkResult
 from ..stageb.hashing import content_hash, stable_seed
+from ..stageb.tickets import Ticket
 from .fileio import write_json
-from .chunk_cost import prompt_chars
+from .rollout import RolloutRunner
 
 HEADROOM_FILE = "judge_headroom.json"
 DECIMALS = 6  # rounding of every derived number in the file (the engine rounds P(pass) too)
@@ -167,41 +167,17 @@ def _round(value: float | None) -> float | None:
 # ----------------------------------------------------------------------------- the run
 
 
-def run_headroom(runner, *, tickets: list, guidance: dict[str, str], settings: HeadroomSettings, run_dir,
-                 log: logging.Logger) -> dict:
-    """Score the sample on the pool, write ``judge_headroom.json`` and log its message
-    (a warning when the judge cannot separate the labels). Returns the report."""
+def run_headroom(runner: RolloutRunner, *, tickets: list[Ticket], guidance: dict[str, str],
+                 settings: HeadroomSettings, run_dir: Path, log: logging.Logger) -> dict:
+    """Score the sample on the pool through ``runner`` (its chunks, progress and rollout
+    accounting), write ``judge_headroom.json`` and log its message (a warning when the judge
+    cannot separate the labels). Returns the report."""
     sample = sample_tickets(tickets, settings.tickets, settings.seed)
-    size = runner.chunk_size
-    tasks = []
-    for index, start in enumerate(range(0, len(sample), size)):
-        part = sample[start:start + size]
-        chunk = VerdictChunk(index, [t.text() for t in part], settings.max_prompt_tokens)
-        tasks.append(runner.pool.submit("verdict_probabilities", chunk, guidance=guidance, profile=runner.profile,
-                                        result_type=VerdictChunkResult, cost=prompt_chars(part, guidance),
-                                        label="headroom"))
-    progress = runner.progress
-
-    def on_result(index, result):
-        if progress is not None:
-            progress.advance(len(result.tickets))
-
-    if progress is not None:
-        progress.start("judge headroom", len(sample))
-    try:
-        results = runner.pool.gather(tasks, on_result=on_result)
-    finally:
-        if progress is not None:
-            progress.finish()
-    per_ticket, dropped = [], 0
-    for part, result in zip((sample[s:s + size] for s in range(0, len(sample), size)), results):
-        if [t.key for t in result.tickets] != [t.key for t in part]:  # a bug, never to be misattributed
-            raise RuntimeError(f"verdict chunk {result.chunk_index} answered other tickets than it was sent")
-        for ticket, scored in zip(part, result.tickets):
-            if scored.dropped:
-                dropped += 1
-            else:
-                per_ticket.append({"key": ticket.key, "label": ticket.label, "p_pass": scored.p_pass})
+    scored = runner.verdict_probabilities(sample, guidance, settings.max_prompt_tokens,
+                                          label="headroom", phase="judge headroom")
+    per_ticket = [{"key": ticket.key, "label": ticket.label, "p_pass": result.p_pass}
+                  for ticket, result in zip(sample, scored) if not result.dropped]
+    dropped = len(sample) - len(per_ticket)
     doc = report(per_ticket, min_auc=settings.min_auc, dropped=dropped, guidance_hash=content_hash(guidance))
     write_json(Path(run_dir) / HEADROOM_FILE, doc)
     if dropped:

@@ -21,7 +21,8 @@ import time
 
 import msgspec
 
-from ..engine.records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, SamplerConfig, TicketRollout
+from ..engine.records import (ChatRequest, ChatResult, ChunkResult, RolloutChunk, SamplerConfig, TicketRollout,
+                              TicketVerdictProbability, VerdictChunk, VerdictChunkResult)
 from ..pool import WorkerError
 from ..stageb import verdicts
 from ..stageb.guidance import Guidance
@@ -29,7 +30,7 @@ from ..stageb.hashing import content_hash
 from ..stageb.text import short
 from ..stageb.tickets import Ticket
 from ..stageb.verdicts import TicketStats
-from .chunk_cost import chunk_cost, guidance_chars
+from .chunk_cost import chunk_cost, guidance_chars, prompt_chars
 from .rollout_speculation import SpeculativeSubmissions, chat_key
 
 log = logging.getLogger("stageb_pool")
@@ -152,8 +153,7 @@ class RolloutRunner(SpeculativeSubmissions):
         rules_chars = guidance_chars(spec.guidance)
         shared = None  # the snapshots, encoded at the first chunk to generate
         parts = []
-        for index, start in enumerate(range(0, len(spec.tickets), self.chunk_size)):
-            tickets = spec.tickets[start : start + self.chunk_size]
+        for index, tickets in self._chunks(spec.tickets):
             key = content_hash(
                 [[t.key for t in tickets], guidance_hash, self.profile_hash, sampler,
                  spec.seed_key, index, self.save_rollouts, self.engine_key]
@@ -259,33 +259,21 @@ class RolloutRunner(SpeculativeSubmissions):
                     tasks.append(self._inflight[part.key])
                     counts.append(part.n_tickets)
         started = time.monotonic()
-        if self.progress is not None:
-            self.progress.start(_label(pendings), sum(counts))
-        if self.on_progress is not None:
-            self.on_progress()
 
-        def on_result(index, result):
+        def keep(index, result):
             # Cached as it arrives: chunks finished before a failure are not generated again.
-            key = keys[index]
-            if key is not None:
-                self._cache[key] = result
-                self._done_s[key] = time.monotonic() - started
-                rank = tasks[index].ran_on
-                self.tickets_by_rank[rank] = self.tickets_by_rank.get(rank, 0) + counts[index]
-            if counts[index] and self.progress is not None:
-                self.progress.advance(counts[index])
+            if keys[index] is not None:
+                self._cache[keys[index]] = result
+                self._done_s[keys[index]] = time.monotonic() - started
 
         try:
-            results = self.pool.gather(tasks, on_result=on_result, between=self.on_progress) if tasks else []
+            results = self._gather(_label(pendings), tasks, counts, keep)
         finally:
             # Done or cancelled (the pool cancels a failed gather's tasks): no longer in
             # flight, so a later submit of an unfinished chunk generates it again.
             for key in keys:
                 if key is not None:
                     self._inflight.pop(key, None)
-            if self.progress is not None:
-                self.progress.finish()
-            self.rollout_seconds += time.monotonic() - started
         out = []
         for pending in pendings:
             pending.done = True
@@ -295,6 +283,54 @@ class RolloutRunner(SpeculativeSubmissions):
                 out.append(self._assemble(pending))
         _warn_dropped(pendings, out)
         return out
+
+    def verdict_probabilities(self, tickets: list[Ticket], guidance: dict[str, str], max_prompt_tokens: int | None,
+                              *, label: str, phase: str) -> list[TicketVerdictProbability]:
+        """The judge's P(pass) per ticket (``Engine.verdict_probabilities``), in ticket
+        order: the tickets in the runner's chunks, each one batch, gathered like a rollout
+        (``phase`` names it in the progress line, ``label`` in the timeline). Nothing is
+        sampled and nothing cached: the headroom check scores its sample once."""
+        chunks = self._chunks(tickets)
+        shared = dict(guidance=self.pool.share(guidance), profile=self._shared_profile())
+        tasks = [self.pool.submit("verdict_probabilities", VerdictChunk(index, [t.text() for t in part], max_prompt_tokens),
+                                  result_type=VerdictChunkResult, cost=prompt_chars(part, guidance), label=label, **shared)
+                 for index, part in chunks]
+        results = self._gather(phase, tasks, [len(part) for _, part in chunks])
+        for (_, part), result in zip(chunks, results):
+            _check_chunk(result, part, "verdict chunk")
+        return [scored for result in results for scored in result.tickets]
+
+    def _chunks(self, tickets: list[Ticket]) -> list[tuple[int, list[Ticket]]]:
+        """``tickets`` cut, in their order, into ``(chunk index, tickets)`` of ``chunk_size``."""
+        return [(index, tickets[start:start + self.chunk_size])
+                for index, start in enumerate(range(0, len(tickets), self.chunk_size))]
+
+    def _gather(self, phase: str, tasks: list, tickets: list[int], keep=None) -> list:
+        """One ``pool.gather`` of ``tasks`` (``tickets[i]``: task i's tickets, 0 for a chat
+        call) under the progress line ``phase``: its wall time is rollout time, each chunk's
+        tickets are credited to the worker that ran it, ``keep(index, result)`` sees each
+        result as it arrives."""
+        started = time.monotonic()
+        if self.progress is not None:
+            self.progress.start(phase, sum(tickets))
+        if self.on_progress is not None:
+            self.on_progress()
+
+        def on_result(index, result):
+            if keep is not None:
+                keep(index, result)
+            if tickets[index]:
+                rank = tasks[index].ran_on
+                self.tickets_by_rank[rank] = self.tickets_by_rank.get(rank, 0) + tickets[index]
+                if self.progress is not None:
+                    self.progress.advance(tickets[index])
+
+        try:
+            return self.pool.gather(tasks, on_result=on_result, between=self.on_progress) if tasks else []
+        finally:
+            if self.progress is not None:
+                self.progress.finish()
+            self.rollout_seconds += time.monotonic() - started
 
     def continue_counts(self, chunks_used, done: int, saved: int) -> None:
         """Carry on the run's counts of an interrupted run (from its state.json)."""
@@ -338,7 +374,7 @@ class RolloutRunner(SpeculativeSubmissions):
                 raise RuntimeError(f"rollout {spec.name!r}: a chunk was cancelled by a failed gather; submit it again")
             tickets = spec.tickets[position : position + part.n_tickets]
             position += part.n_tickets
-            _check_chunk(result, tickets, part.key)
+            _check_chunk(result, tickets, "chunk")
             n = 0
             for ticket, rollout in zip(tickets, result.tickets):
                 if rollout.dropped:
@@ -356,13 +392,13 @@ class RolloutRunner(SpeculativeSubmissions):
         return result, samples
 
 
-def _check_chunk(result: ChunkResult, tickets: list[Ticket], key: str) -> None:
+def _check_chunk(result, tickets: list[Ticket], what: str) -> None:
     """The engine must answer every ticket of the chunk, in order: anything else is a bug
     that would silently misattribute verdicts, so it stops the run."""
     got = [t.key for t in result.tickets]
     want = [t.key for t in tickets]
     if got != want:
-        raise RuntimeError(f"chunk {result.chunk_index} ({key}) answered tickets {got[:3]}... for {want[:3]}...")
+        raise RuntimeError(f"{what} {result.chunk_index} answered tickets {got[:3]}... for {want[:3]}...")
 
 
 def _warn_dropped(pendings: list[Pending], results: list) -> None:
