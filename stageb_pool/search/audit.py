@@ -11,10 +11,10 @@ order, so it is byte-identical for any worker count (``timestamp``/``elapsed_sec
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
+from ..engine.records import SamplerConfig
 from ..stageb import verdicts
 from .distill import export_distillation
 from .fileio import write_json, write_jsonl
@@ -22,6 +22,7 @@ from .recorder import Recorder
 from .rollout import RolloutResult, rollout_spec
 from .rows import hard_case_rows, rollout_rows
 from .rundir import HARD_CASES, artifact, rollouts_path, utc_timestamp
+from .settings import DistillConfig
 
 BASELINE_METRICS = "baseline_metrics.json"
 BASELINE_TICKET_STATS = "baseline_ticket_stats.jsonl"
@@ -38,12 +39,12 @@ class AuditSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     seed: int
     mission: str
-    sampler: Any  # rule_search.train_sampler
+    sampler: SamplerConfig  # rule_search.train_sampler
     logging_steps: int
     hard_case_limit: int  # max(200, 8 * reflect_size), as upstream
     n_skipped_lines: int = 0  # counted by the ingest, reported as they are
     n_excluded: int = 0
-    distill: Any = None  # the config's stage_b_distillation section (None: no export)
+    distill: DistillConfig | None = None  # None: no export
 
 
 def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_dir, log,

@@ -16,14 +16,16 @@ from pathlib import Path
 
 import msgspec
 
+from ..engine.records import SamplerConfig
 from ..stageb.prompts import build_messages
 from .rollout import rollout_spec
 from .rows import DistillRow
+from .settings import DistillConfig
 
 DISTILL_DEFAULT = "distill_chatml.jsonl"
 
 
-def distill_sampler(train_sampler, temperature: float | None):
+def distill_sampler(train_sampler: SamplerConfig, temperature: float | None) -> SamplerConfig:
     """The train-grid entry at ``temperature`` (None: the lowest train temperature), else the
     closest entry with its temperature replaced; one sample."""
     grid = list(train_sampler.grid)
@@ -64,10 +66,10 @@ def distill_rows(tickets: list, result, profile, guidance) -> list[DistillRow]:
     return rows
 
 
-def export_distillation(recorder, *, tickets: list, guidance, settings, train_sampler, seed: int,
-                        log) -> dict | None:
-    """Run and write the export when ``settings`` (the stage_b_distillation section) asks for
-    it; returns the summary's ``distillation`` object (None when nothing was asked)."""
+def export_distillation(recorder, *, tickets: list, guidance, settings: DistillConfig, train_sampler: SamplerConfig,
+                        seed: int, log) -> dict | None:
+    """Run and write the export when ``settings`` asks for it; returns the summary's
+    ``distillation`` object (None when nothing was asked)."""
     if not settings.enabled or not settings.distill_size:
         log.info("distillation: off (stage_b_distillation.distill_size is not set, or enabled is false)")
         return None

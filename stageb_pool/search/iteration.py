@@ -38,6 +38,7 @@ from ..stageb.verdicts import Metrics, compute_metrics
 from . import rows
 from .rollout import ChatFailure, RolloutResult, RolloutSpec, rollout_spec
 from .rundir import HARD_CASES, PROPOSER_ANSWERS, PROPOSER_FAILURES, utc_timestamp
+from .settings import SearchSettings
 
 
 class IterationInput(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,13 +97,13 @@ def pool_seed_key(seed: int, tickets) -> str:
     return f"{seed}/train/{content_hash([t.key for t in tickets])}"
 
 
-def baseline_spec(inp: IterationInput, settings) -> RolloutSpec:
+def baseline_spec(inp: IterationInput, settings: SearchSettings) -> RolloutSpec:
     """The iteration's train baseline: its pool under the guidance it starts from."""
     return rollout_spec(f"train/it{inp.iteration}/base", pool_seed_key(settings.seed, inp.pool), inp.pool,
                         inp.guidance, settings.rule_search.train_sampler)
 
 
-def eval_spec(name: str, settings, eval_pool, guidance: Guidance) -> RolloutSpec:
+def eval_spec(name: str, settings: SearchSettings, eval_pool, guidance: Guidance) -> RolloutSpec:
     return rollout_spec(name, f"{settings.seed}/eval", eval_pool, guidance, settings.rule_search.eval_sampler)
 
 
@@ -112,7 +113,7 @@ def common_metrics(base_stats: dict, cand_stats: dict) -> tuple[Metrics, Metrics
     return compute_metrics([base_stats[k] for k in keys]), compute_metrics([cand_stats[k] for k in keys])
 
 
-def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) -> IterationOutcome:
+def run_iteration(inp: IterationInput, settings: SearchSettings, recorder, log, on_gate=None) -> IterationOutcome:
     """Compute one iteration; append its hard cases and proposer failures on the way.
     ``on_gate(guidance)``: called once the gate has passed a candidate, with the guidance
     the iteration will most likely end with (the best passing candidate's; certain without
@@ -179,7 +180,7 @@ class Failures:
             error=error, stage=stage, raw=raw, **entry))
 
 
-def proposer_requests(inp: IterationInput, settings, profile, examples) -> list[ChatRequest]:
+def proposer_requests(inp: IterationInput, settings: SearchSettings, profile, examples) -> list[ChatRequest]:
     """The iteration's ``rule_search.proposer_calls`` proposer requests (none without
     examples): the same prompt, each call with its own seed key, derived from the work (run
     seed, iteration, call), never from a worker; the first call's is upstream's."""
@@ -190,7 +191,7 @@ def proposer_requests(inp: IterationInput, settings, profile, examples) -> list[
                      for call in range(1, settings.rule_search.proposer_calls))]
 
 
-def _proposer_request(inp: IterationInput, settings, profile, examples) -> ChatRequest:
+def _proposer_request(inp: IterationInput, settings: SearchSettings, profile, examples) -> ChatRequest:
     rs = settings.rule_search
     decode = Decode(temperature=rs.proposer_temperature, top_p=rs.proposer_top_p,
                     max_new_tokens=rs.proposer_max_new_tokens,
@@ -207,7 +208,7 @@ def _proposer_request(inp: IterationInput, settings, profile, examples) -> ChatR
                        max_prompt_tokens=rs.proposer_max_prompt_tokens, json_schema=schema)
 
 
-def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, requests: list[ChatRequest]):
+def _propose_and_eval_baseline(inp: IterationInput, settings: SearchSettings, recorder, requests: list[ChatRequest]):
     """One gather: the proposer calls and the eval baseline share the workers. The chats
     are submitted first, so they start at once on the first free workers."""
     runner = recorder.runner
@@ -219,7 +220,7 @@ def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, requests
     return results[:len(chats)], (results[-1] if ev is not None else None)
 
 
-def _merge_proposals(inp: IterationInput, settings, runner, chats: list, requests: list[ChatRequest],
+def _merge_proposals(inp: IterationInput, settings: SearchSettings, runner, chats: list, requests: list[ChatRequest],
                      example_keys: list[str], failures: Failures):
     """Every call's valid candidates, in call order, a candidate an earlier call already
     proposed (same id or rule text) rejected as a duplicate; one answer row per call (the
@@ -244,8 +245,8 @@ def _merge_proposals(inp: IterationInput, settings, runner, chats: list, request
     return proposed, answers
 
 
-def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str], examples_text: str,
-                     failures: Failures) -> tuple[list[proposer.Candidate], rows.ProposerAnswerRow]:
+def _parse_proposals(inp: IterationInput, settings: SearchSettings, runner, chat, example_keys: list[str],
+                     examples_text: str, failures: Failures) -> tuple[list[proposer.Candidate], rows.ProposerAnswerRow]:
     """The proposer's valid candidates and its answer row; every failure and rejection
     becomes a failure row. A proposer call that raised leaves the iteration with no proposer
     candidates (the ablation fill still runs), as upstream."""
@@ -280,7 +281,7 @@ def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: 
     return accepted, msgspec.structs.replace(answer, parsed=True, operations=len(accepted) + len(rejections))
 
 
-def _previews(inp: IterationInput, settings, proposed: list, example_keys: list[str],
+def _previews(inp: IterationInput, settings: SearchSettings, proposed: list, example_keys: list[str],
               failures: Failures) -> tuple[list[tuple], str | None]:
     """Proposer candidates, then ablation removes up to ``num_candidate_rules``, as
     ``(index, candidate, previewed guidance, reflection id)``; a candidate whose edit cannot
@@ -317,7 +318,7 @@ def _no_ablation_note(g: Guidance, rejected_ids) -> str:
 # ----------------------------------------------------------------------------- A/B evaluation
 
 
-def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: RolloutResult,
+def _evaluate(inp: IterationInput, settings: SearchSettings, recorder, seed_key: str, base: RolloutResult,
               eval_base: RolloutResult | None, previews: list[tuple], on_gate=None) -> list[Evaluated]:
     """All candidates' train rollouts in one gather, the gate, then the passing ones' eval
     rollouts in one gather and the optional eval veto."""

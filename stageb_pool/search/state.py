@@ -28,7 +28,7 @@ from ..stageb.guidance import parse_section
 from ..stageb.ticket_pools import TrainPoolSampler
 from . import fileio, rundir
 from .run_format import FORMAT_VERSION, REDONE_FORMATS, config_differences, written_by
-from .settings import RunIdentity
+from .settings import RuleSearchConfig, RunIdentity
 
 STATE_FILE = "state.json"
 # Every append-only artifact of the search, relative to the run directory. Their byte
@@ -170,8 +170,8 @@ def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]
     return removed
 
 
-def start_sampler(n_train: int, rule_search, seed: int) -> TrainPoolSampler:
-    """The train-pool sampler a fresh run starts with (``rule_search``: the config section)."""
+def start_sampler(n_train: int, rule_search: RuleSearchConfig, seed: int) -> TrainPoolSampler:
+    """The train-pool sampler a fresh run starts with."""
     return TrainPoolSampler.start(n_train, rule_search.train_pool_size, seed, fraction=rule_search.train_pool_fraction)
 
 
