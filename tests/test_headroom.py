@@ -182,7 +182,8 @@ def test_the_check_is_counted_in_the_runners_rollout_time_and_per_worker_tickets
     with Pool(fake_factory(), "cpu:2") as pool:
         runner = RolloutRunner(pool, load_profile("generic", mission=MISSION), chunk_size=4)
         doc = hr.run_headroom(runner, tickets=tickets_of("pf" * 10), guidance={"G0": "Look for rust."},
-                              settings=hr.HeadroomSettings(seed=1, tickets=12), run_dir=tmp_path,
+                              settings=hr.HeadroomSettings(seed=1, tickets=12, min_auc=0.6, max_prompt_tokens=None),
+                              run_dir=tmp_path,
                               log=logging.getLogger("test.headroom"))
         assert doc["tickets"] == 12
         assert [runner.tickets_by_rank.get(rank, 0) for rank in (0, 1)] == [4 * n for n in pool.stats.items]

@@ -31,6 +31,7 @@ Everything written is computed from the results in key order and rounded, so
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from pathlib import Path
@@ -52,9 +53,9 @@ class HeadroomSettings(msgspec.Struct, frozen=True, kw_only=True):
     seed and the train sampler's prompt cap)."""
 
     seed: int
-    tickets: int = 48
-    min_auc: float = 0.6
-    max_prompt_tokens: int | None = None
+    tickets: int
+    min_auc: float
+    max_prompt_tokens: int | None
 
 
 # ----------------------------------------------------------------------------- pure parts
@@ -83,16 +84,12 @@ def auc(scores: list[float], labels: list[str]) -> float | None:
     n_fail = len(labels) - n_pass
     if n_pass == 0 or n_fail == 0:
         return None
-    order = sorted(range(len(scores)), key=lambda i: scores[i])
     rank_sum = 0.0  # sum of the pass tickets' ranks (1-based; tied scores share their mean rank)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and scores[order[end + 1]] == scores[order[start]]:
-            end += 1
-        mean_rank = (start + end) / 2 + 1
-        rank_sum += mean_rank * sum(1 for i in order[start:end + 1] if labels[i] == "pass")
-        start = end + 1
+    below = 0  # tickets scoring lower than the current group of ties
+    for _, group in itertools.groupby(sorted(zip(scores, labels)), key=lambda pair: pair[0]):
+        tied = [label for _, label in group]
+        rank_sum += (below + (len(tied) + 1) / 2) * tied.count("pass")
+        below += len(tied)
     u = rank_sum - n_pass * (n_pass + 1) / 2
     return u / (n_pass * n_fail)
 

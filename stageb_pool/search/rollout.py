@@ -24,10 +24,11 @@ import msgspec
 
 from ..engine.records import (ChatRequest, ChatResult, ChunkResult, RolloutChunk, SamplerConfig, TicketRollout,
                               TicketVerdictProbability, VerdictChunk, VerdictChunkResult)
-from ..pool import WorkerError
+from ..pool import Pool, TaskHandle, WorkerError
 from ..stageb import verdicts
 from ..stageb.guidance import Guidance
 from ..stageb.hashing import content_hash
+from ..stageb.prompts import PromptProfile
 from ..stageb.text import short
 from ..stageb.tickets import Ticket
 from ..stageb.verdicts import TicketStats
@@ -97,7 +98,7 @@ class Pending(msgspec.Struct):
 
     spec: RolloutSpec | None = None
     parts: list[_Part] = []
-    chat_task: object = None
+    chat_task: TaskHandle | None = None
     request: ChatRequest | None = None  # a chat's request (submitted again after a failed gather)
     done: bool = False
 
@@ -108,8 +109,8 @@ class RolloutRunner(SpeculativeSubmissions):
     ``save_rollouts`` asks the engine for token ids too, for ``rollouts/*.jsonl``.
     ``progress`` is a ``progress.Progress`` (or None)."""
 
-    def __init__(self, pool, profile, *, chunk_size: int, progress=None, save_rollouts: bool = False,
-                 engine_key: str = ""):
+    def __init__(self, pool: Pool, profile: PromptProfile, *, chunk_size: int, progress=None,
+                 save_rollouts: bool = False, engine_key: str = ""):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.pool = pool
@@ -130,7 +131,7 @@ class RolloutRunner(SpeculativeSubmissions):
         self.tickets_by_rank: dict[int, int] = {}  # tickets generated or scored, by the worker that ran them
         self.rollout_seconds = 0.0  # wall time spent gathering chunks: the rollout phase
         self._cache: dict[str, ChunkResult] = {}
-        self._inflight: dict[str, object] = {}  # cache key -> pool task, submitted, not yet gathered
+        self._inflight: dict[str, TaskHandle] = {}  # cache key -> pool task, submitted, not yet gathered
         self._done_s: dict[str, float] = {}
         self._profile_snapshot = pool.share(profile)  # encoded once per runner
         self._verdicts = verdicts.VerdictParser(profile.verdict)  # answers repeat: each distinct one parsed once
@@ -391,10 +392,8 @@ def _warn_dropped(pendings: list[Pending], results: list) -> None:
 
 
 def _label(pendings: list[Pending]) -> str:
-    names = [p.spec.name for p in pendings if p.spec is not None]
-    if len(names) <= 1:
-        return names[0] if names else "chat"
-    return f"{names[0]} +{len(names) - 1} more"
+    names = [p.spec.name for p in pendings if p.spec is not None] or ["chat"]
+    return names[0] if len(names) == 1 else f"{names[0]} +{len(names) - 1} more"
 
 
 __all__ = ["ChatFailure", "RolloutSpec", "RolloutResult", "RolloutRunner", "Pending"]
