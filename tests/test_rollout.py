@@ -171,7 +171,7 @@ def test_snapshots_sent_once_per_worker(tickets, profile):
     with Pool(fake_factory(), "cpu:2") as pool:
         runner = RolloutRunner(pool, profile, chunk_size=1)
         runner.wait([runner.submit(spec(tickets)), runner.submit(spec(tickets, name="c", guidance=rule))])
-        sends = pool.stats.snapshot_sends
+        sends = pool.stats.shared_sends
         assert items_total(pool) == 2 * len(tickets)
     # three distinct shared values (2 guidances, 1 profile), at most once to each of 2 workers,
     # for 20 chunks

@@ -1,5 +1,5 @@
 """A submitted task (``TaskHandle``, shaped like a ``concurrent.futures.Future``), the queue
-it waits in for a worker (``TaskQueue``), how a runner reports it finished (``Outcome``), and
+it waits in for a worker (``TaskQueue``), how a dispatcher reports it finished (``Outcome``), and
 the pool's counters (``PoolStats``)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class PoolStats(msgspec.Struct):
     frames_received: dict[str, int]  # by message type, workers -> parent
     bytes_sent: int
     bytes_received: int
-    snapshot_sends: int
+    shared_sends: int
     items: list[int]  # tasks completed, per rank
     busy_s: list[float]  # seconds with a task in flight, per rank
     restarts: int
@@ -111,7 +111,7 @@ class TaskHandle:
 
 
 class Outcome(NamedTuple):
-    """How a task finished, as a runner reports it: the encoded result, or an error."""
+    """How a task finished, as a dispatcher reports it: the encoded result, or an error."""
 
     task: TaskHandle
     raw: bytes | None = None
@@ -163,16 +163,22 @@ class TaskQueue:
         """The first task the worker of ``rank`` may run (a speculative one only with
         ``speculative``); tasks already done (cancelled) and entries a promotion replaced
         are dropped on the way."""
-        heaps = (self._any, self._pinned[rank])
-        for heap in heaps:
-            while heap and (heap[0][1].done() or (heap[0][0][0] and heap[0][1].id not in self._speculative)):
-                heapq.heappop(heap)
-        candidates = [heap for heap in heaps if heap]
-        if not candidates:
+        heap = self._live(self._any)
+        pinned = self._live(self._pinned[rank]) if self._pinned[rank] else None
+        if pinned and (not heap or pinned[0][0] < heap[0][0]):
+            heap = pinned
+        if not heap:
             return None
-        heap = min(candidates, key=lambda heap: heap[0][0])
         if heap[0][0][0]:
             if not speculative:
                 return None
             self._speculative.discard(heap[0][1].id)
         return heapq.heappop(heap)[1]
+
+    def _live(self, heap: list) -> list:
+        """``heap`` without the entries at its top that are done (cancelled) or replaced by
+        a promotion."""
+        while heap and (heap[0][1]._state is not _State.PENDING
+                        or (heap[0][0][0] and heap[0][1].id not in self._speculative)):
+            heapq.heappop(heap)
+        return heap
