@@ -54,6 +54,10 @@ class TaskHandle:
     ``done()``, ``cancelled()``, ``result()`` and ``exception()`` mean what they mean there;
     ``result()``/``exception()`` of an unfinished task drive the pool until it is finished,
     as ``pool.gather([task])`` does (which is also how several tasks come back in order).
+    It is not a ``Future``: ``concurrent.futures.wait`` and ``as_completed`` block on a
+    condition until another thread sets the result, and nothing else drives this pool but
+    the caller's own thread (in ``gather``), so they would wait forever; a driver thread
+    would hand every result across the GIL and take Ctrl-C away from the event loop.
     ``ran_on`` is the rank of the worker that computed the result; ``label`` is the
     submitter's name for the task (in ``PoolStats.intervals``). A ``speculative`` task runs
     only on an idle worker while nothing else is queued, until a gather waits for it
