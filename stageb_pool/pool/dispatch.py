@@ -5,11 +5,9 @@ processes or sockets: a *transport* starts, feeds, kills and listens to the work
 reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerClosed``,
 ``WorkerExited``). The dispatcher owns
 
-- the queue: a free worker takes the next task it may run (tasks submitted with ``rank=``
-  only go to that worker): a retried task first, then in submission order, or most
-  expensive first for tasks submitted with a ``cost``; one task in flight per worker, or
-  ``depth`` where a transport's round trip is worth hiding (the next task then waits in the
-  worker, which runs its tasks in order; free workers are served first);
+- the queue (tasks.py's ``TaskQueue`` says in which order): one task in flight per worker,
+  or ``depth`` where a transport's round trip is worth hiding (the next task then waits in
+  the worker, which runs its tasks in order; free workers are served first);
 - one ``Slot`` per rank (slots.py): its ``WorkerState``, the tasks in flight and the deadline of the
   state it is in (engine start, the running task, exit report), and the mirror of its
   cache of shared values;
@@ -180,29 +178,11 @@ class Dispatcher:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        if self.depth == 1:
-            self._dispatch_to_free()
-            return
-        # Round by round: every idle worker gets a task before any gets a second one, and a
-        # second only while more tasks are queued than there are workers: the last ones go
-        # to whichever worker is free first, never behind a long task (a short tail), and
-        # never behind a speculative one (work nobody waits for must not delay work somebody does).
-        for in_flight in range(self.depth):
-            if in_flight and len(self.queue) <= len(self.slots):
-                return
-            for slot in self.slots:
-                if (len(slot.tasks) == in_flight and slot.state in (WorkerState.IDLE, WorkerState.BUSY)
-                        and not any(task.speculative for task in slot.tasks)):
-                    task = self.queue.pop(slot.rank, speculative=not in_flight)
-                    if task is not None:
-                        self._send_task(slot, task)
-
-    def _dispatch_to_free(self) -> None:
-        """One task to each idle worker, lowest rank first (as the rounds above, with depth
-        1), without visiting any other worker: ``_free`` is a heap of the ranks that became
-        idle (an entry whose worker is busy or gone since is dropped when reached). Once no
-        task is left for the lowest idle rank, the shared queue is empty: only the ranks that
-        may have pinned tasks are asked."""
+        """One task to each idle worker, lowest rank first, without visiting any other worker:
+        ``_free`` is a heap of the ranks that became idle (an entry whose worker is busy or
+        gone since is dropped when reached). Once no task is left for the lowest idle rank,
+        the shared queue is empty: only the ranks that may have pinned tasks are asked. Then,
+        with ``depth`` > 1, the further rounds."""
         free = self._free
         while free:
             slot = self.slots[free[0]]
@@ -222,6 +202,19 @@ class Dispatcher:
                     self._pinned.discard(rank)
                 else:
                     self._send_task(slot, task)
+        # A worker's next task waits in it only while more tasks are queued than there are
+        # workers: the last ones go to whichever worker is free first, never behind a long
+        # task (a short tail), and never behind a speculative one (work nobody waits for
+        # must not delay work somebody does).
+        for in_flight in range(1, self.depth):
+            if len(self.queue) <= len(self.slots):
+                return
+            for slot in self.slots:
+                if (len(slot.tasks) == in_flight and slot.state is WorkerState.BUSY
+                        and not any(task.speculative for task in slot.tasks)):
+                    task = self.queue.pop(slot.rank)
+                    if task is not None:
+                        self._send_task(slot, task)
 
     def _send_task(self, slot: Slot, task: TaskHandle) -> None:
         if not slot.tasks:  # it starts at once; a later one when those before it are done
