@@ -17,9 +17,8 @@ check on:
   600 tickets, 3 iterations, a train pool of 512, an eval pool of 20, chunks of 16, three
   decodes per ticket (T 0.3/0.5/0.7, seed 43) each ending at ``PRODUCTION_ANSWER_TOKENS``
   (an estimate of the longest verdict answer of a batch: the simulated engine runs a batch to
-  its decode's ``max_new_tokens``), reflect size 16, a 2048-token
-  proposer budget (the simulated proposer answers about 110 tokens, three operations, and
-  now takes the time of those).
+  its decode's ``max_new_tokens``), reflect size 16, a 2048-token proposer budget (the
+  simulated proposer answers about 110 tokens, three operations, and takes the time of those).
 
 ``model.engine: simulated`` with the embedded model's tokenizer counting the tokens and its
 default latency model (a 7-8B model on one H100, docs/performance.md) slept at

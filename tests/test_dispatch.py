@@ -164,7 +164,7 @@ def run(d, tasks) -> dict[int, object]:
 # -- the cost of an event -----------------------------------------------------------------------
 def test_an_event_visits_the_free_workers_not_every_worker(clock, monkeypatch):
     """At 64 workers, a result that arrives while nothing is queued costs a look or two at
-    the queue, not one per idle worker (issue 31: no scan of every worker per event)."""
+    the queue, not one per idle worker: no scan of every worker per event."""
     t = ScriptedTransport(clock)
     d, store = make(t, 64)
     run(d, [task(store, i, item=i) for i in range(64)])  # every worker ran one: all idle now
@@ -174,7 +174,7 @@ def test_an_event_visits_the_free_workers_not_every_worker(clock, monkeypatch):
         pops.clear()
         assert run(d, [task(store, i, item=3)]) == {i: 9}
         assert len(pops) <= 4, pops  # the worker that takes it, then one empty look per dispatch
-        assert t.sent[-1][0] == 0  # the first free worker in rank order, as before
+        assert t.sent[-1][0] == 0  # the lowest free rank first
 
 
 # -- start ------------------------------------------------------------------------------------
