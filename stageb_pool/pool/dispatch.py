@@ -221,22 +221,16 @@ class Dispatcher:
             self._start_running(slot, time.monotonic())
         slot.state, task.ran_on = WorkerState.BUSY, slot.rank
         slot.tasks.append(task)
-        frames = []
-        sent = self.stats.frames_sent
-        for key, evict in slot.cache.admit(task.shared):
-            frames.append(protocol.frame(Share(key, msgspec.Raw(self.shared.data(key)), evict), self.max_frame))
-            sent["Share"] = sent.get("Share", 0) + 1
-            self.stats.shared_sends += 1
+        frames = [protocol.frame(Share(key, msgspec.Raw(self.shared.data(key)), evict), self.max_frame)
+                  for key, evict in slot.cache.admit(task.shared)]
+        self.stats.shared_sends += len(frames)
+        self.stats.tasks_sent += 1
         frames.append(protocol.frame(Task(task.id, task.method, msgspec.Raw(task.item), task.shared), self.max_frame))
-        sent["Task"] = sent.get("Task", 0) + 1
         # Blocking sends are safe with depth 1: a worker reads while it has no task, and this
         # one has none (a deeper transport, Ray's, never blocks on a busy worker).
         self.transport.send(slot.rank, b"".join(frames) if len(frames) > 1 else frames[0])
 
     def _on_reply(self, slot: Slot, reply: Reply) -> None:
-        received = self.stats.frames_received
-        name = type(reply).__name__
-        received[name] = received.get(name, 0) + 1
         match reply:
             case Result(id=task_id) | Failure(id=task_id):
                 task = self._task_done(slot, task_id)

@@ -15,11 +15,10 @@ import msgspec
 class PoolStats(msgspec.Struct):
     """Counters for tests, benchmarks and the run summary."""
 
-    frames_sent: dict[str, int]  # by message type, parent -> workers
-    frames_received: dict[str, int]  # by message type, workers -> parent
     bytes_sent: int
     bytes_received: int
-    shared_sends: int
+    tasks_sent: int  # Task frames (a retried task counts again)
+    shared_sends: int  # Share frames: a shared value sent to a worker
     items: list[int]  # tasks completed, per rank
     busy_s: list[float]  # seconds with a task in flight, per rank
     restarts: int
@@ -32,7 +31,7 @@ class PoolStats(msgspec.Struct):
 
     @classmethod
     def empty(cls, size: int) -> "PoolStats":
-        return cls({}, {}, 0, 0, 0, [0] * size, [0.0] * size, 0, [0] * size, [], time.monotonic())
+        return cls(0, 0, 0, 0, [0] * size, [0.0] * size, 0, [0] * size, [], time.monotonic())
 
     def record(self, rank: int, task: "TaskHandle", start: float, end: float) -> None:
         """Count a completed task of ``rank`` that ran from ``start`` to ``end`` (monotonic)."""
