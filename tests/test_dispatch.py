@@ -177,6 +177,17 @@ def test_an_event_visits_the_free_workers_not_every_worker(clock, monkeypatch):
         assert t.sent[-1][0] == 0  # the lowest free rank first
 
 
+def test_pinned_tasks_leave_one_entry_per_free_worker(clock):
+    """A rank busy with pinned tasks while a lower one idles stays in the free heap once, however
+    many tasks it runs (the heap never grows with the tasks)."""
+    t = ScriptedTransport(clock)
+    d, store = make(t, 8)
+    for i in range(50):
+        assert run(d, [task(store, i, item=2, rank=5)]) == {i: 4}
+        assert t.sent[-1][0] == 5
+    assert sorted(d._free) == list(range(8))
+
+
 # -- start ------------------------------------------------------------------------------------
 def test_start_spawns_every_rank_and_waits_for_ready(clock):
     t = ScriptedTransport(clock)

@@ -118,9 +118,10 @@ class Dispatcher:
         self._outcomes: list[Outcome] = []
         self._started = False
         self._earliest = Earliest()  # no deadline or warning of any slot is before it
-        # A heap of the ranks that may be idle (every idle one is in it): depth-1 dispatch
+        # A heap of the ranks that may be idle (every idle one is in it, each once): dispatch
         # visits these, not every worker, at each event; and the ranks that may have pinned tasks queued.
         self._free: list[int] = []
+        self._in_free: set[int] = set()
         self._pinned: set[int] = set()
 
     @property
@@ -186,14 +187,12 @@ class Dispatcher:
         free = self._free
         while free:
             slot = self.slots[free[0]]
-            if slot.state is not WorkerState.IDLE or slot.tasks:
-                heapq.heappop(free)
-                continue
-            task = self.queue.pop(slot.rank, speculative=True)  # an idle worker may take speculative work
-            if task is None:
-                break
-            heapq.heappop(free)
-            self._send_task(slot, task)
+            if slot.state is WorkerState.IDLE and not slot.tasks:
+                task = self.queue.pop(slot.rank, speculative=True)  # an idle worker may take speculative work
+                if task is None:
+                    break
+                self._send_task(slot, task)
+            self._in_free.discard(heapq.heappop(free))
         for rank in sorted(self._pinned):
             slot = self.slots[rank]
             if slot.state is WorkerState.IDLE and not slot.tasks:
@@ -244,7 +243,7 @@ class Dispatcher:
                 if version != PROTOCOL_VERSION:
                     raise ProtocolError(f"worker {slot.rank} speaks protocol {version}, the parent {PROTOCOL_VERSION}")
                 slot.state, slot.deadline = WorkerState.IDLE, None
-                heapq.heappush(self._free, slot.rank)
+                self._mark_free(slot.rank)
                 slot.pid = slot.pid or pid  # a backend may only learn it here (Ray)
                 self.worker_info[slot.rank] = info
                 if self._started:  # a replacement; at start all are compared at once
@@ -267,8 +266,13 @@ class Dispatcher:
                 self._start_running(slot, now)
             else:
                 slot.state, slot.deadline, slot.next_warning = WorkerState.IDLE, None, None
-                heapq.heappush(self._free, slot.rank)
+                self._mark_free(slot.rank)
         return task
+
+    def _mark_free(self, rank: int) -> None:
+        if rank not in self._in_free:  # a rank given a pinned task stays in the heap meanwhile
+            self._in_free.add(rank)
+            heapq.heappush(self._free, rank)
 
     def _check_engines(self, new: Slot | None = None) -> None:
         """Whether the running workers (and ``new``, a replacement) run the same engine."""
