@@ -438,6 +438,15 @@ def test_the_backend_is_one_value_and_a_name_is_refused():
         assert pool.size == 1 and [d.name for d in pool.devices] == ["cpu:0"]
 
 
+def test_call_in_child_answers_with_one_frame_and_none_when_the_child_dies():
+    """The one-shot fork helper (the prompt check's) answers as a worker does: one protocol
+    frame over a socketpair, decoded as the caller's type; a child that dies says nothing."""
+    from stageb_pool.pool.fork import call_in_child
+
+    assert call_in_child(lambda: {"pid": os.getpid()}, dict[str, int])["pid"] != os.getpid()
+    assert call_in_child(lambda: os._exit(3), dict) is None
+
+
 # -- inline mode -----------------------------------------------------------------------------
 def test_inline_mode_gives_the_same_results_as_workers():
     items = [1, "two", {"three": [3.5, None]}, [True]]
