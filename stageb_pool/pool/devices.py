@@ -339,10 +339,15 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
     if len(set(indices)) != len(indices):
         raise DeviceSpecError(f"GPU list {_quote(spec)} names a GPU twice")
     _check_multiple(len(indices), gpus_per_worker, f"--gpus {_quote(spec)} names")
-    if gpus_per_worker == 1:
-        return [Device("cuda", gpu, rank, threads) for rank, gpu in enumerate(indices)]
+    return _gpu_workers(indices, gpus_per_worker, threads)
+
+
+def _gpu_workers(indices: list[int], gpus_per_worker: int, threads: int) -> list[Device]:
+    """One worker per run of ``gpus_per_worker`` GPUs of ``indices``, in order (a one-GPU
+    worker has no ``group``)."""
     groups = [tuple(indices[i:i + gpus_per_worker]) for i in range(0, len(indices), gpus_per_worker)]
-    return [Device("cuda", group[0], rank, threads, group=group) for rank, group in enumerate(groups)]
+    return [Device("cuda", group[0], rank, threads, group=group if len(group) > 1 else ())
+            for rank, group in enumerate(groups)]
 
 
 def ray_devices(spec: str | int, *, gpus_per_worker: int = 1, threads_per_worker: int = 1) -> list[Device]:
@@ -363,9 +368,6 @@ def ray_devices(spec: str | int, *, gpus_per_worker: int = 1, threads_per_worker
         raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_RAY_WORKERS} Ray workers")
     if kind == "cpu":
         _refuse_cpu_groups(spec, gpus_per_worker)
-    else:
-        _check_multiple(n, gpus_per_worker, "--gpus asks Ray for")
-    if kind == "cpu" or gpus_per_worker == 1:
-        return [Device(kind, rank, rank, threads) for rank in range(n)]
-    return [Device(kind, first, rank, threads, group=tuple(range(first, first + gpus_per_worker)))
-            for rank, first in enumerate(range(0, n, gpus_per_worker))]
+        return [Device("cpu", rank, rank, threads) for rank in range(n)]
+    _check_multiple(n, gpus_per_worker, "--gpus asks Ray for")
+    return _gpu_workers(list(range(n)), gpus_per_worker, threads)
