@@ -307,7 +307,7 @@ def test_a_replacement_with_another_engine_is_refused(clock):
 
 
 @pytest.mark.parametrize("how", ["hang_once", "die_once"])
-def test_a_replacement_gets_the_task_first_and_the_snapshots_again(clock, how):
+def test_a_replacement_gets_the_task_first_and_the_shared_values_again(clock, how):
     t = ScriptedTransport(clock)
     d, store = make(t, 1, task_timeout=5.0, max_restarts=1)
     first_pid = d.pids[0]
