@@ -2,7 +2,7 @@
 group; the dispatcher (dispatch.py) decides everything, as for forked workers.
 
 The payloads stay the pool's msgspec frames: ``RayWorker.run`` takes one ``bytes`` argument
-(the Snapshot frames the actor lacks, then one Task frame) and returns one ``bytes`` frame
+(the Share frames the actor lacks, then one Task frame) and returns one ``bytes`` frame
 (Result or Failure); Ray passes top-level bytes without pickling them. ``RayWorker.ready``
 answers ``Ready`` or ``InitFailed``: an engine that fails to start is a ``WorkerError``, and a
 Ray error (the actor's process died) is a death. Ray's own restarts and retries are off; the
@@ -72,7 +72,7 @@ class RayWorker:
         return self.hello
 
     def run(self, frames: bytes) -> bytes:
-        """The reply to the Snapshot frames the actor lacks and the one Task frame after them."""
+        """The reply to the Share frames the actor lacks and the one Task frame after them."""
         return b"".join(self.core.answer(body) for body in protocol.FrameReader(self.max_frame).bodies(frames))
 
 
