@@ -59,9 +59,7 @@ class RayWorker:
         where = {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                  "gpu_ids": [str(i) for i in ray.get_gpu_ids()], "pid": os.getpid()}
         self.core = WorkerCore(engine_factory, self.device, max_frame)
-        # An engine that fails to start answers InitFailed: the parent raises it as WorkerError,
-        # as for a forked worker. The placement rides along under "ray"; the transport takes
-        # it out again, so worker_info is the engine's own report, as with forked workers.
+        # The placement rides along under "ray"; the transport takes it out of worker_info again.
         self.hello = self.core.hello(ray=where)
 
     def __repr__(self) -> str:  # Ray's prefix of every line the actor prints: "(w3 cuda:3 pid=...)"
@@ -94,10 +92,9 @@ class RayTransport:
             self.group = place(ray, self.bundles, backend.placement_timeout,
                                name=f"stageb_pool-{os.getpid()}-{id(self):x}")
             self.actor_class = ray.remote(RayWorker)
-            # Passed to each actor as an argument, never ray.put: an object this process owns
-            # in the object store makes Ray end the whole process at once when the cluster
-            # dies (measured: exit 1, no exception, even with the pool idle). A factory over
-            # 100 KiB is put there by Ray anyway: keep factories small (a class, a partial).
+            # Passed to each actor as an argument, never ray.put: an object this process owns in
+            # the object store makes Ray end the process when the cluster dies. (Ray puts a factory
+            # over 100 KiB there anyway: keep factories small.)
             self.factory = engine_factory
             self.gcs_address = ray.get_runtime_context().gcs_address
         except BaseException:
