@@ -36,18 +36,14 @@ class Pool:
 
     ``gpus``: a spec (``"0-7"``, ``"0,2,5-6"``, a list of ints, ``"cpu"``, ``"cpu:N"``; under Ray a
     GPU count), or a list of ``Device`` already planned (``backend.plan_devices``).
-    ``task_timeout``/``start_timeout``: seconds, None for no limit. ``max_restarts``: dead or
-    timed-out workers that may be replaced, pool-wide; their tasks are retried. ``stall_warning``:
-    seconds a task may run silent before a warning names its worker (and again after each further
-    interval). ``max_frame_bytes`` bounds every message. A timeout outside (0, ``MAX_TIMEOUT``]
-    or a negative ``max_restarts`` is a ValueError naming the argument. Errors, restarts, order
-    and results are the same under every backend.
-
-    ``gpus_per_worker=G``: one worker per group of G GPUs (contiguous; under Ray on one node),
-    its CUDA_VISIBLE_DEVICES set to them. ``threads_per_worker``: every worker's torch threads,
-    whatever the layout, so a task gives the same bits anywhere. ``engine_agreement``: what to
-    do when the workers' ``engine.info()`` differ (default: Ray refuses any difference, fork
-    compares nothing)."""
+    ``task_timeout``/``start_timeout``: seconds, None for no limit; outside (0, ``MAX_TIMEOUT``] a
+    ValueError. ``max_restarts``: dead or timed-out workers that may be replaced, pool-wide; their
+    tasks are retried. ``stall_warning``: seconds a task may run silent before a warning names its
+    worker (again after each further interval). ``max_frame_bytes`` bounds every message.
+    ``gpus_per_worker=G``: one worker per group of G GPUs. ``threads_per_worker``: every worker's
+    torch threads, whatever the layout (the same bits anywhere). ``engine_agreement``: what to do
+    when the workers' ``engine.info()`` differ (default: Ray refuses any difference, fork compares
+    nothing). Errors, restarts, order and results are the same under every backend."""
 
     def __init__(self, engine_factory, gpus="cpu:2", *, backend: Backend = Fork(),
                  task_timeout: float | None = 600.0, start_timeout: float | None = 600.0, max_restarts: int = 0,
@@ -146,8 +142,7 @@ class Pool:
             self._speculating = False
 
     def cancel(self, tasks) -> None:
-        """Drop tasks that will not be gathered: queued ones never run, a running one's result is
-        discarded."""
+        """Drop tasks that will not be gathered (a running one's result is discarded)."""
         self._cancel(list(tasks), "cancelled by its submitter")
 
     def gather(self, tasks, *, on_result=None, between=None) -> list:

@@ -166,16 +166,14 @@ def recv_body(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> bytes | 
 
 
 class FrameReader:
-    """Incremental frame parser for the parent's non-blocking event loop: a worker that
-    stalls mid-frame never blocks the parent."""
+    """Incremental frame parser: a worker that stalls mid-frame never blocks the parent."""
 
     def __init__(self, max_frame: int = MAX_FRAME_BYTES):
         self.max_frame = max_frame
         self.buffer = bytearray()  # the start of a frame not yet complete
 
     def needed(self) -> int:
-        """The bytes that would complete the frame being read (its header first): what a read
-        asks a ready socket for."""
+        """The bytes that would complete the frame being read (its header first)."""
         have = len(self.buffer)
         if have < HEADER.size:
             return HEADER.size - have

@@ -89,8 +89,7 @@ class RayConnection:
             hint = " (start one with `ray start --head`, or use address 'local')" if address == "auto" else ""
             raise PoolError(f"cannot connect to the Ray cluster at {address!r}{hint}: {exc}") from None
         if callable(self._saved_sigterm):
-            # The caller's own handler (the CLI's) goes on handling SIGTERM while Ray is up: Ray's
-            # would sys.exit from wherever the run is. A process with no handler keeps Ray's until close.
+            # The caller's own handler (the CLI's) goes on handling SIGTERM while Ray is up.
             signal.signal(signal.SIGTERM, self._saved_sigterm)
         self._log_redirect = ray_logs_to_stderr()
 
@@ -100,8 +99,7 @@ class RayConnection:
             os.environ[name] = value
 
     def close(self) -> None:
-        """Shut Ray down if this connection started it; restore SIGTERM, Ray's log printer
-        and the env."""
+        """Shut Ray down if this connection started it; restore SIGTERM, the log printer and env."""
         if self.started:
             self.started = False
             if self.ray.is_initialized():

@@ -1,10 +1,8 @@
 """A watcher that stops a local Ray cluster whose driver died, SIGKILL included: the raylet's
-agents would otherwise linger about 60 s (ray 2.60, measured), one listening on the network.
-
-The driver starts it with a pipe; it lists the driver's Ray descendants every
-``SCAN_INTERVAL`` seconds and, at EOF without ``stop``, SIGKILLs each one still running (the
-same process, by its start time). Run as a file, importing nothing of the package, to start
-in milliseconds.
+agents would otherwise linger about 60 s (ray 2.60, measured). It lists the driver's Ray
+descendants every ``SCAN_INTERVAL`` seconds and, at EOF on its pipe without ``stop``, SIGKILLs
+each one still running (the same process, by its start time). Run as a file, importing nothing
+of the package, to start in milliseconds.
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ class WorkerState(enum.Enum):
 
 
 class Trouble(NamedTuple):
-    """The first sign that a worker is failing: what it was doing, and the limit it
-    exceeded (None when it died or closed its channel)."""
+    """The first sign that a worker is failing: its state then, and the limit it exceeded (if any)."""
 
     during: WorkerState
     timeout: float | None

@@ -23,9 +23,8 @@ class PoolStats(msgspec.Struct):
     busy_s: list[float]  # seconds with a task in flight, per rank
     restarts: int
     restarts_by_rank: list[int]  # replacements of each rank's worker (each is also logged)
-    # One (rank, method, label, start_s, end_s) per completed task, seconds from ``origin``
-    # (the pool's start): the per-worker timeline of a run's report. A tuple append per task
-    # costs about a microsecond; busy_s of a rank is the sum of its intervals.
+    # One (rank, method, label, start_s, end_s) per completed task, seconds from ``origin``: the
+    # per-worker timeline of a run's report (a tuple append costs about a microsecond).
     intervals: list[tuple[int, str, str | None, float, float]]
     origin: float  # time.monotonic() when the pool was made
 
@@ -48,13 +47,12 @@ class _State(enum.Enum):
 
 
 class TaskHandle:
-    """A submitted task, used like a ``concurrent.futures.Future``: ``done()``, ``cancelled()``,
-    ``result()`` and ``exception()``; the last two drive the pool until it is finished.
-
-    Not a ``Future``: ``wait`` and ``as_completed`` would wait for another thread to set the
-    result, and only the caller's thread drives this pool (docs/architecture.md, "The pool's
-    modules"). ``ran_on``: the rank that computed it; ``label``: the submitter's name for it;
-    ``speculative``: see ``Pool.speculation``; ``busy_s``: the worker time it took."""
+    """A submitted task, used like a ``concurrent.futures.Future`` (``done``, ``cancelled``, and
+    ``result``/``exception``, which drive the pool until it is finished), but not one: only the
+    caller's thread drives this pool, so ``wait``/``as_completed`` would wait forever (and a driver
+    thread would take Ctrl-C away from the event loop). ``ran_on``: the rank that computed it;
+    ``label``: the submitter's name for it; ``speculative``: see ``Pool.speculation``; ``busy_s``:
+    the worker time it took."""
 
     __slots__ = ("id", "method", "item", "shared", "rank", "result_type", "cost", "label", "index", "owner",
                  "ran_on", "speculative", "busy_s", "_pool", "_state", "_result", "_error")

@@ -1,9 +1,7 @@
 """The worker's side of the protocol in every host (the forked worker, the Ray actor, the
-inline dispatcher): the only code that builds an engine or answers a request.
-
-``start``, ``add_shared`` and ``call`` raise the engine's own exceptions (inline mode chains
-them, for ``pdb.post_mortem``); ``hello`` and ``answer`` turn the same steps into frames for a
-host behind a channel.
+inline dispatcher): the only code that builds an engine or answers a request. ``start``,
+``add_shared`` and ``call`` raise the engine's own exceptions (inline mode chains them, for
+``pdb.post_mortem``); ``hello`` and ``answer`` turn the same steps into frames.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ class WorkerCore:
 
     @property
     def started(self) -> bool:
-        """Whether the engine was built."""
         return self.calls is not None
 
     @property
@@ -48,13 +45,11 @@ class WorkerCore:
         self.calls.add_shared(key, raw, evict)
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
-        """``engine.<method>(item, **shared values)``: its return value."""
         return self.calls.call(method, item, shared)
 
     # -- the protocol: frames for a host behind a channel -----------------------------------
     def hello(self, **facts) -> bytes:
-        """The first frame: ``Ready`` with the engine's info (plus the host's ``facts``), or
-        ``InitFailed``."""
+        """``Ready`` with the engine's info (plus the host's ``facts``), or ``InitFailed``."""
         try:
             info = self.start()
         except Exception as exc:
@@ -63,8 +58,7 @@ class WorkerCore:
         return self._frame(Ready(protocol.PROTOCOL_VERSION, os.getpid(), {**info, **facts}))
 
     def answer(self, body: bytes) -> bytes:
-        """The reply frame to one request: empty for a Share or Shutdown, a Result or Failure
-        for a Task."""
+        """The reply frame to a request: empty for Share and Shutdown, Result or Failure for a Task."""
         match protocol.decode_request(body):
             case Share(key=key, value=value, evict=evict):
                 self.add_shared(key, value, evict)

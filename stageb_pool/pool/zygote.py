@@ -171,8 +171,7 @@ class ForkServer:
             self.stop_at, self.grace = time.monotonic(), grace
 
     def escalate(self) -> float | None:
-        """Send TERM, then KILL, to workers that outlive the grace periods; return the
-        select timeout until the next step."""
+        """TERM, then KILL, the workers that outlive the grace periods; the time to the next step."""
         if self.stop_at is None:
             return None
         elapsed = time.monotonic() - self.stop_at
@@ -233,8 +232,7 @@ class ForkServer:
             self.report(Exited(pid, code if code >= 0 else None, -code if code < 0 else None))
 
     def relay(self, fd: int, final: bool = False) -> None:
-        """Copy a worker's output to ours, prefixing every complete line; ``final``: the worker
-        is gone, copy what is left without blocking."""
+        """Copy a worker's output to ours, each complete line prefixed (``final``: all that is left)."""
         if final:
             os.set_blocking(fd, False)
         entry = self.outputs[fd]
