@@ -1,8 +1,6 @@
 """Which devices the workers run on: ``--gpus`` specs, GPU groups (``gpus_per_worker``) and
-``CUDA_VISIBLE_DEVICES``, without touching CUDA (the parent must never initialise it; GPUs
-are counted from /proc or ``nvidia-smi``). Details: docs/architecture.md, "GPU groups".
-
-A spec is untrusted input: only ASCII digits are numbers, ranges are checked before they are
+``CUDA_VISIBLE_DEVICES``, without touching CUDA (docs/architecture.md, "GPU groups"). A spec
+is untrusted input: only ASCII digits are numbers, ranges are checked before they are
 expanded, and every problem is a ``DeviceSpecError`` quoting at most a short excerpt.
 """
 

@@ -19,12 +19,10 @@ from .errors import PoolError
 
 @dataclass(frozen=True)
 class EngineAgreement:
-    """What the pool does when its workers' ``engine.info()`` differ.
-
-    ``refuse``: the facts every worker must share, or None for all of them (then the odd worker,
-    outside the majority or a replacement, is named with each fact that differs). ``warn``: the
-    logger for differences not refused (None: quiet). ``error``: makes a refusal's exception from
-    its one-line text."""
+    """What the pool does when its workers' ``engine.info()`` differ. ``refuse``: the facts every
+    worker must share, or None for all of them (then the odd worker, outside the majority or a
+    replacement, is named with each fact that differs). ``warn``: the logger for differences not
+    refused (None: quiet). ``error``: makes a refusal's exception from its one-line text."""
 
     refuse: tuple[str, ...] | None = ()
     warn: logging.Logger | None = None

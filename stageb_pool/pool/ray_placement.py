@@ -67,11 +67,10 @@ def bundle_shape(devices: list[Device]) -> tuple[str, int]:
 
 
 def plan_bundles(ray, kind: str, gpus_per_worker: int, workers: int) -> list[dict]:
-    """The placement bundles of ``workers`` workers of ``gpus_per_worker`` GPUs (or CPU workers).
-
-    A GPU worker's bundle holds its group (one node) and the CPUs per GPU of the poorest node that
-    can hold a group, at most 8 (its torch threads stay the device's). CPU workers share the CPUs:
-    the largest share that packs every bundle (``cpu_share``)."""
+    """The placement bundles of ``workers`` workers of ``gpus_per_worker`` GPUs (or CPU workers):
+    a GPU worker's holds its group (on one node) and the CPUs per GPU of the poorest node that can
+    hold a group, at most 8 (its torch threads stay the device's); CPU workers share the CPUs
+    (``cpu_share``)."""
     nodes = live_nodes(ray)
     if kind == "cuda":
         fitting = [n for n in nodes if n.total.get("GPU", 0) >= gpus_per_worker]
