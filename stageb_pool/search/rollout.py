@@ -133,7 +133,7 @@ class RolloutRunner(SpeculativeSubmissions):
         self._cache: dict[str, ChunkResult] = {}
         self._inflight: dict[str, TaskHandle] = {}  # cache key -> pool task, submitted, not yet gathered
         self._done_s: dict[str, float] = {}
-        self._profile_snapshot = pool.share(profile)  # encoded once per runner
+        self._profile_shared = pool.share(profile)  # encoded once per runner
         self._verdicts = verdicts.VerdictParser(profile.verdict)  # answers repeat: each distinct one parsed once
         self.on_progress = None  # called at the start of every wait and after each of its event-loop turns
         self._start_speculation()
@@ -142,12 +142,12 @@ class RolloutRunner(SpeculativeSubmissions):
 
     def submit(self, spec: RolloutSpec) -> Pending:
         """Queue every chunk of ``spec`` that is neither cached nor already in flight. What
-        all chunks share (the guidance and profile snapshots, the guidance's part of the
+        all chunks share (the guidance and profile as shared values, the guidance's part of the
         cost estimate, the sampler's fields) is encoded or computed once per rollout."""
         sampler = spec.sampler
         sampler_fields = msgspec.to_builtins(sampler)
         rules_chars = guidance_chars(spec.guidance)
-        shared = None  # the snapshots, encoded at the first chunk to generate
+        shared = None  # the shared values, encoded at the first chunk to generate
         parts = []
         for index, tickets in self._chunks(spec.tickets):
             key = content_hash([[t.key for t in tickets], spec.guidance_hash, self.profile_hash, sampler_fields,
@@ -159,7 +159,7 @@ class RolloutRunner(SpeculativeSubmissions):
                                      max_prompt_tokens=sampler.max_prompt_tokens, return_token_ids=self.save_rollouts,
                                      constrain_verdict=sampler.constrain_verdict)
                 if shared is None:
-                    shared = dict(guidance=self.pool.share(spec.guidance), profile=self._profile_snapshot)
+                    shared = dict(guidance=self.pool.share(spec.guidance), profile=self._profile_shared)
                 # label: the report's timeline says which rollout kept a worker busy
                 self._inflight[key] = self.pool.submit(
                     "rollout", chunk, result_type=ChunkResult, label=spec.name, **shared,
@@ -264,7 +264,7 @@ class RolloutRunner(SpeculativeSubmissions):
         (``phase`` names it in the progress line, ``label`` in the timeline). Nothing is
         sampled and nothing cached: the headroom check scores its sample once."""
         chunks = self._chunks(tickets)
-        shared = dict(guidance=self.pool.share(guidance), profile=self._profile_snapshot)
+        shared = dict(guidance=self.pool.share(guidance), profile=self._profile_shared)
         rules_chars = guidance_chars(guidance)
         tasks = []
         for index, part in chunks:
