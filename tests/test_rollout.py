@@ -237,7 +237,7 @@ def test_engine_scoring_wrong_tickets_is_an_error(tickets, profile):
             result = super().verdict_probabilities(chunk, **kw)
             return msgspec.structs.replace(result, tickets=result.tickets[::-1])
 
-    with Pool(lambda device: Shuffler(device), "cpu:1", inline=True) as pool:
+    with Pool(lambda device: Shuffler(device), "cpu:1", backend=Inline()) as pool:
         with pytest.raises(RuntimeError, match="verdict chunk 0 answered tickets"):
             RolloutRunner(pool, profile, chunk_size=3).verdict_probabilities(tickets, GUIDANCE, None,
                                                                               label="headroom", phase="h")
