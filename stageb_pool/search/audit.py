@@ -23,7 +23,7 @@ from .fileio import write_json, write_jsonl
 from .recorder import Recorder
 from .rollout import RolloutResult, rollout_spec
 from .rows import hard_case_rows, rollout_rows
-from .rundir import artifact, rollouts_path, utc_timestamp
+from .rundir import utc_timestamp
 
 STEPS_LABEL = "jump_reflection baseline"  # upstream's label, which scripts may filter on
 
@@ -49,17 +49,8 @@ def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_d
     spec = rollout_spec("audit", f"{settings.seed}/audit", tickets, guidance, settings.sampler)
     log.info("audit: %d tickets, guidance step %d (%s)", len(spec.tickets), guidance.step, guidance.hash)
     result = runner.run(spec)
-    written = write_audit_artifacts(
-        run_dir, result, spec.tickets,
-        mission=settings.mission,
-        logging_steps=settings.logging_steps,
-        chunk_size=runner.chunk_size,
-        hard_case_limit=settings.hard_case_limit,
-        n_skipped_lines=settings.n_skipped_lines,
-        n_excluded=settings.n_excluded,
-        save_rollouts=runner.save_rollouts,
-    )
-    metrics: AuditMetricsDoc = written["metrics"]
+    metrics, files = write_audit_artifacts(run_dir, result, spec.tickets, settings, chunk_size=runner.chunk_size,
+                                           save_rollouts=runner.save_rollouts)
     log.info("audit: acc %.4f on %d tickets (%d dropped), fn %d, fp %d",
              metrics.acc, metrics.n_used, metrics.n_dropped_overlength, metrics.fn, metrics.fp)
     distillation = None
@@ -82,28 +73,28 @@ def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_d
         "judge_headroom": headroom,
         "generations_done": runner.run_done,
         "generations_saved": runner.run_saved,
-        "artifacts": written["files"],
+        "artifacts": files,
     }
 
 
-def write_audit_artifacts(run_dir, result: RolloutResult, tickets, *, mission: str, logging_steps: int,
-                          chunk_size: int, hard_case_limit: int, n_skipped_lines: int = 0, n_excluded: int = 0,
-                          save_rollouts: bool = False) -> dict:
-    """Write every audit artifact for ``result`` (the rollout of ``tickets``, in run order)."""
-    now = utc_timestamp()
+def write_audit_artifacts(run_dir, result: RolloutResult, tickets, settings: AuditSettings, *, chunk_size: int,
+                          save_rollouts: bool) -> tuple[AuditMetricsDoc, dict[str, int]]:
+    """Write every audit artifact for ``result`` (the rollout of ``tickets``, in run order);
+    returns the metrics and the rows written per file."""
+    now, mission = utc_timestamp(), settings.mission
     ghash = result.guidance_hash
     by_key = {t.key: t for t in tickets}
     stats = result.stats  # ticket order, dropped excluded
     m = verdicts.compute_metrics(stats)
     metrics = AuditMetricsDoc(
         timestamp=now, mission=mission, mode="audit", guidance_hash=ghash, n_total=len(tickets), n_used=len(stats),
-        n_dropped_overlength=len(result.dropped), n_skipped_lines=n_skipped_lines, n_excluded=n_excluded,
-        acc=m.acc, fn=m.fn, fp=m.fp, tp=m.tp, tn=m.tn, fn_rate=m.fn_rate, fp_rate=m.fp_rate, np=m.fn, ng=m.fp,
+        n_dropped_overlength=len(result.dropped), n_skipped_lines=settings.n_skipped_lines,
+        n_excluded=settings.n_excluded, acc=m.acc, fn=m.fn, fp=m.fp, tp=m.tp, tn=m.tn, fn_rate=m.fn_rate, fp_rate=m.fp_rate, np=m.fn, ng=m.fp,
         generations=result.generations + result.cached_generations)
     files = {}
 
     def put(name, rows=None, doc=None):
-        path = artifact(run_dir, name)
+        path = Path(run_dir) / name
         write_json(path, doc) if doc is not None else write_jsonl(path, rows)
         files[name] = len(rows) if rows is not None else 1
 
@@ -116,14 +107,13 @@ def write_audit_artifacts(run_dir, result: RolloutResult, tickets, *, mission: s
              artifacts.BASELINE_NG: ([s for s in wrong if s.gt_label == "fail"], 5)}
     for entry, (chosen, reasons) in cases.items():
         put(entry.name, [case_row(s, by_key[s.key], mission, ghash, reasons=reasons) for s in chosen])
-    put(artifacts.BASELINE_STEPS.name, step_rows(result, tickets, logging_steps=logging_steps,
+    put(artifacts.BASELINE_STEPS.name, step_rows(result, tickets, logging_steps=settings.logging_steps,
                                                  chunk_size=chunk_size, label=STEPS_LABEL, now=now))
-    put(artifacts.HARD_CASES.name, hard_case_rows(stats, iteration=1, sampler="baseline", limit=hard_case_limit,
-                                                  mission=mission, guidance_hash=ghash, now=now))
+    put(artifacts.HARD_CASES.name, hard_case_rows(stats, iteration=1, sampler="baseline", mission=mission,
+                                                  limit=settings.hard_case_limit, guidance_hash=ghash, now=now))
     if save_rollouts:
-        name = str(rollouts_path(run_dir, "audit").relative_to(Path(run_dir)))
-        put(name, rollout_rows(result))
-    return {"metrics": metrics, "files": files}
+        put(artifacts.rollouts_name("audit"), rollout_rows(result))
+    return metrics, files
 
 
 def ticket_stats_row(s: verdicts.TicketStats, ticket, guidance_hash: str) -> TicketStatsRow:

@@ -358,11 +358,6 @@ def encoded(doc, name: str) -> bytes:
                          "whose bytes are not UTF-8)", name) from None
 
 
-def artifact(run_dir: str | Path, name: str) -> Path:
-    """Path of an artifact file in the run directory."""
-    return Path(run_dir) / name
-
-
 def rollouts_path(run_dir: str | Path, rollout_id: str) -> Path:
     """``rollouts/<rollout_id>.jsonl`` (``artifacts.rollouts_name``) in the run directory."""
     return Path(run_dir) / rollouts_name(rollout_id)
