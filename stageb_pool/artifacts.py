@@ -87,18 +87,16 @@ ARTIFACTS: tuple[Artifact, ...] = (
     PROPOSER_ANSWERS, ITERATIONS, BASELINE_METRICS, BASELINE_TICKET_STATS, BASELINE_WRONG, BASELINE_NP, BASELINE_NG,
     BASELINE_STEPS, DISTILL, TIMELINE, REPORT,
 )
-# Files named by a pattern (one per rollout, one per guidance step): the records of their rows.
-ROLLOUT_RECORD = r.RolloutRow
+# Files named by a pattern: a snapshot per guidance step (guidance.json's shape; its name in
+# SNAPSHOTS_DIR as a glob and as a pattern that captures the step) and, with
+# output.save_rollouts, a file per rollout (rows: artifact_rows.RolloutRow).
+SNAPSHOT_GLOB = "guidance-step*.json"
+SNAPSHOT_PATTERN = r"^guidance-step(\d+)\.json$"
 
 
 def snapshot_name(step: int) -> str:
     """``snapshots/guidance-step{NNNN}.json``: the guidance at ``step``, as guidance.json held it."""
     return f"{SNAPSHOTS_DIR}/guidance-step{step:04d}.json"
-
-
-# A snapshot's file name inside SNAPSHOTS_DIR, as a glob and as a pattern that captures the step.
-SNAPSHOT_GLOB = "guidance-step*.json"
-SNAPSHOT_PATTERN = r"^guidance-step(\d+)\.json$"
 
 
 def rollouts_name(rollout_id: str) -> str:

@@ -36,7 +36,7 @@ ALLOWED_INTERNAL = {
     "stageb": {"stageb"},
     "engine": {"engine", "stageb", "pool"},
     "search": {"search", "stageb", "pool", "engine.records", "<root>", "artifacts", "artifact_rows"},
-    "app": {"app", "search", "stageb", "pool", "engine", "report", "<root>", "artifacts", "artifact_rows"},
+    "app": {"app", "search", "stageb", "pool", "engine", "report", "<root>", "artifacts"},
     # reads a run directory's files only; which files, and their rows, from the registry
     "report": {"report", "artifacts"},
     "<root>": {"pool", "app", "artifact_rows"},  # artifacts.py names the rows of artifact_rows.py

@@ -1,11 +1,10 @@
 """Compare two run directories, ignoring the documented volatile fields.
 
 Same config and seed must give the same artifacts on 1 or 8 GPUs, apart from wall-clock
-fields. The registry of artifacts (``artifacts.py``) names those fields (``VOLATILE_KEYS``
-at any depth of any file, each entry's ``volatile`` key paths) and files (``volatile_file``);
-this module implements ``stageb-pool diff``: the same set of files (the
-volatile ones aside); JSON and JSONL compared
-structurally with the volatile fields removed (types included: ``1`` is not ``1.0``);
+fields. The list of artifacts (``artifacts.py``) names those fields (``VOLATILE_KEYS`` at any
+depth of any file, each entry's ``volatile`` key paths) and files (``volatile_file``); this
+module implements ``stageb-pool diff``: the same set of files (the volatile ones aside);
+JSON and JSONL compared structurally with the volatile fields removed (types included: ``1`` is not ``1.0``);
 every other file byte for byte. A run directory that cannot be read as a run (a FIFO or
 another non-regular file, JSON nested deeper than any artifact) is bad input: a located
 error, never a hang or a RecursionError.
@@ -20,19 +19,13 @@ from pathlib import Path
 import msgspec
 
 from .. import artifacts
-from ..artifacts import VOLATILE_KEYS
 from ..stageb.errors import InputError
 from ..stageb.inputs import MAX_DEPTH, line_col, nesting_exceeds, regular_file
 from .config import join_key
 
 
-def volatile_paths(name: str) -> tuple[str, ...]:
-    """The dotted key paths of the file ``name`` that diff ignores (its registry entry's)."""
-    entry = artifacts.by_name(name)
-    return entry.volatile if entry is not None else ()
-
-
 def is_volatile_file(name: str) -> bool:
+    """Whether diff ignores the file ``name`` (relative to the run directory) whole."""
     entry = artifacts.by_name(name)
     return entry is not None and entry.volatile_file
 
@@ -72,12 +65,12 @@ def _files(root: Path) -> list[str]:
 
 def compare_values(a, b, *, skip: tuple[str, ...] = (), path: str = ""):
     """Yield ``(key_path, a, b)`` for every difference between two JSON values, ignoring
-    ``VOLATILE_KEYS`` at any depth and the dotted paths in ``skip``."""
+    ``artifacts.VOLATILE_KEYS`` at any depth and the dotted paths in ``skip``."""
     if path in skip:
         return
     if isinstance(a, dict) and isinstance(b, dict):
         for key in list(a) + [k for k in b if k not in a]:
-            if key in VOLATILE_KEYS:
+            if key in artifacts.VOLATILE_KEYS:
                 continue
             sub = join_key(path, str(key))
             if key not in a or key not in b:
@@ -115,7 +108,8 @@ def _compare_file(name: str, paths: tuple[Path, Path]):
     a, b = (_read(path) for path in paths)
     if a == b:
         return
-    skip = volatile_paths(name)
+    entry = artifacts.by_name(name)
+    skip = entry.volatile if entry is not None else ()
     if name.endswith(".json"):
         ok_a, va = _decode(a, paths[0])
         ok_b, vb = _decode(b, paths[1])
