@@ -16,13 +16,12 @@ from pathlib import Path
 
 import msgspec
 
+from ..artifact_rows import DistillRow
+from ..artifacts import DISTILL
 from ..engine.records import SamplerConfig
 from ..stageb.prompts import build_messages
 from .rollout import rollout_spec
-from .rows import DistillRow
 from .settings import DistillConfig
-
-DISTILL_DEFAULT = "distill_chatml.jsonl"
 
 
 def distill_sampler(train_sampler: SamplerConfig, temperature: float | None) -> SamplerConfig:
@@ -79,7 +78,7 @@ def export_distillation(recorder, *, tickets: list, guidance, settings: DistillC
                         distill_sampler(train_sampler, settings.distill_temperature))
     result = recorder.wait([runner.submit(spec)])[0]
     rows = distill_rows(chosen, result, runner.profile, guidance)
-    path = Path(settings.log_chatml_path) if settings.log_chatml_path else run_dir / DISTILL_DEFAULT
+    path = Path(settings.log_chatml_path) if settings.log_chatml_path else run_dir / DISTILL.name
     recorder.write_jsonl(path, rows)
     log.info("distillation: %d of %d tickets exported to %s", len(rows), len(chosen), path)
     return {"path": path.name if path.parent == run_dir else str(path), "tickets": len(chosen),

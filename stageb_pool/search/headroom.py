@@ -38,12 +38,12 @@ from pathlib import Path
 
 import msgspec
 
+from ..artifacts import HEADROOM
 from ..stageb.hashing import content_hash, stable_seed
 from ..stageb.tickets import Ticket
 from .fileio import write_json
 from .rollout import RolloutRunner
 
-HEADROOM_FILE = "judge_headroom.json"
 DECIMALS = 6  # rounding of every derived number in the file (the engine rounds P(pass) too)
 SUMMARY_KEYS = ("auc", "tickets", "pass_share", "separates")  # what summary.json repeats
 
@@ -176,7 +176,7 @@ def run_headroom(runner: RolloutRunner, *, tickets: list[Ticket], guidance: dict
                   for ticket, result in zip(sample, scored) if not result.dropped]
     dropped = len(sample) - len(per_ticket)
     doc = report(per_ticket, min_auc=settings.min_auc, dropped=dropped, guidance_hash=content_hash(guidance))
-    write_json(Path(run_dir) / HEADROOM_FILE, doc)
+    write_json(Path(run_dir) / HEADROOM.name, doc)
     if dropped:
         log.warning("judge headroom: %d sampled ticket(s) dropped, prompt over the sampler's max_prompt_tokens",
                     dropped)
