@@ -1,14 +1,12 @@
 """Reading a run directory for the report: only what can be read, only as what it should be.
 
 A report is built from whatever directory it is given, also a damaged or crafted one, so
-each file is read defensively: a regular file only (a FIFO would block the reader, a
-device such as /dev/zero never ends), never through a symbolic link that leads out of the
-run directory, at most ``MAX_FILE_BYTES``, and decoded into the records of ``records.py``
-(what the page draws, every field optional, for runs of earlier versions); a registered
-artifact the page does not draw is decoded into its row record (``artifacts.py``).
-A file that fails any of this is left out and named on the page with the line and the
-reason; the page shows what the other files hold. Nothing here raises for a file's
-content: only a directory that is not a run at all is a ``ReportError``.
+each file is read defensively: a regular file only (a FIFO would block, /dev/zero never
+ends), never through a symbolic link out of the run directory, at most ``MAX_FILE_BYTES``,
+and decoded into a record (``records.py`` for what the page draws; a registered artifact it
+does not draw, into its row record). A file that fails is named on the page with the line
+and the reason. Nothing here raises for a file's content; a directory that is not a run is a
+``ReportError``.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ class ReportError(ValueError):
 
 
 class Unreadable(Exception):
-    """A file the report leaves out: ``where`` locates the fault in it ("line 3", "$.workers"), or is empty."""
+    """A file the report leaves out; ``where`` locates the fault ("line 3", "$.workers") or is empty."""
 
     def __init__(self, why: str, where: str = ""):
         super().__init__(why)
@@ -129,8 +127,7 @@ class RunFiles:
             os.close(fd)
 
     def _note(self, name: str, shows: str | None, err: Exception) -> None:
-        # shows=None: a file a finished run may lack (no edit accepted, nothing wrong), so only
-        # an unreadable one is named
+        # shows=None: a file a finished run may lack (no edit accepted), named only when unreadable
         if isinstance(err, FileNotFoundError):
             if shows is not None:
                 self.missing.append((name, f"missing: {shows}"))

@@ -1,12 +1,10 @@
 """Where a report may be written: a new file, or over a previous report, and nothing else.
 
 ``stageb-pool report RUN -o TARGET`` replaces TARGET by a rename, which would turn a device
-(``/dev/null``), a FIFO, a socket or a symbolic link into a regular file holding the page,
-and would silently replace any file it is pointed at, such as the run's own ``state.json``.
-So the target is checked before anything is written: it must be a new name in a folder
-that exists (no folder is created: a mistyped folder is an error, as for a shell's
-redirection), or a regular file that holds a previous report, recognised by the page's
-opening (``is_report``); and nothing inside the run directory but its ``report.html``.
+(``/dev/null``), a FIFO, a socket or a symbolic link into a regular file, and would silently
+replace any file, such as the run's own ``state.json``. So the target is checked first: a new
+name in a folder that exists (none is created, as for a shell's redirection), or a regular file
+that holds a previous report (``is_report``); inside the run directory, only its ``report.html``.
 """
 
 from __future__ import annotations
@@ -40,10 +38,8 @@ def is_report(path: str) -> bool:
 
 
 def check_target(target: str, run_dir: str) -> None:
-    """Raise ReportError unless ``run_dir`` is a run (as ``render_report`` would) and its
-    report may be written to ``target`` (see the module docstring; the error then names
-    ``target``). Nothing is read but the run directory's entry and the target's head, and
-    nothing is written or created."""
+    """Raise ReportError unless ``run_dir`` is a run and its report may be written to
+    ``target`` (then named by the error). Reads only the two entries and the target's head."""
     RunFiles(run_dir)
     path = os.path.abspath(target)
     parent, name = os.path.split(path)

@@ -1,13 +1,9 @@
-"""The report page: read a run directory's files, write one self-contained HTML page.
+"""The report page: a run directory's files (docs/artifacts.md) as one self-contained HTML page.
 
-Everything comes from the files (docs/artifacts.md), nothing from the code that wrote them,
-so a report can be rebuilt for any run, also one of an earlier version: a file it lacks is
-named on the page with what it would have shown, and the rest is drawn from what is there.
-The files are read by ``files.py`` (regular files inside the run directory only, each
-size-capped, each row decoded into a record of ``records.py``), so a damaged or crafted
-file is named on the page too, and every text is shown through ``markup.esc``.
-The page makes no request of any kind (inline CSS and SVG, no script, and a Content
-Security Policy that forbids loading anything), so it opens offline and leaks nothing.
+Drawn from the files alone, never from the code that wrote them, so a report can be rebuilt
+for any run: a file that is missing or cannot be read (``files.py``) is named on the page with
+what it would have shown. Every text is shown through ``markup.esc``, and the page makes no
+request (inline CSS and SVG, no script, a Content Security Policy that forbids loading anything).
 """
 
 from __future__ import annotations
