@@ -65,13 +65,7 @@ class RunFiles:
         """The document ``name`` decoded as ``record_type``, or None (noted in ``missing``)."""
         self.read.add(name)
         try:
-            data = self.read_bytes(name)
-            try:
-                return msgspec.json.decode(data, type=record_type)
-            except msgspec.ValidationError as err:
-                raise Unreadable(*_split_path(str(err))) from None
-            except msgspec.DecodeError as err:
-                raise Unreadable(f"not JSON ({err})", _line_of(data, err)) from None
+            return _decode(msgspec.json.Decoder(record_type), self.read_bytes(name))
         except (OSError, Unreadable) as err:
             self._note(name, shows, err)
             return None
@@ -82,18 +76,8 @@ class RunFiles:
         self.read.add(name)
         decoder = msgspec.json.Decoder(record_type)
         try:
-            rows = []
-            for number, line in enumerate(self.read_bytes(name).split(b"\n"), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(decoder.decode(line))
-                except msgspec.ValidationError as err:
-                    why, path = _split_path(str(err))
-                    raise Unreadable(why, f"line {number}" + (f", {path}" if path else "")) from None
-                except msgspec.DecodeError as err:
-                    raise Unreadable(f"not JSON ({err})", f"line {number}") from None
-            return rows
+            lines = enumerate(self.read_bytes(name).split(NEWLINE), 1)
+            return [_decode(decoder, line, number) for number, line in lines if line.strip()]
         except (OSError, Unreadable) as err:
             self._note(name, shows, err)
             return None
@@ -137,6 +121,18 @@ class RunFiles:
         else:  # permissions, a folder of that name, a name the OS refuses...
             why = err.strerror or type(err).__name__
         self.missing.append((name, f"unreadable ({why}): {shows or 'left out'}"))
+
+
+def _decode(decoder: msgspec.json.Decoder, data: bytes, line: int | None = None):
+    """``data`` decoded, or Unreadable located at ``line`` (a JSONL row's) or, in a whole
+    document, at its syntax error's line; and at the field's path for a value of another type."""
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as err:
+        why, path = _split_path(str(err))
+        raise Unreadable(why, ", ".join(p for p in (line and f"line {line}", path) if p)) from None
+    except msgspec.DecodeError as err:
+        raise Unreadable(f"not JSON ({err})", f"line {line}" if line else _line_of(data, err)) from None
 
 
 def _split_path(message: str) -> tuple[str, str]:
