@@ -21,7 +21,7 @@ from .. import artifacts
 
 MAX_FILE_BYTES = 256 << 20  # far above any run's file the report reads (a 30,000-ticket audit: ~30 MB)
 NEWLINE = b"\n"
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC  # NONBLOCK: opening a FIFO must not wait
+OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC  # NONBLOCK: opening a FIFO must not wait
 
 
 class ReportError(ValueError):
@@ -90,7 +90,7 @@ class RunFiles:
             if not os.path.lexists(self.root / name):
                 raise FileNotFoundError(name)
             raise Unreadable("outside the run directory, through a symbolic link")
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = os.open(path, OPEN_FLAGS)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):

@@ -42,7 +42,7 @@ def filled(record):
 def num(value, digits: int = 3) -> str:
     if value is None:
         return "–"
-    if isinstance(value, bool) or isinstance(value, int):
+    if isinstance(value, int):  # bool included
         return str(value)
     return f"{value:.{digits}f}" if isinstance(value, float) else esc(value)
 

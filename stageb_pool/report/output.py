@@ -13,19 +13,19 @@ import os
 import stat
 
 from ..artifacts import REPORT
-from .files import ReportError, RunFiles
+from .files import OPEN_FLAGS, ReportError, RunFiles
 from .page import REPORT_OPENING, REPORT_TITLE
 
 HEAD_BYTES = 4096  # the title is within them (it comes about 250 bytes in, before the CSS)
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
 _WHAT = "the report writes a new file or replaces a previous report, nothing else"
 
 
 def is_report(path: str) -> bool:
     """Whether ``path`` is a regular file (not a link) that holds a stageb-pool report."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, OPEN_FLAGS)
     except OSError:
         return False
     try:
@@ -56,8 +56,6 @@ def check_target(target: str, run_dir: str) -> None:
         return
     except OSError as err:
         raise ReportError(f"cannot write the report: {err.strerror or err}", target) from None
-    if stat.S_ISLNK(info.st_mode):
-        raise ReportError(f"is a symbolic link: {_WHAT}", target)
     for test, kind in _KINDS:
         if test(info.st_mode):
             raise ReportError(f"is {kind}: {_WHAT}", target)

@@ -46,7 +46,6 @@ pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f6f8fa;padding:6px 8
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
-# -- the page ------------------------------------------------------------------------------
 def render_report(run_dir) -> str:
     """The report of ``run_dir`` as one HTML document. Raises ReportError when the directory
     is not a run; anything a run of another version lacks, or a file that cannot be read as
@@ -223,14 +222,10 @@ def _section_of(doc: dict | None) -> GuidanceSection | None:
 
 
 def _guidance(files: RunFiles, benchmarks: list[Benchmark]) -> str:
-    states: dict[int, dict] = {}
-    for path in sorted((files.root / artifacts.SNAPSHOTS_DIR).glob(artifacts.SNAPSHOT_GLOB)):
-        snapshot = _section_of(files.json(f"{artifacts.SNAPSHOTS_DIR}/{path.name}", Guidance, None))
-        if snapshot is not None:
-            states[given(snapshot.step, -1)] = snapshot.experiences or {}
+    snapshots = [_section_of(files.json(f"{artifacts.SNAPSHOTS_DIR}/{path.name}", Guidance, None))
+                 for path in sorted((files.root / artifacts.SNAPSHOTS_DIR).glob(artifacts.SNAPSHOT_GLOB))]
     final = _section_of(files.json(artifacts.GUIDANCE.name, Guidance, "the final guidance"))
-    if final is not None:
-        states[given(final.step, -1)] = final.experiences or {}
+    states = {given(s.step, -1): s.experiences or {} for s in [*snapshots, final] if s is not None}
     parts = []
     for b in benchmarks:
         before, after = states.get(b.guidance_step_before), states.get(b.guidance_step_after)
