@@ -38,8 +38,8 @@ def is_report(path: str) -> bool:
 
 
 def check_target(target: str, run_dir: str) -> None:
-    """Raise ReportError unless ``run_dir`` is a run and its report may be written to
-    ``target`` (then named by the error). Reads only the two entries and the target's head."""
+    """Raise ReportError unless ``run_dir`` is a run and its report may be written to ``target``
+    (then named by the error). Reads only the two entries and the target's head; writes nothing."""
     RunFiles(run_dir)
     path = os.path.abspath(target)
     parent, name = os.path.split(path)

@@ -86,8 +86,8 @@ def render_report(run_dir) -> str:
 def load_chart_libraries():
     """charts.py, importing matplotlib (seconds) the first time; a process may call it ahead of
     a render. MPLCONFIGDIR is a temporary folder meanwhile: the font cache matplotlib writes
-    stays out of the user's ~/.cache (a report writes its page and nothing else), and no
-    matplotlibrc of the user's changes the charts."""
+    stays out of the user's ~/.cache and ~/.config (a report writes its page and nothing else),
+    and no matplotlibrc of the user's changes the charts."""
     fonts = logging.getLogger("matplotlib.font_manager")  # "generated new fontManager" (INFO) on every report
     with tempfile.TemporaryDirectory(prefix="stageb-report-matplotlib-") as folder:
         before, level = os.environ.get("MPLCONFIGDIR"), fonts.level
