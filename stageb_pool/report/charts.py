@@ -3,8 +3,9 @@
 Imported only while a report is built (``page.load_chart_libraries``): matplotlib is a heavy
 import (with threads), and the run's parent must stay lean until its workers are forked. No
 pyplot: a bare ``Figure`` needs no GUI backend and keeps no global figure list. The SVG is
-reproducible: ``svg.hashsalt`` fixes the element ids (one salt per chart, so no two charts
-share an id) and the date metadata is left out, so the same files give the same bytes.
+self-contained (text as text, no fonts, no links) and reproducible: ``svg.hashsalt`` fixes the
+element ids (one salt per chart, so no two charts share an id) and the date metadata is left
+out, so the same files give the same bytes.
 """
 
 from __future__ import annotations
