@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from ..engine.model_path import one_line
+from ..engine.models import one_line
 from ..stageb.errors import InputError
 from ..stageb.tickets import TicketText
 
@@ -120,26 +120,26 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
     among them) before it forks its workers; a tokenizer that cannot be loaded skips the
     check, as in ``check``.
 
-    The simulated engine renders no chat template: its workers measure a prompt with their
-    token counter (``simulated_engine.messages_tokens``), so the guidance is measured with
-    that counter, the one the workers inherit (``simulated_engine.preloaded_counter``),
-    in this process and in milliseconds; only a counter that cannot be loaded without
-    threads (the tiny model's BPE is trained) is measured in the helper."""
+    An engine that renders no chat template (the registry entry's ``token_counter``: the
+    simulated engine's) measures a prompt in its workers with a token counter, so the
+    guidance is measured with that counter, the one the workers inherit (the entry's
+    ``preload``), in this process and in milliseconds; only a counter that cannot be loaded
+    without threads (the tiny model's BPE is trained) is measured in the helper."""
     import json
     import os
 
+    from ..engine.registry import entry
     from ..pool.fork import fork_child
 
     everyone = sampler_caps(cfg, inputs.tickets)
     train = _train_tickets(everyone)
     measured = [m for m in everyone if m.cap is not None and m.tickets]
-    simulated = cfg.model.engine == "simulated"
-    if simulated:
-        from ..engine.simulated_engine import preloaded_counter
-
-        counter = preloaded_counter(inputs.model)
+    engine = entry(cfg.model.engine)
+    token_counter = engine.token_counter
+    if token_counter is not None and engine.preload is not None:
+        counter = engine.preload(inputs.model)
         if counter is not None:
-            guidance_verdict(None, cfg, inputs, measured, lengths=simulated_lengths(counter))
+            guidance_verdict(None, cfg, inputs, measured, lengths=counted_lengths(counter))
             return
     read, write = os.pipe()
 
@@ -148,10 +148,8 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
         try:
             from ..engine import models
 
-            if simulated:
-                from ..engine.simulated_engine import token_counter
-
-                guidance_verdict(None, cfg, inputs, measured, lengths=simulated_lengths(token_counter(inputs.model)))
+            if token_counter is not None:
+                guidance_verdict(None, cfg, inputs, measured, lengths=counted_lengths(token_counter(inputs.model)))
             else:
                 tokenizer = models.tokenizer_only(inputs.model, cfg.model.trust_remote_code)
                 models.require_chat_template(tokenizer, cfg.model.path)
@@ -267,8 +265,9 @@ def _proposer_lines(tokenizer, cfg, inputs, train: list) -> list[tuple[str, str]
                          f"cap {cfg.rule_search.proposer_max_prompt_tokens} ({PROPOSER_KEY})")]
 
 
-def simulated_lengths(counter):
-    """``prompt_lengths`` as the simulated engine's workers measure prompts, with ``counter``."""
+def counted_lengths(counter):
+    """``prompt_lengths`` as the workers of an engine with a token counter (the simulated
+    engine's) measure prompts, with ``counter``."""
     from ..engine.simulated_engine import messages_tokens
     from ..stageb import prompts
 
