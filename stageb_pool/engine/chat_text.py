@@ -100,7 +100,7 @@ class PromptEncoder:
 
     A prompt whose contents spell no control token (every added token of the vocabulary,
     special or not, except whitespace ones, which templates and text share) is rendered and
-    tokenized in one call, as it always was: its ids are unchanged. A prompt whose data
+    tokenized in one call, the template's way. A prompt whose data
     spells one is rendered with a stand-in character for each spelling, so that the only
     spellings in the rendered text are the template's own; the text is cut at those (where
     the tokenizer itself cuts a text: at every added token), each cut piece gets its data
@@ -121,7 +121,7 @@ class PromptEncoder:
         """The prompt ids of each conversation (``render`` with the generation prompt)."""
         spelled = {i for i, messages in enumerate(conversations) if self._spells_a_control_token(messages)}
         clean = [render(self.tokenizer, m) for i, m in enumerate(conversations) if i not in spelled]
-        # The usual case, in one batched call as before: the ids of a prompt without a spelling never change.
+        # The usual case, in one batched call.
         out = self.tokenizer(clean, add_special_tokens=False)["input_ids"] if clean else []
         for i in sorted(spelled):  # ascending: every earlier conversation is in place
             out.insert(i, self._encode_spelled(conversations[i]))

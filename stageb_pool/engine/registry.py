@@ -91,16 +91,11 @@ def check_engine(name: str) -> str:
     return name
 
 
-def preload(model: ModelRef, config) -> object:
-    """``EngineEntry.preload`` of the engine ``config`` names (``config``: the model section)."""
-    load = entry(config.engine).preload
-    return None if load is None else load(model)
-
-
 def build_engine(device, model: ModelRef, config, preloaded=None):
     """The engine ``config.engine`` names, built for ``device`` inside the worker, with
     ``model`` loaded as it is: its path was checked in the parent (``models.check_model_path``)
-    and is not checked again here. ``preloaded``: ``preload``'s, inherited from the parent."""
+    and is not checked again here. ``preloaded``: the entry's ``preload``, inherited from the
+    parent."""
     device = device if isinstance(device, Device) else msgspec.convert(device, Device)
     chosen = entry(config.engine)
     if chosen.cuda_pinned and device.kind == "cuda":
@@ -115,8 +110,9 @@ def engine_factory_for(config, model: ModelRef):
     parent, sent as it is) built as the config's model section ``config`` says. The engine's
     module (torch, transformers) is imported inside the worker: the parent never imports
     torch. What every worker would load alike and the parent can load safely is loaded here,
-    once, before the fork (``preload``), and inherited."""
-    preloaded = preload(model, config)
+    once, before the fork (the entry's ``preload``), and inherited."""
+    load = entry(config.engine).preload
+    preloaded = None if load is None else load(model)
 
     def build(device: Device):
         return build_engine(device, model, config, preloaded)

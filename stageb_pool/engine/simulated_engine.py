@@ -238,14 +238,8 @@ class SimulatedEngine:
         return {"engine": NAME, "model": "none: the simulated engine (a latency model, not a model)",
                 "model_path": self.model_path, NAME: msgspec.to_builtins(self.settings)}
 
-    def message_tokens(self, messages: list[dict]) -> int:
-        return self.messages_tokens([messages])[0]
-
-    def messages_tokens(self, conversations: list[list[dict]]) -> list[int]:
-        return messages_tokens(self.count, conversations)
-
     def _prompt_tokens(self, tickets, guidance: dict[str, str], profile) -> list[int]:
-        return self.messages_tokens([prompts.build_messages(profile, guidance, t) for t in tickets])
+        return messages_tokens(self.count, [prompts.build_messages(profile, guidance, t) for t in tickets])
 
     def _sleep(self, seconds: float) -> None:
         self.modelled_s += seconds
@@ -292,7 +286,7 @@ class SimulatedEngine:
         """The proposer: rules on words of the falsely passed examples (module docstring).
         Examples are dropped from the end until the prompt fits, as the real engines do."""
         # fit_examples wants the prompt's ids; only their number matters here.
-        k, row, fits = chat_text.fit_examples(request, lambda messages: range(self.message_tokens(messages)))
+        k, row, fits = chat_text.fit_examples(request, lambda messages: range(messages_tokens(self.count, [messages])[0]))
         if not fits:
             return ChatResult(None, k, len(row))
         text = proposed_rules(request.examples[:k], request.seed_key)

@@ -118,8 +118,7 @@ def build_vllm_engine(device: Device, model: ModelRef, config, preloaded=None) -
     models.require_chat_template(tokenizer, model.path)
     dtype = config.dtype or models.default_dtype(device.kind)
     args = llm_args(device, pinned, dtype)
-    config = models.read_config(folder)
-    if models.is_vision_language(config):
+    if models.is_vision_language(models.read_config(folder)):
         args["limit_mm_per_prompt"] = {"image": 0, "video": 0}  # Qwen-VL checkpoints, text only
     from vllm import LLM
 
