@@ -826,7 +826,7 @@ def test_an_injected_model_generates_like_the_built_engine(engine, profile):
     from stageb_pool.engine import tiny
 
     model, tokenizer = tiny.build()
-    injected = TransformersEngine(model, tokenizer, CPU, model_path="tiny", model_name=tiny.NAME)
+    injected = TransformersEngine(model, tokenizer, CPU, model_path="tiny", model_name=TINY.name)
     ch = chunk(0, TICKETS[:3], [SAMPLED, GREEDY])
     assert stable(rollout(injected, ch, profile)) == stable(rollout(engine, ch, profile))
     assert injected.info() == engine.info()

@@ -1,12 +1,13 @@
 """The engine contract: what the pool calls on an engine in a worker, and what each call keeps.
 
-An engine lives in one worker process: its registry entry's builder (``registry.py``) makes
-it there, after the fork, from the ``ModelRef`` the parent checked and the config's model
-section. The parent sends it one request at a time through the pool; the pool decodes each
-request into the types the method declares (``pool/calls.py`` reads the annotations, so an
-engine never converts untyped values itself) and encodes what it returns. The requests and
-results are the records of ``records.py``; Stage-B (prompts, verdicts, the search) stays in
-the parent, which renders nothing and parses every answer itself.
+An engine lives in one worker (a forked process, a Ray actor, or the parent with
+``--debug``): its registry entry's builder (``registry.py``) makes it there from the
+``ModelRef`` the parent checked and the config's model section. The parent sends it one
+request at a time through the pool; the pool decodes each request into the types the method
+declares (``pool/calls.py`` reads the annotations, so an engine never converts untyped
+values itself) and encodes what it returns. The requests and results are the records of
+``records.py``. An engine builds each ticket's prompt from the guidance and the profile it
+is sent (``stageb.prompts``) and returns texts; the parent parses every answer itself.
 
 The methods (``Engine``):
 

@@ -37,7 +37,7 @@ from .model_cache import (
 )
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-TINY_NAME = "tiny-qwen2"  # tiny.NAME, defined here: the parent names the model without importing tokenizers
+TINY_NAME = "tiny-qwen2"  # the tiny model's name, defined here: the parent names it without importing tokenizers
 _KINDS = "'embedded', 'tiny', a Hugging Face checkpoint directory (with config.json) or a .gguf file"
 
 
