@@ -57,20 +57,20 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes, name: str):
 
 
 class Calls:
-    """Calls engine methods from task frames. Holds the shared values (snapshots) this
-    worker was sent, as bytes, and each one decoded once per type it was asked as."""
+    """Calls engine methods from task frames. Holds the shared values this worker was sent,
+    as bytes, and each one decoded once per type it was asked as."""
 
     def __init__(self, engine):
         self.engine = engine
         self._signatures: dict[str, _Signature] = {}
-        self.snapshots: dict[str, bytes] = {}  # key -> encoded value; the parent decides what stays
+        self.values: dict[str, bytes] = {}  # key -> encoded value; the parent decides what stays
         self._decoded: dict[tuple[str, int], object] = {}
 
-    def add_snapshot(self, key: str, raw: bytes, evict=()) -> None:
+    def add_shared(self, key: str, raw: bytes, evict=()) -> None:
         for old in evict:
-            self.snapshots.pop(old, None)
-        self.snapshots[key] = raw
-        self._decoded = {k: v for k, v in self._decoded.items() if k[0] in self.snapshots}
+            self.values.pop(old, None)
+        self.values[key] = raw
+        self._decoded = {k: v for k, v in self._decoded.items() if k[0] in self.values}
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
         """``engine.<method>(item, **shared values)``, every argument decoded as declared."""
@@ -84,5 +84,5 @@ class Calls:
     def _shared(self, key: str, decoder: msgspec.json.Decoder, name: str):
         cache_key = (key, id(decoder))  # decoders live as long as their signature: ids are stable
         if cache_key not in self._decoded:
-            self._decoded[cache_key] = _decode(decoder, self.snapshots[key], name)
+            self._decoded[cache_key] = _decode(decoder, self.values[key], name)
         return self._decoded[cache_key]

@@ -5,14 +5,12 @@ processes or sockets: a *transport* starts, feeds, kills and listens to the work
 reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerClosed``,
 ``WorkerExited``). The dispatcher owns
 
-- the queue: a free worker takes the next task it may run (tasks submitted with ``rank=``
-  only go to that worker): a retried task first, then in submission order, or most
-  expensive first for tasks submitted with a ``cost``; one task in flight per worker, or
-  ``depth`` where a transport's round trip is worth hiding (the next task then waits in the
-  worker, which runs its tasks in order; free workers are served first);
+- the queue (tasks.py's ``TaskQueue`` says in which order): one task in flight per worker,
+  or ``depth`` where a transport's round trip is worth hiding (the next task then waits in
+  the worker, which runs its tasks in order; free workers are served first);
 - one ``Slot`` per rank (slots.py): its ``WorkerState``, the tasks in flight and the deadline of the
   state it is in (engine start, the running task, exit report), and the mirror of its
-  snapshot cache;
+  cache of shared values;
 - faults: a worker past its deadline is killed; once its exit is reported it is replaced
   and its task retried (``max_restarts``, pool-wide), or the fault is raised. Before that,
   a task silent for ``stall_warning`` seconds is logged as a warning (and again after each
@@ -23,6 +21,7 @@ reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerC
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from typing import NamedTuple, Protocol
@@ -32,9 +31,9 @@ import msgspec
 from . import protocol
 from .engine_agreement import ACCEPT_ANY, EngineAgreement
 from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTimeout
-from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snapshot, Task
+from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Reply, Result, Share, Task
 from .slots import Earliest, Slot, Trouble, WorkerState
-from .snapshots import SnapshotStore
+from .shared import SharedStore
 from .tasks import Outcome, PoolStats, TaskHandle, TaskQueue
 
 log = logging.getLogger("stageb_pool.pool")
@@ -52,10 +51,10 @@ class WorkerStarted(NamedTuple):
 
 
 class WorkerMessage(NamedTuple):
-    """A message from the worker of ``rank``: Ready, InitFailed, Result or Failure."""
+    """A reply from the worker of ``rank``: Ready, InitFailed, Result or Failure."""
 
     rank: int
-    message: protocol.Message
+    message: Reply
 
 
 class WorkerClosed(NamedTuple):
@@ -96,19 +95,17 @@ class Transport(Protocol):
         """Stop every worker (``busy`` ones at once) and release everything."""
 
 
-
-
 # -- the dispatcher ---------------------------------------------------------------------------
 class Dispatcher:
-    """Runs tasks on the workers of ``transport``; the pool's runner for every backend but
-    inline. ``advance`` is one turn of the event loop."""
+    """Runs tasks on the workers of ``transport``, for every backend but inline (inline.py).
+    ``advance`` is one turn of the event loop."""
 
-    def __init__(self, transport: Transport, devices, snapshots: SnapshotStore, stats: PoolStats, *,
+    def __init__(self, transport: Transport, devices, shared: SharedStore, stats: PoolStats, *,
                  task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int,
                  engine_agreement: EngineAgreement = ACCEPT_ANY, depth: int = 1, stall_warning: float | None = None):
         self.transport = transport
         self.devices = devices
-        self.snapshots, self.stats = snapshots, stats
+        self.shared, self.stats = shared, stats
         self.task_timeout, self.start_timeout = task_timeout, start_timeout
         self.stall_warning = stall_warning
         self.restarts_left = max_restarts
@@ -121,9 +118,10 @@ class Dispatcher:
         self._outcomes: list[Outcome] = []
         self._started = False
         self._earliest = Earliest()  # no deadline or warning of any slot is before it
-        # Ranks that may be idle (every idle one is here): depth-1 dispatch visits these, not
-        # every worker, at each event; and the ranks that may have pinned tasks queued.
-        self._free: set[int] = set()
+        # A heap of the ranks that may be idle (every idle one is in it, each once): dispatch
+        # visits these, not every worker, at each event; and the ranks that may have pinned tasks queued.
+        self._free: list[int] = []
+        self._in_free: set[int] = set()
         self._pinned: set[int] = set()
 
     @property
@@ -167,110 +165,114 @@ class Dispatcher:
         timeout = max(0.0, earliest - time.monotonic()) if earliest is not None else None
         for event in self.transport.poll(timeout):
             slot = self.slots[event.rank]
-            if isinstance(event, WorkerStarted):
-                slot.state, slot.pid = WorkerState.STARTING, event.pid
-                slot.deadline = _deadline(self.start_timeout)
-            elif isinstance(event, WorkerMessage):
-                self._on_message(slot, event.message)
-            elif isinstance(event, WorkerClosed):
-                self._on_closed(slot)
-            else:
-                self._on_exited(slot, event)
+            match event:
+                case WorkerMessage(message=reply):
+                    self._on_reply(slot, reply)
+                case WorkerStarted(pid=pid):
+                    slot.state, slot.pid = WorkerState.STARTING, pid
+                    slot.deadline = _deadline(self.start_timeout)
+                case WorkerClosed():
+                    self._on_closed(slot)
+                case WorkerExited():
+                    self._on_exited(slot, event)
         self._check_deadlines()
         self._dispatch()
 
     def _dispatch(self) -> None:
-        if self.depth == 1:
-            self._dispatch_to_free()
-            return
-        # Round by round: every idle worker gets a task before any gets a second one, and a
-        # second only while more tasks are queued than there are workers: the last ones go
-        # to whichever worker is free first, never behind a long task (a short tail), and
-        # never behind a speculative one (work nobody waits for must not delay work somebody does).
-        for in_flight in range(self.depth):
-            if in_flight and len(self.queue) <= len(self.slots):
+        """One task to each idle worker, lowest rank first, without visiting any other worker:
+        ``_free`` is a heap of the ranks that became idle (an entry whose worker is busy or
+        gone since is dropped when reached). Once no task is left for the lowest idle rank,
+        the shared queue is empty: only the ranks that may have pinned tasks are asked. Then,
+        with ``depth`` > 1, the further rounds."""
+        free = self._free
+        while free:
+            slot = self.slots[free[0]]
+            if slot.state is WorkerState.IDLE and not slot.tasks:
+                task = self.queue.pop(slot.rank, speculative=True)  # an idle worker may take speculative work
+                if task is None:
+                    break
+                self._send_task(slot, task)
+            self._in_free.discard(heapq.heappop(free))
+        for rank in sorted(self._pinned):
+            slot = self.slots[rank]
+            if slot.state is WorkerState.IDLE and not slot.tasks:
+                task = self.queue.pop(rank, speculative=True)
+                if task is None:  # neither the shared queue nor this rank's has a task
+                    self._pinned.discard(rank)
+                else:
+                    self._send_task(slot, task)
+        # A worker's next task waits in it only while more tasks are queued than there are
+        # workers: the last ones go to whichever worker is free first, never behind a long
+        # task (a short tail), and never behind a speculative one (work nobody waits for
+        # must not delay work somebody does).
+        for in_flight in range(1, self.depth):
+            if len(self.queue) <= len(self.slots):
                 return
             for slot in self.slots:
-                if (len(slot.tasks) == in_flight and slot.state in (WorkerState.IDLE, WorkerState.BUSY)
+                if (len(slot.tasks) == in_flight and slot.state is WorkerState.BUSY
                         and not any(task.speculative for task in slot.tasks)):
-                    task = self.queue.pop(slot.rank, speculative=not in_flight)
+                    task = self.queue.pop(slot.rank)
                     if task is not None:
                         self._send_task(slot, task)
-
-    def _dispatch_to_free(self) -> None:
-        """One task to each idle worker, in rank order (as the rounds above, with depth 1),
-        visiting only the ranks in ``_free``: once the shared queue is empty, only ranks that
-        may have pinned tasks are asked."""
-        exhausted = False  # the queue holds no task any worker may run
-        for rank in sorted(self._free):
-            slot = self.slots[rank]
-            if slot.state is not WorkerState.IDLE or slot.tasks:
-                self._free.discard(rank)
-                continue
-            if exhausted and rank not in self._pinned:
-                continue
-            task = self.queue.pop(rank, speculative=True)  # an idle worker may take speculative work
-            if task is None:  # neither the shared queue nor this rank's has a task
-                exhausted = True
-                self._pinned.discard(rank)
-                continue
-            self._free.discard(rank)
-            self._send_task(slot, task)
 
     def _send_task(self, slot: Slot, task: TaskHandle) -> None:
         if not slot.tasks:  # it starts at once; a later one when those before it are done
             self._start_running(slot, time.monotonic())
         slot.state, task.ran_on = WorkerState.BUSY, slot.rank
         slot.tasks.append(task)
-        messages = [Snapshot(key, msgspec.Raw(self.snapshots.data(key)), evict)
-                    for key, evict in slot.cache.admit(task.shared)]
-        self.stats.snapshot_sends += len(messages)
-        messages.append(Task(task.id, task.method, msgspec.Raw(task.item), task.shared))
-        frames = []
-        for msg in messages:
-            frames.append(protocol.frame(msg, self.max_frame))
-            name = type(msg).__name__
-            self.stats.frames_sent[name] = self.stats.frames_sent.get(name, 0) + 1
+        frames = [protocol.frame(Share(key, msgspec.Raw(self.shared.data(key)), evict), self.max_frame)
+                  for key, evict in slot.cache.admit(task.shared)]
+        self.stats.shared_sends += len(frames)
+        self.stats.tasks_sent += 1
+        frames.append(protocol.frame(Task(task.id, task.method, msgspec.Raw(task.item), task.shared), self.max_frame))
         # Blocking sends are safe with depth 1: a worker reads while it has no task, and this
         # one has none (a deeper transport, Ray's, never blocks on a busy worker).
-        self.transport.send(slot.rank, b"".join(frames))
+        self.transport.send(slot.rank, b"".join(frames) if len(frames) > 1 else frames[0])
 
-    def _on_message(self, slot: Slot, msg) -> None:
-        name = type(msg).__name__
-        self.stats.frames_received[name] = self.stats.frames_received.get(name, 0) + 1
-        where = dict(rank=slot.rank, device=slot.device.name)
-        if isinstance(msg, Ready):
-            if msg.version != PROTOCOL_VERSION:
-                raise ProtocolError(f"worker {slot.rank} speaks protocol {msg.version}, the parent {PROTOCOL_VERSION}")
-            slot.state, slot.deadline = WorkerState.IDLE, None
-            self._free.add(slot.rank)
-            slot.pid = slot.pid or msg.pid  # a backend may only learn it here (Ray)
-            self.worker_info[slot.rank] = msg.info
-            if self._started:  # a replacement; at start all are compared at once
-                self._check_engines(new=slot)
-        elif isinstance(msg, InitFailed):
-            raise WorkerError(msg.error, method="engine_factory", remote_traceback=msg.traceback, **where)
-        elif isinstance(msg, (Result, Failure)):
-            task = slot.task
-            if task is None or task.id != msg.id:
-                raise ProtocolError(f"worker {slot.rank} answered task {msg.id}, which it was not running")
-            now = time.monotonic()
-            self.stats.record(slot.rank, task, slot.started, now)
-            slot.tasks.popleft()
-            if slot.state is WorkerState.BUSY:  # a killed one stays killed
-                if slot.tasks:  # the next one runs now
-                    self._start_running(slot, now)
+    def _on_reply(self, slot: Slot, reply: Reply) -> None:
+        match reply:
+            case Result(id=task_id) | Failure(id=task_id):
+                task = self._task_done(slot, task_id)
+                if type(reply) is Result:
+                    self._outcomes.append(Outcome(task, raw=reply.value))
                 else:
-                    slot.state, slot.deadline, slot.next_warning = WorkerState.IDLE, None, None
-                    self._free.add(slot.rank)
-            if isinstance(msg, Result):
-                self._outcomes.append(Outcome(task, raw=msg.value))
+                    error = WorkerError(reply.error, index=task.index, method=task.method,
+                                        remote_traceback=reply.traceback, rank=slot.rank, device=slot.device.name)
+                    self._outcomes.append(Outcome(task, error=error))
+            case Ready(version=version, pid=pid, info=info):
+                if version != PROTOCOL_VERSION:
+                    raise ProtocolError(f"worker {slot.rank} speaks protocol {version}, the parent {PROTOCOL_VERSION}")
+                slot.state, slot.deadline = WorkerState.IDLE, None
+                self._mark_free(slot.rank)
+                slot.pid = slot.pid or pid  # a backend may only learn it here (Ray)
+                self.worker_info[slot.rank] = info
+                if self._started:  # a replacement; at start all are compared at once
+                    self._check_engines(new=slot)
+            case InitFailed(error=error, traceback=remote):
+                raise WorkerError(error, method="engine_factory", remote_traceback=remote, rank=slot.rank,
+                                  device=slot.device.name)
+
+    def _task_done(self, slot: Slot, task_id: int) -> TaskHandle:
+        """The running task of ``slot`` answered: counted, and the worker's next one started
+        (or the worker idle)."""
+        task = slot.task
+        if task is None or task.id != task_id:
+            raise ProtocolError(f"worker {slot.rank} answered task {task_id}, which it was not running")
+        now = time.monotonic()
+        self.stats.record(slot.rank, task, slot.started, now)
+        slot.tasks.popleft()
+        if slot.state is WorkerState.BUSY:  # a killed one stays killed
+            if slot.tasks:  # the next one runs now
+                self._start_running(slot, now)
             else:
-                error = WorkerError(msg.error, index=task.index, method=task.method,
-                                    remote_traceback=msg.traceback, **where)
-                self._outcomes.append(Outcome(task, error=error))
-        else:
-            raise ProtocolError(f"worker {slot.rank} sent an unexpected {name}")
+                slot.state, slot.deadline, slot.next_warning = WorkerState.IDLE, None, None
+                self._mark_free(slot.rank)
+        return task
+
+    def _mark_free(self, rank: int) -> None:
+        if rank not in self._in_free:  # a rank given a pinned task stays in the heap meanwhile
+            self._in_free.add(rank)
+            heapq.heappush(self._free, rank)
 
     def _check_engines(self, new: Slot | None = None) -> None:
         """Whether the running workers (and ``new``, a replacement) run the same engine."""

@@ -89,7 +89,8 @@ class ForkedTransport:
     # -- events ---------------------------------------------------------------------------
     def _read(self, rank: int, events: list, *, final: bool = False) -> None:
         try:
-            data = self.socks[rank].recv(min(max(self.readers[rank].needed(), RECV_MIN), RECV_MAX))
+            reader = self.readers[rank]
+            data = self.socks[rank].recv(min(max(reader.needed(), RECV_MIN), RECV_MAX) if reader.buffer else RECV_MIN)
         except OSError:
             data = b""
         if not data:
@@ -99,7 +100,7 @@ class ForkedTransport:
             return
         self.stats.bytes_received += len(data)
         try:
-            messages = self.readers[rank].feed(data)
+            messages = reader.feed(data)
         except ProtocolError as exc:
             self.kill(rank)
             raise ProtocolError(f"worker {rank} ({self.devices[rank].name}): {exc}") from None

@@ -6,10 +6,11 @@ A frame is a 4-byte big-endian length followed by the message's JSON. Frames lar
 ``max_frame`` are refused on both ends: the sender raises ``FrameTooLarge`` naming the
 size, the receiver raises ``ProtocolError`` instead of silently desynchronising.
 
-Who sends what:
+Who sends what (each receiver decodes its own union, so any other message is a
+``ProtocolError`` naming it):
 
-- worker -> parent: ``Ready`` | ``InitFailed`` once, then ``Result`` | ``Failure`` per task
-- parent -> worker: ``Snapshot`` (a shared value, sent once per worker), ``Task``, ``Shutdown``
+- parent -> worker (``Request``): ``Share`` (a shared value, sent once per worker), ``Task``, ``Shutdown``
+- worker -> parent (``Reply``): ``Ready`` | ``InitFailed`` once, then ``Result`` | ``Failure`` per task
 - parent -> zygote: ``Spawn``, ``Kill``, ``Shutdown``
 - zygote -> parent: ``Spawned`` (with the worker's socket attached as SCM_RIGHTS), ``Exited``
 """
@@ -46,7 +47,7 @@ class InitFailed(Message):
     traceback: str
 
 
-class Snapshot(Message):
+class Share(Message):
     """A shared value the worker caches under ``key`` (its content hash).
 
     ``evict`` lists keys the parent dropped from its bookkeeping of this worker's cache,
@@ -103,13 +104,14 @@ class Exited(Message):
     signal: int | None
 
 
-AnyMessage = Union[
-    Ready, InitFailed, Snapshot, Task, Result, Failure, Shutdown, Spawn, Spawned, Kill, Exited
-]
-Request = Union[Snapshot, Task, Shutdown]  # parent -> worker: what a worker decodes (worker_core.py)
+AnyMessage = Union[Ready, InitFailed, Share, Task, Result, Failure, Shutdown, Spawn, Spawned, Kill, Exited]
+Request = Union[Share, Task, Shutdown]  # parent -> worker (worker_core.py)
+Reply = Union[Ready, InitFailed, Result, Failure]  # worker -> parent (dispatch.py)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyMessage)
+_requests = msgspec.json.Decoder(Request)
+_replies = msgspec.json.Decoder(Reply)
 
 
 def encode(value) -> bytes:
@@ -130,6 +132,24 @@ def decode(body: bytes) -> Message:
         return _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"cannot decode message ({exc}): {bytes(body[:120])!r}") from None
+
+
+def decode_request(body: bytes) -> Request:
+    """One parent -> worker message; any other is a ProtocolError naming what came."""
+    return _decode_as(_requests, body, "worker")
+
+
+def decode_reply(body: bytes) -> Reply:
+    """One worker -> parent message; any other is a ProtocolError naming what came."""
+    return _decode_as(_replies, body, "parent")
+
+
+def _decode_as(decoder: msgspec.json.Decoder, body: bytes, receiver: str):
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError:
+        unexpected = decode(body)  # itself a ProtocolError when it is no message at all
+        raise ProtocolError(f"{receiver} got unexpected {type(unexpected).__name__}") from None
 
 
 def _check_incoming(size: int, max_frame: int) -> None:
@@ -167,7 +187,7 @@ class FrameReader:
 
     def __init__(self, max_frame: int = MAX_FRAME_BYTES):
         self.max_frame = max_frame
-        self.buffer = bytearray()
+        self.buffer = bytearray()  # the start of a frame not yet complete
 
     def needed(self) -> int:
         """The bytes that would complete the frame being read (its header first): how much
@@ -179,23 +199,29 @@ class FrameReader:
         (size,) = HEADER.unpack_from(self.buffer)
         return max(HEADER.size + size - have, 0)
 
-    def feed(self, data: bytes) -> list[Message]:
-        """The messages of the frames that ``data`` completes."""
-        return [decode(body) for body in self.bodies(data)]
+    def feed(self, data: bytes) -> list[Reply]:
+        """The replies in the frames that ``data`` completes (the parent's side)."""
+        return [decode_reply(body) for body in self.bodies(data)]
 
-    def bodies(self, data: bytes) -> list[bytes]:
+    def bodies(self, data: bytes) -> list:
         """The bodies of the frames that ``data`` completes, undecoded (a worker decodes
-        them as requests)."""
-        self.buffer += data
-        bodies = []
-        while len(self.buffer) >= HEADER.size:
-            (size,) = HEADER.unpack_from(self.buffer)
+        them as requests). With no partial frame waiting (the common case: a read asks for
+        the rest of the frame), they are views of ``data``: nothing is copied."""
+        if self.buffer:
+            self.buffer += data
+            if self.needed():  # still incomplete: parse it once it is whole, not at every read
+                return []
+            data, self.buffer = bytes(self.buffer), bytearray()
+        view, bodies, start = memoryview(data), [], 0
+        while len(data) - start >= HEADER.size:
+            (size,) = HEADER.unpack_from(data, start)
             _check_incoming(size, self.max_frame)
-            end = HEADER.size + size
-            if len(self.buffer) < end:
+            end = start + HEADER.size + size
+            if end > len(data):
                 break
-            bodies.append(bytes(self.buffer[HEADER.size:end]))
-            del self.buffer[:end]
+            bodies.append(view[start + HEADER.size:end])
+            start = end
+        self.buffer += view[start:]
         return bodies
 
 

@@ -1,5 +1,5 @@
 """The parent's view of each worker of a process pool: its ``Slot`` (state, tasks in flight,
-the deadline of the state it is in, the mirror of its snapshot cache), the states a worker
+the deadline of the state it is in, the mirror of its cache of shared values), the states a worker
 goes through (``WorkerState``), the first sign of its trouble (``Trouble``), and the lower
 bound of every slot's deadline (``Earliest``) that lets the dispatcher scan the slots only
 when one is due. The dispatcher (dispatch.py) moves slots between states."""
@@ -10,7 +10,7 @@ import enum
 from collections import deque
 from typing import NamedTuple
 
-from .snapshots import SnapshotCache
+from .shared import SharedCache
 from .tasks import TaskHandle
 
 
@@ -61,7 +61,7 @@ class Slot:
         self.started = 0.0  # when the running task (the first) started, as far as we know
         self.next_warning: float | None = None  # when the running task's silence is next reported
         self.trouble: Trouble | None = None
-        self.cache = SnapshotCache()
+        self.cache = SharedCache()
 
     @property
     def deadline(self) -> float | None:

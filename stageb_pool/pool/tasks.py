@@ -1,5 +1,5 @@
 """A submitted task (``TaskHandle``, shaped like a ``concurrent.futures.Future``), the queue
-it waits in for a worker (``TaskQueue``), how a runner reports it finished (``Outcome``), and
+it waits in for a worker (``TaskQueue``), how a dispatcher reports it finished (``Outcome``), and
 the pool's counters (``PoolStats``)."""
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import msgspec
 class PoolStats(msgspec.Struct):
     """Counters for tests, benchmarks and the run summary."""
 
-    frames_sent: dict[str, int]  # by message type, parent -> workers
-    frames_received: dict[str, int]  # by message type, workers -> parent
     bytes_sent: int
     bytes_received: int
-    snapshot_sends: int
+    tasks_sent: int  # Task frames (a retried task counts again)
+    shared_sends: int  # Share frames: a shared value sent to a worker
     items: list[int]  # tasks completed, per rank
     busy_s: list[float]  # seconds with a task in flight, per rank
     restarts: int
@@ -32,7 +31,7 @@ class PoolStats(msgspec.Struct):
 
     @classmethod
     def empty(cls, size: int) -> "PoolStats":
-        return cls({}, {}, 0, 0, 0, [0] * size, [0.0] * size, 0, [0] * size, [], time.monotonic())
+        return cls(0, 0, 0, 0, [0] * size, [0.0] * size, 0, [0] * size, [], time.monotonic())
 
     def record(self, rank: int, task: "TaskHandle", start: float, end: float) -> None:
         """Count a completed task of ``rank`` that ran from ``start`` to ``end`` (monotonic)."""
@@ -54,6 +53,10 @@ class TaskHandle:
     ``done()``, ``cancelled()``, ``result()`` and ``exception()`` mean what they mean there;
     ``result()``/``exception()`` of an unfinished task drive the pool until it is finished,
     as ``pool.gather([task])`` does (which is also how several tasks come back in order).
+    It is not a ``Future``: ``concurrent.futures.wait`` and ``as_completed`` block on a
+    condition until another thread sets the result, and nothing else drives this pool but
+    the caller's own thread (in ``gather``), so they would wait forever; a driver thread
+    would hand every result across the GIL and take Ctrl-C away from the event loop.
     ``ran_on`` is the rank of the worker that computed the result; ``label`` is the
     submitter's name for the task (in ``PoolStats.intervals``). A ``speculative`` task runs
     only on an idle worker while nothing else is queued, until a gather waits for it
@@ -111,7 +114,7 @@ class TaskHandle:
 
 
 class Outcome(NamedTuple):
-    """How a task finished, as a runner reports it: the encoded result, or an error."""
+    """How a task finished, as a dispatcher reports it: the encoded result, or an error."""
 
     task: TaskHandle
     raw: bytes | None = None
@@ -163,16 +166,22 @@ class TaskQueue:
         """The first task the worker of ``rank`` may run (a speculative one only with
         ``speculative``); tasks already done (cancelled) and entries a promotion replaced
         are dropped on the way."""
-        heaps = (self._any, self._pinned[rank])
-        for heap in heaps:
-            while heap and (heap[0][1].done() or (heap[0][0][0] and heap[0][1].id not in self._speculative)):
-                heapq.heappop(heap)
-        candidates = [heap for heap in heaps if heap]
-        if not candidates:
+        heap = self._live(self._any)
+        pinned = self._live(self._pinned[rank]) if self._pinned[rank] else None
+        if pinned and (not heap or pinned[0][0] < heap[0][0]):
+            heap = pinned
+        if not heap:
             return None
-        heap = min(candidates, key=lambda heap: heap[0][0])
         if heap[0][0][0]:
             if not speculative:
                 return None
             self._speculative.discard(heap[0][1].id)
         return heapq.heappop(heap)[1]
+
+    def _live(self, heap: list) -> list:
+        """``heap`` without the entries at its top that are done (cancelled) or replaced by
+        a promotion."""
+        while heap and (heap[0][1]._state is not _State.PENDING
+                        or (heap[0][0][0] and heap[0][1].id not in self._speculative)):
+            heapq.heappop(heap)
+        return heap

@@ -44,6 +44,6 @@ def worker_main(sock, device, engine_factory, max_frame: int) -> int:
     core = WorkerCore(engine_factory, device, max_frame)
     sock.sendall(core.hello())
     while core.serving and (request := protocol.recv_body(sock, max_frame)) is not None:
-        if reply := core.answer(request):  # a Snapshot or Shutdown needs none
+        if reply := core.answer(request):  # a Share or Shutdown needs none
             sock.sendall(reply)
     return 0 if core.started else 1

@@ -7,13 +7,13 @@ I/O loops around it, with no dispatch of their own:
 - the forked worker (``worker.worker_main``): frames over its socketpair;
 - the Ray actor (``ray_transport.RayWorker``): frames as the arguments and return values of
   its ``ready`` and ``run`` calls;
-- the inline runner (``inline.InlineRunner``): calls in the pool's own process.
+- the inline dispatcher (``inline.InlineDispatcher``): calls in the pool's own process.
 
-It works at two levels. ``start``, ``add_snapshot`` and ``call`` raise the engine's own
-exceptions: the inline runner, in the caller's process, chains the real exception to its
+It works at two levels. ``start``, ``add_shared`` and ``call`` raise the engine's own
+exceptions: the inline dispatcher, in the caller's process, chains the real exception to its
 ``WorkerError`` (so ``pdb.post_mortem`` reaches the engine's frames). ``hello`` and
 ``answer`` turn the same steps into the protocol's frames, for a host behind a channel:
-``Ready`` or ``InitFailed``, then per request nothing (a ``Snapshot`` is cached), a
+``Ready`` or ``InitFailed``, then per request nothing (a ``Share`` is cached), a
 ``Result`` or a ``Failure`` carrying the worker's traceback (a ``Task``). Requests are
 decoded as ``protocol.Request``, so any other message is a ``ProtocolError`` naming it.
 """
@@ -23,14 +23,9 @@ from __future__ import annotations
 import os
 import traceback
 
-import msgspec
-
 from . import protocol
 from .calls import Calls
-from .errors import ProtocolError
-from .protocol import Failure, InitFailed, Ready, Request, Result, Shutdown, Snapshot, Task
-
-_requests = msgspec.json.Decoder(Request)
+from .protocol import Failure, InitFailed, Ready, Result, Share, Shutdown, Task
 
 
 class WorkerCore:
@@ -60,9 +55,9 @@ class WorkerCore:
         self.calls = Calls(engine)
         return info
 
-    def add_snapshot(self, key: str, raw: bytes, evict=()) -> None:
+    def add_shared(self, key: str, raw: bytes, evict=()) -> None:
         """Cache a shared value (``evict``: the keys the parent no longer counts on)."""
-        self.calls.add_snapshot(key, raw, evict)
+        self.calls.add_shared(key, raw, evict)
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
         """``engine.<method>(item, **shared values)``: its return value."""
@@ -80,11 +75,11 @@ class WorkerCore:
         return self._frame(Ready(protocol.PROTOCOL_VERSION, os.getpid(), {**info, **facts}))
 
     def answer(self, body: bytes) -> bytes:
-        """The reply frame to one request frame's ``body``: empty for a Snapshot (cached) and
+        """The reply frame to one request frame's ``body``: empty for a Share (cached) and
         for Shutdown (``serving`` turns false), a Result or a Failure for a Task."""
-        match decode_request(body):
-            case Snapshot(key=key, value=value, evict=evict):
-                self.add_snapshot(key, value, evict)
+        match protocol.decode_request(body):
+            case Share(key=key, value=value, evict=evict):
+                self.add_shared(key, value, evict)
             case Task(id=task_id, method=method, item=item, shared=shared):
                 try:  # an oversize result too is this task's Failure, not the worker's end
                     return self._frame(Result(task_id, self.call(method, item, shared)))
@@ -96,15 +91,6 @@ class WorkerCore:
 
     def _frame(self, msg: protocol.Message) -> bytes:
         return protocol.frame(msg, self.max_frame)
-
-
-def decode_request(body: bytes) -> Request:
-    """One parent -> worker message; any other is a ProtocolError naming what came."""
-    try:
-        return _requests.decode(body)
-    except msgspec.DecodeError:
-        unexpected = protocol.decode(body)  # itself a ProtocolError when it is no message at all
-        raise ProtocolError(f"worker got unexpected {type(unexpected).__name__}") from None
 
 
 def exception_summary(exc: BaseException) -> str:
