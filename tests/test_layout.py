@@ -3,9 +3,11 @@
     pool/    the generic process pool          -> stdlib + msgspec, nothing else of ours
     stageb/  the pure Stage-B domain           -> stageb only (no torch, no processes)
     engine/  the only torch/transformers code  -> engine, stageb, pool
-    search/  domain meets pool and artifacts   -> search, stageb, pool, engine.records
-    report/  report.html from a run's files    -> report only (+ msgspec; matplotlib lazily)
+    search/  domain meets pool and artifacts   -> search, stageb, pool, engine.records, artifacts
+    report/  report.html from a run's files    -> report, artifacts (+ msgspec; matplotlib lazily)
     app/     CLI, job, config, diff, progress  -> everything
+    artifacts.py, artifact_rows.py (root): every file a run holds and its rows -> msgspec only,
+             below every layer that writes or reads a run (search, report, app)
 
 A wheel built from the checkout holds the prompt profiles and runs outside the checkout.
 """
@@ -33,10 +35,11 @@ ALLOWED_INTERNAL = {
     "pool": {"pool"},
     "stageb": {"stageb"},
     "engine": {"engine", "stageb", "pool"},
-    "search": {"search", "stageb", "pool", "engine.records", "<root>"},
-    "app": {"app", "search", "stageb", "pool", "engine", "report", "<root>"},
-    "report": {"report"},  # reads a run directory's files only
-    "<root>": {"pool", "app"},
+    "search": {"search", "stageb", "pool", "engine.records", "<root>", "artifacts", "artifact_rows"},
+    "app": {"app", "search", "stageb", "pool", "engine", "report", "<root>", "artifacts"},
+    # reads a run directory's files only; which files, and their rows, from the registry
+    "report": {"report", "artifacts"},
+    "<root>": {"pool", "app", "artifact_rows"},  # artifacts.py names the rows of artifact_rows.py
 }
 # Third-party packages each folder may import (the standard library is always allowed).
 ALLOWED_EXTERNAL = {
@@ -47,7 +50,7 @@ ALLOWED_EXTERNAL = {
     "search": {"msgspec"},
     "app": {"msgspec", "yaml", "tqdm"},
     "report": {"matplotlib", "msgspec"},  # matplotlib only lazily, while building a report (tests/test_report.py)
-    "<root>": set(),
+    "<root>": {"msgspec"},  # artifacts.py, artifact_rows.py: the records of a run's files
 }
 # Never, anywhere: IPC is msgspec JSON over socketpairs, workers share no collective.
 BANNED = {"pickle", "cPickle", "dill", "cloudpickle", "multiprocessing", "torch.distributed", "torch.multiprocessing"}

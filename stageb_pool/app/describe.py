@@ -21,7 +21,7 @@ def describe(plan: RunPlan) -> str:
     the plan's devices (``--gpus``), the worker layout and the memory budget too (nothing
     touches CUDA). Raises InputError where the run would (a sampler whose every ticket is over
     its prompt cap)."""
-    from ..search.distill import DISTILL_DEFAULT
+    from ..artifacts import DISTILL
     from ..search.rundir import run_dir_exists
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
     from .prompt_budget import measure_lines, rules_summary, sampler_caps
@@ -54,7 +54,7 @@ def describe(plan: RunPlan) -> str:
     dist = cfg.stage_b_distillation
     when = "after the audit" if cfg.mode == "audit" else "after the loop, with the final guidance"
     lines.append(("distill", f"{dist.distill_size} tickets {when} -> "
-                  f"{dist.log_chatml_path or run_dir / DISTILL_DEFAULT}" if dist.enabled else "off"))
+                  f"{dist.log_chatml_path or run_dir / DISTILL.name}" if dist.enabled else "off"))
     hr = cfg.headroom
     lines.append(("headroom", f"the judge's P(pass) on {min(hr.tickets, len(tickets))} tickets before the {cfg.mode} "
                               f"(teacher forcing, nothing generated); AUC >= {hr.min_auc} separates"

@@ -1,13 +1,6 @@
-"""How a task becomes a method call on the engine: its item and its shared values arrive as
-JSON bytes and are decoded straight into the types the engine method declares.
-
-    def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: PromptProfile): ...
-
-gets a ``RolloutChunk`` and a ``PromptProfile``, validated by msgspec while decoding; an
-unannotated parameter gets plain JSON values. So an engine never converts untyped values
-itself, and a value that does not fit the declared type fails as that task's error, naming
-the parameter. Every worker calls through here, by way of ``worker_core.WorkerCore`` (the
-forked worker, the Ray actor and the pool's inline mode alike).
+"""How a task becomes a method call on the engine: its item and shared values are decoded
+straight into the types the engine method declares (unannotated: plain JSON), so a value
+that does not fit fails as that task's error, naming the parameter.
 """
 
 from __future__ import annotations
@@ -57,8 +50,8 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes, name: str):
 
 
 class Calls:
-    """Calls engine methods from task frames. Holds the shared values this worker was sent,
-    as bytes, and each one decoded once per type it was asked as."""
+    """Calls engine methods from task frames; holds this worker's shared values as bytes, each
+    decoded once per type it is asked as."""
 
     def __init__(self, engine):
         self.engine = engine

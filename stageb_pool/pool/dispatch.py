@@ -1,22 +1,8 @@
-"""The dispatcher: which worker runs which task, and what a stalled or dead worker becomes.
-
-It is shared by every backend whose workers are other processes, and knows nothing about
-processes or sockets: a *transport* starts, feeds, kills and listens to the workers and
-reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerClosed``,
-``WorkerExited``). The dispatcher owns
-
-- the queue (tasks.py's ``TaskQueue`` says in which order): one task in flight per worker,
-  or ``depth`` where a transport's round trip is worth hiding (the next task then waits in
-  the worker, which runs its tasks in order; free workers are served first);
-- one ``Slot`` per rank (slots.py): its ``WorkerState``, the tasks in flight and the deadline of the
-  state it is in (engine start, the running task, exit report), and the mirror of its
-  cache of shared values;
-- faults: a worker past its deadline is killed; once its exit is reported it is replaced
-  and its task retried (``max_restarts``, pool-wide), or the fault is raised. Before that,
-  a task silent for ``stall_warning`` seconds is logged as a warning (and again after each
-  further ``stall_warning``), so a long wait names its worker well before the timeout;
-- the pool's engine agreement (``engine_agreement.EngineAgreement``): applied to the
-  workers' ``engine.info()`` once all are ready, and to each replacement when it is.
+"""The dispatcher shared by every backend whose workers are other processes: the queue, one
+``Slot`` per rank (slots.py), deadlines, stall warnings, kills, replacements and retries, and
+the engine agreement. It knows nothing about processes or sockets: a ``Transport`` starts,
+feeds, kills and listens to the workers and reports events. The state machine and the fault
+rules: docs/architecture.md, "The pool's modules" and "Fault semantics".
 """
 
 from __future__ import annotations
@@ -64,8 +50,8 @@ class WorkerClosed(NamedTuple):
 
 
 class WorkerExited(NamedTuple):
-    """The worker of ``rank`` is gone (reaped); nothing more will come from it. A backend
-    that knows no exit code or signal says why in ``cause``."""
+    """The worker of ``rank`` is gone (reaped); a backend that knows no exit code or signal
+    says why in ``cause``."""
 
     rank: int
     exitcode: int | None
@@ -81,9 +67,8 @@ class Transport(Protocol):
         """Start a worker process for ``rank`` (its first, or a replacement)."""
 
     def send(self, rank: int, data: bytes) -> None:
-        """Frames for the worker of ``rank``, which has no task (or fewer than the
-        dispatcher's depth; the worker runs them in order); a worker that is gone shows
-        up as a later event, never as an exception here."""
+        """Frames for the worker of ``rank`` (which has fewer tasks than the dispatcher's depth);
+        a worker that is gone shows up as a later event, never as an exception here."""
 
     def kill(self, rank: int) -> None:
         """Kill the worker of ``rank``; its WorkerExited follows."""
@@ -97,8 +82,7 @@ class Transport(Protocol):
 
 # -- the dispatcher ---------------------------------------------------------------------------
 class Dispatcher:
-    """Runs tasks on the workers of ``transport``, for every backend but inline (inline.py).
-    ``advance`` is one turn of the event loop."""
+    """Runs tasks on the workers of ``transport``; ``advance`` is one turn of the event loop."""
 
     def __init__(self, transport: Transport, devices, shared: SharedStore, stats: PoolStats, *,
                  task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int,
@@ -118,8 +102,7 @@ class Dispatcher:
         self._outcomes: list[Outcome] = []
         self._started = False
         self._earliest = Earliest()  # no deadline or warning of any slot is before it
-        # A heap of the ranks that may be idle (every idle one is in it, each once): dispatch
-        # visits these, not every worker, at each event; and the ranks that may have pinned tasks queued.
+        # The ranks that may be idle (each idle one once, in a heap) and those that may have pinned tasks.
         self._free: list[int] = []
         self._in_free: set[int] = set()
         self._pinned: set[int] = set()
@@ -148,8 +131,8 @@ class Dispatcher:
         self.queue.promote(task)
 
     def advance(self, waiting) -> list[Outcome]:
-        """Wait for the next event (or deadline), handle it, hand out queued tasks; the
-        tasks finished meanwhile (any task, not only ``waiting``)."""
+        """Wait for the next event (or deadline), handle it, hand out queued tasks; the tasks
+        finished meanwhile (any task, not only ``waiting``)."""
         self._step()
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
@@ -179,10 +162,8 @@ class Dispatcher:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """One task to each idle worker, lowest rank first, without visiting any other worker:
-        ``_free`` is a heap of the ranks that became idle (an entry whose worker is busy or
-        gone since is dropped when reached). Once no task is left for the lowest idle rank,
-        the shared queue is empty: only the ranks that may have pinned tasks are asked. Then,
+        """One task to each idle worker, lowest rank first, visiting only the ranks in ``_free``
+        (stale entries are dropped when reached) and then those that may have pinned tasks; then,
         with ``depth`` > 1, the further rounds."""
         free = self._free
         while free:
@@ -201,10 +182,8 @@ class Dispatcher:
                     self._pinned.discard(rank)
                 else:
                     self._send_task(slot, task)
-        # A worker's next task waits in it only while more tasks are queued than there are
-        # workers: the last ones go to whichever worker is free first, never behind a long
-        # task (a short tail), and never behind a speculative one (work nobody waits for
-        # must not delay work somebody does).
+        # A next task waits in a worker only while more tasks are queued than there are workers
+        # (the last ones never wait behind a long task), and never behind a speculative one.
         for in_flight in range(1, self.depth):
             if len(self.queue) <= len(self.slots):
                 return
@@ -253,8 +232,7 @@ class Dispatcher:
                                   device=slot.device.name)
 
     def _task_done(self, slot: Slot, task_id: int) -> TaskHandle:
-        """The running task of ``slot`` answered: counted, and the worker's next one started
-        (or the worker idle)."""
+        """The running task of ``slot`` answered: counted, and the worker's next one started."""
         task = slot.task
         if task is None or task.id != task_id:
             raise ProtocolError(f"worker {slot.rank} answered task {task_id}, which it was not running")
@@ -316,8 +294,7 @@ class Dispatcher:
                 slot.trouble = Trouble(slot.state, limit)
             slot.state, slot.deadline, slot.next_warning = WorkerState.KILLED, now + KILL_REPORT_TIMEOUT, None
             self.transport.kill(slot.rank)
-        # The exact earliest time again (a busy worker's next stall warning counts; an idle
-        # one has none).
+        # The exact earliest time again (a busy worker's next stall warning counts).
         self._earliest.at = None
         for slot in self.slots:
             self._earliest.lower(slot.deadline)

@@ -1,10 +1,6 @@
-"""Inline mode: the engine runs in the calling process (single-device debugging).
-
-The dispatcher is an I/O loop around a ``WorkerCore``, as a worker process is, but in calls
-instead of frames: items, shared values and results take the same path as with a worker process
-(the msgspec codec, the core's typed calls, the shared-value cache with its evictions), so
-results are identical to the forked pool's, and ``breakpoint()`` or ``pdb.post_mortem``
-work inside the engine: an engine exception is the ``__cause__`` of its ``WorkerError``.
+"""Inline mode: the engine runs in the calling process around a ``WorkerCore``, with the same
+codec and shared-value cache as a worker process (so the same results), and ``breakpoint()``
+or ``pdb.post_mortem`` work inside the engine.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""The wire protocol between the parent, the zygote and the workers.
-
-Every message is a msgspec Struct in one tagged union (``{"type": "Task", ...}``), so a
-reader can tell what it got without guessing, and an unknown message is a clear error.
-A frame is a 4-byte big-endian length followed by the message's JSON. Frames larger than
-``max_frame`` are refused on both ends: the sender raises ``FrameTooLarge`` naming the
-size, the receiver raises ``ProtocolError`` instead of silently desynchronising.
-
-Who sends what (each receiver decodes its own union, so any other message is a
-``ProtocolError`` naming it):
-
-- parent -> worker (``Request``): ``Share`` (a shared value, sent once per worker), ``Task``, ``Shutdown``
-- worker -> parent (``Reply``): ``Ready`` | ``InitFailed`` once, then ``Result`` | ``Failure`` per task
-- parent -> zygote: ``Spawn``, ``Kill``, ``Shutdown``
-- zygote -> parent: ``Spawned`` (with the worker's socket attached as SCM_RIGHTS), ``Exited``
+"""The wire protocol between the parent, the zygote and the workers: msgspec Structs in one
+tagged union, each framed as a 4-byte big-endian length and its JSON, refused above
+``max_frame`` on both ends. Who sends what: docs/architecture.md, "Wire protocol".
 """
 
 from __future__ import annotations
@@ -48,10 +36,8 @@ class InitFailed(Message):
 
 
 class Share(Message):
-    """A shared value the worker caches under ``key`` (its content hash).
-
-    ``evict`` lists keys the parent dropped from its bookkeeping of this worker's cache,
-    so the worker's cache always mirrors what the parent believes it holds."""
+    """A shared value the worker caches under ``key`` (its content hash), after dropping the
+    ``evict`` keys, so its cache mirrors the parent's bookkeeping."""
 
     key: str
     value: msgspec.Raw  # decoded by the worker into the type the engine method declares
@@ -180,19 +166,14 @@ def recv_body(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> bytes | 
 
 
 class FrameReader:
-    """Incremental frame parser for the parent's non-blocking event loop.
-
-    The parent reads whatever a ready socket has and parses complete frames out of it, so a
-    worker that stalls in the middle of a frame can never block the parent."""
+    """Incremental frame parser: a worker that stalls mid-frame never blocks the parent."""
 
     def __init__(self, max_frame: int = MAX_FRAME_BYTES):
         self.max_frame = max_frame
         self.buffer = bytearray()  # the start of a frame not yet complete
 
     def needed(self) -> int:
-        """The bytes that would complete the frame being read (its header first): how much
-        the parent asks a ready socket for, so that a read allocates what the frame needs and
-        a big frame takes few reads."""
+        """The bytes that would complete the frame being read (its header first)."""
         have = len(self.buffer)
         if have < HEADER.size:
             return HEADER.size - have
@@ -204,9 +185,8 @@ class FrameReader:
         return [decode_reply(body) for body in self.bodies(data)]
 
     def bodies(self, data: bytes) -> list:
-        """The bodies of the frames that ``data`` completes, undecoded (a worker decodes
-        them as requests). With no partial frame waiting (the common case: a read asks for
-        the rest of the frame), they are views of ``data``: nothing is copied."""
+        """The bodies of the frames ``data`` completes, undecoded; views of ``data`` (no copy)
+        when no partial frame was waiting."""
         if self.buffer:
             self.buffer += data
             if self.needed():  # still incomplete: parse it once it is whole, not at every read

@@ -1,9 +1,5 @@
-"""Shared values (``Pool.share``, e.g. the guidance), sent to each worker once.
-
-``SharedStore`` is the parent's side: each distinct value is encoded once and keyed by the
-hash of its bytes, and kept while a task needs it. ``SharedCache`` is the parent's mirror
-of what one worker holds: an LRU of ``SHARED_CACHE_SIZE`` keys whose evictions travel with
-the next ``Share`` frame, so the worker's cache is exactly what the parent believes it is.
+"""Shared values (``Pool.share``, e.g. the guidance), sent to each worker once: the parent's
+store (``SharedStore``) and its LRU mirror of one worker's cache (``SharedCache``).
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ SHARED_CACHE_SIZE = 8  # distinct shared values each worker keeps (a baseline + 
 
 
 class SharedValue(NamedTuple):
-    """A shared value encoded once (``Pool.share``): passed to ``submit`` in place of the
-    value, it is neither encoded nor hashed again (a rollout's chunks share one guidance)."""
+    """A shared value encoded once (``Pool.share``), passed to ``submit`` in place of the value."""
 
     key: str
     data: bytes
@@ -39,8 +34,7 @@ class SharedStore:
         return SharedValue(hashlib.sha256(data).hexdigest()[:16], data)
 
     def keys(self, shared: dict) -> dict[str, str]:
-        """The keys (name -> key) of shared values; each distinct value is encoded once (a
-        ``SharedValue`` already is)."""
+        """The keys (name -> key) of shared values, each distinct value encoded once."""
         keys = {}
         for name, value in shared.items():
             key, data = value if isinstance(value, SharedValue) else self.encode(value)
@@ -78,9 +72,9 @@ class SharedCache:
         return key in self._keys
 
     def admit(self, needed: dict[str, str]) -> list[tuple[str, list[str]]]:
-        """Mark the keys a task needs as used; return ``(key, evict)`` for each key the
-        worker must be sent, with the keys it must drop first. A key this task needs is
-        never evicted: if it needs more values than the capacity, the cache grows."""
+        """Mark the keys a task needs as used; ``(key, evict)`` for each key the worker must be
+        sent, with the keys it must drop first. A key the task needs is never evicted (the cache grows
+        instead)."""
         sends = []
         for key in needed.values():
             if key in self._keys:

@@ -1,21 +1,7 @@
-"""The worker's side of the protocol, whatever process it runs in: one engine, built from
-``engine_factory(device)``, and the answer to each request.
-
-``WorkerCore`` is the only code that builds an engine or handles a request. Its hosts are
-I/O loops around it, with no dispatch of their own:
-
-- the forked worker (``worker.worker_main``): frames over its socketpair;
-- the Ray actor (``ray_transport.RayWorker``): frames as the arguments and return values of
-  its ``ready`` and ``run`` calls;
-- the inline dispatcher (``inline.InlineDispatcher``): calls in the pool's own process.
-
-It works at two levels. ``start``, ``add_shared`` and ``call`` raise the engine's own
-exceptions: the inline dispatcher, in the caller's process, chains the real exception to its
-``WorkerError`` (so ``pdb.post_mortem`` reaches the engine's frames). ``hello`` and
-``answer`` turn the same steps into the protocol's frames, for a host behind a channel:
-``Ready`` or ``InitFailed``, then per request nothing (a ``Share`` is cached), a
-``Result`` or a ``Failure`` carrying the worker's traceback (a ``Task``). Requests are
-decoded as ``protocol.Request``, so any other message is a ``ProtocolError`` naming it.
+"""The worker's side of the protocol in every host (the forked worker, the Ray actor, the
+inline dispatcher): the only code that builds an engine or answers a request. ``start``,
+``add_shared`` and ``call`` raise the engine's own exceptions (inline mode chains them, for
+``pdb.post_mortem``); ``hello`` and ``answer`` turn the same steps into frames.
 """
 
 from __future__ import annotations
@@ -39,7 +25,6 @@ class WorkerCore:
 
     @property
     def started(self) -> bool:
-        """Whether the engine was built."""
         return self.calls is not None
 
     @property
@@ -60,13 +45,11 @@ class WorkerCore:
         self.calls.add_shared(key, raw, evict)
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
-        """``engine.<method>(item, **shared values)``: its return value."""
         return self.calls.call(method, item, shared)
 
     # -- the protocol: frames for a host behind a channel -----------------------------------
     def hello(self, **facts) -> bytes:
-        """The first frame: ``Ready`` with the engine's info (plus the host's ``facts``: the
-        Ray actor's placement), or ``InitFailed`` with the summary and traceback."""
+        """``Ready`` with the engine's info (plus the host's ``facts``), or ``InitFailed``."""
         try:
             info = self.start()
         except Exception as exc:
@@ -75,8 +58,7 @@ class WorkerCore:
         return self._frame(Ready(protocol.PROTOCOL_VERSION, os.getpid(), {**info, **facts}))
 
     def answer(self, body: bytes) -> bytes:
-        """The reply frame to one request frame's ``body``: empty for a Share (cached) and
-        for Shutdown (``serving`` turns false), a Result or a Failure for a Task."""
+        """The reply frame to a request: empty for Share and Shutdown, Result or Failure for a Task."""
         match protocol.decode_request(body):
             case Share(key=key, value=value, evict=evict):
                 self.add_shared(key, value, evict)

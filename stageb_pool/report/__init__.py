@@ -11,6 +11,6 @@ import (or its threads) before that.
 
 from .files import ReportError
 from .output import check_target
-from .page import REPORT_FILE, TIMELINE_FILE, load_chart_libraries, render_report
+from .page import load_chart_libraries, render_report
 
-__all__ = ["REPORT_FILE", "TIMELINE_FILE", "ReportError", "check_target", "load_chart_libraries", "render_report"]
+__all__ = ["ReportError", "check_target", "load_chart_libraries", "render_report"]

@@ -3,7 +3,9 @@
 A report is built from whatever directory it is given, also a damaged or crafted one, so
 each file is read defensively: a regular file only (a FIFO would block the reader, a
 device such as /dev/zero never ends), never through a symbolic link that leads out of the
-run directory, at most ``MAX_FILE_BYTES``, and decoded into the records of ``records.py``.
+run directory, at most ``MAX_FILE_BYTES``, and decoded into the records of ``records.py``
+(what the page draws, every field optional, for runs of earlier versions); a registered
+artifact the page does not draw is decoded into its row record (``artifacts.py``).
 A file that fails any of this is left out and named on the page with the line and the
 reason; the page shows what the other files hold. Nothing here raises for a file's
 content: only a directory that is not a run at all is a ``ReportError``.
@@ -16,6 +18,8 @@ import stat
 from pathlib import Path
 
 import msgspec
+
+from .. import artifacts
 
 MAX_FILE_BYTES = 256 << 20  # far above any run's file the report reads (a 30,000-ticket audit: ~30 MB)
 NEWLINE = b"\n"
@@ -46,13 +50,22 @@ class RunFiles:
         self.root = Path(run_dir)
         if not self.root.is_dir():
             raise ReportError("not a run directory" if self.root.exists() else "no such directory", str(self.root))
-        if not (self.root / "run.json").is_file():
-            raise ReportError("not a stageb-pool run directory (it has no run.json)", str(self.root))
+        if not (self.root / artifacts.RUN.name).is_file():
+            raise ReportError(f"not a stageb-pool run directory (it has no {artifacts.RUN.name})", str(self.root))
         self.real_root = os.path.realpath(self.root)
         self.missing: list[tuple[str, str]] = []
+        self.read: set[str] = set()  # the names asked for
+
+    def check_the_rest(self) -> None:
+        """Decode every registered artifact with a row record that was not read yet, present
+        or not: one that is there but is not of its record's shape is named in ``missing``."""
+        for entry in artifacts.ARTIFACTS:
+            if entry.record is not None and entry.name not in self.read:
+                (self.jsonl if entry.rows else self.json)(entry.name, entry.record, None)
 
     def json(self, name: str, record_type, shows: str | None):
         """The document ``name`` decoded as ``record_type``, or None (noted in ``missing``)."""
+        self.read.add(name)
         try:
             data = self.read_bytes(name)
             try:
@@ -68,6 +81,7 @@ class RunFiles:
     def jsonl(self, name: str, record_type, shows: str | None) -> list | None:
         """Every row of ``name`` decoded as ``record_type`` (blank lines skipped), or None when
         the file is missing or any row is unreadable (noted in ``missing`` with its line)."""
+        self.read.add(name)
         decoder = msgspec.json.Decoder(record_type)
         try:
             rows = []

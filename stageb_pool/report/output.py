@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import stat
 
+from ..artifacts import REPORT
 from .files import ReportError, RunFiles
-from .page import REPORT_FILE, REPORT_OPENING, REPORT_TITLE
+from .page import REPORT_OPENING, REPORT_TITLE
 
 HEAD_BYTES = 4096  # the title is within them (it comes about 250 bytes in, before the CSS)
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -48,8 +49,8 @@ def check_target(target: str, run_dir: str) -> None:
     parent, name = os.path.split(path)
     real_run = os.path.realpath(run_dir)
     real_path = os.path.join(os.path.realpath(parent), name)
-    if real_path != os.path.join(real_run, REPORT_FILE) and os.path.commonpath([real_path, real_run]) == real_run:
-        raise ReportError(f"is in the run directory, which the report leaves as it is but for its {REPORT_FILE}",
+    if real_path != os.path.join(real_run, REPORT.name) and os.path.commonpath([real_path, real_run]) == real_run:
+        raise ReportError(f"is in the run directory, which the report leaves as it is but for its {REPORT.name}",
                           target)
     try:
         info = os.lstat(path)

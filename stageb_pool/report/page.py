@@ -16,14 +16,13 @@ import logging
 import os
 import tempfile
 
+from .. import artifacts
 from .files import RunFiles
 from .markup import cards, esc, filled, given, num, section, short, table, verdict
 from .records import (AuditMetrics, AuditStep, Benchmark, BestCandidate, Candidate, Guidance, GuidanceSection,
                       HardCase, Headroom, Invocation, Iteration, LabelCounts, Metrics, ProposerAnswer, ProposerFailure,
                       RunInfo, Splits, Summary, TimelineRow, Tool)
 
-TIMELINE_FILE = "pool_timeline.jsonl"
-REPORT_FILE = "report.html"
 # Every report opens so, since the first version: how `report -o` knows a previous report (output.py).
 REPORT_OPENING = "<!DOCTYPE html>\n"
 REPORT_TITLE = "<title>stageb-pool report: "
@@ -63,13 +62,13 @@ def render_report(run_dir) -> str:
     what it should hold, is named on the page instead."""
     files = RunFiles(run_dir)
     charts = _import_charts()
-    run = files.json("run.json", RunInfo, None) or RunInfo()
-    summary = files.json("summary.json", Summary,
+    run = files.json(artifacts.RUN.name, RunInfo, None) or RunInfo()
+    summary = files.json(artifacts.SUMMARY.name, Summary,
                          "the final metrics, the cache counts and the per-worker throughput") or Summary()
     mode = summary.mode or (run.config.mode if run.config else None) or "search"
-    mission = summary.mission or next(iter(files.json("guidance.json", Guidance, None) or {}), "")
+    mission = summary.mission or next(iter(files.json(artifacts.GUIDANCE.name, Guidance, None) or {}), "")
     sections = _search_sections(files, summary, charts) if mode == "search" else _audit_sections(files, summary, charts)
-    headroom = files.json("judge_headroom.json", Headroom, "the judge-headroom result" if mode == "search" else None)
+    headroom = files.json(artifacts.HEADROOM.name, Headroom, "the judge-headroom result" if mode == "search" else None)
     if headroom is not None:
         sections.append(("headroom", "Judge headroom", _headroom(headroom, charts)))
     sections.append(("pool", "The pool's work", _pool(files, summary, charts)))
@@ -79,6 +78,7 @@ def render_report(run_dir) -> str:
                                        f"{given(invocation.workers, '?')} worker(s) ({given(invocation.gpus, '?')})",
                                        f"{given(tool.name, 'stageb_pool')} {given(tool.version, '')}", files.root))
     nav = "".join(f'<a href="#{a}">{esc(t)}</a>' for a, t, _ in sections)
+    files.check_the_rest()
     missing = ""
     if files.missing:
         items = "".join(f"<li><code>{esc(n)}</code> {esc(why)}</li>" for n, why in files.missing)
@@ -136,10 +136,10 @@ def _chart_metrics(m: Metrics | None) -> dict | None:
 
 
 def _search_sections(files: RunFiles, summary: Summary, charts) -> list:
-    iterations = files.jsonl("rule_search_iterations.jsonl", Iteration, "per-iteration metrics, gate decisions and "
-                             "proposer outcomes (drawn from rule_candidates.jsonl instead, where it can)")
-    candidates = files.jsonl("rule_candidates.jsonl", Candidate, None) or []  # absent: no candidate was evaluated
-    benchmarks = files.jsonl("benchmarks.jsonl", Benchmark, None) or []  # absent: no edit was accepted
+    iterations = files.jsonl(artifacts.ITERATIONS.name, Iteration, "per-iteration metrics, gate decisions and "
+                             f"proposer outcomes (drawn from {artifacts.CANDIDATES.name} instead, where it can)")
+    candidates = files.jsonl(artifacts.CANDIDATES.name, Candidate, None) or []  # absent: no candidate was evaluated
+    benchmarks = files.jsonl(artifacts.BENCHMARKS.name, Benchmark, None) or []  # absent: no edit was accepted
     base, final = summary.baseline, summary.final
     overview = cards([("iterations", num(summary.iterations)), ("stop reason", esc(summary.stop_reason)),
                       ("edits accepted", num(given(summary.edits_accepted, len(benchmarks)))),
@@ -154,7 +154,7 @@ def _search_sections(files: RunFiles, summary: Summary, charts) -> list:
     points, accepted = _iteration_points(iterations, candidates, benchmarks, final)
     body = charts.metrics_per_iteration(points, accepted) if points else "<p>No iteration finished.</p>"
     if iterations is None:
-        body += '<p class="muted">From rule_candidates.jsonl: iterations without candidates are not shown; ' \
+        body += f'<p class="muted">From {artifacts.CANDIDATES.name}: iterations without candidates are not shown; ' \
                 'train fp_rate on the tickets baseline and candidate share.</p>'
     else:
         body += _iteration_table(iterations)
@@ -162,7 +162,7 @@ def _search_sections(files: RunFiles, summary: Summary, charts) -> list:
     out.append(("candidates", "Candidates and the gate", _candidates(candidates, charts)))
     out.append(("guidance", "Guidance as it evolved", _guidance(files, benchmarks)))
     out.append(("proposer", "Proposer", _proposer(files, iterations)))
-    hard = [r for r in files.jsonl("rule_search_hard_cases.jsonl", HardCase, None) or []  # absent: no confident error
+    hard = [r for r in files.jsonl(artifacts.HARD_CASES.name, HardCase, None) or []  # absent: no confident error
             if r.sampler == "train"]
     if hard:
         last = max(r.iteration for r in hard)
@@ -239,11 +239,11 @@ def _section_of(doc: dict | None) -> GuidanceSection | None:
 
 def _guidance(files: RunFiles, benchmarks: list[Benchmark]) -> str:
     states: dict[int, dict] = {}
-    for path in sorted((files.root / "snapshots").glob("guidance-step*.json")):
-        snapshot = _section_of(files.json(f"snapshots/{path.name}", Guidance, None))
+    for path in sorted((files.root / artifacts.SNAPSHOTS_DIR).glob(artifacts.SNAPSHOT_GLOB)):
+        snapshot = _section_of(files.json(f"{artifacts.SNAPSHOTS_DIR}/{path.name}", Guidance, None))
         if snapshot is not None:
             states[given(snapshot.step, -1)] = snapshot.experiences or {}
-    final = _section_of(files.json("guidance.json", Guidance, "the final guidance"))
+    final = _section_of(files.json(artifacts.GUIDANCE.name, Guidance, "the final guidance"))
     if final is not None:
         states[given(final.step, -1)] = final.experiences or {}
     parts = []
@@ -260,8 +260,8 @@ def _guidance(files: RunFiles, benchmarks: list[Benchmark]) -> str:
             key = b.accepted_key or b.target_signature or ""
             sign = "-" if b.op == "remove" else "+"
             diff = (f'<span class="{"del" if sign == "-" else "add"}">{sign} {esc(key)}: {esc(b.text)}</span>\n'
-                    f'<span class="muted">(the snapshots of these steps were pruned: the edit as benchmarks.jsonl '
-                    f'records it)</span>')
+                    '<span class="muted">(the snapshots of these steps were pruned: the edit as '
+                    f'{artifacts.BENCHMARKS.name} records it)</span>')
         parts.append(f"<h3>{title}</h3><pre>{diff}</pre>"
                      + (f'<p class="muted">rationale: {short(b.rationale)}</p>' if b.rationale else ""))
     if not benchmarks:
@@ -273,9 +273,9 @@ def _guidance(files: RunFiles, benchmarks: list[Benchmark]) -> str:
 
 
 def _proposer(files: RunFiles, iterations: list[Iteration] | None) -> str:
-    answers = files.jsonl("reflection_cache/proposer_answers.jsonl", ProposerAnswer,
+    answers = files.jsonl(artifacts.PROPOSER_ANSWERS.name, ProposerAnswer,
                           "each proposer answer and whether it parsed")
-    failures = files.jsonl("reflection_cache/rule_search_proposer_failures.jsonl", ProposerFailure, None) or []
+    failures = files.jsonl(artifacts.PROPOSER_FAILURES.name, ProposerFailure, None) or []
     parts = []
     if iterations is not None:
         calls = sum(r.proposer_calls or 0 for r in iterations)
@@ -294,7 +294,8 @@ def _proposer(files: RunFiles, iterations: list[Iteration] | None) -> str:
         by_stage: dict[str, int] = {}
         for f in failures:
             by_stage[given(f.stage, "?")] = by_stage.get(given(f.stage, "?"), 0) + 1
-        parts.append("<h3>Proposer failures and rejected proposals (rule_search_proposer_failures.jsonl)</h3>"
+        file = os.path.basename(artifacts.PROPOSER_FAILURES.name)
+        parts.append(f"<h3>Proposer failures and rejected proposals ({file})</h3>"
                      + table(["stage", "rows"], [[esc(k), num(v)] for k, v in sorted(by_stage.items())])
                      + table(["it", "stage", "error"], [[num(f.iteration), esc(f.stage), short(f.error)]
                                                         for f in failures[:40]]))
@@ -309,8 +310,8 @@ def _hard_cases(rows: list[HardCase]) -> str:
 
 
 def _audit_sections(files: RunFiles, summary: Summary, charts) -> list:
-    m = (filled(files.json("baseline_metrics.json", AuditMetrics, "the audit's metrics")) or filled(summary.metrics)
-         or AuditMetrics())
+    m = (filled(files.json(artifacts.BASELINE_METRICS.name, AuditMetrics, "the audit's metrics"))
+         or filled(summary.metrics) or AuditMetrics())
     overview = cards([("tickets used", num(given(m.n_used, summary.n_used))), ("accuracy", num(m.acc)),
                       ("fp_rate (false release)", num(m.fp_rate)), ("fn_rate (false block)", num(m.fn_rate)),
                       ("dropped (overlength)", num(given(m.n_dropped_overlength, summary.n_dropped_overlength)))])
@@ -319,11 +320,11 @@ def _audit_sections(files: RunFiles, summary: Summary, charts) -> list:
           f'<td>{num(m.fn)} (fn)</td></tr><tr><th>label fail</th><td>{num(m.fp)} (fp)</td>'
           f'<td>{num(m.tn)} (tn)</td></tr></table></div>')
     out = [("overview", "Audit metrics", overview + cm)]
-    steps = files.jsonl("baseline_metrics_steps.jsonl", AuditStep, "the metrics as tickets were judged")
+    steps = files.jsonl(artifacts.BASELINE_STEPS.name, AuditStep, "the metrics as tickets were judged")
     if steps:
         out.append(("progress", "Metrics over the run order", charts.audit_progress(
             [{"n_done": s.n_done, "acc": s.acc, "fp_rate": s.fp_rate, "fn_rate": s.fn_rate} for s in steps])))
-    hard = [r for r in files.jsonl("rule_search_hard_cases.jsonl", HardCase, None) or []
+    hard = [r for r in files.jsonl(artifacts.HARD_CASES.name, HardCase, None) or []
             if r.sampler == "baseline"]
     if hard:
         out.append(("hard", "Hardest cases", _hard_cases(hard)))
@@ -349,7 +350,8 @@ def _seconds(value) -> int | float | None:
 
 
 def _pool(files: RunFiles, summary: Summary, charts) -> str:
-    timeline = files.jsonl(TIMELINE_FILE, TimelineRow, "the per-worker timeline (busy and idle time, the proposer call)")
+    timeline = files.jsonl(artifacts.TIMELINE.name, TimelineRow,
+                           "the per-worker timeline (busy and idle time, the proposer call)")
     workers = summary.workers or {}
     timing = summary.timing or {}
     wall_s, rollout_s = _seconds(timing.get("wall_s")), _seconds(timing.get("rollout_s"))
