@@ -1,14 +1,10 @@
-"""The rows of a run's artifacts: one msgspec Struct per file (``artifacts.py`` names the
-file each belongs to).
+"""The rows of a run's artifacts: one msgspec Struct per file (``artifacts.py`` names the file).
 
-A Struct's field order is the JSON key order of its row (upstream's names first, then ours,
-as docs/artifacts.md lists them), so a row's bytes are fixed by the values alone; a row read
-back (a resume's checks, ``stageb-pool report``) is decoded into the same Struct, so a
-wrong-shaped row is an error naming its file, line and field. Fields typed ``... |
-UnsetType`` are left out of a row when unset (the proposer failure row carries only what its
-stage knows). Builders live with their writers (``search/rows.py``, ``search/audit.py``,
-``search/decisions.py``); this module imports nothing of the package, so every layer that
-reads or writes a run can import it.
+A Struct's field order is its row's JSON key order, so a row's bytes follow from its values;
+rows read back (a resume's checks, the report) are decoded into the same Struct, so a
+wrong-shaped row is an error naming its file, line and field. A ``... | UnsetType`` field is
+left out of a row when unset. The builders live with their writers; this module imports
+nothing of the package, so every layer that reads or writes a run can import it.
 """
 
 from __future__ import annotations
@@ -57,8 +53,7 @@ class RolloutRow(msgspec.Struct):
 
 
 class CandidateRowHead(msgspec.Struct):
-    """The fields that open both candidate files' rows: when, which candidate, and what it
-    does (a row type's own fields follow these, in file order)."""
+    """The fields that open both candidate files' rows (each row type's own fields follow)."""
 
     timestamp: str
     iteration: int
@@ -73,10 +68,8 @@ class CandidateRowHead(msgspec.Struct):
 
 class CandidateRow(CandidateRowHead):
     """``rule_candidates.jsonl``: one evaluated candidate. ``base_*`` are on the whole train
-    pool, ``cand_*`` on the tickets common to baseline and candidate (as upstream). The eval
-    columns compare like with like: with an eval rollout, ``eval_n``, ``eval_base_*`` and
-    ``eval_cand_*`` are all on the eval tickets both judged; without one, ``eval_base_*`` is
-    the whole eval baseline."""
+    pool, ``cand_*`` on the tickets baseline and candidate share (as upstream); with an eval
+    rollout, ``eval_*`` are on the eval tickets both judged, else ``eval_base_*`` on all."""
 
     text: str | None
     rationale: str | None
@@ -165,10 +158,10 @@ class BenchmarkRow(msgspec.Struct):
 
 
 class ProposerFailureRow(msgspec.Struct):
-    """``reflection_cache/rule_search_proposer_failures.jsonl``: an overlength prompt
-    (``stage: "prompt"``), a proposer call that raised (``"generate"``), an unparseable answer (``"parse"``, with the raw answer's ends), a
-    rejected entry (``"validate"``: ``index``, ``op``, ``text``) or an edit that cannot apply
-    (``"preview"``: ``candidate_id``)."""
+    """``reflection_cache/rule_search_proposer_failures.jsonl``, by ``stage``: an overlength
+    prompt (``"prompt"``), a call that raised (``"generate"``), an unparseable answer
+    (``"parse"``, with the raw answer's ends), a rejected entry (``"validate"``: ``index``,
+    ``op``, ``text``) or an edit that cannot apply (``"preview"``: ``candidate_id``)."""
 
     timestamp: str
     iteration: int
@@ -187,9 +180,8 @@ class ProposerFailureRow(msgspec.Struct):
 
 class ProposerAnswerRow(msgspec.Struct, kw_only=True):
     """``reflection_cache/proposer_answers.jsonl``: one proposer call, its answer whole.
-    ``parsed``: the answer held a JSON operation list (``operations`` entries examined);
-    ``error`` says why not (a cut-off answer: ``truncated at proposer_max_new_tokens=N``).
-    Token counts and the finish reason are null when the call never generated."""
+    ``parsed``: it held a JSON operation list (``operations`` entries); else ``error`` says
+    why. Token counts and the finish reason are null when the call never generated."""
 
     iteration: int
     mission: str
@@ -216,8 +208,8 @@ class DistillRow(msgspec.Struct):
 
 
 class IterationRow(msgspec.Struct):
-    """``rule_search_iterations.jsonl``: one completed iteration (docs/artifacts.md).
-    ``candidates_proposed`` = the rejected ones + ``candidates_evaluated``."""
+    """``rule_search_iterations.jsonl``: one completed iteration; ``candidates_proposed`` =
+    the rejected ones + ``candidates_evaluated``."""
 
     iteration: int
     mission: str

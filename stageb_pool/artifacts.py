@@ -1,14 +1,9 @@
 """Every file a run directory holds, named once: ``ARTIFACTS``.
 
-An entry says where the file lives in the run directory, its row record (``artifact_rows``;
-None where the writer builds the document itself), whether it is append-only JSONL
-(``rows``) or one whole document, what ``stageb-pool diff`` ignores in it (``volatile``:
-dotted key paths; ``volatile_file``: the whole file), and which module writes it. The run
-directory (``search/rundir.py``), the resume state (``search/state.py``: the lengths it
-commits), ``diff`` (``app/diff.py``) and the report (``report/``) all read this list, so a
-new artifact is one entry here plus its writer. docs/artifacts.md describes each file's fields.
-
-This module sits below every layer (it imports nothing of the package but its row records).
+An entry gives the file's name, row record (``artifact_rows``), shape (JSONL rows or one
+document), what ``stageb-pool diff`` ignores in it, and its writer. The run directory, the
+resume state, ``diff`` and the report read this list, so a new artifact is one entry plus its
+writer (docs/artifacts.md describes each file). Imports nothing of the package but its rows.
 """
 
 from __future__ import annotations
@@ -38,13 +33,12 @@ REFLECTION_DIR = "reflection_cache"
 RUN_FOLDERS = (SNAPSHOTS_DIR, ROLLOUTS_DIR, REFLECTION_DIR)
 
 RUN = Artifact(name="run.json", writer="app/job.py (search/rundir.run_json_document)", volatile=(
-    # gpus, workers, threads, argv, hostname; where the run was written; where its input files
-    # were read from (inputs are identified by content: provenance and state.json hold hashes)
+    # the invocation; where the run was written and its inputs read from (identified by content)
     "invocation", "config.output", "config.stage_a_paths", "config.guidance.path", "config.prompt.profile",
     "config.rule_search.proposer_prompt_path", "config.ticket_filter.exclude_ticket_keys_path",
     "config.stage_b_distillation.log_chatml_path",
     "config.runner.speculate",  # how fast, never what: speculation leaves every result as it is
-    # which stageb-pool wrote the run: not a result (a format change shows in the rows)
+    # which stageb-pool wrote the run: not a result
     "tool.version", "tool.format"))
 # wall time per phase; throughput and restarts per worker
 SUMMARY = Artifact(name="summary.json", writer="app/job.py", volatile=("timing", "workers"))
@@ -77,8 +71,7 @@ BASELINE_STEPS = Artifact(name="baseline_metrics_steps.jsonl", writer="search/au
                           rows=True)
 # Where stage_b_distillation.log_chatml_path does not say otherwise.
 DISTILL = Artifact(name="distill_chatml.jsonl", writer="search/distill.py", record=r.DistillRow, rows=True)
-# Which worker ran which task when, and the page drawn from it and from the timing (rebuilt
-# by `stageb-pool report`): not results.
+# Which worker ran which task when, and the page drawn from it (rebuilt by `stageb-pool report`).
 TIMELINE = Artifact(name="pool_timeline.jsonl", writer="app/job.py", rows=True, volatile_file=True)
 REPORT = Artifact(name="report.html", writer="app/report_process.py", volatile_file=True)
 
@@ -87,8 +80,7 @@ ARTIFACTS: tuple[Artifact, ...] = (
     PROPOSER_ANSWERS, ITERATIONS, BASELINE_METRICS, BASELINE_TICKET_STATS, BASELINE_WRONG, BASELINE_NP, BASELINE_NG,
     BASELINE_STEPS, DISTILL, TIMELINE, REPORT,
 )
-# Files named by a pattern: a snapshot per guidance step (guidance.json's shape; its name in
-# SNAPSHOTS_DIR as a glob and as a pattern that captures the step) and, with
+# Files named by a pattern: a snapshot per guidance step (guidance.json's shape) and, with
 # output.save_rollouts, a file per rollout (rows: artifact_rows.RolloutRow).
 SNAPSHOT_GLOB = "guidance-step*.json"
 SNAPSHOT_PATTERN = r"^guidance-step(\d+)\.json$"

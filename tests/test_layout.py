@@ -245,13 +245,12 @@ def test_both_engines_use_the_shared_text_layer():
 
 
 def test_each_engine_module_has_its_builder():
-    builders = {"transformers_engine.py": "build_transformers_engine", "vllm_engine.py": "build_vllm_engine",
-                "simulated_engine.py": "build_simulated_engine"}
-    for module, name in builders.items():
-        tree = ast.parse((ENGINE / module).read_text(encoding="utf-8"))
-        assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, module
-    build = ast.parse((ENGINE / "build.py").read_text(encoding="utf-8"))
-    assert not [n.name for n in build.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_build")]
+    from stageb_pool.engine.registry import ENGINES
+
+    for name, known in ENGINES.items():
+        module, function = known.build.split(":")
+        tree = ast.parse((ENGINE / f"{module.lstrip('.')}.py").read_text(encoding="utf-8"))
+        assert function in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, name
 
 
 # --------------------------------------------------------------------------- one worker core
@@ -341,13 +340,11 @@ def test_the_worker_host_check_catches_a_host_with_a_dispatch_of_its_own():
 
 
 def test_the_worker_side_engine_modules_never_check_a_model_path():
-    """The parent checks model.path once (``model_path.check_model_path``, in the run plan) and
-    sends the ModelRef it gives to the workers, which load it as it is: no engine module but
-    ``model_path`` itself names the check (a call, an import or a reference)."""
+    """The parent checks model.path once (``models.check_model_path``, in the run plan) and
+    sends the ModelRef it gives to the workers, which load it as it is: no engine module names
+    the check (a call, an import or a reference) beside its definition."""
     found = []
     for path in sorted(ENGINE.glob("*.py")):
-        if path.name == "model_path.py":
-            continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Name):
                 name = node.id

@@ -1,12 +1,9 @@
-"""Compare two run directories, ignoring the documented volatile fields.
+"""``stageb-pool diff``: compare two run directories, ignoring the volatile fields.
 
-Same config and seed must give the same artifacts on 1 or 8 GPUs, apart from wall-clock
-fields. The list of artifacts (``artifacts.py``) names those fields (``VOLATILE_KEYS`` at any
-depth of any file, each entry's ``volatile`` key paths) and files (``volatile_file``); this
-module implements ``stageb-pool diff``: the same set of files (the volatile ones aside);
-JSON and JSONL compared structurally with the volatile fields removed (types included: ``1`` is not ``1.0``);
-every other file byte for byte. A run directory that cannot be read as a run (a FIFO or
-another non-regular file, JSON nested deeper than any artifact) is bad input: a located
+``artifacts.py`` names those fields and files. Both runs must hold the same files (the
+volatile ones aside); JSON and JSONL are compared structurally without the volatile fields
+(types included: ``1`` is not ``1.0``), every other file byte for byte. A directory that cannot
+be read as a run (a FIFO, JSON nested deeper than any artifact) is bad input: a located
 error, never a hang or a RecursionError.
 """
 
@@ -117,10 +114,7 @@ def _compare_file(name: str, paths: tuple[Path, Path]):
             for key, x, y in compare_values(va, vb, skip=skip):
                 yield Difference(name, "", key, x, y)
             return
-    if name.endswith(".jsonl"):
-        yield from _compare_lines(name, (a, b), paths, skip, structured=True)
-        return
-    yield from _compare_lines(name, (a, b), paths, skip, structured=False)
+    yield from _compare_lines(name, (a, b), paths, skip, structured=name.endswith(".jsonl"))
 
 
 def _read(path: Path) -> bytes:

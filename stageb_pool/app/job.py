@@ -11,7 +11,6 @@ ends: one process owns a run directory at a time.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from pathlib import Path
@@ -20,9 +19,8 @@ from typing import NamedTuple
 import msgspec
 
 from .. import artifacts
-from ..engine.model_path import ModelRef
-from ..engine.records import EngineSettings
-from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Inline, Pool, Ray
+from ..engine.registry import engine_agreement, engine_factory_for
+from ..pool import Device, Inline, Pool, Ray
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
@@ -32,7 +30,6 @@ from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
 from ..search.settings import RunIdentity, SearchSettings
-from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import split_eval_pool
 from .outputs import check_distillation_target
@@ -41,33 +38,6 @@ from .report_process import ReportJob
 from .plan import DeviceRequest, RunInputs, RunPlan, plan_run
 
 log = logging.getLogger("stageb_pool")
-
-
-def engine_factory_for(model_config, model: ModelRef):
-    """The factory each worker calls after fork: the engine of ``model`` (checked in the parent,
-    sent as it is) built as the config's model section says. It imports the engine (torch,
-    transformers) inside the worker: the parent never imports torch. What every worker would
-    load alike and the parent can load safely (the simulated engine's tokenizer) is loaded
-    here, once, before the fork (``build.preload``), and inherited."""
-    from ..engine.build import preload
-
-    settings = engine_settings(model_config)
-    preloaded = preload(model, settings)
-
-    def build(device: Device):
-        from ..engine.build import build_engine
-
-        return build_engine(device, model, settings, preloaded)
-
-    return build
-
-
-def engine_settings(model_config) -> EngineSettings:
-    """The config's model section as a worker's ``EngineSettings``: every key but ``path``
-    (the plan's ModelRef) and ``gpus_per_worker`` (the workers' devices)."""
-    fields = msgspec.structs.asdict(model_config)
-    del fields["path"], fields["gpus_per_worker"]
-    return EngineSettings(**fields)
 
 
 def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
@@ -266,21 +236,6 @@ def audit_settings(config, inputs: RunInputs) -> AuditSettings:
                          hard_case_limit=max(200, 8 * config.rule_search.reflect_size),
                          n_skipped_lines=len(inputs.ingest.skipped), n_excluded=inputs.ingest.excluded,
                          distill=config.stage_b_distillation)
-
-
-ENGINE_IDENTITY = ("engine", "vllm", "torch", "transformers")  # must agree across workers
-
-
-def engine_agreement(ray: bool) -> EngineAgreement:
-    """What the pool does when the workers report different engines. Byte-identical results
-    need every worker on the same software, device model and dtype (docs/architecture.md).
-    Under Ray, whose nodes may differ, any difference is refused (the pool's own rule). On one
-    machine another engine or version is refused as an input error located at --gpus, and
-    any other difference (a machine that mixes GPU models) is a warning: run.json records
-    rank 0's facts, so say loudly if the others differ."""
-    if ray:
-        return REFUSE_ANY_DIFFERENCE
-    return EngineAgreement(refuse=ENGINE_IDENTITY, warn=log, error=functools.partial(InputError, location="--gpus"))
 
 
 def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> dict:

@@ -1,14 +1,12 @@
 """Reading a run directory for the report: only what can be read, only as what it should be.
 
 A report is built from whatever directory it is given, also a damaged or crafted one, so
-each file is read defensively: a regular file only (a FIFO would block the reader, a
-device such as /dev/zero never ends), never through a symbolic link that leads out of the
-run directory, at most ``MAX_FILE_BYTES``, and decoded into the records of ``records.py``
-(what the page draws, every field optional, for runs of earlier versions); a registered
-artifact the page does not draw is decoded into its row record (``artifacts.py``).
-A file that fails any of this is left out and named on the page with the line and the
-reason; the page shows what the other files hold. Nothing here raises for a file's
-content: only a directory that is not a run at all is a ``ReportError``.
+each file is read defensively: a regular file only (a FIFO would block, /dev/zero never
+ends), never through a symbolic link out of the run directory, at most ``MAX_FILE_BYTES``,
+and decoded into a record (``records.py`` for what the page draws; a registered artifact it
+does not draw, into its row record). A file that fails is named on the page with the line
+and the reason. Nothing here raises for a file's content; a directory that is not a run is a
+``ReportError``.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from .. import artifacts
 
 MAX_FILE_BYTES = 256 << 20  # far above any run's file the report reads (a 30,000-ticket audit: ~30 MB)
 NEWLINE = b"\n"
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC  # NONBLOCK: opening a FIFO must not wait
+OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC  # NONBLOCK: opening a FIFO must not wait
 
 
 class ReportError(ValueError):
@@ -35,7 +33,7 @@ class ReportError(ValueError):
 
 
 class Unreadable(Exception):
-    """A file the report leaves out: ``where`` locates the fault in it ("line 3", "$.workers"), or is empty."""
+    """A file the report leaves out; ``where`` locates the fault ("line 3", "$.workers") or is empty."""
 
     def __init__(self, why: str, where: str = ""):
         super().__init__(why)
@@ -67,13 +65,7 @@ class RunFiles:
         """The document ``name`` decoded as ``record_type``, or None (noted in ``missing``)."""
         self.read.add(name)
         try:
-            data = self.read_bytes(name)
-            try:
-                return msgspec.json.decode(data, type=record_type)
-            except msgspec.ValidationError as err:
-                raise Unreadable(*_split_path(str(err))) from None
-            except msgspec.DecodeError as err:
-                raise Unreadable(f"not JSON ({err})", _line_of(data, err)) from None
+            return _decode(msgspec.json.Decoder(record_type), self.read_bytes(name))
         except (OSError, Unreadable) as err:
             self._note(name, shows, err)
             return None
@@ -84,18 +76,8 @@ class RunFiles:
         self.read.add(name)
         decoder = msgspec.json.Decoder(record_type)
         try:
-            rows = []
-            for number, line in enumerate(self.read_bytes(name).split(b"\n"), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(decoder.decode(line))
-                except msgspec.ValidationError as err:
-                    why, path = _split_path(str(err))
-                    raise Unreadable(why, f"line {number}" + (f", {path}" if path else "")) from None
-                except msgspec.DecodeError as err:
-                    raise Unreadable(f"not JSON ({err})", f"line {number}") from None
-            return rows
+            lines = enumerate(self.read_bytes(name).split(NEWLINE), 1)
+            return [_decode(decoder, line, number) for number, line in lines if line.strip()]
         except (OSError, Unreadable) as err:
             self._note(name, shows, err)
             return None
@@ -108,7 +90,7 @@ class RunFiles:
             if not os.path.lexists(self.root / name):
                 raise FileNotFoundError(name)
             raise Unreadable("outside the run directory, through a symbolic link")
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = os.open(path, OPEN_FLAGS)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -129,8 +111,7 @@ class RunFiles:
             os.close(fd)
 
     def _note(self, name: str, shows: str | None, err: Exception) -> None:
-        # shows=None: a file a finished run may lack (no edit accepted, nothing wrong), so only
-        # an unreadable one is named
+        # shows=None: a file a finished run may lack (no edit accepted), named only when unreadable
         if isinstance(err, FileNotFoundError):
             if shows is not None:
                 self.missing.append((name, f"missing: {shows}"))
@@ -140,6 +121,18 @@ class RunFiles:
         else:  # permissions, a folder of that name, a name the OS refuses...
             why = err.strerror or type(err).__name__
         self.missing.append((name, f"unreadable ({why}): {shows or 'left out'}"))
+
+
+def _decode(decoder: msgspec.json.Decoder, data: bytes, line: int | None = None):
+    """``data`` decoded, or Unreadable located at ``line`` (a JSONL row's) or, in a whole
+    document, at its syntax error's line; and at the field's path for a value of another type."""
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as err:
+        why, path = _split_path(str(err))
+        raise Unreadable(why, ", ".join(p for p in (line and f"line {line}", path) if p)) from None
+    except msgspec.DecodeError as err:
+        raise Unreadable(f"not JSON ({err})", f"line {line}" if line else _line_of(data, err)) from None
 
 
 def _split_path(message: str) -> tuple[str, str]:

@@ -1,13 +1,9 @@
-"""The report page: read a run directory's files, write one self-contained HTML page.
+"""The report page: a run directory's files (docs/artifacts.md) as one self-contained HTML page.
 
-Everything comes from the files (docs/artifacts.md), nothing from the code that wrote them,
-so a report can be rebuilt for any run, also one of an earlier version: a file it lacks is
-named on the page with what it would have shown, and the rest is drawn from what is there.
-The files are read by ``files.py`` (regular files inside the run directory only, each
-size-capped, each row decoded into a record of ``records.py``), so a damaged or crafted
-file is named on the page too, and every text is shown through ``markup.esc``.
-The page makes no request of any kind (inline CSS and SVG, no script, and a Content
-Security Policy that forbids loading anything), so it opens offline and leaks nothing.
+Drawn from the files alone, never from the code that wrote them, so a report can be rebuilt
+for any run: a file that is missing or cannot be read (``files.py``) is named on the page with
+what it would have shown. Every text is shown through ``markup.esc``, and the page makes no
+request (inline CSS and SVG, no script, a Content Security Policy that forbids loading anything).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections import Counter
 
 from .. import artifacts
 from .files import RunFiles
@@ -49,19 +46,12 @@ pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f6f8fa;padding:6px 8
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
-# -- the page ------------------------------------------------------------------------------
-def load_chart_libraries() -> None:
-    """Import what ``render_report`` draws with (matplotlib, seconds), ahead of a render, with
-    matplotlib's folders as ``render_report`` sets them (``_import_charts``)."""
-    _import_charts()
-
-
 def render_report(run_dir) -> str:
     """The report of ``run_dir`` as one HTML document. Raises ReportError when the directory
     is not a run; anything a run of another version lacks, or a file that cannot be read as
     what it should hold, is named on the page instead."""
     files = RunFiles(run_dir)
-    charts = _import_charts()
+    charts = load_chart_libraries()
     run = files.json(artifacts.RUN.name, RunInfo, None) or RunInfo()
     summary = files.json(artifacts.SUMMARY.name, Summary,
                          "the final metrics, the cache counts and the per-worker throughput") or Summary()
@@ -93,12 +83,11 @@ def render_report(run_dir) -> str:
             f"<nav>{nav}</nav>{missing}{body}</main></body></html>\n")
 
 
-def _import_charts():
-    """charts.py, whose matplotlib is imported only now (see charts.py), with matplotlib's
-    config and cache folder (MPLCONFIGDIR) a temporary folder, removed once it is imported:
-    the font cache matplotlib writes while it is imported belongs to neither the user's
-    ~/.cache nor ~/.config (a report writes its page and nothing else), and no
-    matplotlibrc of the user's changes the charts."""
+def load_chart_libraries():
+    """charts.py, importing matplotlib (seconds) the first time; a process may call it ahead of
+    a render. MPLCONFIGDIR is a temporary folder meanwhile: the font cache matplotlib writes
+    stays out of the user's ~/.cache and ~/.config (a report writes its page and nothing else),
+    and no matplotlibrc of the user's changes the charts."""
     fonts = logging.getLogger("matplotlib.font_manager")  # "generated new fontManager" (INFO) on every report
     with tempfile.TemporaryDirectory(prefix="stageb-report-matplotlib-") as folder:
         before, level = os.environ.get("MPLCONFIGDIR"), fonts.level
@@ -124,9 +113,9 @@ def _split(splits: Splits | None, split: str) -> Metrics | None:
     return getattr(splits, split) if splits is not None else None
 
 
-def _metric(splits: Splits | None, split: str, key: str):
-    m = _split(splits, split)
-    return getattr(m, key) if m is not None else None
+def _change(base: Splits | None, final: Splits | None, split: str, key: str) -> str:
+    """A metric's baseline → final ("–" where one is not measured)."""
+    return " → ".join(num(getattr(_split(s, split), key, None)) for s in (base, final))
 
 
 def _chart_metrics(m: Metrics | None) -> dict | None:
@@ -143,12 +132,9 @@ def _search_sections(files: RunFiles, summary: Summary, charts) -> list:
     base, final = summary.baseline, summary.final
     overview = cards([("iterations", num(summary.iterations)), ("stop reason", esc(summary.stop_reason)),
                       ("edits accepted", num(given(summary.edits_accepted, len(benchmarks)))),
-                      ("train accuracy: baseline → final",
-                       f"{num(_metric(base, 'train', 'acc'))} → {num(_metric(final, 'train', 'acc'))}"),
-                      ("eval accuracy: baseline → final",
-                       f"{num(_metric(base, 'eval', 'acc'))} → {num(_metric(final, 'eval', 'acc'))}"),
-                      ("eval fp_rate: baseline → final",
-                       f"{num(_metric(base, 'eval', 'fp_rate'))} → {num(_metric(final, 'eval', 'fp_rate'))}")])
+                      ("train accuracy: baseline → final", _change(base, final, "train", "acc")),
+                      ("eval accuracy: baseline → final", _change(base, final, "eval", "acc")),
+                      ("eval fp_rate: baseline → final", _change(base, final, "eval", "fp_rate"))])
     out = [("overview", "Overview", overview + table(["", "baseline", "final"], [
         [split, _metric_line(_split(base, split)), _metric_line(_split(final, split))] for split in ("train", "eval")]))]
     points, accepted = _iteration_points(iterations, candidates, benchmarks, final)
@@ -211,9 +197,7 @@ def _signed(value) -> str:
 def _candidates(candidates: list[Candidate], charts) -> str:
     if not candidates:
         return "<p>No candidate was evaluated.</p>"
-    counts: dict[int, int] = {}
-    for c in candidates:
-        counts[c.iteration] = counts.get(c.iteration, 0) + 1
+    counts = Counter(c.iteration for c in candidates)
     seen: dict[int, int] = {}
     points = []
     for c in candidates:
@@ -238,14 +222,10 @@ def _section_of(doc: dict | None) -> GuidanceSection | None:
 
 
 def _guidance(files: RunFiles, benchmarks: list[Benchmark]) -> str:
-    states: dict[int, dict] = {}
-    for path in sorted((files.root / artifacts.SNAPSHOTS_DIR).glob(artifacts.SNAPSHOT_GLOB)):
-        snapshot = _section_of(files.json(f"{artifacts.SNAPSHOTS_DIR}/{path.name}", Guidance, None))
-        if snapshot is not None:
-            states[given(snapshot.step, -1)] = snapshot.experiences or {}
+    snapshots = [_section_of(files.json(f"{artifacts.SNAPSHOTS_DIR}/{path.name}", Guidance, None))
+                 for path in sorted((files.root / artifacts.SNAPSHOTS_DIR).glob(artifacts.SNAPSHOT_GLOB))]
     final = _section_of(files.json(artifacts.GUIDANCE.name, Guidance, "the final guidance"))
-    if final is not None:
-        states[given(final.step, -1)] = final.experiences or {}
+    states = {given(s.step, -1): s.experiences or {} for s in [*snapshots, final] if s is not None}
     parts = []
     for b in benchmarks:
         before, after = states.get(b.guidance_step_before), states.get(b.guidance_step_after)
@@ -291,9 +271,7 @@ def _proposer(files: RunFiles, iterations: list[Iteration] | None) -> str:
         parts.append(table(["it", "outcome", "finish", "prompt tok", "completion tok", "examples", "constrained",
                             "error", "answer"], rows))
     if failures:
-        by_stage: dict[str, int] = {}
-        for f in failures:
-            by_stage[given(f.stage, "?")] = by_stage.get(given(f.stage, "?"), 0) + 1
+        by_stage = Counter(given(f.stage, "?") for f in failures)
         file = os.path.basename(artifacts.PROPOSER_FAILURES.name)
         parts.append(f"<h3>Proposer failures and rejected proposals ({file})</h3>"
                      + table(["stage", "rows"], [[esc(k), num(v)] for k, v in sorted(by_stage.items())])

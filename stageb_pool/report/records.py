@@ -1,15 +1,10 @@
 """The report's read-side records: the shape of every file the page draws from.
 
 A row file's record is a lenient view of its row record (``artifacts.py``): every field may
-be absent, since a run of an earlier version lacks fields, but a field that is present must
-have its documented type, so that what a crafted or damaged file holds is found while it
-is decoded, with its file and line, and never later as a traceback. The few fields a row
-cannot do without (the iteration a candidate belongs to, the worker a timeline interval ran
-on) are required. The documents without a row record (``summary.json``, ``run.json``, the
-guidance, the headroom check, the timeline) have their records here, with what the page shows.
-
-Numbers are ``int | float``: a number is shown as the file holds it (``1`` and ``1.0`` are
-written differently), so the page of a real run keeps its bytes.
+be absent (a run of an earlier version lacks fields), but a present field must have its
+documented type, so a crafted or damaged file is found while it is decoded, with its file
+and line. The few fields a row cannot do without are required. Numbers are ``int | float``:
+shown as the file holds them (``1`` and ``1.0`` differ), so a real run's page keeps its bytes.
 """
 
 from __future__ import annotations

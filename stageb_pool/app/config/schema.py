@@ -1,13 +1,13 @@
 """The config schema: every key, type, range and default, as frozen msgspec Structs.
 
-These Struct definitions, with the sections they take from the layers that read them (the
-search's in search/settings.py, the sampler and the engines' settings in engine.records),
-are the single place where the config's keys are defined (docs/usage.md mirrors them; a
-test keeps the two in step). Every section is frozen: a
-loaded config is a value, resolved once by ``load_config`` (paths absolute, the seeds
-that default to the top-level seed filled in) and never changed afterwards. The helpers at
-the end walk the schema (the Struct a field holds, a field's type at a key path, every
-leaf key), for the key checks, ``--set`` and the docs test.
+These Struct definitions, with the sections they take from the code that reads them (the
+search's in search/settings.py, the sampler in engine.records, each engine's settings in its
+module), are the single place where the config's keys are defined (docs/usage.md mirrors
+them; a test keeps the two in step). Every section is frozen: a loaded config is a value,
+resolved once by ``load_config`` (paths absolute, the seeds that default to the top-level
+seed filled in) and never changed afterwards. The helpers at the end walk the schema (the
+Struct a field holds, a field's type at a key path, every leaf key), for the key checks,
+``--set`` and the docs test.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
-from ...engine.records import SamplerConfig, SimulatedSettings, VllmSettings
+from ...engine.records import SamplerConfig
+from ...engine.registry import ENGINES
+from ...engine.simulated_engine import SimulatedSettings
+from ...engine.vllm_engine import VllmSettings
 from ...pool.devices import MAX_THREADS_PER_WORKER
 from ...search.settings import BootstrapConfig, DistillConfig, EarlyStopConfig, GateConfig, RuleSearchConfig
 from ...stageb.config_types import TICKETS, TOKENS, Float, Int, NonEmptyStr, Section, Seed
@@ -42,7 +45,7 @@ class ModelConfig(Section, kw_only=True):
     trust_remote_code: bool = False  # passed to transformers when loading a checkpoint
     stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
     # the generation engine in each worker (vllm: bin/setup-vllm; simulated: a latency model for benchmarks, not a model)
-    engine: Literal["transformers", "vllm", "simulated"] = "transformers"
+    engine: Literal[tuple(ENGINES)] = next(iter(ENGINES))  # the names of engine/registry.py
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)  # the vllm engine's pinned settings
     gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker); the GPU count must be a multiple
     simulated: SimulatedSettings = msgspec.field(default_factory=SimulatedSettings)  # the simulated engine's latency model
