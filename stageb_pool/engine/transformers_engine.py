@@ -1,11 +1,7 @@
-"""The transformers generation engine (``model.engine: transformers``, the default).
-
-``TransformersEngine(model, tokenizer, device)`` wraps a loaded model
-(``build_transformers_engine`` loads one inside a worker). The methods the pool calls
-(``contract.Engine``) are ``model_engine.ModelEngine``'s, shared with the vLLM engine, as is
-the text around generation (``chat_text.ChatText``). This module has how transformers
-generates and scores: one seeded, batched ``generate`` per (decode, sample) over a chunk's
-tickets in chunk order, and two forward passes over a KV cache.
+"""The transformers engine (``model.engine: transformers``, the default): how transformers
+generates and scores under ``model_engine.ModelEngine``'s methods: one seeded, batched
+``generate`` per (decode, sample) over a chunk's tickets in chunk order, and two forward
+passes over a KV cache.
 """
 
 from __future__ import annotations
@@ -31,9 +27,6 @@ class ChunkOutOfMemory(RuntimeError):
 
 
 def build_transformers_engine(device: Device, model: ModelRef, config, preloaded=None) -> TransformersEngine:
-    """Load ``model`` on ``device`` as the config's model section ``config`` says and wrap it
-    (called in the worker; ``prepare_device`` first sets the thread count and the
-    deterministic switches)."""
     prepare_device(device)
     dtype = config.dtype or models.default_dtype(device.kind)
     attn = config.attn_implementation or models.default_attn_implementation(device.kind, dtype)
@@ -57,20 +50,13 @@ def prepare_device(device: Device) -> None:
         # TF32 pinned off, so a run does not depend on a default that differs between versions.
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.backends.cudnn.fp32_precision = "ieee"
-        # cuDNN's attention, which sdpa prefers for bfloat16 on Hopper, gave a sampled chunk
-        # 4 different results in 8 repeats on an H100 (torch 2.11); without it, 8 of 8 alike
-        # at the same speed (bench/cuda_check.py repeat, docs/performance.md).
+        # cuDNN's attention (sdpa's choice for bfloat16 on Hopper) did not repeat its results
+        # on an H100: docs/architecture.md, determinism point 4.
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class TransformersEngine(ModelEngine):
-    """A model and its tokenizer on one device, ready to generate (the methods the pool calls:
-    ``ModelEngine``).
-
-    ``stop``: stop strings (default: the tokenizer's eos plus ``<|im_end|>`` /
-    ``<|endoftext|>`` when they exist). ``model_path`` and ``model_name`` are provenance
-    for ``info()``.
-    """
+    """A model and its tokenizer on one device. ``stop``: ``model.stop`` (``chat_text.ChatText``)."""
 
     def __init__(self, model, tokenizer, device: Device, *, stop: list[str] | None = None,
                  model_path: str = "", model_name: str = ""):
@@ -85,8 +71,6 @@ class TransformersEngine(ModelEngine):
         self._grammars: Grammars | None = None
         # transformers 5.x renamed forward's past_key_values to cache (the old name warns).
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-    # ------------------------------------------------------------ set-up
 
     def _setup_tokens(self, stop) -> None:
         from transformers import GenerationConfig
@@ -104,8 +88,6 @@ class TransformersEngine(ModelEngine):
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.text.stop_ids or None)
 
     def info(self) -> dict:
-        """Provenance that bit-identical results depend on (recorded in run.json; the shared
-        part and its order: ``provenance.engine_info``)."""
         return provenance.engine_info(
             "transformers", self.device, dtype=self.dtype, model_path=self.model_path, model_name=self.model_name,
             stop=self.text.stop_strings, model_options={"attn_implementation": self.attn_implementation},
@@ -175,8 +157,7 @@ class TransformersEngine(ModelEngine):
         return out
 
     def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
-        """The proposer's prompt alone in one seeded generate, held to its JSON schema when it
-        has one."""
+        """The proposer's prompt alone in one seeded generate, held to its JSON schema if any."""
         with _located_oom(lambda: f"proposer chat {request.seed_key!r} ({len(row)} prompt tokens)"):
             ((out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key),
                                               json_schema=request.json_schema)
@@ -190,9 +171,8 @@ class TransformersEngine(ModelEngine):
 
     def _generate(self, batch: dict, decode: Decode, seed: int, *, regex: str | None = None,
                   json_schema: str | None = None) -> list[tuple[list[int], str]]:
-        """One seeded batched generate: ``(completion ids, finish reason)`` per row.
-        Completion ids run up to and including the stop token. ``regex`` or ``json_schema``
-        (JSON text) holds every row to that grammar (``constrained``)."""
+        """One seeded batched generate: ``(completion ids up to and including the stop, finish
+        reason)`` per row, each held to ``regex`` or ``json_schema`` if given (``constrained``)."""
         sampling = decode.temperature > 0
         options = dict(
             do_sample=sampling,
@@ -218,7 +198,6 @@ class TransformersEngine(ModelEngine):
             width = self.model.get_output_embeddings().weight.shape[0]
             self._grammars = Grammars(self.tokenizer, width)
         return self._grammars
-
 
 
 @contextlib.contextmanager
