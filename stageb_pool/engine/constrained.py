@@ -18,18 +18,16 @@ from ..stageb.text import regex_literal
 if TYPE_CHECKING:
     import torch
 
-# torch is imported where it is used, not here: the vLLM engine imports verdict_line_regex
-# from this module before its worker sets OMP_NUM_THREADS, which must precede torch's import
-# for the thread pinning (model.vllm.cpu_threads) to hold.
+# torch is imported where it is used: the vLLM engine imports this module before its worker
+# sets OMP_NUM_THREADS, which must precede torch's import (model.vllm.cpu_threads).
 
 VERDICT_LABEL = "Verdict: "
 REASON_LABEL = "Reason: "
 
 
 def verdict_line_regex(vocab) -> str:
-    """The two lines a constrained sample must produce, as a regex: the verdict line exactly,
-    then a one-line reason that does not start with white space (the parser strips it and
-    needs something left)."""
+    """The verdict line exactly, then a one-line reason that does not start with white space
+    (the parser strips it and needs something left), as a regex."""
     words = "|".join(regex_literal(w) for w in (vocab.pass_text, vocab.fail_text))
     return f"{regex_literal(VERDICT_LABEL)}({words})\\n{regex_literal(REASON_LABEL)}[^\\s]{_ONE_LINE}*"
 
@@ -39,8 +37,7 @@ _ONE_LINE = "[^\\n\\r\\x0b\\x0c\\x1c\\x1d\\x1e\\x85\\u2028\\u2029]"
 
 
 class Grammars:
-    """Per generate call, a logits processor holding each row to a regex or a JSON schema
-    (JSON text), compiled once per text. ``vocab_size``: the width of the model's logits."""
+    """Per generate call, a logits processor holding each row to a regex or a JSON schema."""
 
     def __init__(self, tokenizer, vocab_size: int):
         import llguidance

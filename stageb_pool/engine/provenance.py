@@ -13,8 +13,7 @@ from ..pool.devices import Device
 def engine_info(engine: str, device: Device, *, dtype: str | None, model_path: str, model_name: str,
                 stop: list[str], sharding: str, engine_version: str | None = None,
                 model_options: dict | None = None, engine_settings: dict | None = None) -> dict:
-    """``info()`` of a model engine. ``engine_version``: its own library's (vLLM's);
-    ``model_options``: how it was loaded; ``engine_settings``: its pinned settings."""
+    """``info()`` of a model engine; ``engine_version``: its own library's (vLLM's)."""
     import torch
     import transformers
 
@@ -46,9 +45,8 @@ def device_facts(device_kind: str) -> dict:
 
 
 def group_facts(device: Device, sharding: str) -> dict:
-    """How the model is spread over the worker's GPU group (``sharding``: the scheme's name):
-    part of the identity, since another group size may give other bits. Nothing for one GPU:
-    the identity (and the rollout cache key) of a one-GPU worker names no group."""
+    """How the model is spread over the worker's GPU group (another size, other bits); nothing
+    for one GPU, whose identity names no group."""
     if device.group_size == 1:
         return {}
     return {"gpus_per_worker": device.group_size, "sharding": sharding}

@@ -16,8 +16,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 4096
 
 
 class Decode(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One entry of a sampling grid (``temperature <= 0``: greedy). ``seed`` is mixed into
-    every generation seed of this decode (upstream's per-decode seed), never replaces them."""
+    """One entry of a sampling grid (``temperature <= 0``: greedy; ``seed``: ``contract.py``)."""
 
     temperature: float
     top_p: float = 1.0
@@ -97,9 +96,7 @@ class ChatRequest(msgspec.Struct, frozen=True):
 
 
 class ChatResult(msgspec.Struct, frozen=True):
-    """``text`` is None when the prompt does not fit ``max_prompt_tokens`` even with one
-    example; ``examples_used`` and ``prompt_tokens`` then describe that last try (1, or 0
-    for a request without examples)."""
+    """``text`` is None when even one example does not fit; the rest then describe that try."""
 
     text: str | None
     examples_used: int
@@ -118,9 +115,8 @@ class VerdictChunk(msgspec.Struct, frozen=True):
 
 
 class TicketVerdictProbability(msgspec.Struct, frozen=True):
-    """``p_pass``: the judge's probability of answering ``Verdict: <pass_text>`` rather than
-    ``Verdict: <fail_text>`` (rounded to ``P_PASS_DECIMALS``), or None when the ticket was
-    ``dropped`` (prompt over ``max_prompt_tokens``; never scored)."""
+    """``p_pass``: P(``Verdict: <pass_text>``) against ``<fail_text>``, rounded to
+    ``P_PASS_DECIMALS``; None when ``dropped``."""
 
     key: str
     prompt_tokens: int

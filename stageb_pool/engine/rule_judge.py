@@ -20,8 +20,7 @@ _RULE = re.compile(r"\bif (any|no) photo (?:shows|is) (?:(?:an?|the) )?([^,.]+?)
 
 
 class FailCondition(msgspec.Struct, frozen=True):
-    """A rule the judge obeys: fail when ``feature`` is present (``present=True``, "any photo
-    shows") or absent (``present=False``, "no photo shows") in a ticket's summaries."""
+    """Fail when ``feature`` is present ("any photo shows") or absent ("no photo shows")."""
 
     feature: str  # lower case
     present: bool
@@ -44,8 +43,7 @@ def shows(text: str, feature: str) -> bool:
 
 
 def judge(conditions: list[FailCondition], text: str) -> tuple[str, str]:
-    """``(verdict, why)`` of a ticket's ``text`` (``ticket_text``) under ``conditions``:
-    ``fail`` naming the first condition that holds (sorted), else ``pass``."""
+    """``(verdict, why)``: ``fail`` naming the first condition that holds, else ``pass``."""
     hits = [c for c in conditions if shows(text, c.feature) == c.present]
     if not hits:
         return "pass", "nothing wrong"
@@ -54,15 +52,13 @@ def judge(conditions: list[FailCondition], text: str) -> tuple[str, str]:
 
 
 def sample_verdict(verdict: str, noise: float, *seed_parts) -> str:
-    """``verdict``, flipped with probability ``noise`` by a draw seeded by ``seed_parts`` (the
-    sample's seed parts and the ticket key)."""
+    """``verdict``, flipped with probability ``noise`` by a draw seeded by ``seed_parts``."""
     if random.Random(stable_seed(*seed_parts)).random() < noise:
         return "pass" if verdict == "fail" else "fail"
     return verdict
 
 
 def answer_text(verdict: str, why: str, vocab=None) -> str:
-    """The two-line answer of the verdict protocol (``Verdict: ...`` / ``Reason: ...``), the
-    verdict in the prompt profile's words (``vocab``, a ``VerdictVocab``; None: pass/fail)."""
+    """The two-line answer, the verdict in ``vocab``'s words (a ``VerdictVocab``; None: pass/fail)."""
     word = verdict if vocab is None else (vocab.pass_text if verdict == "pass" else vocab.fail_text)
     return f"Verdict: {word}\nReason: {why}"

@@ -21,8 +21,7 @@ def decoder_layers(model) -> str:
 
 
 def layer_split_map(model, devices: list[str]) -> dict[str, str]:
-    """The device map of ``model`` over ``devices`` (torch device strings, in group order),
-    keyed by module name as transformers' ``device_map`` and accelerate take it."""
+    """The device map (module name -> torch device) of ``model`` over ``devices``, in order."""
     layers_name = decoder_layers(model)
     modules = dict(model.named_modules())
     count = len(modules[layers_name])

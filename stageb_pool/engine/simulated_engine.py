@@ -40,8 +40,7 @@ _WORD = re.compile(r"[a-z]{4,}")
 
 
 class SimulatedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """The latency model (``model.simulated``; formula and defaults: docs/performance.md).
-    None of these changes a result's bytes."""
+    """``model.simulated`` (docs/performance.md): none of these changes a result's bytes."""
 
     prefill_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 20_000.0  # prompt tokens read per second
     decode_step_s: Annotated[float, Meta(gt=0, le=3600)] = 0.009  # one decoding step of a small batch
@@ -52,8 +51,7 @@ class SimulatedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 
 def batch_seconds(settings: SimulatedSettings, prompt_tokens: list[int], new_tokens: int) -> float:
-    """Modelled seconds of one generate batch: its rows' prompts prefilled, then
-    ``new_tokens`` decoding steps."""
+    """Modelled seconds of one generate batch: its prompts prefilled, ``new_tokens`` steps."""
     rows = len(prompt_tokens)
     if rows == 0:
         return 0.0
@@ -107,8 +105,7 @@ class TokenCounter:
 
 
 def splits_exactly(fast) -> bool:
-    """Whether counting a text's lines apart gives its token count (``_LINE_BOUNDARY``): no
-    normaliser, GPT-2's byte-level pre-tokenizer, and no added token spanning a line break."""
+    """Whether ``_LINE_BOUNDARY`` holds: no normaliser, no added token across a line break."""
     from tokenizers import pre_tokenizers
 
     pre = fast.pre_tokenizer
@@ -135,8 +132,7 @@ def tokenizer_file(model: ModelRef) -> Path | None:
 
 
 def token_counter(model: ModelRef) -> TokenCounter:
-    """The counter of ``model``'s tokenizer, loaded cheaply: the bare ``tokenizers`` BPE where
-    there is one; only a .gguf file needs the transformers tokenizer."""
+    """The counter of ``model``'s tokenizer: the bare ``tokenizers`` BPE, but for a .gguf file."""
     from tokenizers import Tokenizer
 
     from . import models, tiny
@@ -246,8 +242,7 @@ class SimulatedEngine:
 
 
 def proposed_rules(examples: list[str], seed_key: str) -> str:
-    """The proposer's JSON answer: ``PROPOSED_RULES`` rules on the words that the fewest falsely
-    passed examples (``proposer.render_example`` blocks) share."""
+    """``PROPOSED_RULES`` rules on the words the fewest falsely passed examples share, as JSON."""
     wrongly_passed = [block for block in examples
                       if (m := _EXAMPLE.search(block)) and m.group(1) == "fail" and m.group(2) == "pass"]
     summaries = [" ".join(line for line in block.lower().splitlines() if line.startswith("  - "))
@@ -267,7 +262,6 @@ def proposed_rules(examples: list[str], seed_key: str) -> str:
 
 def build_simulated_engine(device: Device, model: ModelRef, config,
                            count: TokenCounter | None = None) -> SimulatedEngine:
-    """``model`` only chooses the tokenizer that counts the tokens (``count``: preloaded by the
-    parent; None: loaded here)."""
+    """``model`` only chooses the tokenizer that counts (``count``: preloaded, or None)."""
     return SimulatedEngine(device, count or token_counter(model), settings=config.simulated,
                            model_path=model.path)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-# torch and transformers are imported inside the functions that need them: the simulated
-# engine counts tokens with the bare BPE (``build_bpe``) in every worker, and importing
-# them would cost each worker seconds of CPU.
+# torch and transformers are imported inside the functions: the simulated engine counts
+# tokens with ``build_bpe`` in every worker, and importing them costs seconds of CPU.
 
 VOCAB_SIZE = 1024
 CORPUS = [
@@ -50,8 +49,7 @@ CHAT_TEMPLATE = (
 
 
 def build_bpe() -> Tokenizer:
-    """The bare byte-level BPE trained on ``CORPUS`` (deterministic for a fixed tokenizers
-    version), without the transformers wrapper."""
+    """The bare byte-level BPE trained on ``CORPUS`` (deterministic per tokenizers version)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -67,8 +65,7 @@ def build_bpe() -> Tokenizer:
 
 
 def build_tokenizer():
-    """``build_bpe`` as a transformers ``PreTrainedTokenizerFast``: ChatML chat template, left
-    padding, eos ``<|im_end|>``."""
+    """``build_bpe`` as a transformers tokenizer with a ChatML template."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(

@@ -22,8 +22,7 @@ from .records import ChatRequest, Decode, RolloutChunk, VerdictChunk
 
 
 class ChunkOutOfMemory(RuntimeError):
-    """A generate call ran out of device memory; the message names the work and its prompt
-    lengths, so the run's error says which tickets to cap or drop."""
+    """Out of device memory, naming the work and its prompt lengths (which tickets to cap)."""
 
 
 def build_transformers_engine(device: Device, model: ModelRef, config, preloaded=None) -> TransformersEngine:
@@ -40,8 +39,7 @@ def build_transformers_engine(device: Device, model: ModelRef, config, preloaded
 
 
 def prepare_device(device: Device) -> None:
-    """What must happen before the first torch op of a worker: its thread count (fork rule)
-    and, on a GPU, the deterministic settings that must precede the CUDA context."""
+    """Before a worker's first torch op: its thread count, and on a GPU the deterministic settings."""
     torch.set_num_threads(max(1, device.threads))
     if device.kind == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -95,8 +93,7 @@ class TransformersEngine(ModelEngine):
 
     def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
                 regex: str | None) -> list[Completion]:
-        """For every (decode, sample), one seeded, batched generate over the kept tickets in
-        chunk order (the chunk is the batch, whatever worker runs it)."""
+        """Per (decode, sample), one seeded generate whose batch is the chunk's kept tickets."""
         batch = self._pad([ids[i] for i in kept])
         completions = []
         for d, decode in enumerate(chunk.grid):
@@ -167,8 +164,7 @@ class TransformersEngine(ModelEngine):
 
     def _generate(self, batch: dict, decode: Decode, seed: int, *, regex: str | None = None,
                   json_schema: str | None = None) -> list[tuple[list[int], str]]:
-        """One seeded batched generate: ``(completion ids up to and including the stop, finish
-        reason)`` per row, each held to ``regex`` or ``json_schema`` if given (``constrained``)."""
+        """``(completion ids up to and including the stop, finish reason)`` per row."""
         sampling = decode.temperature > 0
         options = dict(
             do_sample=sampling,

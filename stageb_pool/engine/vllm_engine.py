@@ -32,8 +32,7 @@ AGREEMENT = (NAME,)  # vLLM's version: every worker must run the same one
 
 
 class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """The vLLM engine's settings that change bytes (the config's ``model.vllm``); all are
-    pinned, none is derived from the machine, and all are recorded in run.json."""
+    """``model.vllm``: settings that change bytes, pinned (never from the machine), in run.json."""
 
     kv_cache_gib: Annotated[float, Meta(gt=0, le=4096)] = 1.0  # KV cache per worker, fixed (never profiled from free memory)
     max_model_len: Annotated[int, Meta(ge=64, le=10_000_000)] = 8192  # longest prompt + completion of one request
@@ -149,8 +148,7 @@ class VllmEngine(ModelEngine):
 
     def _score_answers(self, chunk: VerdictChunk, ids: list[list[int]], kept: list[int],
                        answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
-        """One ``generate`` over a request per (kept ticket, answer), prompt + answer, asking for
-        its prompt tokens' log-probabilities (``prompt_logprobs=0``); the answer's are summed."""
+        """One request per (kept ticket, answer) asking for its prompt's log-probabilities."""
         from vllm import SamplingParams
 
         # One greedy token is generated and ignored: vLLM has no zero-token request. Prompt
@@ -221,8 +219,7 @@ class VllmEngine(ModelEngine):
 
 
 def _answer_logprob(prompt_logprobs, row: list[int], n: int) -> float:
-    """The summed log-probability of the last ``n`` tokens of ``row`` from vLLM's prompt
-    log-probs (one per position), added in token order as the transformers engine adds them."""
+    """The last ``n`` tokens' log-probabilities, summed in token order as transformers does."""
     if prompt_logprobs is None or len(prompt_logprobs) != len(row):
         raise RuntimeError(f"vLLM returned {len(prompt_logprobs or [])} prompt log-probs for {len(row)} tokens")
     total = 0.0
