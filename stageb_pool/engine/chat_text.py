@@ -186,9 +186,8 @@ class ChatText:
         return rollout_result(chunk, [len(row) for row in ids], kept, samples, started)
 
     def cut(self, row: list[int], pad_id: int) -> tuple[list[int], str]:
-        """A generated row up to and including its stop, and why it ended (``"stop"`` or
-        ``"length"``), for a generate that does not say so itself (transformers). A
-        stop-string finish pads the rest of the row; trailing pads are not output."""
+        """A transformers row up to and including its stop, and why it ended; after a stop
+        string the row is padded, and trailing pads are not output."""
         for n, token in enumerate(row):
             if token in self.stop_ids:
                 return row[: n + 1], "stop"

@@ -112,12 +112,10 @@ class TransformersEngine(ModelEngine):
             return self._answer_logprobs([ids[i] for i in kept], answers)
 
     def _answer_logprobs(self, prompts: list[list[int]], answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
-        """Per prompt, the summed log-probability of each answer's tokens after it.
-
-        Two forward passes: the left-padded prompts once (their KV cache kept), then every
-        (prompt, answer) row on top of its prompt's cache, so a long prompt is not computed
-        once per answer. Positions count real tokens only (what generate does), so a padded
-        row gets the positions it would have alone."""
+        """Per prompt, the summed log-probability of each answer's tokens after it, in two
+        forward passes: the left-padded prompts once (their KV cache kept), then every (prompt,
+        answer) row on that cache, so a long prompt is computed once. Positions count real
+        tokens only (as generate does): a padded row gets the positions it would have alone."""
         k = len(answers)
         batch = self._pad(prompts)
         mask = batch["attention_mask"]

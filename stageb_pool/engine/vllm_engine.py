@@ -148,7 +148,7 @@ class VllmEngine(ModelEngine):
 
     def _score_answers(self, chunk: VerdictChunk, ids: list[list[int]], kept: list[int],
                        answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
-        """One request per (kept ticket, answer) asking for its prompt's log-probabilities."""
+        """One request per (kept ticket, answer): prompt + answer, asking for their log-probabilities."""
         from vllm import SamplingParams
 
         # One greedy token is generated and ignored: vLLM has no zero-token request. Prompt
