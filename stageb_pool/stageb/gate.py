@@ -171,16 +171,11 @@ def evaluate_gate(base: Mapping, cand: Mapping, *, op: str, gate, iteration: int
     )
 
 
-def select_best(results: Sequence) -> int | None:
-    """Index of the passing result with the largest RER; the earliest wins ties; None if
-    nothing passed. Items are ``GateResult`` or ``(candidate, GateResult)`` pairs."""
-    best = None
-    best_rer = None
-    for index, item in enumerate(results):
-        result = item[1] if isinstance(item, tuple) else item
-        if result.passed and (best_rer is None or result.relative_error_reduction > best_rer):
-            best, best_rer = index, result.relative_error_reduction
-    return best
+def select_best(results: Sequence[GateResult]) -> int | None:
+    """Index of the passing result with the largest RER; the earliest wins ties (max() keeps
+    the first of equal values); None if nothing passed."""
+    passing = [index for index, result in enumerate(results) if result.passed]
+    return max(passing, key=lambda index: results[index].relative_error_reduction, default=None)
 
 
 def eval_veto(base_eval_acc: float | None, cand_eval_acc: float | None, max_acc_drop: float | None) -> tuple[bool, float | None]:

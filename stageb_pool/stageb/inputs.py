@@ -97,13 +97,6 @@ class _Duplicate:
         self.key = key
 
 
-def _object(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        out[key] = _Duplicate(key) if key in out else value
-    return out
-
-
 def nesting_exceeds(text: str, limit: int) -> int | None:
     """Position of the first JSON bracket nested deeper than ``limit`` (brackets inside
     strings skipped), None when the text stays within it. Cheap for ordinary text."""
@@ -171,9 +164,12 @@ def loads(text: str) -> object:
     seen_duplicate = []
 
     def hook(pairs):
-        obj = _object(pairs)
-        if len(obj) != len(pairs):
-            seen_duplicate.append(True)
+        obj: dict = {}
+        for key, value in pairs:
+            if key in obj:
+                seen_duplicate.append(True)
+                value = _Duplicate(key)
+            obj[key] = value
         return obj
 
     try:

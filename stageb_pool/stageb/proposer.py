@@ -14,7 +14,7 @@ from typing import Iterable, Mapping, Sequence
 
 import msgspec
 
-from .answer_json import extract_json, json_candidates  # noqa: F401 - the proposer's API: callers parse answers here
+from .answer_json import extract_json  # noqa: F401 - the proposer's API: callers parse answers here
 from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
 from .rule_text import copied_identifier, normalize_signature, text_problem
 from .text import CJK_CHAR
@@ -347,13 +347,7 @@ def ablation_candidates(guidance, *, rejected_ids: Iterable[str] = (), limit: in
         if not sig or cid in rejected:
             continue
         meta = metadata.get(key)
-        if meta is None:
-            confidence = 1.0
-        elif isinstance(meta, dict):
-            confidence = float(meta.get("confidence", 1.0))
-        else:
-            confidence = float(meta.confidence)
-        scored.append((confidence, key, sig, cid))
+        scored.append((1.0 if meta is None else meta.confidence, key, sig, cid))
     scored.sort(key=lambda item: (item[0], item[1]))
     return [
         Candidate(candidate_id=cid, op="remove", text=None, rationale="ablation_candidate", signature=sig,
