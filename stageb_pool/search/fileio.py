@@ -23,11 +23,6 @@ _encoder = msgspec.json.Encoder()
 TMP_SUFFIX = ".tmp"  # temporary files are ".<name>.<random>.tmp" next to their target
 
 
-def to_json(value, *, indent: int = 0) -> bytes:
-    data = _encoder.encode(value)
-    return msgspec.json.format(data, indent=indent) if indent else data
-
-
 class OutputError(OSError):
     """A file of the run could not be written: the OSError, with a message that names the
     file. What is on disk stays as it was (a torn append is cut back by ``--resume``)."""
@@ -98,7 +93,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def json_document(value) -> bytes:
     """The bytes ``write_json`` writes: pretty-printed (indent 2), a trailing newline."""
-    return to_json(value, indent=2) + b"\n"
+    return msgspec.json.format(_encoder.encode(value), indent=2) + b"\n"
 
 
 def write_json(path: str | os.PathLike, value) -> None:
@@ -106,7 +101,7 @@ def write_json(path: str | os.PathLike, value) -> None:
 
 
 def write_jsonl(path: str | os.PathLike, rows) -> None:
-    atomic_write_bytes(path, b"".join(to_json(r) + b"\n" for r in rows))
+    atomic_write_bytes(path, b"".join(_encoder.encode(r) + b"\n" for r in rows))
 
 
 def append_jsonl(path: str | os.PathLike, rows) -> None:
@@ -114,7 +109,7 @@ def append_jsonl(path: str | os.PathLike, rows) -> None:
     the file back to the last committed iteration. A link is made private first and the file
     is checked again once open (``O_NOFOLLOW``), so the append lands in this file only."""
     path = Path(path)
-    data = b"".join(to_json(r) + b"\n" for r in rows)
+    data = b"".join(_encoder.encode(r) + b"\n" for r in rows)
     with _located(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         make_private(path)
