@@ -252,7 +252,7 @@ def test_each_engine_module_has_its_builder():
 
 
 # --------------------------------------------------------------------------- one worker core
-# A worker's request handling (building the engine, the hello, Snapshot -> cache, Task ->
+# A worker's request handling (building the engine, the hello, Share -> cache, Task ->
 # Result or Failure) lives in one place, ``pool/worker_core.py``; its three hosts are I/O
 # loops around ``WorkerCore`` with no dispatch of their own. Read from the source.
 
@@ -261,7 +261,7 @@ POOL = PACKAGE / "pool"
 WORKER_HOSTS = {"worker.py": None, "ray_transport.py": "RayWorker", "inline.py": None}
 # The messages a worker receives or answers, and the typed calls behind them: a host naming
 # one of them handles requests itself.
-REQUEST_NAMES = {"Snapshot", "Task", "Shutdown", "Request", "Ready", "InitFailed", "Result", "Failure", "Calls",
+REQUEST_NAMES = {"Share", "Task", "Shutdown", "Request", "Ready", "InitFailed", "Result", "Failure", "Calls",
                  "decode_request"}
 FACTORY_NAMES = {"engine_factory", "factory"}
 
@@ -302,7 +302,7 @@ def test_the_worker_core_is_the_one_module_that_handles_requests():
     core = ast.parse((POOL / "worker_core.py").read_text(encoding="utf-8"))
     [match] = [node for node in ast.walk(core) if isinstance(node, ast.Match)]
     cases = {_name(case.pattern.cls) for case in match.cases if isinstance(case.pattern, ast.MatchClass)}
-    assert cases == {"Snapshot", "Task", "Shutdown"}
+    assert cases == {"Share", "Task", "Shutdown"}
     # elsewhere in the pool: nobody builds an engine, makes typed calls or matches on requests
     builders = {}
     for path in sorted(POOL.glob("*.py")):
@@ -311,16 +311,30 @@ def test_the_worker_core_is_the_one_module_that_handles_requests():
                 builders.setdefault(_name(node.func), set()).add(path.name)
             if isinstance(node, ast.Match):
                 builders.setdefault("match", set()).add(path.name)
-    assert builders == {"engine_factory": {"worker_core.py"}, "Calls": {"worker_core.py"}, "match": {"worker_core.py"}}
+    assert builders == {"engine_factory": {"worker_core.py"}, "Calls": {"worker_core.py"},
+                        "match": {"worker_core.py", "dispatch.py"}}
+
+
+def test_the_parent_matches_the_replies_once():
+    """The parent's side mirrors the worker's: a worker's reply is decoded as
+    ``protocol.Reply`` and matched in one place, the dispatcher's ``_on_reply``."""
+    dispatch = ast.parse((POOL / "dispatch.py").read_text(encoding="utf-8"))
+    [on_reply] = [n for n in ast.walk(dispatch) if isinstance(n, ast.FunctionDef) and n.name == "_on_reply"]
+    [match] = [node for node in ast.walk(on_reply) if isinstance(node, ast.Match)]
+    cases = set()
+    for case in match.cases:
+        for pattern in case.pattern.patterns if isinstance(case.pattern, ast.MatchOr) else [case.pattern]:
+            cases.add(_name(pattern.cls))
+    assert cases == {"Ready", "InitFailed", "Result", "Failure"}
 
 
 def test_the_worker_host_check_catches_a_host_with_a_dispatch_of_its_own():
     source = ("def serve(sock, engine_factory, device):\n"
               "    engine = engine_factory(device)\n"
               "    msg = protocol.recv(sock)\n"
-              "    if isinstance(msg, protocol.Snapshot):\n"
+              "    if isinstance(msg, protocol.Share):\n"
               "        pass\n")
-    assert request_handling(ast.parse(source)) == ["line 2: calls engine_factory()", "line 4: Snapshot"]
+    assert request_handling(ast.parse(source)) == ["line 2: calls engine_factory()", "line 4: Share"]
 
 
 def test_the_worker_side_engine_modules_never_check_a_model_path():

@@ -1,4 +1,4 @@
-"""The worker pool with real processes: order, dispatch, snapshots, faults, signals.
+"""The worker pool with real processes: order, dispatch, shared values, faults, signals.
 
 Every wait is on a condition with a deadline (a file appearing, a process vanishing);
 nothing sleeps to synchronise.
@@ -23,7 +23,7 @@ from doubles.pool_engines import Echoed, Engine, FailingEngine, touch, wait_for_
 from processes import gone, parent_pid
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout
-from stageb_pool.pool import RemoteTraceback, TaskCancelled, protocol
+from stageb_pool.pool import Fork, Inline, RemoteTraceback, TaskCancelled, protocol
 from stageb_pool.pool.protocol import FrameTooLarge, ProtocolError
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -125,7 +125,7 @@ def test_result_type_decodes_structs(pool3):
     assert out[0] == Echoed(item=1, shared={"guidance": {"G0": "x"}}, rank=out[0].rank)
 
 
-# -- snapshots ---------------------------------------------------------------------------
+# -- shared values ---------------------------------------------------------------------------
 def test_each_snapshot_is_sent_once_per_worker():
     a, b = {"G0": "rule a", "G1": "x"}, {"G0": "rule b"}
     with Pool(Engine, "cpu:2") as pool:
@@ -134,14 +134,13 @@ def test_each_snapshot_is_sent_once_per_worker():
         tasks += [pool.submit("echo", i, rank=i % 2, guidance=dict(a)) for i in range(10)]  # equal value
         out = pool.gather(tasks)
         assert [o["shared"]["guidance"] for o in out] == [a] * 10 + [b] * 10 + [a] * 10
-        assert pool.stats.frames_sent["Snapshot"] == 4  # {a, b} x 2 workers
-        assert pool.stats.snapshot_sends == 4
-        assert pool.stats.frames_sent["Task"] == 30
+        assert pool.stats.shared_sends == 4  # {a, b} x 2 workers
+        assert pool.stats.tasks_sent == 30
 
 
 def test_a_value_shared_once_is_the_same_snapshot_as_the_value_itself(monkeypatch):
     """``pool.share`` encodes a value once for many submits (a rollout's chunks): the workers
-    get the same value and the same snapshot as when each submit passes the value."""
+    get the same value and the same shared value as when each submit passes the value."""
     a = {"G0": "rule a", "G1": "x"}
     with Pool(Engine, "cpu:2") as pool:
         shared = pool.share(a)
@@ -151,18 +150,18 @@ def test_a_value_shared_once_is_the_same_snapshot_as_the_value_itself(monkeypatc
         tasks += [pool.submit("echo", i, rank=i % 2, guidance=dict(a)) for i in range(10)]
         out = pool.gather(tasks)
         assert [o["shared"]["guidance"] for o in out] == [a] * 20
-        assert pool.stats.snapshot_sends == 2  # one snapshot: {a} x 2 workers
+        assert pool.stats.shared_sends == 2  # one shared value: {a} x 2 workers
         assert encoded.count(a) == 10  # encoded by the 10 submits that pass the value, never by the others
 
 
 def test_snapshot_cache_evicts_and_resends():
-    from stageb_pool.pool.snapshots import SNAPSHOT_CACHE_SIZE
+    from stageb_pool.pool.shared import SHARED_CACHE_SIZE
 
-    values = [{"v": i} for i in range(SNAPSHOT_CACHE_SIZE + 2)]
+    values = [{"v": i} for i in range(SHARED_CACHE_SIZE + 2)]
     with Pool(Engine, "cpu:1") as pool:
         for v in values + values[:1]:  # the first value was evicted: sent again
             assert pool.call(0, "echo", 0, g=v)["shared"] == {"g": v}
-        assert pool.stats.snapshot_sends == len(values) + 1
+        assert pool.stats.shared_sends == len(values) + 1
 
 
 # -- faults ------------------------------------------------------------------------------
@@ -213,7 +212,7 @@ def test_engine_init_failure_raises_from_the_constructor():
         Pool(FailingEngine, "cpu:2")
     assert "in __init__" in info.value.remote_traceback
     with pytest.raises(WorkerError, match="RuntimeError: no model for cpu:0"):
-        Pool(FailingEngine, "cpu:2", inline=True)
+        Pool(FailingEngine, "cpu:2", backend=Inline())
 
 
 def test_kill_9_mid_task_raises_worker_died_within_a_second(tmp_path):
@@ -337,9 +336,9 @@ def test_restart_and_retry_give_identical_results(tmp_path, how):
 @pytest.mark.parametrize("inline", [False, True])
 def test_a_task_may_share_more_values_than_the_snapshot_cache_holds(inline):
     shared = {f"v{i}": i for i in range(12)}
-    with Pool(Engine, "cpu:1", inline=inline) as pool:
+    with Pool(Engine, "cpu:1", backend=Inline() if inline else Fork()) as pool:
         assert pool.map("sum_shared", [0, 100], **shared) == [66, 166]
-        assert pool.call(0, "sum_shared", 1, a=1) == 2  # older snapshots can be evicted again
+        assert pool.call(0, "sum_shared", 1, a=1) == 2  # older shared values can be evicted again
 
 
 def test_restart_budget_is_pool_wide():
@@ -400,7 +399,7 @@ def test_protocol_version_mismatch_is_a_clear_error():
 # -- the timeline of the pool's work -------------------------------------------------------
 @pytest.mark.parametrize("inline", [False, True], ids=["forked", "inline"])
 def test_each_task_is_recorded_with_its_interval_and_label(inline):
-    with Pool(Engine, "cpu:1" if inline else "cpu:2", inline=inline) as pool:
+    with Pool(Engine, "cpu:1" if inline else "cpu:2", backend=Inline() if inline else Fork()) as pool:
         submitted = time.monotonic()
         tasks = [pool.submit("jitter_square", i, label=f"chunk{i}") for i in range(6)]
         tasks.append(pool.submit("echo", None))  # no label
@@ -425,6 +424,28 @@ def test_a_label_is_a_string_or_none(pool3):
         pool3.submit("square", 1, label=3)
 
 
+def test_the_backend_is_one_value_and_a_name_is_refused():
+    """``backend`` is ``Fork()``, ``Inline()`` or ``Ray(...)``: a string (the old keyword's
+    spelling) or a bad Ray bound is a ValueError before anything starts."""
+    with pytest.raises(ValueError, match=r"backend must be Fork\(\), Inline\(\) or Ray\(address\), got 'ray'"):
+        Pool(Engine, "cpu:1", backend="ray")
+    from stageb_pool.pool import Ray
+
+    with pytest.raises(ValueError, match="connect_timeout must be more than 0"):
+        Pool(Engine, "1", backend=Ray("local", connect_timeout=0))
+    with Pool(Engine, "cpu:3", backend=Inline()) as pool:  # one device: the spec's first
+        assert pool.size == 1 and [d.name for d in pool.devices] == ["cpu:0"]
+
+
+def test_call_in_child_answers_with_one_frame_and_none_when_the_child_dies():
+    """The one-shot fork helper (the prompt check's) answers as a worker does: one protocol
+    frame over a socketpair, decoded as the caller's type; a child that dies says nothing."""
+    from stageb_pool.pool.fork import call_in_child
+
+    assert call_in_child(lambda: {"pid": os.getpid()}, dict[str, int])["pid"] != os.getpid()
+    assert call_in_child(lambda: os._exit(3), dict) is None
+
+
 # -- inline mode -----------------------------------------------------------------------------
 def test_inline_mode_gives_the_same_results_as_workers():
     items = [1, "two", {"three": [3.5, None]}, [True]]
@@ -432,7 +453,7 @@ def test_inline_mode_gives_the_same_results_as_workers():
     with Pool(Engine, "cpu:1") as forked:
         expected = forked.map("echo", items, result_type=Echoed, **shared)
         expected_plain = forked.map("echo", items, **shared)
-    with Pool(Engine, "cpu:1", inline=True) as inline:
+    with Pool(Engine, "cpu:1", backend=Inline()) as inline:
         assert inline.pids == [os.getpid()]
         assert inline.map("echo", items, result_type=Echoed, **shared) == expected
         assert inline.map("echo", items, **shared) == expected_plain
@@ -570,7 +591,8 @@ def test_the_fork_backend_never_imports_ray_and_works_without_it():
         "import sys; sys.path.insert(0, %r); sys.modules['ray'] = None  # as if not installed\n"
         "from doubles.pool_engines import Engine\nfrom stageb_pool import Pool, PoolError\n"
         "with Pool(Engine, 'cpu:1') as pool:\n    assert pool.map('square', [3]) == [9]\n"
-        "try:\n    Pool(Engine, '2', backend='ray')\nexcept PoolError as e:\n    print(e)\n" % TESTS
+        "from stageb_pool.pool import Ray\n"
+        "try:\n    Pool(Engine, '2', backend=Ray())\nexcept PoolError as e:\n    print(e)\n" % TESTS
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -21,7 +21,7 @@ import msgspec
 
 from ..engine.model_path import ModelRef
 from ..engine.records import EngineSettings
-from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Pool
+from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Inline, Pool, Ray
 from ..report import TIMELINE_FILE
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
@@ -79,32 +79,30 @@ def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, ove
     test seam) replaces the model engine, and then the prompts are not measured with the
     model's tokenizer beforehand; ``config_path`` (the config file) is one of the inputs no
     output may overwrite."""
-    plan = plan_run(config, audit=audit, config_path=config_path, devices=DeviceRequest(gpus, ray_address=ray_address),
+    plan = plan_run(config, audit=audit, config_path=config_path,
+                    devices=DeviceRequest(gpus, ray_address=ray_address, debug=debug),
                     check_prompts=engine_factory is None)  # the model's own tokenizer renders the prompts
-    return run_plan(plan, resume=resume, overwrite=overwrite, debug=debug, wait=wait, engine_factory=engine_factory,
+    return run_plan(plan, resume=resume, overwrite=overwrite, wait=wait, engine_factory=engine_factory,
                     argv=argv, report_jobs=report_jobs)
 
 
-def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, debug: bool = False,
-             wait: bool | float = False, engine_factory=None, argv: list[str] | None = None,
-             report_jobs: list | None = None) -> int:
+def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, wait: bool | float = False,
+             engine_factory=None, argv: list[str] | None = None, report_jobs: list | None = None) -> int:
     """Run the audit or rule search of ``plan``; return 0 on success. Exceptions propagate (the
     CLI maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
 
-    ``debug`` runs one worker (the plan's first device) inline. ``engine_factory`` (a test
-    seam) replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv).
-    With the plan's ``ray_address`` (``--ray``) the workers are Ray actors on that cluster; the
-    parent still writes every artifact here, and the placement may take
-    ``pool.start_timeout``. Another process holding the run directory is an InputError naming
-    its pid, or, with ``wait`` (``--wait [SECONDS]``: True or a bound in seconds), waited for
-    (``rundir_lock.acquire``). report.html is rendered by a child process while the pool
-    closes, and waited for before this returns; with ``report_jobs`` (a list) its ``ReportJob``
-    is appended there instead, for the caller to ``wait`` (a benchmark that times the run and
-    the report apart)."""
+    The workers run where the plan's backend says (``Inline``: ``--debug``; ``Ray``: ``--ray``,
+    the parent still writing every artifact here). ``engine_factory`` (a test seam) replaces
+    the model engine; ``argv`` is recorded in run.json (default: sys.argv). Another process
+    holding the run directory is an InputError naming its pid, or, with ``wait`` (``--wait
+    [SECONDS]``: True or a bound in seconds), waited for (``rundir_lock.acquire``). report.html
+    is rendered by a child process while the pool closes, and waited for before this returns;
+    with ``report_jobs`` (a list) its ``ReportJob`` is appended there instead, for the caller to
+    ``wait`` (a benchmark that times the run and the report apart)."""
     started = time.monotonic()
     started_at = rundir.utc_now()
     config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
-    devices = plan.devices[:1] if debug else plan.devices
+    devices, debug = plan.devices, isinstance(plan.backend, Inline)
     identity = plan.identity() if config.mode == "search" else None
     store = GuidanceStore(run_dir, inputs.mission, config.guidance.retention)
     run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
@@ -130,8 +128,8 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, de
     prepared = _Prepared(devices, store, identity, first_run_json, seed_guidance, run_json, prov, started)
     lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
     try:
-        return _run_locked(plan, prepared, resume=resume, overwrite=overwrite, debug=debug,
-                           engine_factory=engine_factory, report_jobs=report_jobs)
+        return _run_locked(plan, prepared, resume=resume, overwrite=overwrite, engine_factory=engine_factory,
+                           report_jobs=report_jobs)
     finally:
         lock.release()
 
@@ -151,10 +149,10 @@ class _Prepared(NamedTuple):
     started: float
 
 
-def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: bool, debug: bool,
-                engine_factory, report_jobs: list | None = None) -> int:
+def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: bool, engine_factory,
+                report_jobs: list | None = None) -> int:
     """``run_plan`` from the moment it owns the run directory."""
-    config, inputs, run_dir, ray_address = plan.config, plan.inputs, plan.run_dir, plan.ray_address
+    config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
     devices, store, identity, first_run_json, seed_guidance, run_json, prov, started = prepared
     start = rundir.start_run_dir(run_dir, overwrite=overwrite, resume=resume)
     try:
@@ -176,22 +174,17 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
     start.commit()  # the new run has started: the replaced one may go
 
     factory = engine_factory or engine_factory_for(config.model, inputs.model)
-    ray = ray_address is not None and not debug
+    ray = isinstance(plan.backend, Ray)
     # The report's process, forked while this one is clean: it loads matplotlib during the run.
     report = ReportJob()
     try:
-        pool = Pool(
-            factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
-            max_restarts=config.pool.max_restarts, stall_warning=config.pool.stall_warning, inline=debug,
-            backend="ray" if ray else "fork", ray_address=ray_address or "auto",
-            placement_timeout=config.pool.start_timeout, connect_timeout=config.pool.connect_timeout,
-            engine_agreement=engine_agreement(ray),
-        )
+        pool = Pool(factory, devices, backend=plan.backend, task_timeout=config.pool.task_timeout,
+                    start_timeout=config.pool.start_timeout, max_restarts=config.pool.max_restarts,
+                    stall_warning=config.pool.stall_warning, engine_agreement=engine_agreement(ray))
     except BaseException:
         report.cancel()
         raise
     try:
-        run_json["devices"] = devices = pool.devices  # under Ray: the threads its plan gave each worker
         progress = Progress(log=log, stats_fn=pool_items_per_rank(pool))
         info = pool.worker_info[0] if pool.worker_info else {}
         runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
