@@ -11,7 +11,6 @@ ends: one process owns a run directory at a time.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from pathlib import Path
@@ -19,20 +18,18 @@ from typing import NamedTuple
 
 import msgspec
 
-from ..engine.model_path import ModelRef
-from ..engine.records import EngineSettings
-from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Inline, Pool, Ray
-from ..report import TIMELINE_FILE
+from .. import artifacts
+from ..engine.registry import engine_agreement, engine_factory_for
+from ..pool import Device, Inline, Pool, Ray
 from ..search import rundir, rundir_lock
 from ..search import state as state_mod
 from ..search.audit import AuditSettings, run_audit
 from ..search.fileio import atomic_write_bytes, file_mode, normalise_modes, write_json, write_jsonl
-from ..search.guidance_store import GUIDANCE_FILE, GuidanceStore
+from ..search.guidance_store import GuidanceStore
 from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
 from ..search.rule_search import run_search
 from ..search.settings import RunIdentity, SearchSettings
-from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
 from ..stageb.ticket_pools import split_eval_pool
 from .outputs import check_distillation_target
@@ -41,33 +38,6 @@ from .report_process import ReportJob
 from .plan import DeviceRequest, RunInputs, RunPlan, plan_run
 
 log = logging.getLogger("stageb_pool")
-
-
-def engine_factory_for(model_config, model: ModelRef):
-    """The factory each worker calls after fork: the engine of ``model`` (checked in the parent,
-    sent as it is) built as the config's model section says. It imports the engine (torch,
-    transformers) inside the worker: the parent never imports torch. What every worker would
-    load alike and the parent can load safely (the simulated engine's tokenizer) is loaded
-    here, once, before the fork (``build.preload``), and inherited."""
-    from ..engine.build import preload
-
-    settings = engine_settings(model_config)
-    preloaded = preload(model, settings)
-
-    def build(device: Device):
-        from ..engine.build import build_engine
-
-        return build_engine(device, model, settings, preloaded)
-
-    return build
-
-
-def engine_settings(model_config) -> EngineSettings:
-    """The config's model section as a worker's ``EngineSettings``: every key but ``path``
-    (the plan's ModelRef) and ``gpus_per_worker`` (the workers' devices)."""
-    fields = msgspec.structs.asdict(model_config)
-    del fields["path"], fields["gpus_per_worker"]
-    return EngineSettings(**fields)
 
 
 def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
@@ -112,8 +82,8 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, wa
     # Every document of the start is encoded before the run directory exists: a value that
     # cannot be written is a located error that leaves nothing behind.
     first_run_json = rundir.encoded(rundir.run_json_document(
-        workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov), **run_json), rundir.RUN_JSON)
-    seed_guidance = rundir.encoded(store.document(inputs.seed_guidance), GUIDANCE_FILE)
+        workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov), **run_json), artifacts.RUN.name)
+    seed_guidance = rundir.encoded(store.document(inputs.seed_guidance), artifacts.GUIDANCE.name)
     rundir.check_preparable(run_dir, overwrite=overwrite, resume=resume)  # refused: no lock file is made
     check_distillation_target(config, run_dir, overwrite=overwrite, resume=resume)
     if resume:  # read-only checks, before the lock file is written; the search checks the state again
@@ -165,7 +135,7 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
                          "wrote whole files 0600)", len(changed), file_mode())
         # run.json first: it marks the directory as a stageb-pool run even if the start fails
         # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
-        atomic_write_bytes(run_dir / rundir.RUN_JSON, first_run_json)
+        atomic_write_bytes(run_dir / artifacts.RUN.name, first_run_json)
         if not (resume and store.exists()):
             atomic_write_bytes(store.path, seed_guidance)
     except BaseException:
@@ -190,7 +160,7 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
         runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
                                progress=progress, save_rollouts=config.output.save_rollouts,
                                engine_key=content_hash(msgspec.to_builtins(info, enc_hook=str)))
-        write_json(run_dir / rundir.RUN_JSON, rundir.run_json_document(
+        write_json(run_dir / artifacts.RUN.name, rundir.run_json_document(
             workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov), **run_json))
         log.info("%s run of %d tickets (mission %s) on %d worker(s) -> %s",
                  config.mode, len(inputs.tickets), inputs.mission, pool.size, run_dir)
@@ -218,7 +188,7 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
                                  speculate=config.runner.speculate)
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
-        write_jsonl(run_dir / TIMELINE_FILE, timeline_rows(pool))
+        write_jsonl(run_dir / artifacts.TIMELINE.name, timeline_rows(pool))
     except BaseException:
         report.cancel()
         close_after_failure(pool)
@@ -268,21 +238,6 @@ def audit_settings(config, inputs: RunInputs) -> AuditSettings:
                          distill=config.stage_b_distillation)
 
 
-ENGINE_IDENTITY = ("engine", "vllm", "torch", "transformers")  # must agree across workers
-
-
-def engine_agreement(ray: bool) -> EngineAgreement:
-    """What the pool does when the workers report different engines. Byte-identical results
-    need every worker on the same software, device model and dtype (docs/architecture.md).
-    Under Ray, whose nodes may differ, any difference is refused (the pool's own rule). On one
-    machine another engine or version is refused as an input error located at --gpus, and
-    any other difference (a machine that mixes GPU models) is a warning: run.json records
-    rank 0's facts, so say loudly if the others differ."""
-    if ray:
-        return REFUSE_ANY_DIFFERENCE
-    return EngineAgreement(refuse=ENGINE_IDENTITY, warn=log, error=functools.partial(InputError, location="--gpus"))
-
-
 def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> dict:
     """Add the volatile ``timing`` and ``workers`` objects and write ``summary.json``."""
     summary = dict(summary)
@@ -291,7 +246,7 @@ def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> di
     timing.setdefault("rollout_s", round(runner.rollout_seconds, 3))
     summary["timing"] = timing
     summary["workers"] = worker_throughput(pool, runner.tickets_by_rank)
-    path = Path(run_dir) / rundir.SUMMARY_JSON
+    path = Path(run_dir) / artifacts.SUMMARY.name
     write_json(path, summary)
     log.info("summary written to %s", path)
     return summary

@@ -9,7 +9,8 @@ import signal
 from pathlib import Path
 
 from ..pool.fork import fork_child
-from ..report import REPORT_FILE, load_chart_libraries, render_report
+from ..artifacts import REPORT
+from ..report import load_chart_libraries, render_report
 from ..search.fileio import atomic_write_bytes
 
 log = logging.getLogger("stageb_pool")
@@ -18,7 +19,7 @@ log = logging.getLogger("stageb_pool")
 def render_report_file(run_dir) -> str | None:
     """Write ``report.html`` (as ``stageb-pool report``); None, or the failure as ``Type: message``."""
     try:
-        atomic_write_bytes(Path(run_dir) / REPORT_FILE, render_report(run_dir).encode("utf-8"))
+        atomic_write_bytes(Path(run_dir) / REPORT.name, render_report(run_dir).encode("utf-8"))
     except Exception as err:  # noqa: BLE001 - the run's results are written; the page is a view of them
         return f"{type(err).__name__}: {err}"
     return None
@@ -89,5 +90,5 @@ class ReportJob:
             log.warning("report.html was not written (%s); rebuild it with: stageb-pool report %s", error,
                         self.run_dir)
             return False
-        log.info("report written to %s", Path(self.run_dir) / REPORT_FILE)
+        log.info("report written to %s", Path(self.run_dir) / REPORT.name)
         return True

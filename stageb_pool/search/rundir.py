@@ -28,24 +28,12 @@ from pathlib import Path
 import msgspec
 
 from .. import __version__
+from ..artifacts import RUN, RUN_FOLDERS, rollouts_name
 from ..stageb.errors import InputError
 from ..stageb.inputs import first_lone_surrogate
 from .fileio import TMP_SUFFIX, json_document, remove
 from .run_format import FORMAT_VERSION
 
-RUN_JSON = "run.json"
-SUMMARY_JSON = "summary.json"
-ROLLOUTS_DIR = "rollouts"
-# The rule search's append-only artifacts (the audit writes HARD_CASES too).
-CANDIDATES = "rule_candidates.jsonl"
-BENCHMARKS = "benchmarks.jsonl"
-HARD_CASES = "rule_search_hard_cases.jsonl"
-REGRESSIONS = "rule_search_candidate_regressions.jsonl"
-PROPOSER_FAILURES = "reflection_cache/rule_search_proposer_failures.jsonl"
-PROPOSER_ANSWERS = "reflection_cache/proposer_answers.jsonl"
-ITERATIONS = "rule_search_iterations.jsonl"
-# The folders a run writes into; each must be a real folder inside the run (check_folders).
-RUN_FOLDERS = ("snapshots", ROLLOUTS_DIR, "reflection_cache")
 REPLACED = ".replaced-"  # the old run of an --overwrite, until the new one has started
 
 log = logging.getLogger("stageb_pool")
@@ -269,9 +257,9 @@ def _check(path: Path, *, overwrite: bool, resume: bool) -> None:
                 "the run directory already exists: pass --overwrite to replace it or --resume to continue it",
                 str(path),
             )
-        if any(path.iterdir()) and not (path / RUN_JSON).exists():
+        if any(path.iterdir()) and not (path / RUN.name).exists():
             raise InputError(
-                f"refusing to --overwrite a non-empty directory without {RUN_JSON}: it does not look like a stageb-pool run",
+                f"refusing to --overwrite a non-empty directory without {RUN.name}: it does not look like a stageb-pool run",
                 str(path),
             )
 
@@ -370,11 +358,6 @@ def encoded(doc, name: str) -> bytes:
                          "whose bytes are not UTF-8)", name) from None
 
 
-def artifact(run_dir: str | Path, name: str) -> Path:
-    """Path of an artifact file in the run directory."""
-    return Path(run_dir) / name
-
-
 def rollouts_path(run_dir: str | Path, rollout_id: str) -> Path:
-    """``rollouts/<rollout_id>.jsonl``; ``/`` in ids such as ``train/it3/cand2`` become ``-``."""
-    return Path(run_dir) / ROLLOUTS_DIR / (rollout_id.replace("/", "-") + ".jsonl")
+    """``rollouts/<rollout_id>.jsonl`` (``artifacts.rollouts_name``) in the run directory."""
+    return Path(run_dir) / rollouts_name(rollout_id)

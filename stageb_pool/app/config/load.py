@@ -14,7 +14,7 @@ import stat
 
 import msgspec
 
-from ...engine import model_path
+from ...engine import models
 from ...stageb.errors import InputError
 from ..upstream_config import Translation, is_upstream, translate, under
 from .checks import validate
@@ -69,7 +69,7 @@ def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = Tr
 
 def load_checked_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True,
                         upstream_root: str | None = None,
-                        announce: bool = True) -> tuple[Config, model_path.ModelRef | None]:
+                        announce: bool = True) -> tuple[Config, models.ModelRef | None]:
     """``load_config``, and the model path its file checks checked (None without them): a run
     plan checks it once."""
     where, raw, translation = read_config(path, upstream_root=upstream_root)
@@ -194,7 +194,7 @@ def input_files(cfg: Config) -> list[tuple[str, str]]:
     return found
 
 
-def _check_files(cfg: Config, where: str) -> model_path.ModelRef:
+def _check_files(cfg: Config, where: str) -> models.ModelRef:
     """Input files must be regular files (a FIFO would block the run forever); the model path
     is checked into the ModelRef the run loads."""
     for key, path in input_files(cfg):
@@ -204,7 +204,7 @@ def _check_files(cfg: Config, where: str) -> model_path.ModelRef:
     if os.path.isabs(cfg.prompt.profile) and not os.path.isdir(cfg.prompt.profile):
         raise InputError(f"prompt profile directory not found: {cfg.prompt.profile}", f"{where}: prompt.profile")
     try:
-        return model_path.check_model_path(cfg.model.path)
+        return models.check_model_path(cfg.model.path)
     except InputError as err:
         raise InputError(f"{err.message}: {cfg.model.path}", f"{where}: model.path") from None
 
