@@ -1,8 +1,6 @@
-"""Mission guidance (upstream 1.3): the rule list in the prompt, its edits and its files.
-
-File format: ``{<mission>: {"step", "updated_at", "experiences", "metadata"}}``. ``G0`` is
-the mission checklist (never removable), ``S*`` are read-only structural invariants, ``G1+``
-the learnable rules. Edits are pure: ``apply_operation`` returns a new Guidance.
+"""Mission guidance (upstream 1.3; docs/formats.md section 2): the rule list in the prompt,
+its pure edits and its files. ``G0`` is the mission checklist (never removable), ``S*`` are
+read-only, ``G1+`` the learnable rules.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ class ExperienceMeta(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Guidance(msgspec.Struct, dict=True):
-    """One guidance value, treated as immutable so that its hash is computed once
-    (``dict=True``: the ``__dict__`` a cached property needs; encoding sees the fields only)."""
+    """Treated as immutable so its hash is computed once (``dict=True`` for the cached property)."""
 
     step: int
     updated_at: str
@@ -151,7 +148,6 @@ def parse_section(raw, where: str) -> Guidance:
 
 
 def read_guidance_file(path: str | Path) -> dict:
-    """The whole file, strictly decoded (``inputs.load_json_file``)."""
     data = inputs.load_json_file(path, "guidance file")
     if not isinstance(data, dict):
         raise InputError("must be a JSON object keyed by mission", str(path))
@@ -169,9 +165,8 @@ def load_guidance(path: str | Path, mission: str) -> Guidance:
 # --------------------------------------------------------------------------- edits
 
 def rule_text_key(text: str) -> str:
-    """The form two rule texts are compared in (upstream's duplicate lookup): spaces
-    normalised, stripped, trailing 。/. removed. Only for comparisons: a rule is stored and
-    prompted as given, outer whitespace stripped."""
+    """The form two rule texts are compared in (upstream's duplicate lookup); a rule is
+    stored and prompted as given."""
     return normalize_spaces(text).strip().rstrip("。.")
 
 
@@ -194,8 +189,7 @@ def _dedupe(items: list[str]) -> list[str]:
 
 
 def _folded_meta(g: Guidance, keys: list[str], op: Operation, now: str, reflection_id: str) -> ExperienceMeta:
-    """Metadata of a key written by ``op`` (upstream 1.3): the key's and every merged key's
-    hits and misses folded, one hit for this write; without a new rationale, the first old one."""
+    """The written and merged keys' hits and misses folded plus one hit (upstream 1.3)."""
     old = [g.metadata[k] for k in keys if k in g.metadata]
     hits = sum(m.hit_count for m in old) + 1
     misses = sum(m.miss_count for m in old)
@@ -232,9 +226,8 @@ def _resolve_target(g: Guidance, op: Operation, text: str) -> str:
 
 
 def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str) -> Guidance:
-    """The guidance after ``op`` (pure: nothing is written). Writing a text an existing rule
-    already holds (by ``rule_text_key``) rewrites that rule and folds its metadata, as
-    upstream. Raises GuidanceError when the operation cannot apply."""
+    """The guidance after ``op``; a text an existing rule holds rewrites that rule, as upstream.
+    Raises GuidanceError when the operation cannot apply."""
     if op.op not in OPERATIONS:
         raise GuidanceError(f"unknown operation {op.op!r} (expected {', '.join(OPERATIONS)})")
     experiences = dict(g.experiences)

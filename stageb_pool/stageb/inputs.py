@@ -1,11 +1,7 @@
-"""Reading the user's input files (tickets, exclusion list, guidance, prompt profiles): the
-checks every one of them gets, in one place.
-
-Only regular files (a FIFO would block the run forever); UTF-8, a byte-order mark accepted;
-JSON and YAML decoded strictly: a key given twice, nesting deeper than ``MAX_DEPTH``, an
-integer of more than 4,300 digits and a lone surrogate escape (no UTF-8 file can write it
-back) are located errors. Every failure is an ``InputError`` or, for callers that add their
-own location (one ticket line), a ``JsonProblem``.
+"""The checks every user input file gets: a regular file (a FIFO would block the run), UTF-8
+(a BOM accepted), JSON and YAML decoded strictly (a duplicate key, nesting past ``MAX_DEPTH``,
+a 4,300-digit integer, a lone surrogate are located errors). Failures are ``InputError``, or
+``JsonProblem`` for callers that add their own location.
 """
 
 from __future__ import annotations
@@ -98,8 +94,7 @@ class _Duplicate:
 
 
 def nesting_exceeds(text: str, limit: int) -> int | None:
-    """Position of the first JSON bracket nested deeper than ``limit`` (brackets inside
-    strings skipped), None when the text stays within it. Cheap for ordinary text."""
+    """Position of the first bracket nested deeper than ``limit`` (strings skipped), or None."""
     if text.count("{") + text.count("[") <= limit:
         return None
     skeleton = _JSON_STRING.sub('""', text)  # brackets inside summaries are text, not depth
@@ -129,8 +124,7 @@ def _walk(value, path: tuple = ()):
 
 
 def first_lone_surrogate(value) -> tuple[tuple, str] | None:
-    """The key path and text of the first string in ``value`` holding a lone surrogate (which
-    UTF-8 cannot encode), or None."""
+    """The key path and text of the first string holding a lone surrogate, or None."""
     for path, item in _walk(value):
         if isinstance(item, str) and _SURROGATE.search(item):
             return path, item
@@ -198,8 +192,7 @@ def load_json_file(path: str | Path, what: str) -> object:
 # --------------------------------------------------------------------------- YAML
 
 class StrictYaml:
-    """Mixin for a PyYAML loader: nesting deeper than ``max_depth`` and a key given twice
-    (PyYAML keeps the last value silently) are errors at their line."""
+    """PyYAML loader mixin: deep nesting and a duplicate key (PyYAML keeps the last) are errors."""
 
     max_depth = MAX_DEPTH
     duplicate = "key {key!r} is given twice (first on line {line})"

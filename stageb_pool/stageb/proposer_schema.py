@@ -1,13 +1,7 @@
-"""The JSON schema a constrained proposer answer is held to (``rule_search.constrain_proposer``).
-
-Built from the current guidance and the profile's verdict words, so the grammar itself rules
-out what the validation filters would reject for form alone (an unknown op, a target that is
-not an existing rule's signature, removing or merging G0, too many operations, a rule that
-does not conclude with a verdict word, an over-long string); what a rule *says* is still
-judged by ``rule_text``. A merge that names one rule twice passes the grammar (llguidance
-implements no ``uniqueItems``); the candidate validation rejects it.
-
-Without the schema, small models rarely produce a usable answer (docs/performance.md).
+"""The JSON schema a constrained proposer answer is held to: built from the guidance and the
+verdict words, so the grammar rules out what validation would reject for form alone; what a
+rule *says* is still judged by ``rule_text``. A merge naming one rule twice passes (llguidance
+has no ``uniqueItems``) and validation rejects it. Small models need it (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -26,8 +20,7 @@ _COMPACT = {"whitespace_flexible": False}
 
 
 def _line(max_chars: int, *, banned: str = "{}", ending: str = "") -> dict:
-    """A JSON string of one line of at most ``max_chars`` characters (``ending`` included,
-    a regex of its own length) that starts with no space and holds none of ``banned``."""
+    """One line of at most ``max_chars`` (``ending`` included), no leading space, no ``banned``."""
     free = f"[^\\n\\r{banned}]"
     return {"type": "string", "pattern": f"^[^\\s{banned}]{free}{{0,{max_chars - 1}}}{ending}$"}
 
@@ -39,9 +32,8 @@ _RULE_BANNED = "{}=_<>"
 
 
 def verdict_ending(vocab) -> str:
-    """A rule concludes with its verdict, as the proposer prompt asks ("If <condition>, judge
-    fail."): one of the profile's verdict words as a word of its own (after a space for
-    Latin words, so never "refail"), then an optional full stop."""
+    """A verdict word of its own (after a space for Latin words: never "refail"), then an
+    optional full stop, as the proposer prompt asks."""
     words = "|".join((" " if w[:1].isascii() else "") + regex_literal(w) for w in (vocab.pass_text, vocab.fail_text))
     return f"({words})[.。]?"
 
@@ -53,9 +45,8 @@ def _operation(op: str, fields: dict) -> dict:
 
 
 def proposer_schema(guidance, vocab, *, max_operations: int) -> dict:
-    """The schema of ``{"operations": [...]}`` with 1 to ``max_operations`` entries, each one
-    of the operations the guidance allows (docs/formats.md; an operation without a possible
-    target is left out). Property order is the order the model writes them in."""
+    """``{"operations": [...]}``, 1 to ``max_operations`` of the operations the guidance allows;
+    property order is the order the model writes them in."""
     experiences = dict(getattr(guidance, "experiences", guidance))
     learnable = sorted(k for k in experiences if LEARNABLE_KEY.match(k))
     signatures = {k: normalize_signature(experiences[k]) for k in learnable}

@@ -28,9 +28,8 @@ _SPACE_RUN = re.compile(r" +")
 
 
 def normalize_spaces(text: str) -> str:
-    """Upstream's space normalisation: runs of ASCII spaces collapsed, whitespace between
-    CJK characters (and between CJK and CJK punctuation) dropped, a Latin word or a split
-    upper-case/digit token wedged between CJK characters glued on, stripped."""
+    """Upstream's space normalisation: ASCII space runs collapsed, whitespace inside CJK text
+    dropped, split tokens between CJK characters glued (the rules above), stripped."""
     if not text:
         return text
     for pattern, repl in _SPACE_RULES:
@@ -42,9 +41,7 @@ _WHITESPACE = re.compile(r"\s+")
 
 
 def verdict_word_form(value: str, *, loose: bool = False) -> str:
-    """Upstream's form of a verdict word: spaces normalised, ASCII spaces removed, lower-cased
-    (``" 不 通过 "`` -> ``"不通过"``; ``"pass."`` stays distinct from ``"pass"``). ``loose``
-    also removes every whitespace and trailing 。/."""
+    """Upstream's form of a verdict word (``"pass."`` stays distinct from ``"pass"``)."""
     if loose:
         return _WHITESPACE.sub("", value).lower().rstrip("。.")
     return normalize_spaces(value.strip()).strip().replace(" ", "").lower()
@@ -67,9 +64,8 @@ def trailing_index(key: str) -> int | None:
 
 
 def regex_literal(text: str) -> str:
-    """``text`` as a regex that both Python's re and llguidance's (Rust) syntax read as a
-    literal: only the metacharacters escaped (``re.escape`` also escapes spaces, which Rust
-    regex refuses). The grammars of constrained decoding are built with it."""
+    """``text`` as a literal for both Python's re and llguidance's Rust regex (``re.escape``
+    also escapes spaces, which Rust refuses)."""
     return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
 
 
@@ -79,8 +75,7 @@ def short(text: str, limit: int = 40) -> str:
 
 
 def brackets_outside_strings(text: str, start: int) -> Iterator[tuple[int, str]]:
-    """``(index, char)`` of every bracket from ``start`` on outside JSON string literals
-    (escapes respected), in text that may be cut off or malformed."""
+    """``(index, char)`` of every bracket from ``start`` outside JSON strings, in any text."""
     in_string = escape = False
     for i in range(start, len(text)):
         ch = text[i]
