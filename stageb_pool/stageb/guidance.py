@@ -61,8 +61,6 @@ class Operation(msgspec.Struct):
     merged_from: list[str] = []
 
 
-# --------------------------------------------------------------------------- reading
-
 def _is_iso(value) -> bool:
     if not isinstance(value, str):
         return False
@@ -162,8 +160,6 @@ def load_guidance(path: str | Path, mission: str) -> Guidance:
     return parse_section(data[mission], f"{path}: {mission}")
 
 
-# --------------------------------------------------------------------------- edits
-
 def rule_text_key(text: str) -> str:
     """The form two rule texts are compared in (upstream's duplicate lookup); a rule is
     stored and prompted as given."""
@@ -262,8 +258,6 @@ def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str)
         metadata[target] = _folded_meta(g, [target, *merged], op, now, reflection_id)
     return Guidance(step=g.step + 1, updated_at=now, experiences=experiences, metadata=metadata)
 
-
-# --------------------------------------------------------------------------- files
 
 def section_of(g: Guidance) -> dict:
     """What ``guidance.json`` holds per mission."""

@@ -26,8 +26,6 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _LONG_INT = re.compile(r"\d{4301,}")
 
 
-# --------------------------------------------------------------------------- files
-
 def regular_file(path: str | Path, what: str) -> Path:
     """``path`` if it names a regular file (symbolic links followed), else InputError."""
     path = Path(path)
@@ -68,8 +66,6 @@ def decode_utf8(data: bytes, where: str) -> str:
 def read_text(path: str | Path, what: str) -> str:
     return decode_utf8(read_bytes(path, what), str(path))
 
-
-# --------------------------------------------------------------------------- JSON
 
 class JsonProblem(ValueError):
     """Why a JSON text was refused; ``line``/``col`` (1-based) or ``keypath`` say where."""
@@ -188,8 +184,6 @@ def load_json_file(path: str | Path, what: str) -> object:
     except JsonProblem as err:
         raise InputError(err.message, err.where(str(path))) from None
 
-
-# --------------------------------------------------------------------------- YAML
 
 class StrictYaml:
     """PyYAML loader mixin: deep nesting and a duplicate key (PyYAML keeps the last) are errors."""

@@ -79,8 +79,6 @@ class PromptProfile(msgspec.Struct, frozen=True):
         return content_hash(self)
 
 
-# --------------------------------------------------------------------------- loading
-
 def _profile_dir(name_or_path: str, base_dir: str | Path | None) -> Path:
     is_name = "/" not in name_or_path and "\\" not in name_or_path and not name_or_path.startswith(".")
     directory = Path(base_dir or PROFILES_DIR) / name_or_path if is_name else Path(name_or_path)
@@ -173,8 +171,6 @@ def load_proposer_prompt(profile: str, path: str | None, *, base_dir: str | Path
     return text
 
 
-# --------------------------------------------------------------------------- summaries
-
 def _image_order(key: str) -> int:
     try:
         return trailing_index(key) or 0
@@ -186,8 +182,6 @@ def ordered_summaries(per_image: dict[str, str]) -> list[str]:
     """Summaries by the trailing integer of their key (none: 0; stable), as stored."""
     return [per_image[k] for k in sorted(per_image, key=_image_order)]
 
-
-# --------------------------------------------------------------------------- rendering
 
 def _natural_key(key: str) -> tuple:
     m = re.fullmatch(r"([A-Za-z]*)([0-9]{1,%d})" % MAX_INDEX_DIGITS, key)

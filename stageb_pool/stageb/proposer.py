@@ -15,8 +15,6 @@ from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
 from .rule_text import copied_identifier, normalize_signature, text_problem
 from .text import CJK_CHAR
 
-# --------------------------------------------------------------------------- example selection
-
 def confidently_wrong(stats: Mapping | Iterable) -> list:
     """Tickets whose majority differs from GT, by ``(hard_wrong, difficulty)`` descending, ties
     in the given order: the proposer's examples and the audit's and search's hard cases."""
@@ -31,8 +29,6 @@ def select_examples(stats: Mapping | Iterable, tickets_by_key: Mapping, reflect_
     picked = [(s, tickets_by_key[s.key]) for s in confidently_wrong(stats) if s.key in tickets_by_key]
     return picked[:max(0, int(reflect_size))]
 
-
-# --------------------------------------------------------------------------- request
 
 _TEXTS = {
     "zh": {
@@ -109,8 +105,6 @@ def build_proposer_prompt(system_prompt: str, mission: str, guidance, examples: 
     return ProposerPrompt(system=system_prompt, user_head=render_head(mission, guidance, lang), examples=blocks,
                           user_tail=_TEXTS[lang]["close"])
 
-
-# --------------------------------------------------------------------------- candidates
 
 class Candidate(msgspec.Struct):
     """One validated edit; ``signature`` is the target's for ``remove``, as in upstream rows."""

@@ -111,8 +111,6 @@ def categories(entries: list[dict]) -> set[str]:
     return {e["类别"] for e in entries if isinstance(e.get("类别"), str)}
 
 
-# --------------------------------------------------------------------------- obj estimate
-
 def _count(value) -> int | None:
     if isinstance(value, bool) or value is None:
         return None
@@ -157,8 +155,6 @@ def estimate_objects(summary: str) -> int:
     segments = [s for s in text.split("，") if s.strip()]
     return len(segments) if segments else (1 if text else 0)
 
-
-# --------------------------------------------------------------------------- BBU clean-up
 
 def canonical_summary(obj: dict) -> str:
     """One JSON line, keys 统计, 备注, 分组统计 first, separators ", " and ": "."""

@@ -65,8 +65,6 @@ def _type_name(value) -> str:
     return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
-# --------------------------------------------------------------------------- summaries
-
 def _unwrap(value: str) -> str:
     # Some Stage-A writers JSON-encode the summary twice: '"{\"统计\": ...}"' (upstream
     # kept the quotes and backslashes, so nothing downstream could read it).
@@ -109,8 +107,6 @@ def normalize_per_image(per_image: dict, notes: list[str] | None = None) -> dict
         by_index[n] = (key, _unwrap(_summary_text(value)))
     return {f"image_{n}": by_index[n][1] for n in sorted(by_index)}
 
-
-# --------------------------------------------------------------------------- one line
 
 def _field(record: dict, name: str):
     if name not in record:
@@ -202,8 +198,6 @@ def parse_ticket_line(line: str, *, bbu_cleanup: bool = False) -> Ticket:
     """One JSONL line -> Ticket; raises ``_BadLine`` with what is wrong."""
     return _parse_record(_decode_record(line), bbu_cleanup)[0]
 
-
-# --------------------------------------------------------------------------- files
 
 MAX_LINE_BYTES = 1 << 20  # ingest.max_line_bytes' default: a real ticket is a few kB
 _BLOCK = 1 << 20  # the rest of an over-long line is read past in blocks of this size
