@@ -1,7 +1,5 @@
-"""The A/B metric gate of the rule search (upstream 3.7, formulas exact): a candidate
-rollout against the baseline on their common tickets. The formulas and the differences from
-upstream are in docs/rule_search.md ("The gate", "Differences from upstream"); note that the
-FP-rate cap applies to every op, and ``max_changed_fraction = 0`` means no churn at all.
+"""The A/B metric gate of the rule search (upstream 3.7, formulas exact; docs/rule_search.md,
+"The gate"). Unlike upstream, the FP-rate cap applies to every op and a churn cap of 0 means 0.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ LIFECYCLE_OPS = frozenset({"update", "merge", "remove"})
 
 
 class GateResult(msgspec.Struct):
-    """What the gate measured over the common tickets; ``reason`` is the first failing
-    condition (None when passed); ``regressions`` holds at most 50 rows."""
+    """``reason``: the first failing condition (None when passed); at most 50 ``regressions``."""
 
     passed: bool
     reason: str | None
@@ -91,8 +88,7 @@ def _regression_row(key: str, b, c) -> dict:
 
 
 def find_regressions(base: Mapping, cand: Mapping, keys: Sequence[str]) -> list[dict]:
-    """Base-correct -> candidate-wrong rows, by ``(cand_agreement, base_agreement)``
-    descending, then ticket key. Not capped."""
+    """Base-correct -> candidate-wrong rows by ``(cand_agreement, base_agreement)`` desc, then key."""
     rows = [_regression_row(k, base[k], cand[k]) for k in keys if base[k].correct and not cand[k].correct]
     rows.sort(key=lambda r: r["ticket_key"])
     rows.sort(key=lambda r: (r["cand_agreement"], r["base_agreement"]), reverse=True)
@@ -117,8 +113,7 @@ def _first_failure(op, rer, chi, p, d_fp, d_acc, gate) -> str | None:
 
 
 def evaluate_gate(base: Mapping, cand: Mapping, *, op: str, gate, iteration: int) -> GateResult:
-    """``base`` and ``cand`` map ticket key -> ``TicketStats``; resamples use
-    ``gate.bootstrap.seed + iteration``."""
+    """``base``, ``cand``: ticket key -> ``TicketStats``; resamples use ``bootstrap.seed + iteration``."""
     bootstrap_seed = gate.bootstrap.seed
     if bootstrap_seed is None:
         raise ValueError("bootstrap seed is unresolved: the config fills it in from the run seed")
@@ -160,8 +155,7 @@ def select_best(results: Sequence[GateResult]) -> int | None:
 
 
 def eval_veto(base_eval_acc: float | None, cand_eval_acc: float | None, max_acc_drop: float | None) -> tuple[bool, float | None]:
-    """``(vetoed, base - cand)``: vetoed iff the drop exceeds ``max_acc_drop`` (+1e-12); never
-    with ``max_acc_drop`` None (upstream: log only)."""
+    """``(vetoed, base - cand)``; never vetoed with ``max_acc_drop`` None (upstream: log only)."""
     if base_eval_acc is None or cand_eval_acc is None:
         return False, None
     drop = base_eval_acc - cand_eval_acc

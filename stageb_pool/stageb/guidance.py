@@ -161,8 +161,7 @@ def load_guidance(path: str | Path, mission: str) -> Guidance:
 
 
 def rule_text_key(text: str) -> str:
-    """The form two rule texts are compared in (upstream's duplicate lookup); a rule is
-    stored and prompted as given."""
+    """The form rule texts are compared in (upstream's duplicate lookup), never stored."""
     return normalize_spaces(text).strip().rstrip("。.")
 
 
@@ -222,8 +221,7 @@ def _resolve_target(g: Guidance, op: Operation, text: str) -> str:
 
 
 def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str) -> Guidance:
-    """The guidance after ``op``; a text an existing rule holds rewrites that rule, as upstream.
-    Raises GuidanceError when the operation cannot apply."""
+    """Pure; a text an existing rule holds rewrites that rule, as upstream. Raises GuidanceError."""
     if op.op not in OPERATIONS:
         raise GuidanceError(f"unknown operation {op.op!r} (expected {', '.join(OPERATIONS)})")
     experiences = dict(g.experiences)

@@ -1,7 +1,6 @@
-"""The JSON schema a constrained proposer answer is held to: built from the guidance and the
-verdict words, so the grammar rules out what validation would reject for form alone; what a
-rule *says* is still judged by ``rule_text``. A merge naming one rule twice passes (llguidance
-has no ``uniqueItems``) and validation rejects it. Small models need it (docs/performance.md).
+"""The JSON schema a constrained proposer answer is held to: what validation would reject for
+form alone, built from the guidance and verdict words (docs/performance.md). A merge naming one
+rule twice passes (llguidance has no ``uniqueItems``); validation rejects it.
 """
 
 from __future__ import annotations
@@ -10,9 +9,8 @@ from .guidance import LEARNABLE_KEY
 from .rule_text import normalize_signature
 from .text import regex_literal
 
-# A rule is one sentence, its rationale another: long enough for any real rule (the shipped
-# seed rules are under 120 characters), short enough that two operations fit a few hundred
-# tokens even for a model that runs every string to its limit.
+# One sentence each: above the shipped seed rules (< 120 characters), yet two operations fit a
+# few hundred tokens even when a model runs every string to its limit.
 TEXT_MAX_CHARS = 160
 RATIONALE_MAX_CHARS = 120
 # Compact JSON (llguidance's option): no token is spent on indentation or line breaks.
@@ -25,15 +23,13 @@ def _line(max_chars: int, *, banned: str = "{}", ending: str = "") -> dict:
     return {"type": "string", "pattern": f"^[^\\s{banned}]{free}{{0,{max_chars - 1}}}{ending}$"}
 
 
-# A rule holds no braces (a pasted summary object), '=' (key=value chains), '_' (field names
-# and image_1 references) or angle brackets (markup): the prompt forbids them, the filters
-# reject most of them, and a small model copies them from the examples.
+# Braces, '=', '_' and angle brackets are what a small model copies from the examples (summary
+# objects, key=value chains, image_1, markup); the prompt forbids them.
 _RULE_BANNED = "{}=_<>"
 
 
 def verdict_ending(vocab) -> str:
-    """A verdict word of its own (after a space for Latin words: never "refail"), then an
-    optional full stop, as the proposer prompt asks."""
+    """A verdict word of its own (after a space for Latin words: never "refail"), optional full stop."""
     words = "|".join((" " if w[:1].isascii() else "") + regex_literal(w) for w in (vocab.pass_text, vocab.fail_text))
     return f"({words})[.。]?"
 

@@ -23,14 +23,12 @@ def normalize_signature(text: str | None) -> str:
     return normalize_spaces(value).strip()
 
 
-# A digit run this long in a rule text is an identifier (a date, a serial, a ticket number),
-# never a reusable condition; found in the proposer's examples it was copied from them.
+# A digit run this long is an identifier (a date, a serial), never a reusable condition.
 LONG_DIGIT_RUN = re.compile(r"\d{6,}")
 
 
 def copied_identifier(text: str, *, ticket_keys: Iterable[str], examples_text: str) -> str | None:
-    """Why a rule text copies a ticket key, group id or digit run out of the examples, or None:
-    such a rule names tickets, not a condition."""
+    """Why a rule text copies a ticket key, group id or digit run out of the examples, or None."""
     folded = (text or "").casefold()
     for key in ticket_keys:
         for name in dict.fromkeys((key, key.split("::", 1)[0])):
@@ -83,8 +81,7 @@ def _is_json_object(text: str) -> bool:
 
 
 def is_stage_a_leak(text: str) -> bool:
-    """Pasted Stage-A summary text: a summary object anywhere, any JSON object, ``标签/``, an
-    image reference or ``/``-joined object chains."""
+    """A summary object anywhere, any JSON object, ``标签/``, an image reference, object chains."""
     stripped = (text or "").strip()
     if extract_summary_json(stripped) is not None or _is_json_object(stripped):
         return True
@@ -136,8 +133,7 @@ def is_binary(text: str, vocab=None) -> bool:
 
 
 def scaffold_conflict(text: str, scaffold: Mapping[str, str], vocab=None) -> str | None:
-    """The key of a scaffold rule sharing an anchor word with ``text`` but concluding only the
-    opposite verdict."""
+    """A scaffold rule sharing an anchor word with ``text`` but concluding only the opposite."""
     form = _check_form(text)
     anchors = {a for a in SCAFFOLD_ANCHORS if a in form}
     if not anchors:

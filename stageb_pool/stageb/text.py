@@ -9,8 +9,7 @@ from collections.abc import Iterator
 _CJK = "\u4e00-\u9fff"
 _CJK_PUNCT = "，。；：！？、"
 CJK_CHAR = re.compile(f"[{_CJK}]")
-# Real keys carry a handful of digits; a longer run is refused before int() sees it
-# (Python refuses to convert more than 4,300 digits, and such a key is never meant).
+# Real keys carry a few digits; a longer run is refused before int() (4,300 digits raise).
 MAX_INDEX_DIGITS = 18
 _TRAILING_DIGITS = re.compile(r"(\d+)$")
 
@@ -52,8 +51,7 @@ class IndexTooLong(ValueError):
 
 
 def trailing_index(key: str) -> int | None:
-    """The integer at the end of ``key`` (``图片_01`` -> 1), or None; IndexTooLong past
-    ``MAX_INDEX_DIGITS`` digits."""
+    """``图片_01`` -> 1, no digits -> None; IndexTooLong past ``MAX_INDEX_DIGITS`` digits."""
     m = _TRAILING_DIGITS.search(key)
     if m is None:
         return None
@@ -64,8 +62,7 @@ def trailing_index(key: str) -> int | None:
 
 
 def regex_literal(text: str) -> str:
-    """``text`` as a literal for both Python's re and llguidance's Rust regex (``re.escape``
-    also escapes spaces, which Rust refuses)."""
+    """A literal for Python's re and llguidance's Rust regex (``re.escape`` escapes spaces: Rust refuses)."""
     return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
 
 

@@ -66,8 +66,7 @@ def _type_name(value) -> str:
 
 
 def _unwrap(value: str) -> str:
-    # Some Stage-A writers JSON-encode the summary twice: '"{\"统计\": ...}"' (upstream
-    # kept the quotes and backslashes, so nothing downstream could read it).
+    # Some writers JSON-encode a summary twice (upstream kept the quotes: nothing could read it).
     if value.strip().startswith('"'):
         try:
             inner = json.loads(value)
@@ -85,14 +84,12 @@ def _bbu_cleaned(mission: str, per_image: dict[str, str]) -> dict[str, str]:
 
 
 def _summary_text(value) -> str:
-    # Upstream str()-ed any value (a Python repr nothing downstream parses); JSON text keeps
-    # an object summary readable by the prompt's summary parser.
+    # Upstream str()-ed it (a Python repr); JSON text stays readable by the summary parser.
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def normalize_per_image(per_image: dict, notes: list[str] | None = None) -> dict[str, str]:
-    """Keys -> ``image_{n}`` by trailing integer (no digits: 1-based position), sorted by n;
-    values as text, JSON-string values unwrapped, otherwise as given."""
+    """Keys -> ``image_{n}`` by trailing integer (none: 1-based position), sorted; values as text."""
     by_index: dict[int, tuple[str, str]] = {}
     for position, (key, value) in enumerate(per_image.items(), start=1):
         try:
@@ -259,9 +256,8 @@ def load_tickets(
     bbu_cleanup: bool = False,
     max_line_bytes: int = MAX_LINE_BYTES,
 ) -> IngestReport:
-    """Tickets in file order, excluded keys dropped. ``on_bad_line="skip"`` records a bad line
-    in ``skipped`` instead of raising; missing files, no tickets, duplicate keys and more than
-    one mission always raise."""
+    """Tickets in file order; ``on_bad_line="skip"`` records bad lines in ``skipped``. Missing
+    files, no tickets, duplicate keys and more than one mission always raise."""
     if on_bad_line not in ("error", "skip"):
         raise InputError(f"on_bad_line must be 'error' or 'skip', got {on_bad_line!r}", "ingest.on_bad_line")
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
