@@ -1,6 +1,5 @@
 """The A/B metric gate of the rule search (upstream 3.7, formulas exact; docs/rule_search.md,
-"The gate"). Unlike upstream, the FP-rate cap applies to every op and a churn cap of 0 means 0.
-"""
+"The gate"). Unlike upstream, the FP-rate cap applies to every op and a churn cap of 0 means 0."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Mission guidance (upstream 1.3; docs/formats.md section 2): the rule list in the prompt,
-its pure edits and its files. ``G0`` is the mission checklist (never removable), ``S*`` are
-read-only, ``G1+`` the learnable rules.
-"""
+"""Mission guidance (upstream 1.3; docs/formats.md section 2), its pure edits and its files.
+``G0`` is the mission checklist (never removable), ``S*`` read-only, ``G1+`` learnable."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The checks every user input file gets: a regular file (a FIFO would block the run), UTF-8
-(a BOM accepted), JSON and YAML decoded strictly (a duplicate key, nesting past ``MAX_DEPTH``,
-a 4,300-digit integer, a lone surrogate are located errors). Failures are ``InputError``, or
-``JsonProblem`` for callers that add their own location.
-"""
+"""The checks every user input file gets: a regular file (a FIFO would block the run), UTF-8,
+strict JSON and YAML (duplicate keys, deep nesting, 4,300-digit integers, lone surrogates are
+located errors). Failures are ``InputError``, or ``JsonProblem`` for callers that locate them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Prompt profiles, the verdict prompt as data (upstream 2.1; docs/formats.md section 3):
-``load_profile`` resolves a profile directory for one mission into a ``PromptProfile``, and
-``build_messages`` renders one ticket's chat messages from it.
-"""
+"""Prompt profiles, the verdict prompt as data (upstream 2.1; docs/formats.md section 3): loaded
+for one mission into a ``PromptProfile``, rendered per ticket by ``build_messages``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The rule proposer's pure parts (upstream 3.4 step 5-7 and 3.5): examples, prompt,
 candidates validated from the answer, ablation removes. Unlike upstream, targets resolve here
-with a logged reason (not a silent skip later), and reflection ids are hashes, not ``uuid4``.
-"""
+with a logged reason (not a silent skip later), and reflection ids are hashes, not ``uuid4``."""
 
 from __future__ import annotations
 
@@ -271,9 +270,8 @@ def parse_candidates(
     obj, guidance, *, vocab=None, rejected_ids: Iterable[str] = (), limit: int = 3, evidence: Sequence[str] = (),
     examples_text: str = "",
 ) -> tuple[list[Candidate], list[dict]]:
-    """``(accepted, rejections)``: at most ``limit`` candidates (later entries unexamined),
-    rejections ``{"index", "op", "text", "reason"}``; a malformed top level raises ValueError.
-    ``evidence`` (the example ticket keys) goes into each operation."""
+    """``(accepted, rejections)``: at most ``limit`` accepted (later entries unexamined), rejections
+    ``{"index", "op", "text", "reason"}``; a malformed top level raises ValueError."""
     entries = _operations_list(obj)
     exp = _experiences(guidance)
     ctx = {

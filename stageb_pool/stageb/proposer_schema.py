@@ -1,7 +1,6 @@
 """The JSON schema a constrained proposer answer is held to: what validation would reject for
 form alone, built from the guidance and verdict words (docs/performance.md). A merge naming one
-rule twice passes (llguidance has no ``uniqueItems``); validation rejects it.
-"""
+rule twice passes (llguidance has no ``uniqueItems``); validation rejects it."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def _operation(op: str, fields: dict) -> dict:
 
 
 def proposer_schema(guidance, vocab, *, max_operations: int) -> dict:
-    """``{"operations": [...]}``, 1 to ``max_operations`` of the operations the guidance allows;
-    property order is the order the model writes them in."""
+    """1 to ``max_operations`` of the operations the guidance allows, properties in writing order."""
     experiences = dict(getattr(guidance, "experiences", guidance))
     learnable = sorted(k for k in experiences if LEARNABLE_KEY.match(k))
     signatures = {k: normalize_signature(experiences[k]) for k in learnable}

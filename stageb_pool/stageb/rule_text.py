@@ -1,8 +1,6 @@
-"""Rule texts: their identity (the signature) and the filters a text must pass to become a
-candidate, in upstream's order (3.5, ``ReflectionEngine``'s static validators). On purpose:
-no Traditional -> Simplified step (no ``zhconv``), a wider leak filter (docs/formats.md
-section 6), English word lists beside the Chinese, the profile's verdict words.
-"""
+"""Rule texts: their signature and the filters a candidate must pass, in upstream's order (3.5,
+``ReflectionEngine``'s static validators). On purpose: no ``zhconv`` step, a wider leak filter
+(docs/formats.md section 6), English word lists beside the Chinese, the profile's verdict words."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The RRU per-station block of the user prompt (upstream's ``_aggregate_rru_*_points``;
-docs/formats.md section 3): for the three RRU missions, each photo's facts merged per station
-distance (``站点距离``), upstream's rules down to its details, with one defect fixed below.
-"""
+"""The RRU per-station block of the user prompt: each photo's facts merged per 站点距离, by
+upstream's ``_aggregate_rru_*_points`` rules (docs/formats.md section 3), one defect fixed below."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Stage-A summary text, read with upstream's exact rules (``src/utils/summary_json.py``, its
-prompt builder's obj estimate, its ingest's BBU clean-up; docs/formats.md section 1).
-Parsing never raises: text that does not parse is free text.
-"""
+"""Stage-A summary text, read by upstream's exact rules (``summary_json.py``, the obj estimate,
+the BBU clean-up; docs/formats.md section 1). Never raises: what does not parse is free text."""
 
 from __future__ import annotations
 
@@ -186,8 +184,7 @@ def _drop_station_objects(text: str) -> str:
 
 
 def _drop_station_keys(text: str) -> str:
-    """Every ``"站点距离": <value>`` fragment removed with its leading comma: an object value
-    by brace matching (to the end if unclosed), any other value up to the next comma."""
+    """Every ``"站点距离": <value>`` fragment removed with its leading comma (objects brace-matched)."""
     needle = f'"{STATION_DISTANCE}"'
     while (hit := text.find(needle)) >= 0:
         start = hit

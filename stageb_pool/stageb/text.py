@@ -1,5 +1,4 @@
-"""Text forms shared by the domain modules for comparing, ordering and scanning: nothing here
-changes what is stored or shown."""
+"""Text forms for comparing, ordering and scanning: nothing here changes what is stored or shown."""
 
 from __future__ import annotations
 

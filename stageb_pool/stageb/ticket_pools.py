@@ -1,7 +1,6 @@
 """The fixed eval pool and the per-iteration train pool of the rule search: upstream's draws
 (reference 3.3), so the same seed selects the same tickets, except that an empty eval pool is
-normal and a train pool never holds a ticket twice (docs/rule_search.md, "Pools").
-"""
+normal and a train pool never holds a ticket twice (docs/rule_search.md, "Pools")."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def eval_quotas(label_counts: dict[str, int], eval_size: int) -> dict[str, int]:
 
 
 def split_eval_pool(tickets: Sequence[T], eval_pool_size: int, seed: int) -> tuple[list[T], list[T]]:
-    """``(train, eval)``: a label-stratified, seeded eval pool, empty unless
-    ``0 < eval_pool_size < len(tickets)``; both lists bucket by bucket, as upstream."""
+    """``(train, eval)``, label-stratified and bucket by bucket, as upstream; eval may be empty."""
     tickets = list(tickets)
     if not 0 < eval_pool_size < len(tickets):
         return tickets, []

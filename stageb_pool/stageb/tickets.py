@@ -1,6 +1,5 @@
 """Stage-A ticket files (upstream 1.2; docs/formats.md section 1): one JSON object per line,
-each a ``Ticket`` keyed ``"{group_id}::{label}"``; every problem located at ``path:line``.
-"""
+each a ``Ticket`` keyed ``"{group_id}::{label}"``; every problem located at ``path:line``."""
 
 from __future__ import annotations
 
@@ -201,8 +200,7 @@ _BLOCK = 1 << 20  # the rest of an over-long line is read past in blocks of this
 
 
 def _read_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterable[tuple[int, str | int | None]]:
-    """(line number, text) per non-blank line; text None when not UTF-8, the byte length when
-    over ``max_line_bytes`` (such a line is read past in blocks, never held)."""
+    """(number, text) per non-blank line; text None if not UTF-8, the byte length if over the limit."""
     path = inputs.regular_file(path, "ticket file")
     try:
         with open(path, "rb") as f:

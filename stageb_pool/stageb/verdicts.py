@@ -1,6 +1,5 @@
 """The two-line verdict protocol, the majority vote and the metrics (upstream 2.3 and 2.4;
-docs/formats.md sections 4-5). Positive class is "pass": fp is a GT-fail ticket let through.
-"""
+docs/formats.md sections 4-5). Positive class is "pass": fp is a GT-fail ticket let through."""
 
 from __future__ import annotations
 
@@ -84,8 +83,7 @@ def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
 
 
 class VerdictParser:
-    """``parse_verdict`` once per distinct text (answers repeat, and parsing is the parent's
-    largest cost per item); forgets everything past ``limit`` texts."""
+    """``parse_verdict`` once per distinct text: answers repeat, and parsing is the parent's main cost."""
 
     def __init__(self, vocab: VerdictVocab, limit: int = 100_000):
         self.vocab, self.limit = vocab, limit
