@@ -11,7 +11,7 @@ heavy tail), standing in for one rollout chunk on one GPU; sleeping needs no cor
   takes ``per_rank * W`` items, cuts them into contiguous per-rank slices, and every rank
   waits for the slowest (a collective) before the next step;
 - (c) ``multiprocessing.Pool.map`` (pickle, default chunksize);
-- (d) this pool with ``backend="ray"``: W Ray actors, each reserving one (declared) GPU of
+- (d) this pool with ``backend=Ray()``: W Ray actors, each reserving one (declared) GPU of
   a local Ray cluster started here, in submission order and most expensive first. Ray runs
   last: no fork pool may start in a process after ray.init. ``--no-ray`` skips it,
   ``--no-baselines`` skips (b) and (c).
@@ -45,6 +45,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stageb_pool import Pool  # noqa: E402
+from stageb_pool.pool import Ray  # noqa: E402
 
 MEAN_S = 0.050
 SIGMA = 1.0  # log-normal shape: a few items take 10-20x the median
@@ -92,7 +93,7 @@ def echo(item):
 # -- (a), (a') and (d): this pool -----------------------------------------------------------
 def bench_pool(items: list[float], workers: int, round_trips: int, *, costed: bool = False, **pool_kw) -> dict:
     """``pool_kw`` picks the backend: ``gpus=f"cpu:{workers}"`` (fork) or ``gpus=str(workers),
-    backend="ray"``."""
+    backend=Ray()``."""
     guidance = {f"G{i}": "a rule of about sixty characters, like the real guidance ones" for i in range(20)}
     with Pool(SleepEngine, **pool_kw) as pool:
         cpu0, others0, t0 = time.process_time(), _descendants_cpu(), time.perf_counter()
@@ -243,7 +244,7 @@ def main() -> None:
         else:
             for w in workers:
                 for name, costed in ((RAY, False), (RAY_LPT, True)):
-                    r = bench_pool(items, w, args.round_trips, costed=costed, gpus=str(w), backend="ray")
+                    r = bench_pool(items, w, args.round_trips, costed=costed, gpus=str(w), backend=Ray())
                     rows.append((name, w, total / w, r))
                     _report(rows[-1])
     print()

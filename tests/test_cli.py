@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from stageb_pool.app import cli
-from stageb_pool.pool import WorkerError
-from stageb_pool.stageb.errors import InputError
+from stageb_pool.pool import Fork, Inline, Ray, WorkerError
+from stageb_pool.stageb.errors import MAX_ERROR_CHARS, InputError
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"
@@ -275,7 +275,7 @@ def test_check_refuses_guidance_that_leaves_every_prompt_over_the_cap(project):
     assert line.startswith("stageb-pool: error: rule_search.train_sampler.max_prompt_tokens: "), line
     assert "every one of the 176 train tickets would be dropped" in line
     assert "a prompt without its ticket takes" in line and "guidance.json" in line and "3003 rules" in line and "largest G" in line
-    assert len(line) <= cli.MAX_ERROR_CHARS + 100
+    assert len(line) <= MAX_ERROR_CHARS + 100
 
 
 @pytest.mark.parametrize("mode", [[], ["--audit"]])
@@ -330,7 +330,7 @@ def test_check_and_run_refuse_a_proposer_prompt_over_its_cap_with_one_example(pr
     assert "even with one example" in checked and "no proposer call of the search could be made" in checked
     assert ("proposer.txt" in checked and "guidance.json: 3 rules" in checked
             and (why == "cap" or str(project / "proposer.txt") in checked))
-    assert len(checked) <= cli.MAX_ERROR_CHARS + 100
+    assert len(checked) <= MAX_ERROR_CHARS + 100
     ran = assert_one_line_error(run_cli("run", "--gpus", "cpu:1", *args), 2)
     assert ran == checked
     assert not (project / "runs").exists()  # refused before the run directory or any worker
@@ -427,7 +427,7 @@ def test_diff_of_a_missing_directory_is_exit_2(tmp_path):
 @pytest.fixture
 def fake_job(monkeypatch):
     """``job.run_plan`` replaced: each call records the plan's config and devices and the run's
-    options (with the plan's mode, config file and Ray address among them). The plan's prompt
+    options (with the plan's mode, config file and backend among them). The plan's prompt
     check is left out too: it loads the model's tokenizer in a forked helper (seconds a call),
     and has tests of its own (test_a_model_without_a_chat_template_is_refused_...)."""
     import stageb_pool.app.job as job
@@ -440,7 +440,7 @@ def fake_job(monkeypatch):
         def fake_run_plan(plan, **kwargs):
             calls.append((plan.config, plan.devices, dict(kwargs, audit=plan.config.mode == "audit",
                                                           config_path=plan.config_path,
-                                                          ray_address=plan.ray_address)))
+                                                          backend=plan.backend)))
             return behaviour()
         monkeypatch.setattr(job, "run_plan", fake_run_plan)
         return calls
@@ -454,8 +454,8 @@ def test_run_passes_flags_to_the_job(fake_job, project):
     assert code == 0
     [(config, devices, kwargs)] = calls
     assert config.runner.epochs == 1 and [d.name for d in devices] == ["cpu:0", "cpu:1"]
-    assert kwargs == {"audit": True, "resume": True, "overwrite": False, "debug": False,
-                      "config_path": str(project / "c.yaml"), "ray_address": None, "wait": math.inf}
+    assert kwargs == {"audit": True, "resume": True, "overwrite": False, "backend": Fork(),
+                      "config_path": str(project / "c.yaml"), "wait": math.inf}
     assert cli.main(["--gpus", "cpu:2", str(project / "c.yaml"), "--wait", "2.5"]) == 0
     assert cli.main(["--gpus", "cpu:2", str(project / "c.yaml")]) == 0
     assert [kw["wait"] for _, _, kw in calls[1:]] == [2.5, False]
@@ -463,9 +463,10 @@ def test_run_passes_flags_to_the_job(fake_job, project):
 
 def test_ray_takes_a_gpu_count_and_passes_the_address(fake_job, project, capsys):
     calls = fake_job(lambda: 0)
-    assert cli.main(["--gpus", "32", "--ray", "auto", str(project / "c.yaml")]) == 0
-    [(_, devices, kwargs)] = calls
-    assert [d.name for d in devices] == [f"cuda:{r}" for r in range(32)] and kwargs["ray_address"] == "auto"
+    assert cli.main(["--gpus", "32", "--ray", "auto", str(project / "c.yaml"), "--set", "pool.start_timeout=90"]) == 0
+    [(config, devices, kwargs)] = calls
+    assert [d.name for d in devices] == [f"cuda:{r}" for r in range(32)]
+    assert kwargs["backend"] == Ray("auto", placement_timeout=90, connect_timeout=config.pool.connect_timeout)
     assert cli.main(["--gpus", "0-7", "--ray", "auto", str(project / "c.yaml")]) == 2  # Ray picks the GPUs
     assert "--gpus: '0-7': with Ray, the GPU spec is a count of GPUs" in capsys.readouterr().err
     assert cli.main(["--gpus", "cpu", "--ray", "auto", "--debug", str(project / "c.yaml")]) == 2
@@ -474,8 +475,8 @@ def test_ray_takes_a_gpu_count_and_passes_the_address(fake_job, project, capsys)
 
 def test_run_word_is_optional(fake_job, project):
     calls = fake_job(lambda: 0)
-    assert cli.main(["run", "--gpus", "cpu", "--debug", str(project / "c.yaml")]) == 0
-    assert calls[-1][2]["debug"] is True
+    assert cli.main(["run", "--gpus", "cpu:2", "--debug", str(project / "c.yaml")]) == 0
+    assert calls[-1][2]["backend"] == Inline() and [d.name for d in calls[-1][1]] == ["cpu:0"]  # one worker
 
 
 def test_worker_error_is_exit_1_with_one_line(fake_job, project, capsys):
@@ -529,7 +530,7 @@ def test_upstream_launcher_flags_work(fake_job, project):
     cfg = str(project / "c.yaml")
     assert cli.main(["--config", cfg, "--gpus", "cpu", "--jump-reflection", "--log-level", "logging",
                      "--step", "all"]) == 0
-    assert calls[-1][2]["audit"] is True and calls[-1][2]["debug"] is False
+    assert calls[-1][2]["audit"] is True and calls[-1][2]["backend"] == Fork()
     assert cli.logging.getLogger().level == cli.logging.INFO  # upstream's "logging" is info
     assert cli.main(["check", "--config", cfg]) == 0
 
@@ -539,7 +540,7 @@ def test_upstream_debug_flag_is_not_the_log_level(fake_job, project, capsys):
     # (a log line would break the one-line error of a failed --debug run)
     calls = fake_job(lambda: 0)
     assert cli.main(["--gpus", "cpu", str(project / "c.yaml"), "--debug"]) == 0
-    assert calls[-1][2]["debug"] is True and capsys.readouterr().err == ""
+    assert calls[-1][2]["backend"] == Inline() and capsys.readouterr().err == ""
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     assert "upstream's --debug, the log level alone, is --log-" in " ".join(capsys.readouterr().out.split())

@@ -8,13 +8,9 @@ import time
 import pytest
 
 from stageb_pool import Pool
-from stageb_pool.pool.devices import (
-    MAX_CPU_WORKERS,
-    Device,
-    DeviceSpecError,
-    parse_gpus,
-    parse_ray_spec,
-)
+from stageb_pool.pool import Fork, Inline, Ray, plan_devices
+from stageb_pool.pool.devices import MAX_CPU_WORKERS, Device, DeviceSpecError, parse_gpus, ray_devices
+from stageb_pool.pool.ray_placement import bundle_shape
 
 
 @pytest.mark.parametrize(
@@ -67,14 +63,16 @@ def test_inline_mode_runs_on_the_listed_gpu(monkeypatch, parent_mask, gpu, forke
     device = Device("cuda", gpu, 0)
     with Pool(DeviceReport, [device]) as forked:  # a worker sees only its GPU, as cuda:0
         assert forked.worker_info == [{"torch_device": "cuda:0", "mask": forked_mask}]
-    with Pool(DeviceReport, [device], inline=True) as inline:  # this process sees them all
+    with Pool(DeviceReport, [device], backend=Inline()) as inline:  # this process sees them all
         assert inline.worker_info == [{"torch_device": f"cuda:{gpu}", "mask": parent_mask}]
 
 
 @pytest.mark.parametrize("spec, expected", [("32", ("cuda", 32)), (4, ("cuda", 4)), ("cpu", ("cpu", 1)),
                                             ("cpu:3", ("cpu", 3)), (" 0008 ", ("cuda", 8))])
 def test_ray_specs_are_counts_because_ray_chooses_the_gpus(spec, expected):
-    assert parse_ray_spec(spec) == expected
+    devices = ray_devices(spec)
+    assert ({d.kind for d in devices}, len(devices)) == ({expected[0]}, expected[1])
+    assert [(d.index, d.rank) for d in devices] == [(r, r) for r in range(expected[1])]
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -87,15 +85,30 @@ def test_ray_specs_are_counts_because_ray_chooses_the_gpus(spec, expected):
 ])
 def test_bad_ray_specs_are_clear_value_errors(spec, message):
     with pytest.raises(DeviceSpecError, match=message) as info:
-        parse_ray_spec(spec)
+        ray_devices(spec)
     assert len(str(info.value)) < 200
 
 
-def test_a_ray_pool_takes_the_kind_and_number_of_a_device_list():
-    assert parse_ray_spec([Device("cuda", r, r) for r in range(3)]) == ("cuda", 3)
-    assert parse_ray_spec([Device("cpu", 0, 0)]) == ("cpu", 1)
+def test_a_ray_pool_takes_the_bundle_shape_of_a_device_list():
+    assert bundle_shape([Device("cuda", r, r) for r in range(3)]) == ("cuda", 1)
+    assert bundle_shape(parse_gpus("0-3", gpu_count=4, gpus_per_worker=2)) == ("cuda", 2)
+    assert bundle_shape([Device("cpu", 0, 0)]) == ("cpu", 1)
     with pytest.raises(DeviceSpecError, match="all GPU workers or all CPU workers"):
-        parse_ray_spec([Device("cpu", 0, 0), Device("cuda", 1, 1)])
+        bundle_shape([Device("cpu", 0, 0), Device("cuda", 1, 1)])
+    with pytest.raises(DeviceSpecError, match="all hold the same number of GPUs"):
+        bundle_shape([Device("cuda", 0, 0), Device("cuda", 1, 1, group=(1, 2))])
+
+
+def test_the_backend_reads_the_spec_once_and_a_planned_list_passes_through():
+    """``plan_devices`` is the one reading of a spec: a list, GPUs to fork on; under Ray a count
+    numbered by rank; inline, the first device; a list of Device already planned, as it is."""
+    planned = plan_devices(Ray(), "4", gpus_per_worker=2, threads_per_worker=3)
+    assert [(d.gpus, d.threads) for d in planned] == [((0, 1), 3), ((2, 3), 3)]
+    assert plan_devices(Ray(), planned) == planned  # the pool starts what the plan planned
+    assert [d.name for d in plan_devices(Fork(), "cpu:3")] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert [d.name for d in plan_devices(Inline(), "cpu:3")] == ["cpu:0"]
+    with pytest.raises(DeviceSpecError, match="a list of Device carries its groups itself"):
+        plan_devices(Fork(), planned, gpus_per_worker=2)
 
 
 # -- GPU groups (issue 25): one worker per group of GPUs ------------------------------------------
@@ -152,15 +165,11 @@ def test_group_sizes_that_do_not_fit_are_group_size_errors(spec, size, message):
 
 
 def test_ray_group_specs_count_gpus_and_number_groups_by_rank():
-    from stageb_pool.pool.devices import ray_devices, ray_workers
-
-    assert parse_ray_spec("8", gpus_per_worker=4) == ("cuda", 8) and ray_workers("cuda", 8, 4) == 2
-    assert [d.gpus for d in ray_devices("cuda", 8, 4)] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [d.gpus for d in ray_devices("8", gpus_per_worker=4)] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     with pytest.raises(DeviceSpecError, match="6 GPUs, not a multiple of 4"):
-        parse_ray_spec("6", gpus_per_worker=4)
+        ray_devices("6", gpus_per_worker=4)
     with pytest.raises(DeviceSpecError, match="GPU workers only"):
-        parse_ray_spec("cpu:2", gpus_per_worker=2)
-    assert parse_ray_spec(parse_gpus("0-3", gpu_count=4, gpus_per_worker=2)) == ("cuda", 4)
+        ray_devices("cpu:2", gpus_per_worker=2)
 
 
 # --- the parent's CUDA_VISIBLE_DEVICES, read as CUDA reads it (issue 32 item 8) -------------------

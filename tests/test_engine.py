@@ -410,6 +410,7 @@ def test_the_constraint_option_is_in_the_config_hash_and_the_rollout_cache_key(p
     from pathlib import Path
 
     from stageb_pool import Pool
+    from stageb_pool.pool import Inline
     from stageb_pool.app.config import load_config
     from stageb_pool.app.identity import identity_document
     from stageb_pool.search.rollout import RolloutRunner, RolloutSpec
@@ -423,7 +424,7 @@ def test_the_constraint_option_is_in_the_config_hash_and_the_rollout_cache_key(p
     assert identities[0] != identities[1]
     sampler = load_config(demo, [f"{key}=false"]).rule_search.train_sampler
     tickets = [Ticket(t.key, t.key, t.mission, "pass", t.per_image) for t in TICKETS[:2]]
-    with Pool(tiny_factory, gpus="cpu:1", inline=True) as pool:
+    with Pool(tiny_factory, gpus="cpu:1", backend=Inline()) as pool:
         runner = RolloutRunner(pool, profile, chunk_size=2)
         for on in (False, True, False):
             runner.run(RolloutSpec("r", "7/train", tickets, GUIDANCE,
@@ -906,9 +907,10 @@ def tiny_factory(device):
 def pool_rollout(gpus, chunks, profile, *, inline=False, cores=CORES) -> list[bytes]:
     """The rollouts of ``chunks`` on a pool of ``gpus`` whose workers may use only ``cores``."""
     from stageb_pool import Pool
+    from stageb_pool.pool import Fork, Inline
 
     with pinned(cores), Pool(tiny_factory if inline else (lambda d: build_engine(d, TINY)), gpus=gpus,
-                             inline=inline) as pool:
+                             backend=Inline() if inline else Fork()) as pool:
         results = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
         assert all(info["model"] == "tiny-qwen2" for info in pool.worker_info)
     return [stable(r) for r in results]

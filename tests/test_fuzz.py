@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from stageb_pool.app import cli
 from stageb_pool.app.config import config_keys
 from stageb_pool.pool import devices
+from stageb_pool.stageb.errors import MAX_ERROR_CHARS
 
 MISSION = "Rooftop antenna mount inspection"
 CHECK_SECONDS = 60  # one check of a few small files: milliseconds; the bound only catches a hang
@@ -111,7 +112,7 @@ def run_main(ws: Workspace, args: list[str], *, seconds: float = CHECK_SECONDS, 
     errors = [line for line in stderr.splitlines() if ": error: " in line]
     if code == 2:  # one located line, at most the cap long
         assert errors and errors[-1] == stderr.splitlines()[-1], stderr[-3000:]
-        assert len(errors[-1]) <= cli.MAX_ERROR_CHARS + 100
+        assert len(errors[-1]) <= MAX_ERROR_CHARS + 100
     else:
         assert errors == [], stderr[-3000:]
     after = ws.snapshot()

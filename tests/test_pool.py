@@ -23,7 +23,7 @@ from doubles.pool_engines import Echoed, Engine, FailingEngine, touch, wait_for_
 from processes import gone, parent_pid
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout
-from stageb_pool.pool import RemoteTraceback, TaskCancelled, protocol
+from stageb_pool.pool import Fork, Inline, RemoteTraceback, TaskCancelled, protocol
 from stageb_pool.pool.protocol import FrameTooLarge, ProtocolError
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -213,7 +213,7 @@ def test_engine_init_failure_raises_from_the_constructor():
         Pool(FailingEngine, "cpu:2")
     assert "in __init__" in info.value.remote_traceback
     with pytest.raises(WorkerError, match="RuntimeError: no model for cpu:0"):
-        Pool(FailingEngine, "cpu:2", inline=True)
+        Pool(FailingEngine, "cpu:2", backend=Inline())
 
 
 def test_kill_9_mid_task_raises_worker_died_within_a_second(tmp_path):
@@ -337,7 +337,7 @@ def test_restart_and_retry_give_identical_results(tmp_path, how):
 @pytest.mark.parametrize("inline", [False, True])
 def test_a_task_may_share_more_values_than_the_snapshot_cache_holds(inline):
     shared = {f"v{i}": i for i in range(12)}
-    with Pool(Engine, "cpu:1", inline=inline) as pool:
+    with Pool(Engine, "cpu:1", backend=Inline() if inline else Fork()) as pool:
         assert pool.map("sum_shared", [0, 100], **shared) == [66, 166]
         assert pool.call(0, "sum_shared", 1, a=1) == 2  # older snapshots can be evicted again
 
@@ -400,7 +400,7 @@ def test_protocol_version_mismatch_is_a_clear_error():
 # -- the timeline of the pool's work -------------------------------------------------------
 @pytest.mark.parametrize("inline", [False, True], ids=["forked", "inline"])
 def test_each_task_is_recorded_with_its_interval_and_label(inline):
-    with Pool(Engine, "cpu:1" if inline else "cpu:2", inline=inline) as pool:
+    with Pool(Engine, "cpu:1" if inline else "cpu:2", backend=Inline() if inline else Fork()) as pool:
         submitted = time.monotonic()
         tasks = [pool.submit("jitter_square", i, label=f"chunk{i}") for i in range(6)]
         tasks.append(pool.submit("echo", None))  # no label
@@ -425,6 +425,28 @@ def test_a_label_is_a_string_or_none(pool3):
         pool3.submit("square", 1, label=3)
 
 
+def test_the_backend_is_one_value_and_a_name_is_refused():
+    """``backend`` is ``Fork()``, ``Inline()`` or ``Ray(...)``: a string (the old keyword's
+    spelling) or a bad Ray bound is a ValueError before anything starts."""
+    with pytest.raises(ValueError, match=r"backend must be Fork\(\), Inline\(\) or Ray\(address\), got 'ray'"):
+        Pool(Engine, "cpu:1", backend="ray")
+    from stageb_pool.pool import Ray
+
+    with pytest.raises(ValueError, match="connect_timeout must be more than 0"):
+        Pool(Engine, "1", backend=Ray("local", connect_timeout=0))
+    with Pool(Engine, "cpu:3", backend=Inline()) as pool:  # one device: the spec's first
+        assert pool.size == 1 and [d.name for d in pool.devices] == ["cpu:0"]
+
+
+def test_call_in_child_answers_with_one_frame_and_none_when_the_child_dies():
+    """The one-shot fork helper (the prompt check's) answers as a worker does: one protocol
+    frame over a socketpair, decoded as the caller's type; a child that dies says nothing."""
+    from stageb_pool.pool.fork import call_in_child
+
+    assert call_in_child(lambda: {"pid": os.getpid()}, dict[str, int])["pid"] != os.getpid()
+    assert call_in_child(lambda: os._exit(3), dict) is None
+
+
 # -- inline mode -----------------------------------------------------------------------------
 def test_inline_mode_gives_the_same_results_as_workers():
     items = [1, "two", {"three": [3.5, None]}, [True]]
@@ -432,7 +454,7 @@ def test_inline_mode_gives_the_same_results_as_workers():
     with Pool(Engine, "cpu:1") as forked:
         expected = forked.map("echo", items, result_type=Echoed, **shared)
         expected_plain = forked.map("echo", items, **shared)
-    with Pool(Engine, "cpu:1", inline=True) as inline:
+    with Pool(Engine, "cpu:1", backend=Inline()) as inline:
         assert inline.pids == [os.getpid()]
         assert inline.map("echo", items, result_type=Echoed, **shared) == expected
         assert inline.map("echo", items, **shared) == expected_plain
@@ -570,7 +592,8 @@ def test_the_fork_backend_never_imports_ray_and_works_without_it():
         "import sys; sys.path.insert(0, %r); sys.modules['ray'] = None  # as if not installed\n"
         "from doubles.pool_engines import Engine\nfrom stageb_pool import Pool, PoolError\n"
         "with Pool(Engine, 'cpu:1') as pool:\n    assert pool.map('square', [3]) == [9]\n"
-        "try:\n    Pool(Engine, '2', backend='ray')\nexcept PoolError as e:\n    print(e)\n" % TESTS
+        "from stageb_pool.pool import Ray\n"
+        "try:\n    Pool(Engine, '2', backend=Ray())\nexcept PoolError as e:\n    print(e)\n" % TESTS
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -27,6 +27,7 @@ from doubles.pool_engines import OddOne, Uniform, wait_for_path  # noqa: E402
 from processes import descendants, gone  # noqa: E402
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout  # noqa: E402
+from stageb_pool.pool import Ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
 GPUS = 4  # declared on the session cluster; there is no GPU
@@ -71,8 +72,8 @@ def ray_free(ray_cluster):
     assert wait_until(lambda: free().get("GPU") == GPUS and free().get("CPU") == 2, 10), free()
 
 
-def ray_pool(engine=Uniform, gpus="2", **kwargs):
-    return Pool(engine, gpus, backend="ray", **kwargs)
+def ray_pool(engine=Uniform, gpus="2", placement_timeout: float = 60.0, **kwargs):
+    return Pool(engine, gpus, backend=Ray(placement_timeout=placement_timeout), **kwargs)
 
 
 # -- order, snapshots, placement ------------------------------------------------------------------

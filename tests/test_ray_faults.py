@@ -85,7 +85,7 @@ def driver(code: str, server: ClusterServer | None, timeout: float = 120, token:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-POOL = "from doubles.pool_engines import Uniform\nfrom stageb_pool import Pool, PoolError\nimport json, time\n"
+POOL = "from doubles.pool_engines import Uniform\nfrom stageb_pool import Pool, PoolError\nfrom stageb_pool.pool import Ray\nimport json, time\n"
 
 
 # -- a driver that dies ------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ out = []
 for address, bound in (("127.0.0.1:1", 10), ("127.0.0.1:{silent.getsockname()[1]}", 3), ({cluster.address!r}, 10)):
     started = time.monotonic()
     try:
-        Pool(Uniform, "cpu:1", backend="ray", ray_address=address, connect_timeout=bound)
+        Pool(Uniform, "cpu:1", backend=Ray(address, connect_timeout=bound))
     except PoolError as exc:
         out.append([time.monotonic() - started, str(exc)])
 print(json.dumps(out))
@@ -169,11 +169,11 @@ print(json.dumps(out))
 def test_shares_round_down_and_an_impossible_request_fails_at_once_naming_each_node(cluster):
     code = POOL + """
 out = {}
-with Pool(Uniform, "cpu:3", backend="ray", ray_address=ADDRESS, task_timeout=60) as pool:  # 2 CPUs
+with Pool(Uniform, "cpu:3", backend=Ray(ADDRESS), task_timeout=60) as pool:  # 2 CPUs
     out["shares"] = [pool.map("square", list(range(6))), len(pool.placement), sorted({p["node_id"] for p in pool.placement})]
 started = time.monotonic()
 try:
-    Pool(Uniform, "2", backend="ray", ray_address=ADDRESS, placement_timeout=600)  # 2 GPUs: the cluster has none
+    Pool(Uniform, "2", backend=Ray(ADDRESS, placement_timeout=600))  # 2 GPUs: the cluster has none
 except PoolError as exc:
     out["impossible"] = [time.monotonic() - started, str(exc)]
 print(json.dumps(out))
@@ -199,7 +199,7 @@ handler = logging.StreamHandler(sys.stdout)
 handler.setFormatter(logging.Formatter("log: %(message)s"))
 logging.getLogger("stageb_pool").addHandler(handler)
 for _ in range(4):
-    with Pool(Uniform, "cpu:2", backend="ray", ray_address=ADDRESS, placement_timeout=60) as pool:
+    with Pool(Uniform, "cpu:2", backend=Ray(ADDRESS, placement_timeout=60)) as pool:
         print(json.dumps(pool.map("square", [1, 2, 3])), flush=True)
 """.replace("ADDRESS", repr(cluster.address))
     run = driver(code, cluster, timeout=240)
@@ -257,7 +257,7 @@ def test_a_cluster_lost_while_the_pool_is_idle_is_a_pool_error_on_the_next_call(
     """Runs after every other test of the cluster: it shuts the cluster down."""
     code = POOL + f"""
 import sys
-pool = Pool(Uniform, "cpu:1", backend="ray", ray_address={cluster.address!r})
+pool = Pool(Uniform, "cpu:1", backend=Ray({cluster.address!r}))
 print("up", flush=True)
 sys.stdin.readline()  # the cluster is gone now
 started = time.monotonic()

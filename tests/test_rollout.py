@@ -14,6 +14,7 @@ from doubles.fake_engine import FakeEngine, fake_factory
 from doubles.run_inputs import MISSION, missing_part_records
 
 from stageb_pool import Pool
+from stageb_pool.pool import Fork, Inline
 from stageb_pool.app.config import SamplerConfig
 from stageb_pool.app.progress import Progress
 from stageb_pool.engine.records import ChatRequest, ChatResult, Decode
@@ -52,7 +53,7 @@ def expected_majority(ticket) -> str:
 
 @pytest.mark.parametrize("gpus,inline", [("cpu:1", True), ("cpu:2", False)])
 def test_results_in_ticket_order_with_votes(tickets, profile, gpus, inline):
-    with Pool(fake_factory(), gpus, inline=inline) as pool:
+    with Pool(fake_factory(), gpus, backend=Inline() if inline else Fork()) as pool:
         runner = RolloutRunner(pool, profile, chunk_size=3)
         result = runner.run(spec(tickets))
     assert list(result.stats) == [t.key for t in tickets]
@@ -71,7 +72,7 @@ def test_results_in_ticket_order_with_votes(tickets, profile, gpus, inline):
 def test_same_results_on_one_or_two_workers(tickets, profile):
     outs = []
     for gpus, inline in (("cpu:1", True), ("cpu:2", False)):
-        with Pool(fake_factory(flip=0.5), gpus, inline=inline) as pool:
+        with Pool(fake_factory(flip=0.5), gpus, backend=Inline() if inline else Fork()) as pool:
             result = RolloutRunner(pool, profile, chunk_size=3, save_rollouts=True).run(spec(tickets))
         outs.append((msgspec.to_builtins(result.stats), msgspec.to_builtins(result.rollouts)))
     assert outs[0] == outs[1]
@@ -94,7 +95,7 @@ def test_chunks_carry_their_cost_and_the_longest_start_first(tickets, profile):
 
 
 def test_cache_hit_generates_nothing(tickets, profile):
-    with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+    with Pool(fake_factory(), "cpu:1", backend=Inline()) as pool:
         runner = RolloutRunner(pool, profile, chunk_size=4)
         first = runner.run(spec(tickets))
         done = items_total(pool)
@@ -109,7 +110,7 @@ def test_cache_hit_generates_nothing(tickets, profile):
 
 def test_different_guidance_or_seed_key_is_generated(tickets, profile):
     rule = dict(GUIDANCE, G1="Fail if scratch on the door.")
-    with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+    with Pool(fake_factory(), "cpu:1", backend=Inline()) as pool:
         runner = RolloutRunner(pool, profile, chunk_size=4)
         base = runner.run(spec(tickets))
         cand = runner.run(spec(tickets, name="cand", guidance=rule))
@@ -125,7 +126,7 @@ def test_different_guidance_or_seed_key_is_generated(tickets, profile):
 
 def test_dropped_tickets_excluded_and_counted(tickets, profile):
     drop = {tickets[1].key, tickets[7].key}
-    with Pool(fake_factory(drop_keys=drop), "cpu:1", inline=True) as pool:
+    with Pool(fake_factory(drop_keys=drop), "cpu:1", backend=Inline()) as pool:
         result = RolloutRunner(pool, profile, chunk_size=3).run(spec(tickets))
     assert set(result.dropped) == drop
     assert all(n > 0 for n in result.dropped.values())
@@ -135,7 +136,7 @@ def test_dropped_tickets_excluded_and_counted(tickets, profile):
 
 def test_dropped_tickets_are_named_in_one_warning_per_phase(tickets, profile, caplog):
     drop = {tickets[1].key, tickets[7].key}
-    with Pool(fake_factory(drop_keys=drop), "cpu:1", inline=True) as pool:
+    with Pool(fake_factory(drop_keys=drop), "cpu:1", backend=Inline()) as pool:
         runner = RolloutRunner(pool, profile, chunk_size=3)
         with caplog.at_level(logging.WARNING, logger="stageb_pool"):
             runner.wait([runner.submit(spec(tickets, name="train")),
@@ -152,7 +153,7 @@ def test_overlength_tickets_dropped_by_max_prompt_tokens(tickets, profile):
     lengths = {t.key: prompt_tokens(t.text(), GUIDANCE) for t in tickets}
     limit = sorted(lengths.values())[len(tickets) // 2]
     sampler = msgspec.structs.replace(SAMPLER, max_prompt_tokens=limit)
-    with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+    with Pool(fake_factory(), "cpu:1", backend=Inline()) as pool:
         result = RolloutRunner(pool, profile, chunk_size=3).run(spec(tickets, sampler=sampler))
     assert result.dropped == {k: n for k, n in lengths.items() if n > limit}
     assert set(result.stats) == {k for k, n in lengths.items() if n <= limit}
@@ -160,7 +161,7 @@ def test_overlength_tickets_dropped_by_max_prompt_tokens(tickets, profile):
 
 def test_invalid_samples_counted(tickets, profile):
     bad = tickets[2].key
-    with Pool(fake_factory(invalid_keys={bad}), "cpu:1", inline=True) as pool:
+    with Pool(fake_factory(invalid_keys={bad}), "cpu:1", backend=Inline()) as pool:
         result = RolloutRunner(pool, profile, chunk_size=3).run(spec(tickets))
     s = result.stats[bad]
     assert s.majority is None and s.invalid_count == K and s.verdicts == [None] * K
@@ -215,7 +216,7 @@ def test_engine_answering_wrong_tickets_is_an_error(tickets, profile):
             result = super().rollout(chunk, **kw)
             return msgspec.structs.replace(result, tickets=result.tickets[::-1])
 
-    with Pool(lambda device: Shuffler(device), "cpu:1", inline=True) as pool:
+    with Pool(lambda device: Shuffler(device), "cpu:1", backend=Inline()) as pool:
         with pytest.raises(RuntimeError, match="answered tickets"):
             RolloutRunner(pool, profile, chunk_size=3).run(spec(tickets))
 
@@ -225,7 +226,7 @@ def test_progress_log_lines_without_terminal(tickets, profile, caplog):
     progress = Progress(stream=io.StringIO(), log=log, interval_s=1e9, every_chunks=2)
     assert not progress.tty
     with caplog.at_level(logging.INFO, logger="test.progress"):
-        with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+        with Pool(fake_factory(), "cpu:1", backend=Inline()) as pool:
             RolloutRunner(pool, profile, chunk_size=3, progress=progress).run(spec(tickets))
     lines = [r.getMessage() for r in caplog.records]
     # 4 chunks: a line after chunks 2 and 4; the one after chunk 4 is the final line (not repeated)
@@ -263,7 +264,7 @@ def test_progress_share_per_worker():
 def test_engine_error_propagates_and_runner_stays_usable(tickets, profile):
     from stageb_pool import WorkerError
 
-    with Pool(fake_factory(fail_on=tickets[4].key), "cpu:1", inline=True) as pool:
+    with Pool(fake_factory(fail_on=tickets[4].key), "cpu:1", backend=Inline()) as pool:
         runner = RolloutRunner(pool, profile, chunk_size=3)
         with pytest.raises(WorkerError, match="told to fail"):
             runner.run(spec(tickets))
@@ -289,7 +290,7 @@ def test_progress_final_line_when_last_chunk_was_not_logged(caplog):
 def test_the_runs_counts_continue_across_processes_while_the_process_counts_start_over(tickets, profile):
     """A resumed run continues the run's counts from state.json: a chunk the interrupted
     process already used counts as saved, though this process generates it again."""
-    with Pool(fake_factory(), "cpu:1", inline=True) as pool:
+    with Pool(fake_factory(), "cpu:1", backend=Inline()) as pool:
         first = RolloutRunner(pool, profile, chunk_size=4)
         first.run(spec(tickets))
         first.run(spec(tickets))

@@ -15,7 +15,7 @@ flags of upstream's launcher work too: ``--config FILE``, ``--jump-reflection`` 
 
 Exit codes: 0 done, 1 run failed (a worker error; for diff: the runs differ), 2 bad input
 (config, tickets, guidance, arguments), 130 interrupted. Errors are one line on stderr, at
-most ``MAX_ERROR_CHARS`` long.
+most ``errors.MAX_ERROR_CHARS`` long.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import sys
 from .. import __version__
 from ..search.fileio import OutputError
 from ..search.run_owner import WaitStopped
-from ..stageb.errors import InputError, UsageError
+from ..stageb.errors import InputError, UsageError, capped
 from .stop_signals import Terminated, stop_signals_raise_terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -41,7 +41,6 @@ _NUMBER = re.compile(r"[-+]?[0-9.]+(?:e[-+]?[0-9]+)?")  # a number argparse woul
 COMMANDS = ("run", "check", "diff", "report", "import-config")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UPSTREAM_LOG_LEVELS = {"logging": "info"}  # upstream's launcher spells info "logging"
-MAX_ERROR_CHARS = 2000  # an error quoting a huge value must not flood the terminal
 log = logging.getLogger("stageb_pool")
 
 
@@ -50,21 +49,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
-
-
-_LINE_BREAKING = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-def capped(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """``text`` as one printable line: control and line-break characters (a key or path may hold
-    them) escaped, and the middle cut out past ``limit`` characters, saying how much: the start
-    (what failed) and the end (the key or reason after a long path or value) both stay."""
-    text = _LINE_BREAKING.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                              else f"\\u{ord(m.group()):04x}", text)
-    if len(text) <= limit:
-        return text
-    tail = limit // 4
-    return f"{text[:limit - tail]} ... ({len(text) - limit} characters left out) ... {text[-tail:]}"
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -209,17 +193,18 @@ def cmd_run(args) -> int:
     with stop_signals_raise_terminated():
         plan = plan_command(config_path(args), args.overrides, audit=args.audit, upstream_root=args.upstream_root,
                             devices=device_request(args), check_prompts=True)
-        return job.run_plan(plan, resume=args.resume, overwrite=args.overwrite, debug=args.debug, wait=args.wait)
+        return job.run_plan(plan, resume=args.resume, overwrite=args.overwrite, wait=args.wait)
 
 
 def device_request(args):
-    """The device options of ``run`` or ``check`` (``--gpus``, ``--gpus-per-worker``, ``--ray``)
-    as the plan takes them (``plan.DeviceRequest``), None for ``check`` without ``--gpus``."""
+    """The device options of ``run`` or ``check`` (``--gpus``, ``--gpus-per-worker``, ``--ray``,
+    ``--debug``) as the plan takes them (``plan.DeviceRequest``), None for ``check`` without ``--gpus``."""
     from .plan import DeviceRequest
 
     if args.gpus is None:
         return None
-    return DeviceRequest(args.gpus, args.gpus_per_worker, args.ray, command=f"stageb-pool {args.command}")
+    return DeviceRequest(args.gpus, args.gpus_per_worker, args.ray, debug=getattr(args, "debug", False),
+                         command=f"stageb-pool {args.command}")
 
 
 def cmd_check(args) -> int:
@@ -237,7 +222,6 @@ def cmd_check(args) -> int:
 
 def cmd_import_config(args) -> int:
     """Write the stageb-pool config equivalent to an upstream Stage-B config."""
-    from ..search.fileio import atomic_write_bytes
     from .config import load_config
     from .config.load import read_config
     from .config_yaml import native_yaml
@@ -254,12 +238,7 @@ def cmd_import_config(args) -> int:
     out = os.path.abspath(args.output)
     if os.path.lexists(out):
         raise InputError("exists; import-config writes a new file (remove it first)", out)
-    try:
-        atomic_write_bytes(out, native_yaml(translation, where, out_dir=os.path.dirname(out)).encode())
-    except OSError as err:
-        raise InputError(f"cannot write it: {err.strerror or err}", out) from None
-    print(f"wrote {out}", file=sys.stderr)
-    return EXIT_OK
+    return _write_output(out, native_yaml(translation, where, out_dir=os.path.dirname(out)).encode(), "it")
 
 
 def cmd_diff(args) -> int:
@@ -278,7 +257,6 @@ def cmd_report(args) -> int:
     page) to RUN_DIR/report.html, the -o FILE given (a new file or a previous report, checked
     before anything is written: report/output.py), or stdout for ``-o -``."""
     from ..report import REPORT_FILE, ReportError, check_target, render_report
-    from ..search.fileio import atomic_write_bytes
 
     out = args.output or os.path.join(args.run_dir, REPORT_FILE)
     try:
@@ -291,11 +269,17 @@ def cmd_report(args) -> int:
         sys.stdout.buffer.write(page)
         sys.stdout.flush()
         return EXIT_OK
-    out = os.path.abspath(out)
+    return _write_output(os.path.abspath(out), page, "the report")
+
+
+def _write_output(out: str, data: bytes, what: str) -> int:
+    """Write a command's output file, saying so on stderr; one that cannot be written is bad input."""
+    from ..search.fileio import atomic_write_bytes
+
     try:
-        atomic_write_bytes(out, page)
+        atomic_write_bytes(out, data)
     except OSError as err:
-        raise InputError(f"cannot write the report: {err.strerror or err}", out) from None
+        raise InputError(f"cannot write {what}: {err.strerror or err}", out) from None
     print(f"wrote {out}", file=sys.stderr)
     return EXIT_OK
 

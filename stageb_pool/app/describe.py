@@ -5,11 +5,17 @@ short table."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from .cli import capped
+from ..pool import Device, Ray
+from ..stageb.errors import capped
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .plan import RunPlan
 
 
-def describe(plan) -> str:
+def describe(plan: RunPlan) -> str:
     """What the run of ``plan`` (``plan.plan_command``) would do, as ``check`` prints it; with
     the plan's devices (``--gpus``), the worker layout and the memory budget too (nothing
     touches CUDA). Raises InputError where the run would (a sampler whose every ticket is over
@@ -20,7 +26,7 @@ def describe(plan) -> str:
     from .prompt_budget import measure_lines, rules_summary, sampler_caps
 
     cfg, inputs, run_dir, devices = plan.config, plan.inputs, plan.run_dir, plan.devices
-    ray = plan.ray_address is not None
+    ray = isinstance(plan.backend, Ray)
     model = inputs.model
     tickets, ingest, g = inputs.tickets, inputs.ingest, inputs.seed_guidance
     rs, chunk = cfg.rule_search, cfg.runner.chunk_size
@@ -78,7 +84,7 @@ def describe(plan) -> str:
     return _table(lines + measure_lines(cfg, inputs, sampler_caps(cfg, tickets)))
 
 
-def layout_lines(devices, *, ray: bool = False) -> list[tuple[str, str]]:
+def layout_lines(devices: list[Device], *, ray: bool = False) -> list[tuple[str, str]]:
     """The workers a run would start and the GPUs each holds (what run.json's layout records).
     Under Ray the GPUs are numbered in rank order: which ones they are is Ray's choice. Under
     a mask that renames the GPUs, a line names it (what --gpus counts)."""
@@ -112,7 +118,7 @@ def _worker_gpus(device, *, ray: bool = False) -> str:
     return device.name + (f" (GPUs {', '.join(own)})" if device.group_size > 1 else "")
 
 
-def memory_lines(cfg, model, devices, *, ray: bool = False) -> list[tuple[str, str]]:
+def memory_lines(cfg: Config, model, devices: list[Device], *, ray: bool = False) -> list[tuple[str, str]]:
     """The memory budget check: the weight bytes of ``model`` (a ModelRef; from its file
     headers) against one group's GPU memory (nvidia-smi); a warning when it will not fit. Only
     for GPU workers; under Ray the GPUs are the cluster's, not this machine's, so only the
@@ -156,7 +162,7 @@ def _chunks(n: int, size: int) -> int:
 
 
 def _table(lines: list[tuple[str, str]]) -> str:
-    """One line per entry, each at most about ``MAX_ERROR_CHARS`` (a value may quote a huge
+    """One line per entry, each at most about ``errors.MAX_ERROR_CHARS`` (a value may quote a huge
     key, mission or path)."""
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {capped(v)}" for k, v in lines)

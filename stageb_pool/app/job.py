@@ -16,7 +16,7 @@ import msgspec
 
 from ..engine.model_path import ModelRef
 from ..engine.records import EngineSettings
-from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Pool
+from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Inline, Pool, Ray
 from ..report import TIMELINE_FILE
 from ..search import rundir
 from ..search.audit import AuditSettings, run_audit
@@ -74,68 +74,63 @@ def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, ove
     test seam) replaces the model engine, and then the prompts are not measured with the
     model's tokenizer beforehand; ``config_path`` (the config file) is one of the inputs no
     output may overwrite."""
-    plan = plan_run(config, audit=audit, config_path=config_path, devices=DeviceRequest(gpus, ray_address=ray_address),
+    plan = plan_run(config, audit=audit, config_path=config_path,
+                    devices=DeviceRequest(gpus, ray_address=ray_address, debug=debug),
                     check_prompts=engine_factory is None)  # the model's own tokenizer renders the prompts
-    return run_plan(plan, resume=resume, overwrite=overwrite, debug=debug, wait=wait, engine_factory=engine_factory,
+    return run_plan(plan, resume=resume, overwrite=overwrite, wait=wait, engine_factory=engine_factory,
                     argv=argv, report_jobs=report_jobs)
 
 
-def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, debug: bool = False,
-             wait: bool | float = False, engine_factory=None, argv: list[str] | None = None,
-             report_jobs: list | None = None) -> int:
+def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, wait: bool | float = False,
+             engine_factory=None, argv: list[str] | None = None, report_jobs: list | None = None) -> int:
     """Run the audit or rule search of ``plan``; return 0 on success. Exceptions propagate (the
     CLI maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
 
-    ``debug`` runs one worker (the plan's first device) inline. ``engine_factory`` (a test
-    seam) replaces the model engine; ``argv`` is recorded in run.json (default: sys.argv).
-    With the plan's ``ray_address`` (``--ray``) the workers are Ray actors on that cluster; the
-    parent still writes every artifact here, and the placement may take
-    ``pool.start_timeout``. Another process holding the run directory is an InputError naming
-    its pid, or, with ``wait`` (``--wait [SECONDS]``: True or a bound in seconds), waited for.
-    report.html is rendered by a child process while the pool closes, and waited for before
-    this returns; with ``report_jobs`` (a list) its ``ReportJob`` is appended there instead,
-    for the caller to ``wait`` (a benchmark that times the run and the report apart)."""
+    The workers run where the plan's backend says (``Inline``: ``--debug``; ``Ray``: ``--ray``,
+    the parent still writing every artifact here). ``engine_factory`` (a test seam) replaces
+    the model engine; ``argv`` is recorded in run.json (default: sys.argv). Another process
+    holding the run directory is an InputError naming its pid, or, with ``wait`` (``--wait
+    [SECONDS]``: True or a bound in seconds), waited for. report.html is rendered by a child
+    process while the pool closes, and waited for before this returns; with ``report_jobs`` (a
+    list) its ``ReportJob`` is appended there instead, for the caller to ``wait`` (a benchmark
+    that times the run and the report apart)."""
     started = time.monotonic()
     config, inputs = plan.config, plan.inputs
-    devices = plan.devices[:1] if debug else plan.devices
     store = GuidanceStore(plan.run_dir, inputs.mission, config.guidance.retention)
     identity = plan.identity() if config.mode == "search" else None
     resume_check = None if identity is None else functools.partial(
         check_resume, tickets=inputs.tickets, settings=search_settings(config, inputs), identity=identity, store=store)
-    run = RunDir(plan.run_dir, overwrite=overwrite, resume=resume, run_json=run_json(plan, devices, debug=debug, argv=argv),
+    run = RunDir(plan.run_dir, overwrite=overwrite, resume=resume, run_json=run_json(plan, argv=argv),
                  seed_guidance=store.document(inputs.seed_guidance), distillation_file=distillation_file(config),
                  resume_check=resume_check)
     with run.lock(wait=wait):
         run.start()
-        return _run_locked(plan, run, store, identity, devices=devices, debug=debug, engine_factory=engine_factory,
-                           report_jobs=report_jobs, started=started)
+        return _run_locked(plan, run, store, identity, engine_factory=engine_factory, report_jobs=report_jobs,
+                           started=started)
 
 
-def run_json(plan: RunPlan, devices: list[Device], *, debug: bool, argv: list[str] | None) -> RunJson:
-    """run.json's facts of ``plan`` run on ``devices``; the provenance hashes the judged ticket set."""
+def run_json(plan: RunPlan, *, argv: list[str] | None) -> RunJson:
+    """run.json's facts of ``plan``; the provenance hashes the judged ticket set."""
     config, inputs = plan.config, plan.inputs
-    return RunJson(config=config, devices=devices, debug=debug, started_at=rundir.utc_now(), argv=argv,
+    return RunJson(config=config, devices=plan.devices, debug=isinstance(plan.backend, Inline),
+                   started_at=rundir.utc_now(), argv=argv,
                    model_path=config.model.path, chunk_size=config.runner.chunk_size,
                    profile_hash=content_hash(inputs.profile),
                    tickets_hash=tickets_hash(sorted(inputs.tickets, key=lambda t: t.key)))
 
 
 def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunIdentity | None, *,
-                devices: list[Device], debug: bool, engine_factory, report_jobs: list | None, started: float) -> int:
+                engine_factory, report_jobs: list | None, started: float) -> int:
     """``run_plan`` from the moment its run directory has started."""
-    config, inputs, run_dir, ray_address = plan.config, plan.inputs, plan.run_dir, plan.ray_address
+    config, inputs, run_dir, devices = plan.config, plan.inputs, plan.run_dir, plan.devices
     factory = engine_factory or engine_factory_for(config.model, inputs.model)
-    ray = ray_address is not None and not debug
+    ray = isinstance(plan.backend, Ray)
     # The report's process, forked while this one is clean: it loads matplotlib during the run.
     report = ReportJob()
     try:
-        pool = Pool(
-            factory, devices, task_timeout=config.pool.task_timeout, start_timeout=config.pool.start_timeout,
-            max_restarts=config.pool.max_restarts, stall_warning=config.pool.stall_warning, inline=debug,
-            backend="ray" if ray else "fork", ray_address=ray_address or "auto",
-            placement_timeout=config.pool.start_timeout, connect_timeout=config.pool.connect_timeout,
-            engine_agreement=engine_agreement(ray),
-        )
+        pool = Pool(factory, devices, backend=plan.backend, task_timeout=config.pool.task_timeout,
+                    start_timeout=config.pool.start_timeout, max_restarts=config.pool.max_restarts,
+                    stall_warning=config.pool.stall_warning, engine_agreement=engine_agreement(ray))
     except BaseException:
         report.cancel()
         raise
@@ -145,7 +140,7 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
         runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
                                progress=progress, save_rollouts=config.output.save_rollouts,
                                engine_key=content_hash(msgspec.to_builtins(info, enc_hook=str)))
-        run.record_workers(pool.devices, info)  # under Ray: the threads its plan gave each worker
+        run.record_workers(info)
         log.info("%s run of %d tickets (mission %s) on %d worker(s) -> %s",
                  config.mode, len(inputs.tickets), inputs.mission, pool.size, run_dir)
         if ray:

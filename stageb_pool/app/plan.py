@@ -1,16 +1,13 @@
 """The run plan: a command's config and options turned into everything a run is about to do,
-validated.
+validated, by one start-up sequence shared by ``check`` and ``run``: ``plan_command`` from the
+command line, ``plan_run`` from a config already loaded (tests, benchmarks).
 
-``plan_command`` (the config file, ``--set``, ``--audit``, the device options, ``--upstream-root``)
-and ``plan_run`` (a config already loaded, as tests and benchmarks hold it) are the one start-up
-sequence of ``check`` and ``run``: the group size and the ``--gpus`` spec turned into the
-workers' devices (``resolve_devices``, the one parse of the spec), the mode applied, every
-input read and validated (``load_inputs``: tickets, exclusions, prompt profile, model path,
-engine, seed guidance, proposer prompt), the run directory placed and checked, the outputs
-checked against the inputs; the run's identity on request. The model path is checked once, in
-this process, into a ``ModelRef`` that the workers load without checking it again. ``check``
-prints the plan (``describe``), ``run`` executes it (``job.run_plan``). Nothing here touches
-the disk or forks a worker: bad input costs nothing and damages nothing.
+The plan chooses the backend (``--debug``: inline; ``--ray``: Ray; else forked workers) and
+reads the ``--gpus`` spec as it takes it, once (``pool.plan_devices``); applies the mode; reads
+and validates every input (``load_inputs``), the model path once into a ``ModelRef`` that the
+workers load without checking it again; places and checks the run directory and the outputs.
+``check`` prints the plan (``describe``), ``run`` executes it (``job.run_plan``). Nothing here
+touches the disk or forks a worker: bad input costs nothing and damages nothing.
 """
 
 from __future__ import annotations
@@ -23,15 +20,15 @@ import msgspec
 
 from ..engine import model_path
 from ..engine.model_path import ModelRef, check_engine
-from ..pool import Device, DeviceSpecError, parse_gpus, parse_ray_spec
-from ..pool.devices import GroupSizeError, ray_devices
+from ..pool import Backend, Device, DeviceSpecError, Fork, Inline, Ray, plan_devices
+from ..pool.devices import GroupSizeError
 from ..search import rundir
 from ..search.settings import RunIdentity
 from ..stageb import guidance as guidance_mod
 from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError, UsageError
-from .config import load_checked_config, with_mode
+from .config import Config, load_checked_config, with_mode
 from .identity import run_identity
 from .outputs import check_outputs
 from .prompt_budget import refuse_unusable_prompts
@@ -39,28 +36,39 @@ from .prompt_budget import refuse_unusable_prompts
 
 class DeviceRequest(msgspec.Struct, frozen=True):
     """A command's device options: the ``--gpus`` spec, ``--gpus-per-worker`` (None: the
-    config's ``model.gpus_per_worker``) and ``--ray``'s address (None: workers forked here);
-    ``command`` (``stageb-pool run``) is where a usage error in them is located."""
+    config's ``model.gpus_per_worker``), ``--ray``'s address (None: not Ray) and ``--debug``
+    (one worker, inline); ``command`` (``stageb-pool run``) is where a usage error in them is
+    located."""
 
     gpus: str
     gpus_per_worker: int | None = None
     ray_address: str | None = None
+    debug: bool = False
     command: str = "stageb-pool run"
+
+    def backend(self, config: Config) -> Backend:
+        """Where the workers run (``--debug`` before ``--ray``); Ray's bounds are the config's."""
+        if self.debug:
+            return Inline()
+        if self.ray_address is not None:
+            return Ray(self.ray_address, placement_timeout=config.pool.start_timeout,
+                       connect_timeout=config.pool.connect_timeout)
+        return Fork()
 
 
 class RunInputs(msgspec.Struct):
     """Every input of a run, read and validated (``load_inputs``)."""
 
     mission: str
-    ingest: object
-    tickets: list
-    profile: object
+    ingest: tickets_mod.IngestReport
+    tickets: list[tickets_mod.Ticket]  # in the run's order
+    profile: prompts.PromptProfile
     model: ModelRef  # model.path, checked: what the workers load
-    seed_guidance: object
+    seed_guidance: guidance_mod.Guidance
     proposer_system: str | None  # the proposer's system prompt (search mode only)
 
 
-def load_inputs(config, model: ModelRef | None = None) -> RunInputs:
+def load_inputs(config: Config, model: ModelRef | None = None) -> RunInputs:
     """Read and validate every input file; raises InputError with a location on bad input.
     ``model``: the model path as the config's file checks resolved it (``load_checked_config``);
     None (a config loaded without them) checks it here."""
@@ -89,16 +97,16 @@ def load_inputs(config, model: ModelRef | None = None) -> RunInputs:
 
 
 class RunPlan(msgspec.Struct, frozen=True):
-    """What a run of ``config`` would do: its inputs, its run directory (not created yet) and
-    its workers' devices (None: ``check`` without ``--gpus``), run as Ray actors on the cluster
-    at ``ray_address`` when it is set. ``config`` holds the mode and the group size the run
-    uses; ``config_path`` is the file it was read from (None: a config built in code)."""
+    """What a run of ``config`` would do: its inputs, its run directory (not created yet), its
+    workers' devices (None: ``check`` without ``--gpus``) and where they run (``backend``).
+    ``config`` holds the mode and the group size the run uses; ``config_path`` is the file it
+    was read from (None: a config built in code)."""
 
-    config: object
+    config: Config
     inputs: RunInputs
     run_dir: Path
     devices: list[Device] | None = None
-    ray_address: str | None = None
+    backend: Backend = Fork()
     config_path: str | None = None
 
     def identity(self) -> RunIdentity:
@@ -118,7 +126,7 @@ def plan_command(config_path: str, overrides=(), *, audit: bool = False, upstrea
                     check_prompts=check_prompts)
 
 
-def plan_run(config, *, audit: bool, config_path: str | None, devices: DeviceRequest | None = None,
+def plan_run(config: Config, *, audit: bool, config_path: str | None, devices: DeviceRequest | None = None,
              model: ModelRef | None = None, check_prompts: bool = False) -> RunPlan:
     """Validate ``config`` (``--audit`` and the device options applied) and every input it
     names; raises InputError with a location on bad input. ``model``: the model path already
@@ -127,7 +135,7 @@ def plan_run(config, *, audit: bool, config_path: str | None, devices: DeviceReq
     prompt cap), as ``run`` does before any worker loads the model; ``check`` measures the
     prompts in its own table instead. ``config_path`` is one of the inputs no output may
     overwrite."""
-    workers = None
+    workers, backend = None, Fork()
     if devices is not None:
         if devices.gpus_per_worker is not None and not 1 <= devices.gpus_per_worker <= 16:
             # The same bound as the config key, checked here so that the message names the option;
@@ -137,8 +145,8 @@ def plan_run(config, *, audit: bool, config_path: str | None, devices: DeviceReq
         config = with_gpus_per_worker(config, devices.gpus_per_worker)
         given = devices.gpus_per_worker is not None
         key = f"{os.path.abspath(config_path)}: model.gpus_per_worker" if config_path else "model.gpus_per_worker"
-        workers = resolve_devices(devices.gpus, ray=devices.ray_address is not None,
-                                  gpus_per_worker=config.model.gpus_per_worker,
+        backend = devices.backend(config)
+        workers = resolve_devices(devices.gpus, backend, gpus_per_worker=config.model.gpus_per_worker,
                                   threads_per_worker=config.pool.threads_per_worker,
                                   group_location="--gpus-per-worker" if given else key)
     config = with_mode(config, audit)
@@ -148,29 +156,23 @@ def plan_run(config, *, audit: bool, config_path: str | None, devices: DeviceReq
     run_dir = rundir.run_dir_path(config, inputs.mission)
     rundir.check_inside(run_dir, config.output.root)
     check_outputs(config, run_dir, config_path=config_path)
-    return RunPlan(config, inputs, run_dir, workers, devices.ray_address if devices is not None else None,
-                   config_path)
+    return RunPlan(config, inputs, run_dir, workers, backend, config_path)
 
 
-def resolve_devices(spec, *, ray: bool = False, gpus_per_worker: int = 1, threads_per_worker: int = 1,
+def resolve_devices(spec, backend: Backend = Fork(), *, gpus_per_worker: int = 1, threads_per_worker: int = 1,
                     group_location: str = "--gpus-per-worker") -> list[Device]:
-    """The devices of a ``--gpus`` spec, one per worker (a group of ``gpus_per_worker`` GPUs
-    each, ``threads_per_worker`` torch threads each: ``pool.threads_per_worker``); a bad spec is an InputError located at ``--gpus``, a group size that does not fit
-    it one located at ``group_location`` (the option, or the config key it came from).
-    Under Ray (``--ray``) the spec is a GPU count or ``cpu:N``: Ray chooses the GPUs, so the
-    devices are numbered by rank."""
+    """The devices of a ``--gpus`` spec as ``backend`` reads it (``pool.plan_devices``), one per
+    worker; a bad spec is an InputError located at ``--gpus``, a group size that does not fit
+    it one located at ``group_location`` (the option, or the config key it came from)."""
     try:
-        if ray:
-            kind, count = parse_ray_spec(spec, gpus_per_worker=gpus_per_worker)
-            return ray_devices(kind, count, gpus_per_worker, threads_per_worker)
-        return parse_gpus(spec, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker)
+        return plan_devices(backend, spec, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker)
     except GroupSizeError as err:
         raise InputError(str(err), group_location) from None
     except DeviceSpecError as err:
         raise InputError(str(err), "--gpus") from None
 
 
-def with_gpus_per_worker(config, gpus_per_worker: int | None):
+def with_gpus_per_worker(config: Config, gpus_per_worker: int | None) -> Config:
     """The config with ``--gpus-per-worker`` (when given) in ``model.gpus_per_worker``, so the
     resolved config in run.json and the resume identity hold the group size the run used."""
     if gpus_per_worker is None or gpus_per_worker == config.model.gpus_per_worker:

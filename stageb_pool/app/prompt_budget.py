@@ -1,41 +1,36 @@
-"""``check``'s measure of the prompts against each sampler's ``max_prompt_tokens``.
+"""The prompts against each sampler's ``max_prompt_tokens``, rendered and tokenized by the
+engine's own function (``chat_text.chunk_prompts``) with the model's tokenizer, loaded without
+any weights.
 
-A run drops (never truncates) a ticket whose rendered prompt exceeds its sampler's cap and
-only counts it; ``check`` names those tickets beforehand. The prompts are rendered and
-tokenized by the engine's own function (``chat_text.chunk_prompts``) with the model's
-tokenizer, loaded without any weights. A tokenizer that cannot be loaded skips the measure
-(one line says why); it never fails ``check``. When every ticket a sampler judges is over its
-cap the run could judge nothing: that is bad input (InputError at the cap's key, naming the
-guidance and its largest rules). The guidance alone (a prompt with no ticket) is measured
-first: over a cap, every prompt is over it, and the tickets need no measuring.
+A run drops (never truncates) a ticket whose prompt exceeds its sampler's cap; ``check`` names
+those tickets beforehand (``measure_lines``; a tokenizer that cannot be loaded skips the
+measure, never fails ``check``). The decisions that the run could judge nothing are bad input,
+an InputError at the cap's key naming the guidance and its largest rules: every ticket of a
+sampler over its cap; the guidance alone (a prompt with no ticket, measured first) over it
+(``guidance_verdict``); the proposer's prompt over its cap even with the shortest example, as it
+is never asked without one (``proposer_verdict``). ``run`` asks the same functions before the run
+directory is touched or any worker starts (``refuse_unusable_prompts``).
 
-Measuring never tokenises more than the caps need: a token stands for at most
-``max_token_chars`` characters (the longest entry of the vocabulary, special tokens included;
-a byte-level vocabulary spells each byte as one character, so this bounds the characters too),
-so a prompt of more than ``cap * max_token_chars`` characters is over the cap whatever its
-tokens are, and is counted as over without being tokenised (its length shown as the lower
-bound ``ceil(characters / max_token_chars)``).
-
-``guidance_verdict`` is the one decision about a guidance too large for a cap: ``check``
-raises it, and ``run`` asks the same function (in a forked helper, so the parent never imports
-the tokenizer's libraries) before the run directory is touched or any worker starts.
-``proposer_verdict`` is the same decision for the proposer's prompt and
-``rule_search.proposer_max_prompt_tokens``: the proposer is never asked without an example, so
-a prompt over the cap even with the shortest example a train ticket gives means no proposer
-call of the search could be made.
+A token stands for at most ``max_token_chars`` characters (the longest vocabulary entry), so a
+prompt of more than ``cap * max_token_chars`` characters is over the cap whatever its tokens are:
+it is counted as over without being tokenised, its length shown as that lower bound.
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
 from ..engine.model_path import one_line
 from ..stageb.errors import InputError
 from ..stageb.tickets import TicketText
+
+if TYPE_CHECKING:  # the plan imports this module
+    from .config import Config
+    from .plan import RunInputs
 
 SHOWN = 3  # tickets and rules named per line
 BATCH = 256  # tickets rendered and tokenized per call (bounds the memory of a huge ticket file)
@@ -56,7 +51,7 @@ class Measured(msgspec.Struct, frozen=True):
     tickets: list
 
 
-def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]]:
+def measure_lines(cfg: Config, inputs: RunInputs, measured: list[Measured]) -> list[tuple[str, str]]:
     """``check``'s lines about prompt lengths (raises InputError when a sampler's every
     ticket is over its cap, or when the proposer's prompt is over its cap with any one example)."""
     train = _train_tickets(measured)
@@ -96,7 +91,7 @@ def measure_lines(cfg, inputs, measured: list[Measured]) -> list[tuple[str, str]
     return lines + _proposer_lines(tokenizer, cfg, inputs, train)
 
 
-def sampler_caps(cfg, tickets: list) -> list[Measured]:
+def sampler_caps(cfg: Config, tickets: list) -> list[Measured]:
     """Each sampler's cap with the tickets it judges: the audit's one rollout, or the search's
     train and eval pools (the search's own split)."""
     from ..stageb.ticket_pools import split_eval_pool
@@ -110,25 +105,18 @@ def sampler_caps(cfg, tickets: list) -> list[Measured]:
             Measured("eval", "rule_search.eval_sampler.max_prompt_tokens", rs.eval_sampler.max_prompt_tokens, held)]
 
 
-def refuse_unusable_prompts(cfg, inputs) -> None:
+def refuse_unusable_prompts(cfg: Config, inputs: RunInputs) -> None:
     """``run``'s copy of ``check``'s decisions, before any worker loads the model: InputError
     when the tokenizer has no chat template (every prompt is rendered with it), when the
-    guidance alone is over a sampler's cap (``guidance_verdict``) or when the proposer's prompt
-    is over its cap with one example (``proposer_verdict``; a model engine's only: the
-    simulated engine's proposer is a latency model). The tokenizer is loaded in
-    a forked helper process, so this process never imports the tokenizer's libraries (torch
-    among them) before it forks its workers; a tokenizer that cannot be loaded skips the
-    check, as in ``check``.
-
-    The simulated engine renders no chat template: its workers measure a prompt with their
-    token counter (``simulated_engine.messages_tokens``), so the guidance is measured with
-    that counter, the one the workers inherit (``simulated_engine.preloaded_counter``),
-    in this process and in milliseconds; only a counter that cannot be loaded without
-    threads (the tiny model's BPE is trained) is measured in the helper."""
-    import json
-    import os
-
-    from ..pool.fork import fork_child
+    guidance alone is over a sampler's cap or when the proposer's prompt is over its cap with
+    one example (a model engine's only: the simulated engine's proposer is a latency model). The
+    tokenizer is loaded in a child (``fork.call_in_child``), so this process never imports its
+    libraries (torch among them) before it forks its workers; a tokenizer that cannot be loaded
+    skips the check, as in ``check``. The simulated engine's workers measure a prompt with their
+    token counter (``simulated_engine.messages_tokens``): the guidance is measured with the one
+    they inherit (``preloaded_counter``) here, in milliseconds, or in the child when it cannot
+    be loaded without threads (the tiny model's BPE is trained)."""
+    from ..pool.fork import call_in_child
 
     everyone = sampler_caps(cfg, inputs.tickets)
     train = _train_tickets(everyone)
@@ -141,10 +129,8 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
         if counter is not None:
             guidance_verdict(None, cfg, inputs, measured, lengths=simulated_lengths(counter))
             return
-    read, write = os.pipe()
 
-    def helper():
-        answer = None
+    def helper() -> _Refusal | None:
         try:
             from ..engine import models
 
@@ -158,25 +144,24 @@ def refuse_unusable_prompts(cfg, inputs) -> None:
                 guidance_verdict(tokenizer, cfg, inputs, measured)
                 proposer_verdict(tokenizer, cfg, inputs, train)
         except InputError as err:
-            answer = [err.message, err.location]
+            return _Refusal(err.message, err.location)
         except Exception:  # noqa: BLE001 - no tokenizer, no verdict: the workers report their own load errors
             pass
-        with os.fdopen(write, "w") as out:
-            out.write(json.dumps(answer))
+        return None
 
-    try:
-        pid = fork_child(helper, keep=(write,))
-    finally:
-        os.close(write)
-    with os.fdopen(read) as answer_file:
-        text = answer_file.read()
-    os.waitpid(pid, 0)
-    answer = json.loads(text) if text else None
-    if answer:
-        raise InputError(answer[0], answer[1])
+    refusal = call_in_child(helper, _Refusal | None)
+    if refusal is not None:
+        raise InputError(refusal.message, refusal.location)
 
 
-def guidance_verdict(tokenizer, cfg, inputs, measured: list[Measured], lengths=None) -> int:
+class _Refusal(msgspec.Struct, frozen=True):
+    """The InputError a ``refuse_unusable_prompts`` helper found, as it crosses the process boundary."""
+
+    message: str
+    location: str | None
+
+
+def guidance_verdict(tokenizer, cfg: Config, inputs: RunInputs, measured: list[Measured], lengths=None) -> int:
     """The tokens of a prompt without any ticket (the profile, the mission, the guidance);
     InputError at the first sampler's cap key that it exceeds: every prompt holds the whole
     guidance, so that sampler would drop every ticket and judge none. ``lengths``: how the
@@ -193,7 +178,7 @@ def guidance_verdict(tokenizer, cfg, inputs, measured: list[Measured], lengths=N
     return alone
 
 
-def proposer_verdict(tokenizer, cfg, inputs, train: list) -> tuple[int, str] | None:
+def proposer_verdict(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> tuple[int, str] | None:
     """``(tokens, ticket key)`` of the proposer's prompt (its system prompt, the mission, the
     seed guidance) with one example, the shortest in tokens of the train tickets' examples
     that are shortest in characters (``PROPOSER_EXAMPLES_MEASURED``; the vote an example
@@ -257,7 +242,7 @@ def _train_tickets(measured: list[Measured]) -> list:
     return next((m.tickets for m in measured if m.label == "train"), [])
 
 
-def _proposer_lines(tokenizer, cfg, inputs, train: list) -> list[tuple[str, str]]:
+def _proposer_lines(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> list[tuple[str, str]]:
     """``check``'s line about the proposer's prompt (``proposer_verdict`` raises when it is over)."""
     measured = proposer_verdict(tokenizer, cfg, inputs, train)
     if measured is None:
@@ -313,7 +298,7 @@ def prompt_lengths(tokenizer, tickets: list[TicketText], guidance: dict[str, str
     return out
 
 
-def _guidance_part(cfg, inputs, alone: int, cap: int) -> str:
+def _guidance_part(cfg: Config, inputs: RunInputs, alone: int, cap: int) -> str:
     """What every prompt holds besides its ticket: the profile's text, the mission name and the
     guidance, with its largest rules (the usual culprit)."""
     rules = inputs.seed_guidance.experiences

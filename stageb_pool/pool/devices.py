@@ -3,8 +3,8 @@
 The parent must never initialise CUDA (a forked child could not use it), so GPUs are
 counted from the driver's /proc entries or ``nvidia-smi``, never through torch.cuda.
 
-A worker may hold a group of GPUs (``gpus_per_worker``, issue 25): a judge too large for one
-GPU is sharded over the group by the worker's engine, and the pool keeps one worker per group.
+A worker may hold a group of GPUs (``gpus_per_worker``): a judge too large for one GPU is
+sharded over the group by the worker's engine, and the pool keeps one worker per group.
 Groups are contiguous in the spec's order (``0-7`` in pairs: 0,1 / 2,3 / 4,5 / 6,7).
 
 ``--gpus`` numbers the GPUs as this process sees them: under ``CUDA_VISIBLE_DEVICES=4,5,6,7``
@@ -55,9 +55,7 @@ class Device(msgspec.Struct, frozen=True):
     count changes low bits: docs/architecture.md, "Determinism contract").
 
     ``group``: every GPU of a worker that holds more than one, in order (``index`` is the
-    first); ``()`` for a one-GPU or CPU worker, so a one-GPU Device is exactly what it was
-    before groups existed (same name, same mask, same threads; its JSON adds `group: []` and
-    `in_parent: false`).
+    first); ``()`` for a one-GPU or CPU worker.
 
     ``ordinal`` is the number torch gives the (first) GPU in the engine's process: 0 in a
     worker process, which sees only its own GPUs (CUDA_VISIBLE_DEVICES); ``index`` in inline
@@ -341,38 +339,28 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
     if len(set(indices)) != len(indices):
         raise DeviceSpecError(f"GPU list {_quote(spec)} names a GPU twice")
     _check_multiple(len(indices), gpus_per_worker, f"--gpus {_quote(spec)} names")
-    if gpus_per_worker == 1:
-        return [Device("cuda", gpu, rank, threads) for rank, gpu in enumerate(indices)]
+    return _gpu_workers(indices, gpus_per_worker, threads)
+
+
+def _gpu_workers(indices: list[int], gpus_per_worker: int, threads: int) -> list[Device]:
+    """One worker per run of ``gpus_per_worker`` GPUs of ``indices``, in order (a one-GPU
+    worker has no ``group``)."""
     groups = [tuple(indices[i:i + gpus_per_worker]) for i in range(0, len(indices), gpus_per_worker)]
-    return [Device("cuda", group[0], rank, threads, group=group) for rank, group in enumerate(groups)]
+    return [Device("cuda", group[0], rank, threads, group=group if len(group) > 1 else ())
+            for rank, group in enumerate(groups)]
 
 
-def parse_ray_spec(spec: str | int | list[Device], *, gpus_per_worker: int = 1) -> tuple[str, int]:
-    """``(kind, count)`` of a ``--gpus`` spec under the Ray backend, where Ray chooses the
-    GPUs: ``"32"`` (32 GPUs anywhere in the cluster), ``"cpu"`` or ``"cpu:N"``; or of a list
-    of Device (only their kind, number and group size count). ``count`` is the number of
-    GPUs (or CPU workers): with ``gpus_per_worker`` G the pool has count / G workers, and
-    count must be a multiple of G (``ray_workers``)."""
+def ray_devices(spec: str | int, *, gpus_per_worker: int = 1, threads_per_worker: int = 1) -> list[Device]:
+    """The devices of a ``--gpus`` spec under the Ray backend, where Ray chooses the GPUs:
+    ``"32"`` (32 GPUs anywhere in the cluster), ``"cpu"`` or ``"cpu:N"``. With
+    ``gpus_per_worker`` G the count must be a multiple of G; the devices are numbered by rank
+    (rank r holds r*G .. r*G+G-1 of the plan; ``Pool.placement`` tells which GPUs they are)."""
     gpus_per_worker = check_gpus_per_worker(gpus_per_worker)
-    if isinstance(spec, (list, tuple)) and spec and all(isinstance(d, Device) for d in spec):
-        if len({d.kind for d in spec}) > 1:
-            raise DeviceSpecError("a Ray pool's workers are all GPU workers or all CPU workers")
-        if len({d.group_size for d in spec}) > 1:
-            raise GroupSizeError("a Ray pool's GPU workers all hold the same number of GPUs")
-        if spec[0].kind == "cuda" and spec[0].group_size > 1:
-            if gpus_per_worker not in (1, spec[0].group_size):
-                raise GroupSizeError(f"the devices hold {spec[0].group_size} GPUs each, not {gpus_per_worker}")
-            gpus_per_worker = spec[0].group_size
-        spec = f"cpu:{len(spec)}" if spec[0].kind == "cpu" else str(sum(d.group_size for d in spec))
+    threads = check_threads_per_worker(threads_per_worker)
     spec = str(spec).strip()
-    if spec == "cpu" or spec.startswith("cpu:"):
-        m = _CPU.fullmatch(spec)
-        n = None if m is None else (1 if m.group(1) is None else _int(m.group(1)))
-        kind = "cpu"
-    else:
-        m = re.fullmatch(_NUMBER, spec)
-        n = None if m is None else _int(m.group(1))
-        kind = "cuda"
+    kind = "cpu" if spec == "cpu" or spec.startswith("cpu:") else "cuda"
+    m = _CPU.fullmatch(spec) if kind == "cpu" else re.fullmatch(_NUMBER, spec)
+    n = None if m is None else (1 if m.group(1) is None else _int(m.group(1)))
     if n is None or n < 1:
         raise DeviceSpecError(f"{_quote(spec)}: with Ray, the GPU spec is a count of GPUs N >= 1 "
                               "(Ray chooses which), cpu or cpu:N")
@@ -380,21 +368,6 @@ def parse_ray_spec(spec: str | int | list[Device], *, gpus_per_worker: int = 1) 
         raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_RAY_WORKERS} Ray workers")
     if kind == "cpu":
         _refuse_cpu_groups(spec, gpus_per_worker)
-    else:
-        _check_multiple(n, gpus_per_worker, "--gpus asks Ray for")
-    return kind, n
-
-
-def ray_workers(kind: str, count: int, gpus_per_worker: int = 1) -> int:
-    """The number of workers of a Ray pool of ``count`` GPUs (or CPU workers)."""
-    return count // gpus_per_worker if kind == "cuda" else count
-
-
-def ray_devices(kind: str, count: int, gpus_per_worker: int = 1, threads: int = 1) -> list[Device]:
-    """The devices of a Ray pool of ``count`` GPUs (or CPU workers), numbered by rank: Ray
-    chooses the physical GPUs, so a group's GPUs are numbered in rank order (rank r holds
-    r*G .. r*G+G-1 of the plan; ``Pool.placement`` tells which GPUs they are)."""
-    if kind != "cuda" or gpus_per_worker == 1:
-        return [Device(kind, rank, rank, threads) for rank in range(count)]
-    return [Device(kind, first, rank, threads, group=tuple(range(first, first + gpus_per_worker)))
-            for rank, first in enumerate(range(0, count, gpus_per_worker))]
+        return [Device("cpu", rank, rank, threads) for rank in range(n)]
+    _check_multiple(n, gpus_per_worker, "--gpus asks Ray for")
+    return _gpu_workers(list(range(n)), gpus_per_worker, threads)

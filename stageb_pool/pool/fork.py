@@ -12,11 +12,15 @@ import ctypes
 import gc
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 
+import msgspec
+
+from . import protocol
 from .errors import PoolError
 
 PR_SET_PDEATHSIG = 1
@@ -55,6 +59,22 @@ def fork_child(body, *, keep: tuple[int, ...] = (), setup=None, check_safe: bool
         os._exit(code)
 
 
+def call_in_child(body, result_type):
+    """``body()``'s value (a ``result_type``), computed in a child forked by ``fork_child`` and
+    sent back as one protocol frame over a socketpair, as a worker answers: for work whose
+    imports (torch, a tokenizer's libraries) this process must not load before it forks its
+    workers. None when the child sends nothing (it died; a traceback is on stderr)."""
+    ours, theirs = socket.socketpair()
+    with ours:
+        try:
+            pid = fork_child(lambda: theirs.sendall(protocol.frame(body())), keep=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        answer = protocol.recv_body(ours)
+    os.waitpid(pid, 0)
+    return None if answer is None else msgspec.json.decode(answer, type=result_type)
+
+
 def check_fork_safe() -> None:
     """Refuse to fork from a process where a child could deadlock or not use CUDA."""
     problems = []
@@ -68,7 +88,7 @@ def check_fork_safe() -> None:
     if ray is not None and ray.is_initialized():
         # Its gRPC threads do not survive a fork: a child segfaults on its first Ray call,
         # and may deadlock in any lock they held. They stay even after ray.shutdown().
-        problems.append("Ray is initialised in this process (use backend='ray', or create fork pools before ray.init)")
+        problems.append("Ray is initialised in this process (use backend=Ray(), or create fork pools before ray.init)")
     if os.path.isdir("/proc/self/task"):
         # A clean interpreter has 1 thread, plus the BLAS thread pool that `import numpy`
         # starts (torch imports numpy). Any other thread is usually torch's OpenMP pool,

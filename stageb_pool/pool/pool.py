@@ -3,11 +3,13 @@
     with Pool(Engine, gpus="cpu:2") as pool:
         out = pool.map("square", items, guidance=snapshot)   # results in input order
 
-The facade over a runner: ``InlineRunner`` (the engine in this process) or a ``Dispatcher``
+The facade over a runner, chosen by the backend value (backend.py): ``Inline`` is the
+``InlineRunner`` (the engine in this process); ``Fork`` and ``Ray`` are a ``Dispatcher``
 driving workers through a transport (``ForkedTransport``: forked by the zygote, one socketpair
-each; ``RayTransport``: Ray actors in one placement group). The pool encodes items and shared values at submit, gathers results in the order it
-was given, decodes them (as ``result_type`` when given) and owns the tasks' life cycle; the
-runner decides where a task runs and turns every worker fault into an error or a retry.
+each; ``RayTransport``: Ray actors in one placement group). The pool encodes items and shared
+values at submit, gathers results in the order it was given, decodes them (as ``result_type``
+when given) and owns the tasks' life cycle; the runner decides where a task runs and turns
+every worker fault into an error or a retry.
 """
 
 from __future__ import annotations
@@ -16,82 +18,68 @@ from contextlib import contextmanager
 
 import msgspec
 
-from .devices import (Device, DeviceSpecError, check_gpus_per_worker, check_threads_per_worker, parse_gpus,
-                      parse_ray_spec, ray_workers)
+from .backend import Backend, Fork, Inline, Ray, plan_devices
+from .devices import check_threads_per_worker
 from .dispatch import Dispatcher
 from .engine_agreement import ACCEPT_ANY, REFUSE_ANY_DIFFERENCE, EngineAgreement
 from .errors import FrameTooLarge, PoolError, TaskCancelled
 from .fork_transport import ForkedTransport
 from .inline import InlineRunner
-from .cluster_probe import CONNECT_TIMEOUT
 from .protocol import MAX_FRAME_BYTES, encode
 from .snapshots import SharedValue, SnapshotStore
 from .tasks import Outcome, PoolStats, TaskHandle
 
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week; a longer limit is a typo (and overflows select())
-BACKENDS = ("fork", "ray")
-RAY_DEPTH = 2  # tasks in flight per Ray actor
+RAY_DEPTH = 2  # tasks in flight per Ray actor: Ray's ~1 ms round trip is not spent idle
 
 
 class Pool:
-    """One worker process per device, each holding ``engine_factory(device)``.
+    """One worker per device, each holding ``engine_factory(device)``, run by ``backend``
+    (``Fork()``, the default; ``Inline()``; ``Ray(address)``: backend.py).
 
-    ``gpus``: ``"0-7"``, ``"0,2,5-6"``, ``"0"``, a list of ints, ``"cpu"``, ``"cpu:N"`` or a
-    list of ``Device``. ``task_timeout``/``start_timeout`` are seconds (None: no limit).
-    ``max_restarts``: how many dead or timed-out workers may be replaced (pool-wide); the
-    task they were running is retried. ``inline=True`` runs the engine in this process.
-    ``stall_warning``: seconds a task may run without a result before a warning names its
-    worker (repeated after each further ``stall_warning``; None: never). ``max_frame_bytes``
-    bounds every message (items, snapshots, results). A timeout that is
-    not a number of seconds in (0, ``MAX_TIMEOUT``], or a negative ``max_restarts``, is a
-    ValueError naming the argument.
-
-    ``backend="ray"`` runs the workers as Ray actors, one per GPU anywhere in the cluster
-    at ``ray_address`` (``"auto"``: the one ``ray start`` started; ``"local"``: a new one on
-    this machine, stopped by ``close``; ``"host:port"``); ``gpus`` is then a count (``"32"``)
-    or ``"cpu:N"``, and the workers are reserved within ``placement_timeout`` seconds or the
-    pool fails naming the resources. An existing cluster must answer and accept this process
-    within ``connect_timeout`` seconds, or the pool fails naming the address and the cause.
-    Everything else (errors, restarts, snapshots, order, results) is the same.
+    ``gpus``: ``"0-7"``, ``"0,2,5-6"``, ``"0"``, a list of ints, ``"cpu"``, ``"cpu:N"`` (under
+    Ray a GPU count, ``"32"``, or ``"cpu:N"``), or a list of ``Device`` already planned
+    (``backend.plan_devices``). ``task_timeout``/``start_timeout`` are seconds (None: no
+    limit). ``max_restarts``: how many dead or timed-out workers may be replaced (pool-wide);
+    the task they were running is retried. ``stall_warning``: seconds a task may run without a
+    result before a warning names its worker (repeated after each further ``stall_warning``;
+    None: never). ``max_frame_bytes`` bounds every message (items, snapshots, results). A
+    timeout that is not a number of seconds in (0, ``MAX_TIMEOUT``], or a negative
+    ``max_restarts``, is a ValueError naming the argument. Errors, restarts, snapshots, order
+    and results are the same under every backend.
 
     ``gpus_per_worker=G``: one worker per group of G GPUs (contiguous in the spec's order;
     under Ray, G GPUs of one node in the worker's bundle), its ``Device.group`` listing them
     and its CUDA_VISIBLE_DEVICES set to them; the engine shards its model over the group.
     The GPU count must be a multiple of G; a CPU spec takes only G=1 (DeviceSpecError).
 
-    ``threads_per_worker``: the torch intra-op threads of every worker (CPU or GPU, fork or
-    Ray), whatever the worker count and the machine's cores, so that a task gives the same
-    bits on any layout (another thread count sums reductions in another order); a list of
-    ``Device`` carries its own. Raise it for speed on a single worker, knowing that results
-    then match only runs with the same setting.
+    ``threads_per_worker``: the torch intra-op threads of every worker, whatever the worker
+    count and the machine's cores, so that a task gives the same bits on any layout (another
+    thread count sums reductions in another order); a list of ``Device`` carries its own.
 
     ``engine_agreement``: what the pool does when its workers' ``engine.info()`` differ, at
     start and for every replacement (``engine_agreement.EngineAgreement``). By default the
     Ray backend refuses any difference (``REFUSE_ANY_DIFFERENCE``: a PoolError naming the odd
-    worker) and the fork backend, one machine, compares nothing (``ACCEPT_ANY``); inline mode
-    has one worker.
+    worker) and the fork backend, one machine, compares nothing (``ACCEPT_ANY``).
     """
 
-    def __init__(self, engine_factory, gpus="cpu:2", *, task_timeout: float | None = 600.0,
-                 start_timeout: float | None = 600.0, max_restarts: int = 0, inline: bool = False,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, backend: str = "fork", ray_address: str = "auto",
-                 placement_timeout: float = 60.0, gpus_per_worker: int = 1, stall_warning: float | None = None,
-                 connect_timeout: float = CONNECT_TIMEOUT, engine_agreement: EngineAgreement | None = None,
-                 threads_per_worker: int = 1):
-        task_timeout = _checked_timeout("task_timeout", task_timeout)
-        stall_warning = _checked_timeout("stall_warning", stall_warning)
-        start_timeout = _checked_timeout("start_timeout", start_timeout)
+    def __init__(self, engine_factory, gpus="cpu:2", *, backend: Backend = Fork(),
+                 task_timeout: float | None = 600.0, start_timeout: float | None = 600.0, max_restarts: int = 0,
+                 max_frame_bytes: int = MAX_FRAME_BYTES, gpus_per_worker: int = 1, threads_per_worker: int = 1,
+                 stall_warning: float | None = None, engine_agreement: EngineAgreement | None = None):
+        limits = {name: _checked_timeout(name, value) for name, value in
+                  (("task_timeout", task_timeout), ("stall_warning", stall_warning), ("start_timeout", start_timeout))}
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
         check_threads_per_worker(threads_per_worker)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if inline and backend != "fork":
-            raise ValueError("inline=True runs the engine in this process: it takes no backend")
-        # Under Ray, (kind, count, GPUs per worker): Ray picks the GPUs.
-        ray_spec = _ray_spec(gpus, gpus_per_worker, threads_per_worker) if backend == "ray" else None
-        self.devices = [] if ray_spec else _devices(gpus, gpus_per_worker, threads_per_worker)
-        self.size = ray_workers(*ray_spec[:3]) if ray_spec else len(self.devices)
+        if not isinstance(backend, (Fork, Inline, Ray)):
+            raise ValueError(f"backend must be Fork(), Inline() or Ray(address), got {backend!r}")
+        if isinstance(backend, Ray):
+            _checked_timeout("placement_timeout", backend.placement_timeout)
+            _checked_timeout("connect_timeout", backend.connect_timeout)
+        self.devices = plan_devices(backend, gpus, gpus_per_worker=gpus_per_worker,
+                                    threads_per_worker=threads_per_worker)
+        self.size = len(self.devices)
         self.max_frame = max_frame_bytes
         self.stats = PoolStats.empty(self.size)
         self._snapshots = SnapshotStore(max_frame_bytes)
@@ -99,35 +87,30 @@ class Pool:
         self._next_id = 0
         self._closed = False
         self._speculating = False  # inside ``speculation()``
-        ray_limits = dict(placement_timeout=placement_timeout, connect_timeout=connect_timeout)
         if engine_agreement is None:
-            engine_agreement = ACCEPT_ANY if ray_spec is None else REFUSE_ANY_DIFFERENCE
-        self._runner = self._runner_for(engine_factory, inline, ray_spec, ray_address, ray_limits,
-                                        task_timeout=task_timeout, start_timeout=start_timeout,
-                                        max_restarts=max_restarts, stall_warning=stall_warning,
-                                        engine_agreement=engine_agreement)
+            engine_agreement = REFUSE_ANY_DIFFERENCE if isinstance(backend, Ray) else ACCEPT_ANY
+        self._runner = self._runner_for(engine_factory, backend, max_restarts=max_restarts,
+                                        engine_agreement=engine_agreement, **limits)
         try:
             self._runner.start()
         except BaseException:
             self.close()
             raise
 
-    def _runner_for(self, engine_factory, inline: bool, ray_spec, ray_address: str, ray_limits: dict, **limits):
+    def _runner_for(self, engine_factory, backend: Backend, **limits):
         """The inline runner, or the dispatcher over the fork or the Ray transport (``limits``:
         its timeouts, restarts and engine agreement)."""
-        if inline:
+        if isinstance(backend, Inline):
             return InlineRunner(engine_factory, self.devices[0], self._snapshots, self.stats, self.max_frame)
-        if ray_spec is None:
-            transport = ForkedTransport(self.devices, engine_factory, self.max_frame, self.stats)
+        if isinstance(backend, Fork):
+            transport, depth = ForkedTransport(self.devices, engine_factory, self.max_frame, self.stats), 1
         else:
             from .ray_transport import RayTransport  # imports ray; never on the fork path
 
-            transport = RayTransport(ray_spec, engine_factory, self.max_frame, self.stats, address=ray_address,
-                                     **{name: _checked_timeout(name, value) for name, value in ray_limits.items()})
-            self.devices = transport.devices  # planned from the cluster's resources
-        # Under Ray the next task waits in the actor: Ray's ~1 ms round trip is not spent idle.
+            transport = RayTransport(self.devices, engine_factory, self.max_frame, self.stats, backend)
+            depth = RAY_DEPTH
         return Dispatcher(transport, self.devices, self._snapshots, self.stats, max_frame=self.max_frame,
-                          depth=1 if ray_spec is None else RAY_DEPTH, **limits)
+                          depth=depth, **limits)
 
     # -- public API ---------------------------------------------------------------------
     @property
@@ -326,23 +309,3 @@ def _checked_timeout(name: str, seconds) -> float | None:
                          f"(or None: no limit), got {seconds!r}")
     return float(seconds)
 
-
-def _is_device_list(gpus) -> bool:
-    return isinstance(gpus, (list, tuple)) and bool(gpus) and all(isinstance(d, Device) for d in gpus)
-
-
-def _devices(gpus, gpus_per_worker: int, threads_per_worker: int) -> list[Device]:
-    if _is_device_list(gpus):
-        if check_gpus_per_worker(gpus_per_worker) != 1:
-            raise DeviceSpecError("gpus_per_worker goes with a spec; a list of Device carries its groups itself")
-        return list(gpus)
-    return parse_gpus(gpus, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker)
-
-
-def _ray_spec(gpus, gpus_per_worker: int, threads_per_worker: int) -> tuple[str, int, int, int]:
-    """``(kind, GPU or CPU-worker count, GPUs per worker, threads per worker)`` of a Ray pool;
-    a list of Device brings its own group size and threads."""
-    kind, count = parse_ray_spec(gpus, gpus_per_worker=gpus_per_worker)
-    if _is_device_list(gpus):
-        gpus_per_worker, threads_per_worker = gpus[0].group_size, gpus[0].threads
-    return kind, count, gpus_per_worker if kind == "cuda" else 1, threads_per_worker

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from .cluster_probe import CONNECT_TIMEOUT, check_reachable
+from .cluster_probe import check_reachable
 from .errors import PoolError
 from .ray_logs import ray_logs_to_stderr
 from .ray_reaper import Reaper
@@ -41,16 +41,13 @@ def import_ray():
 
 
 class RayConnection:
-    """This process's connection to a Ray cluster.
+    """This process's connection to the Ray cluster at ``address`` (``backend.Ray``; a local
+    one is shut down by ``close``). If Ray is already initialised in this process (a notebook,
+    the test session), that connection is used and left open. Connecting to an existing
+    cluster takes at most ``connect_timeout`` seconds (``cluster_probe``): ``ray.init`` alone
+    retries an unreachable address for more than 10 minutes."""
 
-    ``address``: ``"auto"`` (the cluster started with ``ray start`` on this machine, or at
-    ``RAY_ADDRESS``), ``"local"`` (a new single-machine cluster, shut down by ``close``),
-    or ``"host:port"``. If Ray is already initialised in this process (a notebook, the test
-    session), that connection is used and left open. Connecting to an existing cluster takes
-    at most ``connect_timeout`` seconds (``cluster_probe``): ``ray.init`` alone retries an
-    unreachable address for more than 10 minutes."""
-
-    def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT):
+    def __init__(self, address: str, connect_timeout: float):
         self.started = False
         self._saved_env: dict[str, str | None] = {}
         self._saved_sigterm = None

@@ -17,7 +17,7 @@ import math
 import socket
 from typing import NamedTuple
 
-from .devices import Device, ray_devices, ray_workers
+from .devices import Device, DeviceSpecError, GroupSizeError
 from .errors import PoolError
 
 log = logging.getLogger("stageb_pool.pool")
@@ -64,23 +64,29 @@ def raylet_answers(node: Node, timeout: float = RAYLET_PROBE_TIMEOUT) -> bool:
         return False
 
 
-def plan_workers(ray, kind: str, count: int, gpus_per_worker: int = 1,
-                 threads_per_worker: int = 1) -> tuple[list[Device], list[dict]]:
-    """The devices and the placement bundles of the workers of ``count`` GPUs (or ``count``
-    CPU workers) on this cluster.
+def bundle_shape(devices: list[Device]) -> tuple[str, int]:
+    """``(kind, GPUs per worker)`` of a Ray pool's workers, which share one bundle shape."""
+    shapes = {(d.kind, d.group_size) for d in devices}
+    if len({kind for kind, _ in shapes}) > 1:
+        raise DeviceSpecError("a Ray pool's workers are all GPU workers or all CPU workers")
+    if len(shapes) > 1:
+        raise GroupSizeError("a Ray pool's GPU workers all hold the same number of GPUs")
+    return shapes.pop()
 
-    A GPU worker reserves its group of ``gpus_per_worker`` GPUs in one bundle (a bundle
-    always lands on one node, so a group never spans nodes) and the CPUs that go with them on
-    the poorest node that can hold a group (CPUs // GPUs per GPU, at most 8 per worker; 0 on a
-    cluster that declares more GPUs than CPUs). Every worker computes with
-    ``threads_per_worker`` torch threads, as on one machine, whatever its bundle holds: the
-    thread count changes low bits, the reservation does not. CPU workers share the cluster's CPUs: the largest share that packs
-    ``count`` bundles onto the nodes (whole CPUs when one or more each; else a fraction,
-    rounded down to Ray's unit, so 3 workers on 2 CPUs take 0.6666 each, never 2.0001 in
-    all). ``Device.index`` is the rank (times the group size): which node and GPUs it lands
-    on is Ray's choice (``Pool.placement`` tells)."""
+
+def plan_bundles(ray, kind: str, gpus_per_worker: int, workers: int) -> list[dict]:
+    """The placement bundles of ``workers`` workers of ``gpus_per_worker`` GPUs (or CPU
+    workers) on this cluster.
+
+    A GPU worker reserves its group of GPUs in one bundle (a bundle always lands on one node,
+    so a group never spans nodes) and the CPUs that go with them on the poorest node that can
+    hold a group (CPUs // GPUs per GPU, at most 8 per worker; 0 on a cluster that declares more
+    GPUs than CPUs). Every worker computes with its device's torch threads whatever its bundle
+    holds: the thread count changes low bits, the reservation does not. CPU workers share the
+    cluster's CPUs: the largest share that packs every bundle onto the nodes (whole CPUs when
+    one or more each; else a fraction, rounded down to Ray's unit, so 3 workers on 2 CPUs take
+    0.6666 each, never 2.0001 in all)."""
     nodes = live_nodes(ray)
-    workers = ray_workers(kind, count, gpus_per_worker)
     if kind == "cuda":
         fitting = [n for n in nodes if n.total.get("GPU", 0) >= gpus_per_worker]
         if not fitting and gpus_per_worker > 1:  # one GPU per worker: the packing says what is missing
@@ -97,8 +103,7 @@ def plan_workers(ray, kind: str, count: int, gpus_per_worker: int = 1,
             raise PoolError(f"cannot place {workers} CPU workers: the cluster's live nodes have no CPU to share "
                             f"({describe_nodes(nodes, ['CPU'], free=False)})")
         bundle = {"CPU": float(cpus)}
-    devices = ray_devices(kind, count, gpus_per_worker, threads_per_worker)
-    return devices, [dict(bundle) for _ in range(workers)]
+    return [dict(bundle) for _ in range(workers)]
 
 
 def cpu_share(cpus: list[float], count: int) -> float | None:

@@ -1,6 +1,6 @@
 """A watcher that stops a local Ray cluster whose driver died, SIGKILL included.
 
-``Pool(backend="ray", ray_address="local")`` starts its own cluster. Ray ties the GCS and the
+``Pool(backend=Ray("local"))`` starts its own cluster. Ray ties the GCS and the
 raylet to the driver, but the raylet's agents (``ray::DashboardAgent``,
 ``ray::RuntimeEnvAgent``) notice their raylet is gone only after trying to report it to the
 GCS, which is gone too: they linger about 60 s (ray 2.60, measured), one of them listening

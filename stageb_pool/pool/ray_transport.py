@@ -16,7 +16,7 @@ restart. Until then the replacement waits here; if no live node has the bundle's
 free, the run fails saying so instead of waiting for ``start_timeout``.
 
 ``ray`` is imported lazily (``ray_cluster.import_ray``); this module is only imported for
-``Pool(backend="ray")``.
+``Pool(backend=Ray(...))``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from .dispatch import WorkerExited, WorkerMessage, WorkerStarted
 from .errors import PoolError, ProtocolError
 from .protocol import Ready
 from .ray_cluster import RayConnection
-from .ray_placement import describe_nodes, live_nodes, pack, place, plan_workers, raylet_answers, remove_group, show
+from .backend import Ray
+from .ray_placement import (bundle_shape, describe_nodes, live_nodes, pack, place, plan_bundles, raylet_answers,
+                            remove_group, show)
 from .tasks import PoolStats
 from .worker import limit_threads
 from .worker_core import WorkerCore
@@ -75,22 +77,22 @@ class RayWorker:
 
 
 class RayTransport:
-    """Connects to Ray, plans and places one bundle per worker, then runs actors on request.
+    """Connects to Ray, places one bundle per worker of ``devices`` (``backend.plan_devices``:
+    numbered by rank, Ray chooses the GPUs), then runs actors on request. ``placement`` holds,
+    per rank, where its actor runs (node id and address, Ray's GPU ids, pid)."""
 
-    ``spec``: ``(kind, count, GPUs per worker, threads per worker)``, from
-    ``devices.parse_ray_spec`` and the pool's ``gpus_per_worker`` and ``threads_per_worker``. ``placement`` holds, per
-    rank, where its actor runs (node id and address, Ray's GPU ids, pid)."""
-
-    def __init__(self, spec: tuple[str, int, int, int], engine_factory, max_frame: int, stats: PoolStats, *,
-                 address: str, placement_timeout: float, connect_timeout: float):
+    def __init__(self, devices: list[Device], engine_factory, max_frame: int, stats: PoolStats, backend: Ray):
+        self.devices = devices
         self.max_frame = max_frame
         self.stats = stats
-        self.connection = RayConnection(address, connect_timeout)
+        kind, gpus_per_worker = bundle_shape(devices)  # before connecting: a mixed list is the caller's error
+        self.connection = RayConnection(backend.address, backend.connect_timeout)
         ray = self.ray = self.connection.ray
         self.group = None
         try:
-            self.devices, self.bundles = plan_workers(ray, *spec)
-            self.group = place(ray, self.bundles, placement_timeout, name=f"stageb_pool-{os.getpid()}-{id(self):x}")
+            self.bundles = plan_bundles(ray, kind, gpus_per_worker, len(devices))
+            self.group = place(ray, self.bundles, backend.placement_timeout,
+                               name=f"stageb_pool-{os.getpid()}-{id(self):x}")
             self.actor_class = ray.remote(RayWorker)
             # Passed to each actor as an argument, never ray.put: an object this process owns
             # in the object store makes Ray end the whole process at once when the cluster

@@ -252,10 +252,10 @@ class RunDir:
             return
         log.error("--overwrite failed: the old run is back, unchanged, in %s", self.path)
 
-    def record_workers(self, devices, worker_info: dict) -> None:
-        """Rewrite run.json with the started workers' devices and rank 0's engine facts."""
+    def record_workers(self, worker_info: dict) -> None:
+        """Rewrite run.json with the started workers' engine facts (rank 0's ``engine.info()``)."""
         self._expect(Phase.COMMITTED)
-        write_json(self.path / RUN_JSON, self.run_json.document(devices=devices, worker_info=worker_info))
+        write_json(self.path / RUN_JSON, self.run_json.document(worker_info))
 
 
 def check_folders(run_dir: Path) -> None:

@@ -133,12 +133,11 @@ class RunJson(NamedTuple):
     profile_hash: str
     tickets_hash: str
 
-    def document(self, *, devices=None, worker_info: dict | None = None) -> dict:
-        """run.json's content, on ``devices`` (default: the planned ones) with rank 0's
-        ``engine.info()`` (None: before the workers start). ``invocation`` is volatile (differs
-        between worker counts and reruns); undecodable bytes of ``argv`` (Python keeps them as
-        lone surrogates) are shown as U+FFFD."""
-        devices = self.devices if devices is None else devices
+    def document(self, worker_info: dict | None = None) -> dict:
+        """run.json's content with rank 0's ``engine.info()`` (None: before the workers start).
+        ``invocation`` is volatile (differs between worker counts and reruns); undecodable
+        bytes of ``argv`` (Python keeps them as lone surrogates) are shown as U+FFFD."""
+        devices = self.devices
         argv = [arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
                 for arg in (sys.argv if self.argv is None else self.argv)]
         return {

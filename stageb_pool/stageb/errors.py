@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
+MAX_ERROR_CHARS = 2000  # an error quoting a huge value must not flood the terminal
+_LINE_BREAKING = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
 
 class InputError(Exception):
     """Bad input (config, tickets, guidance, prompt profile, arguments), with its location.
@@ -24,3 +29,15 @@ class UsageError(InputError):
 
     def __str__(self) -> str:
         return f"{self.location}: error: {self.message}"
+
+
+def capped(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` as one printable line: control and line-break characters (a key or path may hold
+    them) escaped, and the middle cut out past ``limit`` characters, saying how much: the start
+    (what failed) and the end (the key or reason after a long path or value) both stay."""
+    text = _LINE_BREAKING.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                              else f"\\u{ord(m.group()):04x}", text)
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    return f"{text[:limit - tail]} ... ({len(text) - limit} characters left out) ... {text[-tail:]}"

@@ -21,6 +21,7 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]  
 from doubles.pool_engines import Uniform, touch  # noqa: E402
 
 from stageb_pool import Pool, PoolError  # noqa: E402
+from stageb_pool.pool import Ray  # noqa: E402
 
 
 class Remember(logging.Handler):
@@ -38,8 +39,8 @@ def main(address: str, state: str) -> None:
     remember = Remember()
     logging.getLogger("stageb_pool").addHandler(remember)
     report = {}
-    with Pool(Uniform, "cpu:1", backend="ray", ray_address=address, max_restarts=2, task_timeout=120,
-              start_timeout=120, connect_timeout=30) as pool:
+    with Pool(Uniform, "cpu:1", backend=Ray(address, connect_timeout=30), max_restarts=2, task_timeout=120,
+              start_timeout=120) as pool:
         for round_ in (1, 2):
             touch(os.path.join(state, f"node.{round_}"), pool.placement[0]["node_id"])
             try:

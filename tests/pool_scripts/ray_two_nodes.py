@@ -22,6 +22,7 @@ from processes import gone  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from stageb_pool import Pool  # noqa: E402
+from stageb_pool.pool import Ray  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     try:
         cluster.add_node(**node)
         cluster.wait_for_nodes()
-        with Pool(Uniform, "4", backend="ray", ray_address=cluster.address, task_timeout=60) as pool:
+        with Pool(Uniform, "4", backend=Ray(cluster.address), task_timeout=60) as pool:
             results = pool.map("square", list(range(12)))
             nodes = [where["node_id"] for where in pool.placement]
             actors = [where["pid"] for where in pool.placement]

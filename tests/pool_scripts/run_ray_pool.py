@@ -16,11 +16,12 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]  
 from doubles.pool_engines import Uniform, touch  # noqa: E402
 
 from stageb_pool import Pool  # noqa: E402
+from stageb_pool.pool import Ray  # noqa: E402
 
 
 def main(state_dir: str) -> int:
     try:
-        with Pool(Uniform, "cpu:2", backend="ray", ray_address="local", task_timeout=300) as pool:
+        with Pool(Uniform, "cpu:2", backend=Ray("local"), task_timeout=300) as pool:
             touch(os.path.join(state_dir, "pids.json"), json.dumps({"actors": [p["pid"] for p in pool.placement]}))
             pool.map("block", [os.path.join(state_dir, "started")] * 2)
     except KeyboardInterrupt:
