@@ -25,7 +25,7 @@ from .distill import export_distillation
 from .iteration import IterationInput, IterationOutcome, run_iteration
 from .speculation import Speculation
 from .recorder import Recorder
-from .run_format import written_by
+from .run_format import redo_warning
 from .rundir import BENCHMARKS, CANDIDATES, ITERATIONS, REGRESSIONS
 from .settings import RunIdentity, SearchSettings
 from .summary import brief, final_metrics, print_summary, search_summary
@@ -76,10 +76,7 @@ class RuleSearch:
         """A fresh state; on resume the committed one, with the run dir brought back to it."""
         resume = self.resume
         if resume is not None and resume.state is not None and not resume.continued:
-            self.log.warning(
-                "resume: state.json was written by %s, whose %d committed iteration(s) may not hold the rows this "
-                "version writes: they are redone from the start, so the run ends as an uninterrupted run of this "
-                "version would", written_by(resume.state.version, resume.state.tool_version), resume.state.iteration)
+            self.log.warning("%s", redo_warning(resume.state))
         if resume is None or not resume.continued:
             # A new run; a resume of a run killed in iteration 1 (whose guidance.json may already
             # hold iteration 1's edit) or of iterations to redo: the run directory is brought back

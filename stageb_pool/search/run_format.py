@@ -75,6 +75,13 @@ def migrate(state: SearchState, identity: RunIdentity, location: str) -> bool:
     return state.version == FORMAT_VERSION
 
 
+def redo_warning(state: SearchState) -> str:
+    """What a resume says when ``migrate`` has it redo the iterations of ``state``."""
+    return (f"resume: state.json was written by {written_by(state.version, state.tool_version)}, whose "
+            f"{state.iteration} committed iteration(s) may not hold the rows this version writes: they are redone "
+            "from the start, so the run ends as an uninterrupted run of this version would")
+
+
 def written_by(version: int, tool_version: str | None) -> str:
     """The version that wrote a state of format ``version`` and package version
     ``tool_version`` (None: format 2, which recorded none), for messages."""
