@@ -94,16 +94,15 @@ def layouts(args) -> None:
     import msgspec
 
     from stageb_pool import Pool
-    from stageb_pool.engine.build import build_engine
-    from stageb_pool.engine.model_path import check_model_path
+    from stageb_pool.app.config import ModelConfig
+    from stageb_pool.engine.models import check_model_path
+    from stageb_pool.engine.registry import build_engine
     from stageb_pool.pool.devices import Device
 
     model = check_model_path(args.model)
 
     def factory(device):
-        from stageb_pool.engine.build import build_engine
-
-        return build_engine(device, model)
+        return build_engine(device, model, ModelConfig())
 
     chunks, verdicts, chat, shared = workload(args.tickets, args.chunk, args.max_new_tokens)
     rows = []
@@ -115,7 +114,7 @@ def layouts(args) -> None:
             def run(method, items, result_type, kw, pool=pool):
                 return pool.map(method, items, result_type=result_type, **kw)
             rows.append(run_layout(name, run, chunks, verdicts, chat, shared))
-    engine = build_engine(Device(kind, 0, 0, 4).in_this_process(), model)
+    engine = build_engine(Device(kind, 0, 0, 4).in_this_process(), model, ModelConfig())
 
     def run(method, items, result_type, kw):
         return [getattr(engine, method)(item, **kw) for item in items]
@@ -173,9 +172,8 @@ def shapes(args) -> None:
     import torch
 
     from stageb_pool.engine import chat_text, models
-    from stageb_pool.engine.build import prepare_device
-    from stageb_pool.engine.model_path import check_model_path
-    from stageb_pool.engine.transformers_engine import Engine
+    from stageb_pool.engine.models import check_model_path
+    from stageb_pool.engine.transformers_engine import TransformersEngine, prepare_device
     from stageb_pool.pool.devices import Device
 
     device = Device("cpu" if args.cpu else "cuda", 0, 0, 4).in_this_process()
@@ -184,7 +182,7 @@ def shapes(args) -> None:
     model = random_model(args.shape, len(tokenizer), device.torch_device)
     sync = torch.cuda.synchronize if device.kind == "cuda" else (lambda: None)
     params = sum(p.numel() for p in model.parameters())
-    engine = Engine(model, tokenizer, device, model_name=f"random {args.shape}")
+    engine = TransformersEngine(model, tokenizer, device, model_name=f"random {args.shape}")
     print(f"model: random {args.shape}, {params / 1e9:.2f}B parameters, bfloat16, sdpa; "
           f"{torch.cuda.get_device_name(0) if device.kind == 'cuda' else 'cpu'}; torch {torch.__version__}")
     print("| chunk | prompt tokens (mean) | prefill s | prompt tokens/s | rollout s | generated tokens/s | "
@@ -219,9 +217,9 @@ def repeat(args) -> None:
 
     import msgspec
 
-    from stageb_pool.engine.build import build_engine
-    from stageb_pool.engine.model_path import check_model_path
-    from stageb_pool.engine.records import EngineSettings
+    from stageb_pool.app.config import ModelConfig
+    from stageb_pool.engine.models import check_model_path
+    from stageb_pool.engine.registry import build_engine
     from stageb_pool.pool.devices import Device
 
     model = check_model_path(args.model)
@@ -249,7 +247,7 @@ def repeat(args) -> None:
         key = tuple(sorted(build.items()))
         if key not in engines:
             engines.clear()
-            engines[key] = build_engine(device, model, EngineSettings(**build))
+            engines[key] = build_engine(device, model, ModelConfig(**build))
         engine = engines[key]
         work = msgspec.structs.replace(chunk, **change)
         engine.rollout(work, **shared)  # warm-up
@@ -267,7 +265,7 @@ def repeat(args) -> None:
     import cProfile
     import pstats
 
-    engine = build_engine(device, model)
+    engine = build_engine(device, model, ModelConfig())
     profile = cProfile.Profile()
     profile.runcall(engine.rollout, chunk, **shared)
     pstats.Stats(profile).sort_stats("tottime").print_stats(18)

@@ -62,16 +62,17 @@ def workload(args):
 
 
 def engine_factory(model: str, engine: str = "transformers"):
-    from stageb_pool.engine.model_path import check_model_path
+    from stageb_pool.engine.models import check_model_path
 
     checked = check_model_path(model)  # in the parent, as a run checks it
 
     def build(device):
-        from stageb_pool.engine.build import build_engine
-        from stageb_pool.engine.records import EngineSettings, VllmSettings
+        from stageb_pool.app.config import ModelConfig
+        from stageb_pool.engine.registry import build_engine
+        from stageb_pool.engine.vllm_engine import VllmSettings
 
         # the same threads for both engines (the vLLM default pins CPU workers to one)
-        return build_engine(device, checked, EngineSettings(engine=engine, vllm=VllmSettings(cpu_threads=device.threads)))
+        return build_engine(device, checked, ModelConfig(engine=engine, vllm=VllmSettings(cpu_threads=device.threads)))
 
     return build
 

@@ -43,23 +43,24 @@ def visible_gpus() -> int:
 
 def whole_engine(device, model, dtype: str | None):
     """(a) and (c): the engine as a run builds it (``model``: a checked ModelRef)."""
-    from stageb_pool.engine.build import build_engine
-    from stageb_pool.engine.records import EngineSettings
+    from stageb_pool.app.config import ModelConfig
+    from stageb_pool.engine.registry import build_engine
 
-    return build_engine(device, model, EngineSettings(dtype=dtype))
+    return build_engine(device, model, ModelConfig(dtype=dtype))
 
 
 def split_engine(device, model, dtype: str | None):
     """(b): the engine of a group worker, the layer map forced even for a one-GPU group."""
-    from stageb_pool.engine import build, models
-    from stageb_pool.engine.transformers_engine import Engine
+    from stageb_pool.engine import models
+    from stageb_pool.engine.registry import pin_cuda_environment
+    from stageb_pool.engine.transformers_engine import TransformersEngine, prepare_device
 
-    build._pin_cuda_environment()
-    build.prepare_device(device)
+    pin_cuda_environment()
+    prepare_device(device)
     dtype = dtype or models.default_dtype(device.kind)
     attn = models.default_attn_implementation(device.kind, dtype)
     loaded, tokenizer = models.load(model, dtype=dtype, attn_implementation=attn, shard_over=device.torch_devices)
-    engine = Engine(loaded, tokenizer, device, model_path=model.path, model_name=model.name)
+    engine = TransformersEngine(loaded, tokenizer, device, model_path=model.path, model_name=model.name)
     engine.layer_map = {k: str(v) for k, v in (getattr(loaded, "hf_device_map", None) or {}).items()}
     return engine
 
@@ -88,7 +89,7 @@ def run_layout(name: str, factory, gpus: str, gpus_per_worker: int, args) -> tup
     import msgspec
 
     from stageb_pool import Pool
-    from stageb_pool.engine.model_path import check_model_path
+    from stageb_pool.engine.models import check_model_path
     from stageb_pool.engine.records import ChunkResult
 
     chunks, guidance, profile = workload(args)

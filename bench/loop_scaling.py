@@ -17,9 +17,8 @@ check on:
   600 tickets, 3 iterations, a train pool of 512, an eval pool of 20, chunks of 16, three
   decodes per ticket (T 0.3/0.5/0.7, seed 43) each ending at ``PRODUCTION_ANSWER_TOKENS``
   (an estimate of the longest verdict answer of a batch: the simulated engine runs a batch to
-  its decode's ``max_new_tokens``), reflect size 16, a 2048-token
-  proposer budget (the simulated proposer answers about 110 tokens, three operations, and
-  now takes the time of those).
+  its decode's ``max_new_tokens``), reflect size 16, a 2048-token proposer budget (the
+  simulated proposer answers about 110 tokens, three operations, and takes the time of those).
 
 ``model.engine: simulated`` with the embedded model's tokenizer counting the tokens and its
 default latency model (a 7-8B model on one H100, docs/performance.md) slept at
@@ -36,8 +35,7 @@ Per row:
 - ``wall_s``: ``run_job``, start to end (the guidance check, the workers' start, the search,
   the close); ``speedup`` = the workload's first row's wall / this wall. report.html is
   drawn by its own process while the pool closes and is waited for apart: ``report_s``
-  (from the request for the page to its end). ``run_s``: the run without any wait for the report
-  (code that renders it inside the run: its wall minus the render), ``run_speedup`` likewise.
+  (from the request for the page to its end).
 - ``start-up s``: from the call to the pool's ready workers (plan, the guidance check, the
   fork of every worker); ``close s``: the pool's close.
 - ``search_s``: the rule search alone (``summary.json`` timing ``search_s``), ``search_speedup``.
@@ -69,7 +67,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import inspect
 import json
 import os
 import subprocess
@@ -216,7 +213,7 @@ class Probes:
                 self.pool_close_s += time.perf_counter() - started
             return call
 
-        def report_start(method):  # the page is asked for (render), or, in older code, forked
+        def report_start(method):  # the page is asked for
             def call(report, *args, **kwargs):
                 report.bench_started = time.perf_counter()
                 method(report, *args, **kwargs)
@@ -237,20 +234,8 @@ class Probes:
         patch(Pool, "__init__", pool_init)
         patch(Pool, "close", pool_close)
         patch(Pool, "gather", gather_window)
-        if hasattr(job, "ReportJob"):  # the report in its own process (older code: in the run's)
-            has_render = hasattr(job.ReportJob, "render")  # forked at the start, asked at the end
-            patch(job.ReportJob, "render" if has_render else "__init__", report_start)
-            patch(job.ReportJob, "wait", report_wait)
-        else:
-            def write_report(method):
-                def call(run_dir):
-                    started = time.perf_counter()
-                    try:
-                        return method(run_dir)
-                    finally:
-                        self.report_s = self.report_wait_s = time.perf_counter() - started
-                return call
-            patch(job, "write_report", write_report)
+        patch(job.ReportJob, "render", report_start)  # the report's process: forked at the start, asked at the end
+        patch(job.ReportJob, "wait", report_wait)
         try:
             yield self
         finally:
@@ -342,9 +327,9 @@ def run_row(root: Path, workload: str, backend: str, workers: int, time_scale: f
     gpus = str(workers) if backend == "ray" else f"cpu:{workers}"
     with Probes().installed() as probes:
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        reports = []  # the report's process, waited for apart (code without report_jobs: waited in the run)
-        kwargs = dict(report_jobs=reports) if "report_jobs" in inspect.signature(run_job).parameters else {}
-        run_job(config, gpus, argv=["loop_scaling"], config_path=str(config_path), ray_address=ray_address, **kwargs)
+        reports = []  # the report's process, waited for apart
+        run_job(config, gpus, argv=["loop_scaling"], config_path=str(config_path), ray_address=ray_address,
+                report_jobs=reports)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         for report in reports:
             report.wait()
@@ -352,8 +337,6 @@ def run_row(root: Path, workload: str, backend: str, workers: int, time_scale: f
     timeline = [json.loads(line) for line in (run_dir / "pool_timeline.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"workload": workload, "backend": backend, "workers": workers, "wall_s": round(wall, 3),
-            # the run without the report: this code's run_job waits for none; older code renders it inside
-            "run_s": round(wall - (0.0 if reports else probes.report_wait_s), 3),
             "startup_s": round(probes.pool_ready_at - wall0, 3) if probes.pool_ready_at else None,
             "pool_start_s": round(probes.pool_start_s, 3), "pool_close_s": round(probes.pool_close_s, 3),
             "report_s": round(probes.report_s, 3), "report_wait_s": round(probes.report_wait_s, 3),
@@ -403,7 +386,6 @@ def finish(rows: list[dict]) -> None:
     base = rows[0]
     for row in rows:
         row["speedup"] = round(base["wall_s"] / row["wall_s"], 2)
-        row["run_speedup"] = round(base["run_s"] / row["run_s"], 2)
         row["search_speedup"] = round(base["search_s"] / row["search_s"], 2)
         row["rollout_speedup"] = round(base["rollout_s"] / row["rollout_s"], 2) if row["rollout_s"] else None
         row["rollout_efficiency"] = round(row["rollout_speedup"] / row["workers"], 3) if row["rollout_speedup"] else None
@@ -416,7 +398,6 @@ def finish(rows: list[dict]) -> None:
 
 
 COLUMNS = [("backend", "backend"), ("workers", "workers"), ("wall_s", "wall s"), ("speedup", "speedup"),
-           ("run_s", "run s (no report wait)"), ("run_speedup", "run speedup"),
            ("search_s", "search s"), ("search_speedup", "search speedup"),
            ("rollout_s", "rollout s"), ("rollout_speedup", "rollout speedup"),
            ("rollout_efficiency", "rollout eff."), ("critical_path_s", "critical path s"),

@@ -209,16 +209,16 @@ def test_a_cli_run_checks_the_model_path_once_in_the_parent(tmp_path):
     calls = tmp_path / "calls.txt"
     script = f"""
 import os, sys
-from stageb_pool.engine import model_path
+from stageb_pool.engine import models
 
-checked = model_path.check_model_path
+checked = models.check_model_path
 
 def counted(path):
     with open({str(calls)!r}, "a") as f:
         f.write(f"{{os.getpid()}}\\n")
     return checked(path)
 
-model_path.check_model_path = counted  # before any other module of ours is imported: all see it
+models.check_model_path = counted  # before any other module of ours is imported: all see it
 from stageb_pool.app import cli
 print(os.getpid(), flush=True)
 sys.exit(cli.main(["--gpus", "cpu:2", {config!r}, "--audit", "--log-level", "warning"]))

@@ -695,7 +695,7 @@ def test_the_memory_budget_reads_headers_only_and_warns_when_a_group_is_too_smal
     from stageb_pool.app.config import load_config
     from stageb_pool.app.describe import memory_lines
     from stageb_pool.app.memory_budget import weight_bytes
-    from stageb_pool.engine.model_path import check_model_path
+    from stageb_pool.engine.models import check_model_path
     from stageb_pool.pool.devices import parse_gpus
 
     ckpt = write_checkpoint(tmp_path / "ckpt")
@@ -717,7 +717,7 @@ def test_the_gguf_tensor_table_reader_counts_what_the_gguf_package_counts():
     import gguf
 
     from stageb_pool.app.memory_budget import gguf_parameters
-    from stageb_pool.engine.model_path import embedded_gguf_path
+    from stageb_pool.engine.models import embedded_gguf_path
 
     path = embedded_gguf_path()
     assert gguf_parameters(path) == sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors) == 134_515_008

@@ -6,7 +6,7 @@ import pytest
 
 from stageb_pool.search import decisions
 from stageb_pool.search.iteration import Evaluated, IterationOutcome
-from stageb_pool.search.rows import ProposerAnswerRow
+from stageb_pool.artifact_rows import ProposerAnswerRow
 from stageb_pool.stageb.gate import GateResult
 from stageb_pool.stageb.guidance import Guidance, Operation
 from stageb_pool.stageb.proposer import Candidate

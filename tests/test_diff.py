@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from stageb_pool.app.diff import (ABSENT, VOLATILE_FILES, VOLATILE_KEYS, VOLATILE_PATHS, compare_values, diff_runs,
-                                  format_differences)
+from stageb_pool.app.diff import ABSENT, compare_values, diff_runs, format_differences
+from stageb_pool.artifacts import ARTIFACTS, VOLATILE_KEYS
 from stageb_pool.stageb.errors import InputError
 
 
@@ -49,9 +49,10 @@ def test_volatile_lists_match_the_contract():
               "config.rule_search.proposer_prompt_path", "config.ticket_filter.exclude_ticket_keys_path",
               "config.stage_b_distillation.log_chatml_path")
     versions = ("tool.version", "tool.format")
-    assert VOLATILE_PATHS == {"run.json": ("invocation", "config.output", *inputs, "config.runner.speculate", *versions),
-                              "state.json": ("version", "tool_version"), "summary.json": ("timing", "workers")}
-    assert VOLATILE_FILES == {"pool_timeline.jsonl", "report.html"}
+    assert {a.name: a.volatile for a in ARTIFACTS if a.volatile} == {
+        "run.json": ("invocation", "config.output", *inputs, "config.runner.speculate", *versions),
+        "state.json": ("version", "tool_version"), "summary.json": ("timing", "workers")}
+    assert {a.name for a in ARTIFACTS if a.volatile_file} == {"pool_timeline.jsonl", "report.html"}
 
 
 def test_identical_runs(tmp_path):

@@ -1,7 +1,7 @@
 """The dispatcher without processes: a scripted transport and a fake clock.
 
 The dispatcher is shared by the fork and Ray backends; here every rule it owns (queue order,
-pinned tasks, one task per worker, snapshots once per worker, deadlines, kills, retries and
+pinned tasks, one task per worker, shared values once per worker, deadlines, kills, retries and
 the errors they become) is checked deterministically: when nothing is scripted to happen,
 the fake transport lets the clock run to the deadline the dispatcher waits for.
 """
@@ -35,8 +35,8 @@ from stageb_pool.pool.errors import (
     WorkerError,
     WorkerTimeout,
 )
-from stageb_pool.pool.protocol import Failure, InitFailed, Ready, Result, Snapshot, Task
-from stageb_pool.pool.snapshots import SNAPSHOT_CACHE_SIZE, SnapshotCache, SnapshotStore
+from stageb_pool.pool.protocol import Failure, InitFailed, Ready, Result, Share, Task
+from stageb_pool.pool.shared import SHARED_CACHE_SIZE, SharedCache, SharedStore
 from stageb_pool.pool.tasks import PoolStats, TaskHandle
 
 
@@ -84,10 +84,10 @@ class ScriptedTransport:
             self.events.append(WorkerMessage(rank, Ready(protocol.PROTOCOL_VERSION, self.next_pid, info)))
 
     def send(self, rank, data):
-        messages = protocol.FrameReader().feed(data)
+        messages = [protocol.decode_request(body) for body in protocol.FrameReader().bodies(data)]
         self.sent += [(rank, m) for m in messages]
         task = messages[-1]
-        assert isinstance(task, Task) and all(isinstance(m, Snapshot) for m in messages[:-1])
+        assert isinstance(task, Task) and all(isinstance(m, Share) for m in messages[:-1])
         if rank in self.dead:
             return
         n = self.calls[task.method] = self.calls.get(task.method, 0) + 1
@@ -131,7 +131,7 @@ def clock(monkeypatch):
 def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restarts=0, engine_agreement=ACCEPT_ANY,
          depth=1):
     devices = [Device("cpu", i, i) for i in range(size)]
-    store = SnapshotStore(protocol.MAX_FRAME_BYTES)
+    store = SharedStore(protocol.MAX_FRAME_BYTES)
     d = Dispatcher(transport, devices, store, PoolStats.empty(size), task_timeout=task_timeout,
                    start_timeout=start_timeout, max_restarts=max_restarts, max_frame=protocol.MAX_FRAME_BYTES,
                    engine_agreement=engine_agreement, depth=depth)
@@ -140,7 +140,7 @@ def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restar
 
 
 def task(store, id, method="square", item=2, rank=None, **shared):
-    keys = store.share(shared)
+    keys = store.keys(shared)
     store.acquire(keys)
     t = TaskHandle(None, id, method, msgspec.json.encode(item), keys, rank, None)
     t.index = id
@@ -164,7 +164,7 @@ def run(d, tasks) -> dict[int, object]:
 # -- the cost of an event -----------------------------------------------------------------------
 def test_an_event_visits_the_free_workers_not_every_worker(clock, monkeypatch):
     """At 64 workers, a result that arrives while nothing is queued costs a look or two at
-    the queue, not one per idle worker (issue 31: no scan of every worker per event)."""
+    the queue, not one per idle worker: no scan of every worker per event."""
     t = ScriptedTransport(clock)
     d, store = make(t, 64)
     run(d, [task(store, i, item=i) for i in range(64)])  # every worker ran one: all idle now
@@ -174,7 +174,18 @@ def test_an_event_visits_the_free_workers_not_every_worker(clock, monkeypatch):
         pops.clear()
         assert run(d, [task(store, i, item=3)]) == {i: 9}
         assert len(pops) <= 4, pops  # the worker that takes it, then one empty look per dispatch
-        assert t.sent[-1][0] == 0  # the first free worker in rank order, as before
+        assert t.sent[-1][0] == 0  # the lowest free rank first
+
+
+def test_pinned_tasks_leave_one_entry_per_free_worker(clock):
+    """A rank busy with pinned tasks while a lower one idles stays in the free heap once, however
+    many tasks it runs (the heap never grows with the tasks)."""
+    t = ScriptedTransport(clock)
+    d, store = make(t, 8)
+    for i in range(50):
+        assert run(d, [task(store, i, item=2, rank=5)]) == {i: 4}
+        assert t.sent[-1][0] == 5
+    assert sorted(d._free) == list(range(8))
 
 
 # -- start ------------------------------------------------------------------------------------
@@ -227,13 +238,13 @@ def test_one_task_per_worker_oldest_first_pinned_only_to_their_rank(clock):
 def test_each_snapshot_is_sent_once_per_worker_and_evictions_travel_with_the_next(clock):
     t = ScriptedTransport(clock)
     d, store = make(t, 1)
-    values = [{"v": i} for i in range(SNAPSHOT_CACHE_SIZE + 1)]
+    values = [{"v": i} for i in range(SHARED_CACHE_SIZE + 1)]
     run(d, [task(store, i, g=values[0]) for i in range(3)])
     run(d, [task(store, 10 + i, g=v) for i, v in enumerate(values)])
-    snapshots = [m for _, m in t.sent if isinstance(m, Snapshot)]
-    assert len(snapshots) == SNAPSHOT_CACHE_SIZE + 1  # values[0] once, then the other 8
-    assert snapshots[-1].evict == [snapshots[0].key]  # the 9th value evicts the least recently used
-    assert all(not s.evict for s in snapshots[:-1])
+    shares = [m for _, m in t.sent if isinstance(m, Share)]
+    assert len(shares) == SHARED_CACHE_SIZE + 1  # values[0] once, then the other 8
+    assert shares[-1].evict == [shares[0].key]  # the 9th value evicts the least recently used
+    assert all(not s.evict for s in shares[:-1])
 
 
 def test_an_engine_exception_is_that_tasks_error_and_the_worker_stays(clock):
@@ -296,16 +307,16 @@ def test_a_replacement_with_another_engine_is_refused(clock):
 
 
 @pytest.mark.parametrize("how", ["hang_once", "die_once"])
-def test_a_replacement_gets_the_task_first_and_the_snapshots_again(clock, how):
+def test_a_replacement_gets_the_task_first_and_the_shared_values_again(clock, how):
     t = ScriptedTransport(clock)
     d, store = make(t, 1, task_timeout=5.0, max_restarts=1)
     first_pid = d.pids[0]
     out = run(d, [task(store, 0, how, item=3, g="G"), task(store, 1, item=4, g="G")])
     assert out == {0: 9, 1: 16}
     assert d.stats.restarts == 1 and d.pids[0] != first_pid and t.spawned == [0, 0]
-    # the replacement got the snapshot again, then the retried task before the queued one
+    # the replacement got the shared value again, then the retried task before the queued one
     assert [type(m).__name__ + str(getattr(m, "id", "")) for _, m in t.sent] == [
-        "Snapshot", "Task0", "Snapshot", "Task0", "Task1"]
+        "Share", "Task0", "Share", "Task0", "Task1"]
 
 
 @pytest.mark.parametrize("how, cause", [("hang_once", "in hang_once() on item 0: no answer within 5 s"),
@@ -358,7 +369,7 @@ class Quiet(ScriptedTransport):
     """Answers only when told (``answer(rank)``), so the tasks in flight can be inspected."""
 
     def send(self, rank, data):
-        messages = protocol.FrameReader().feed(data)
+        messages = [protocol.decode_request(body) for body in protocol.FrameReader().bodies(data)]
         self.sent += [(rank, m) for m in messages]
 
     def answer(self, rank):
@@ -487,7 +498,7 @@ def test_with_depth_2_no_task_waits_behind_a_speculative_one(clock):
 
 
 def test_snapshot_cache_never_evicts_what_the_task_needs():
-    cache = SnapshotCache(capacity=2)
+    cache = SharedCache(capacity=2)
     assert cache.admit({"a": "k1", "b": "k2"}) == [("k1", []), ("k2", [])]
     assert cache.admit({"a": "k1"}) == []  # held; k1 is now the most recently used
     assert cache.admit({"c": "k3"}) == [("k3", ["k2"])]

@@ -11,20 +11,20 @@ import pytest
 import torch
 from processes import CORES, ONE_CORE, pinned
 
-from stageb_pool.engine.build import build_engine
-from stageb_pool.engine.model_path import check_model_path
+from stageb_pool.app.config import ModelConfig
+from stageb_pool.engine.models import check_model_path
+from stageb_pool.engine.registry import build_engine
 from stageb_pool.engine.records import (
     ChatRequest,
     ChunkResult,
     Decode,
-    EngineSettings,
     RolloutChunk,
     TicketText,
     VerdictChunk,
     VerdictChunkResult,
 )
 from stageb_pool.engine import chat_text, verdict_scoring
-from stageb_pool.engine.transformers_engine import Engine
+from stageb_pool.engine.transformers_engine import TransformersEngine
 from stageb_pool.pool.devices import Device
 from stageb_pool.stageb import prompts
 from stageb_pool.stageb.errors import InputError
@@ -40,6 +40,7 @@ GREEDY = Decode(temperature=0.0, max_new_tokens=12)
 # later forked workers hang (see conftest.py).
 CPU = Device("cpu", 0, 0, threads=1)
 TINY = check_model_path("tiny")
+MODEL = ModelConfig(path="tiny")  # the config's model section: transformers, its defaults
 
 
 def ticket(i: int, extra: int = 0) -> TicketText:
@@ -76,7 +77,7 @@ def profile():
 
 @pytest.fixture(scope="module")
 def engine():
-    return build_engine(CPU, TINY)
+    return build_engine(CPU, TINY, MODEL)
 
 
 def rollout(engine, ch, profile, guidance=GUIDANCE) -> ChunkResult:
@@ -118,9 +119,9 @@ def test_token_ids_only_when_asked(engine, profile):
 def test_chunk_results_do_not_depend_on_order_or_interleaving(profile):
     """What a worker did before (other chunks, chats, other guidance) never changes a chunk."""
     chunks = chunks_of(TICKETS, 4, grid=[SAMPLED, GREEDY], spd=2)
-    first = build_engine(CPU, TINY)
+    first = build_engine(CPU, TINY, MODEL)
     in_order = [stable(rollout(first, c, profile)) for c in chunks]
-    second = build_engine(CPU, TINY)
+    second = build_engine(CPU, TINY, MODEL)
     shuffled = {}
     for c in (chunks[2], chunks[0]):
         shuffled[c.chunk_index] = stable(rollout(second, c, profile))
@@ -228,11 +229,11 @@ def test_prompt_of_exactly_the_limit_is_kept(engine, profile):
 
 
 def test_a_configured_stop_token_ends_the_sample_and_the_text(profile):
-    plain = build_engine(CPU, TINY)
+    plain = build_engine(CPU, TINY, MODEL)
     greedy = rollout(plain, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
     assert greedy.finish_reason == "length"
     stop_token = plain.tokenizer.convert_ids_to_tokens(greedy.token_ids[4])
-    stopping = build_engine(CPU, TINY, EngineSettings(stop=[stop_token]))
+    stopping = build_engine(CPU, TINY, ModelConfig(stop=[stop_token]))
     assert stopping.text.stop_strings == ["<|im_end|>", "<|endoftext|>", stop_token]
     s = rollout(stopping, chunk(0, TICKETS[:1], [GREEDY]), profile).tickets[0].samples[0]
     first = greedy.token_ids.index(greedy.token_ids[4])
@@ -247,7 +248,7 @@ def test_a_multi_token_stop_string_ends_the_sample_and_cuts_the_text(engine, pro
     # Two consecutive generated tokens whose text is clean and is not itself one token.
     candidates = [(a, tok.decode(ids[a:a + 2])) for a in range(2, 8)]
     a, stop = next((a, s) for a, s in candidates if "\ufffd" not in s and s.strip() and s not in tok.get_vocab())
-    stopping = build_engine(CPU, TINY, EngineSettings(stop=[stop]))
+    stopping = build_engine(CPU, TINY, ModelConfig(stop=[stop]))
     s = rollout(stopping, chunk(0, TICKETS[1:2], [GREEDY]), profile).tickets[0].samples[0]
     assert s.finish_reason == "stop"
     assert s.token_ids == ids[: a + 2] and s.completion_tokens == a + 2
@@ -257,7 +258,7 @@ def test_a_multi_token_stop_string_ends_the_sample_and_cuts_the_text(engine, pro
 @pytest.mark.parametrize("extra", [[], ["\n\n"], ["<|im_end|>", "Reason:"]], ids=["none", "newlines", "repeat"])
 def test_configured_stops_add_to_the_end_of_turn_tokens(engine, profile, monkeypatch, extra):
     """model.stop adds stops (upstream): the end-of-turn tokens always stop generation."""
-    stopping = build_engine(CPU, TINY, EngineSettings(stop=extra))
+    stopping = build_engine(CPU, TINY, ModelConfig(stop=extra))
     defaults = ["<|im_end|>", "<|endoftext|>"]
     assert stopping.text.stop_strings == list(dict.fromkeys(defaults + extra))
     seen = []
@@ -584,8 +585,8 @@ def test_a_verdict_chunk_does_not_depend_on_what_the_worker_did_before(profile):
     """The same chunk on a fresh engine and on one that ran rollouts, chats and other verdict
     chunks first gives the same bytes (wall clock aside): one batch, in its own order."""
     target = VerdictChunk(1, TICKETS[4:8], None)
-    fresh = build_engine(CPU, TINY).verdict_probabilities(target, guidance=GUIDANCE, profile=profile)
-    busy = build_engine(CPU, TINY)
+    fresh = build_engine(CPU, TINY, MODEL).verdict_probabilities(target, guidance=GUIDANCE, profile=profile)
+    busy = build_engine(CPU, TINY, MODEL)
     rollout(busy, chunk(0, TICKETS[:4], [SAMPLED]), profile)
     busy.chat(ChatRequest("sys", "head", ["ex"], "tail", SAMPLED, "7/proposer/it1"))
     verdicts_of(busy, TICKETS[:4], profile, guidance={"G0": "another rule"})
@@ -652,7 +653,7 @@ def any_judge(request, engine, embedded_tokenizer):
         return engine
     from stageb_pool.engine import tiny
 
-    return Engine(tiny.build_model(embedded_tokenizer), embedded_tokenizer, CPU)
+    return TransformersEngine(tiny.build_model(embedded_tokenizer), embedded_tokenizer, CPU)
 
 
 def test_control_token_spellings_in_data_are_text_in_every_prompt_of_the_engine(any_judge, embedded_tokenizer,
@@ -754,7 +755,7 @@ def test_the_transformers_provenance_keeps_its_keys_values_and_order(engine, mon
         ("model_path", "tiny"), ("model", "tiny-qwen2"), ("attn_implementation", "sdpa"), ("stop", stop),
         ("llguidance", llguidance)]
     fake_cuda(monkeypatch)
-    grouped = Engine(engine.model, engine.tokenizer, Device("cuda", 0, 0, group=(0, 1)), model_path="/m",
+    grouped = TransformersEngine(engine.model, engine.tokenizer, Device("cuda", 0, 0, group=(0, 1)), model_path="/m",
                      model_name="m")
     assert list(grouped.info().items()) == [
         ("engine", "transformers"), *versions.items(), ("device", "Fake GPU"), ("cuda", "12.8"), ("cudnn", 91002),
@@ -795,7 +796,7 @@ def test_the_vllm_provenance_keeps_its_keys_values_and_order(engine, monkeypatch
 def test_a_saved_checkpoint_directory_loads_and_generates_like_the_original(engine, profile, tmp_path):
     engine.model.save_pretrained(tmp_path)
     engine.tokenizer.save_pretrained(tmp_path)
-    loaded = build_engine(CPU, check_model_path(str(tmp_path)))
+    loaded = build_engine(CPU, check_model_path(str(tmp_path)), MODEL)
     assert loaded.info()["model_path"] == str(tmp_path.resolve())
     ch = chunk(0, TICKETS[:3], [SAMPLED, GREEDY])
     assert stable(rollout(loaded, ch, profile)) == stable(rollout(engine, ch, profile))
@@ -808,7 +809,7 @@ def test_a_corrupt_checkpoint_fails_construction_with_a_line_naming_the_path(eng
     if weights is not None:
         (tmp_path / "model.safetensors").write_bytes(weights)
     with pytest.raises(InputError) as info:
-        build_engine(CPU, check_model_path(str(tmp_path)))
+        build_engine(CPU, check_model_path(str(tmp_path)), MODEL)
     assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
 
 
@@ -817,16 +818,16 @@ def test_a_checkpoint_without_chat_template_is_refused_at_construction(engine, t
     engine.tokenizer.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink()
     with pytest.raises(InputError, match="chat template") as info:
-        build_engine(CPU, check_model_path(str(tmp_path)))
+        build_engine(CPU, check_model_path(str(tmp_path)), MODEL)
     assert str(tmp_path) in str(info.value)
 
 
 def test_an_injected_model_generates_like_the_built_engine(engine, profile):
-    """Engine(model, tokenizer, device) takes any loaded model; build_engine only loads."""
+    """TransformersEngine(model, tokenizer, device) takes any loaded model; build_engine only loads."""
     from stageb_pool.engine import tiny
 
     model, tokenizer = tiny.build()
-    injected = Engine(model, tokenizer, CPU, model_path="tiny", model_name=tiny.NAME)
+    injected = TransformersEngine(model, tokenizer, CPU, model_path="tiny", model_name=TINY.name)
     ch = chunk(0, TICKETS[:3], [SAMPLED, GREEDY])
     assert stable(rollout(injected, ch, profile)) == stable(rollout(engine, ch, profile))
     assert injected.info() == engine.info()
@@ -834,41 +835,27 @@ def test_an_injected_model_generates_like_the_built_engine(engine, profile):
 
 def test_unknown_dtype_is_an_input_error():
     with pytest.raises(InputError, match="dtype"):
-        build_engine(CPU, TINY, EngineSettings(dtype="float13"))
+        build_engine(CPU, TINY, ModelConfig(dtype="float13"))
 
 
 # ---------------------------------------------------------------- engine choice (parent side)
 
 
-def test_the_engine_settings_are_the_model_section_less_what_the_parent_resolves():
-    """A worker builds its engine from the config's model section as an EngineSettings: every
-    key but path (the plan's ModelRef) and gpus_per_worker (the devices), none forgotten."""
-    from stageb_pool.app.config import ModelConfig
-    from stageb_pool.app.job import engine_settings
-    from stageb_pool.engine.records import SimulatedSettings, VllmSettings
-
-    section = ModelConfig(path="tiny", dtype="float16", attn_implementation="eager", trust_remote_code=True,
-                          stop=["END"], engine="simulated", vllm=VllmSettings(kv_cache_gib=2.0), gpus_per_worker=2,
-                          simulated=SimulatedSettings(noise=0.5))
-    fields = msgspec.structs.asdict(section)
-    del fields["path"], fields["gpus_per_worker"]
-    assert msgspec.structs.asdict(engine_settings(section)) == fields
-
-
 def test_the_vllm_engine_needs_vllm_installed_and_says_where_to_get_it(monkeypatch):
-    from stageb_pool.engine import model_path
+    from stageb_pool.engine import vllm_engine
+    from stageb_pool.engine.registry import check_engine
 
-    assert model_path.check_engine("transformers") == "transformers"
-    monkeypatch.setattr(model_path.importlib.util, "find_spec", lambda name: None)
+    assert check_engine("transformers") == "transformers"
+    monkeypatch.setattr(vllm_engine.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(InputError, match="bin/setup-vllm") as info:
-        model_path.check_engine("vllm")
+        check_engine("vllm")
     assert "model.engine" in str(info.value)
 
 
 def test_a_run_with_mixed_engines_or_versions_is_refused_and_other_differences_warned(caplog):
     import logging
 
-    from stageb_pool.app.job import engine_agreement
+    from stageb_pool.engine.registry import engine_agreement
 
     base = {"engine": "vllm", "vllm": "0.32.0", "torch": "2.13.0", "transformers": "5.19.0", "device": "A"}
     names = ["cuda:0", "cuda:1", "cuda:2"]
@@ -901,7 +888,7 @@ def tiny_factory(device):
     # Inline engines run in this test process: keep it single-threaded (see CPU above).
     if device.kind == "cpu":
         device = msgspec.structs.replace(device, threads=1)
-    return build_engine(device, TINY)
+    return build_engine(device, TINY, MODEL)
 
 
 def pool_rollout(gpus, chunks, profile, *, inline=False, cores=CORES) -> list[bytes]:
@@ -909,7 +896,7 @@ def pool_rollout(gpus, chunks, profile, *, inline=False, cores=CORES) -> list[by
     from stageb_pool import Pool
     from stageb_pool.pool import Fork, Inline
 
-    with pinned(cores), Pool(tiny_factory if inline else (lambda d: build_engine(d, TINY)), gpus=gpus,
+    with pinned(cores), Pool(tiny_factory if inline else (lambda d: build_engine(d, TINY, MODEL)), gpus=gpus,
                              backend=Inline() if inline else Fork()) as pool:
         results = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
         assert all(info["model"] == "tiny-qwen2" for info in pool.worker_info)
@@ -938,7 +925,7 @@ def test_a_bad_model_path_fails_the_pool_naming_the_path(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     model = check_model_path(str(tmp_path))  # a checkpoint by its config.json: the worker's load fails
     with pytest.raises(WorkerError) as info:
-        Pool(lambda d: build_engine(d, model), gpus="cpu:1", start_timeout=120)
+        Pool(lambda d: build_engine(d, model, MODEL), gpus="cpu:1", start_timeout=120)
     assert str(tmp_path) in str(info.value)
 
 
@@ -956,7 +943,7 @@ def test_embedded_model_end_to_end_identical_on_1_and_2_workers(model_cache, pro
 
     results = {}
     for gpus in ("cpu:2", "cpu:1"):
-        with Pool(lambda d: build_engine(d, check_model_path("embedded")), gpus=gpus, start_timeout=600) as pool:
+        with Pool(lambda d: build_engine(d, check_model_path("embedded"), MODEL), gpus=gpus, start_timeout=600) as pool:
             info = pool.worker_info[0]
             results[gpus] = pool.map("rollout", chunks, guidance=GUIDANCE, profile=profile, result_type=ChunkResult)
     assert info["model"] == "SmolLM2-135M-Instruct" and info["dtype"] == "float32"
@@ -994,7 +981,7 @@ def test_the_tiny_model_split_over_a_device_map_gives_the_same_bytes(engine, pro
         ("model.layers.0", "cpu:a"), ("model.layers.1", "cpu:b"), ("model.embed_tokens", "cpu:a"),
         ("model.norm", "cpu:b"), ("lm_head", "cpu:a")}  # the tied head stays with the embeddings
     assert hasattr(model.model.layers[0], "_hf_hook")  # dispatched, not merely moved
-    sharded = Engine(model, tokenizer, CPU, model_name=TINY.name)
+    sharded = TransformersEngine(model, tokenizer, CPU, model_name=TINY.name)
     for ch in chunks_of(TICKETS[:6], size=3, grid=(SAMPLED, GREEDY)):
         assert stable(rollout(sharded, ch, profile)) == stable(rollout(engine, ch, profile))
 
@@ -1015,11 +1002,14 @@ def test_the_group_size_is_in_the_engine_identity_and_the_resume_identity(engine
     from stageb_pool.app.identity import identity_document
     from stageb_pool.stageb.hashing import content_hash
 
-    assert "gpus_per_worker" not in engine.info() and engine.sharding_facts() == {}  # one device: as before
-    grouped = Engine(engine.model, engine.tokenizer, Device("cuda", 0, 0, group=(0, 1)))
-    assert grouped.sharding_facts() == {"gpus_per_worker": 2, "sharding": "layers"}
+    from stageb_pool.engine import provenance, sharding
+
+    assert "gpus_per_worker" not in engine.info()  # one device: as before
+    assert provenance.group_facts(engine.device, sharding.SHARDING) == {}
+    group = provenance.group_facts(Device("cuda", 0, 0, group=(0, 1)), sharding.SHARDING)
+    assert group == {"gpus_per_worker": 2, "sharding": "layers"}
     info = {k: v for k, v in engine.info().items()}
-    assert content_hash({**info, **grouped.sharding_facts()}) != content_hash(info)  # the rollout cache key
+    assert content_hash({**info, **group}) != content_hash(info)  # the rollout cache key
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     docs = [identity_document(load_config(demo, [f"model.gpus_per_worker={g}"]), seed_guidance={}, profile=profile,
                               proposer_system=None) for g in (1, 2)]
@@ -1033,7 +1023,7 @@ def group_engine_on_cpu(device):
 
     model, tokenizer = models.load(TINY, dtype="float32", attn_implementation="sdpa",
                                          shard_over=["cpu"] * device.group_size)
-    return Engine(model, tokenizer, Device("cpu", device.index, device.rank, device.threads), model_name=TINY.name)
+    return TransformersEngine(model, tokenizer, Device("cpu", device.index, device.rank, device.threads), model_name=TINY.name)
 
 
 def test_a_group_size_gives_the_same_bytes_on_one_group_and_on_two(engine, profile, monkeypatch):
@@ -1052,8 +1042,7 @@ def test_a_group_size_gives_the_same_bytes_on_one_group_and_on_two(engine, profi
 
 
 def test_vllm_takes_the_group_as_its_tensor_parallel_size():
-    from stageb_pool.engine.records import VllmSettings
-    from stageb_pool.engine.vllm_engine import llm_args
+    from stageb_pool.engine.vllm_engine import VllmSettings, llm_args
 
     one = llm_args(Device("cuda", 3, 0), VllmSettings(), "bfloat16")
     assert "tensor_parallel_size" not in one and "distributed_executor_backend" not in one  # as before groups

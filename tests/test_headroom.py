@@ -18,6 +18,7 @@ from processes import CORES, ONE_CORE, pinned
 
 from stageb_pool.app.config import load_config
 from stageb_pool.app.job import run_job
+from stageb_pool.artifacts import HEADROOM
 from stageb_pool.search import headroom as hr
 from stageb_pool.stageb.tickets import Ticket
 
@@ -185,8 +186,8 @@ def test_a_judge_that_says_fail_to_everything_is_reported_identically_on_1_and_2
     caplog.set_level(logging.INFO, logger="stageb_pool")
     one = audit(tmp_path, "cpu:1", "one", factory=fake_factory(p_pass=0.008))
     two = audit(tmp_path, "cpu:2", "two", factory=fake_factory(p_pass=0.008))
-    data = (one / hr.HEADROOM_FILE).read_bytes()
-    assert data == (two / hr.HEADROOM_FILE).read_bytes()
+    data = (one / HEADROOM.name).read_bytes()
+    assert data == (two / HEADROOM.name).read_bytes()
     doc = json.loads(data)
     assert (doc["auc"], doc["tickets"], doc["pass_share"], doc["separates"]) == (0.5, 12, 0.0, False)
     assert doc["labels"] == {"pass": 6, "fail": 6} and doc["mean_p_pass"] == 0.008
@@ -203,14 +204,14 @@ def test_a_judge_that_says_fail_to_everything_is_reported_identically_on_1_and_2
 def test_dropped_tickets_are_counted_and_left_out(tmp_path):
     keys = [f"{r['group_id']}::{r['label']}" for r in missing_part_records(30)]
     run = audit(tmp_path, "cpu:1", "drops", factory=fake_factory(drop_keys=keys[:15]))
-    doc = json.loads((run / hr.HEADROOM_FILE).read_text())
+    doc = json.loads((run / HEADROOM.name).read_text())
     assert doc["tickets"] + doc["dropped"] == 12 and doc["dropped"] > 0
     assert not {r["key"] for r in doc["per_ticket"]} & set(keys[:15])
 
 
 def test_the_check_can_be_switched_off(tmp_path):
     run = audit(tmp_path, "cpu:1", "off", factory=fake_factory(), overrides=["headroom.enabled=false"])
-    assert not (run / hr.HEADROOM_FILE).exists()
+    assert not (run / HEADROOM.name).exists()
     assert json.loads((run / "summary.json").read_text())["judge_headroom"] is None
 
 
@@ -223,7 +224,7 @@ def test_a_judge_that_reads_the_tickets_separates_and_the_search_summary_says_so
     cfg = load_config(cfg_path, ["headroom.tickets=20"])
     run_job(cfg, "cpu:1", debug=True, engine_factory=se.scripted_factory(engines))
     run = tmp_path / "out" / MISSION / "sep"
-    doc = json.loads((run / hr.HEADROOM_FILE).read_text())
+    doc = json.loads((run / HEADROOM.name).read_text())
     assert (doc["auc"], doc["tickets"], doc["separates"]) == (1.0, 20, True)
     assert doc["labels"] == {"pass": 10, "fail": 10}
     assert doc["message"] == "AUC 1.00 on 20 tickets: the judge separates the labels; rules can move it"
@@ -240,8 +241,8 @@ def test_the_tiny_model_check_is_byte_identical_on_1_and_2_workers(tmp_path):
         one = audit(tmp_path, "cpu:1", "one", factory=None)
     with pinned(ONE_CORE):
         two = audit(tmp_path, "cpu:2", "two", factory=None)
-    data = (one / hr.HEADROOM_FILE).read_bytes()
-    assert data == (two / hr.HEADROOM_FILE).read_bytes()
+    data = (one / HEADROOM.name).read_bytes()
+    assert data == (two / HEADROOM.name).read_bytes()
     doc = json.loads(data)
     assert doc["tickets"] == 12 and all(0 <= r["p_pass"] <= 1 for r in doc["per_ticket"])
 

@@ -3,9 +3,11 @@
     pool/    the generic process pool          -> stdlib + msgspec, nothing else of ours
     stageb/  the pure Stage-B domain           -> stageb only (no torch, no processes)
     engine/  the only torch/transformers code  -> engine, stageb, pool
-    search/  domain meets pool and artifacts   -> search, stageb, pool, engine.records
-    report/  report.html from a run's files    -> report only (+ msgspec; matplotlib lazily)
+    search/  domain meets pool and artifacts   -> search, stageb, pool, engine.records, artifacts
+    report/  report.html from a run's files    -> report, artifacts (+ msgspec; matplotlib lazily)
     app/     CLI, job, config, diff, progress  -> everything
+    artifacts.py, artifact_rows.py (root): every file a run holds and its rows -> msgspec only,
+             below every layer that writes or reads a run (search, report, app)
 
 A wheel built from the checkout holds the prompt profiles and runs outside the checkout.
 """
@@ -33,10 +35,11 @@ ALLOWED_INTERNAL = {
     "pool": {"pool"},
     "stageb": {"stageb"},
     "engine": {"engine", "stageb", "pool"},
-    "search": {"search", "stageb", "pool", "engine.records", "<root>"},
-    "app": {"app", "search", "stageb", "pool", "engine", "report", "<root>"},
-    "report": {"report"},  # reads a run directory's files only
-    "<root>": {"pool", "app"},
+    "search": {"search", "stageb", "pool", "engine.records", "<root>", "artifacts", "artifact_rows"},
+    "app": {"app", "search", "stageb", "pool", "engine", "report", "<root>", "artifacts"},
+    # reads a run directory's files only; which files, and their rows, from the registry
+    "report": {"report", "artifacts"},
+    "<root>": {"pool", "app", "artifact_rows"},  # artifacts.py names the rows of artifact_rows.py
 }
 # Third-party packages each folder may import (the standard library is always allowed).
 ALLOWED_EXTERNAL = {
@@ -47,7 +50,7 @@ ALLOWED_EXTERNAL = {
     "search": {"msgspec"},
     "app": {"msgspec", "yaml", "tqdm"},
     "report": {"matplotlib", "msgspec"},  # matplotlib only lazily, while building a report (tests/test_report.py)
-    "<root>": set(),
+    "<root>": {"msgspec"},  # artifacts.py, artifact_rows.py: the records of a run's files
 }
 # Never, anywhere: IPC is msgspec JSON over socketpairs, workers share no collective.
 BANNED = {"pickle", "cPickle", "dill", "cloudpickle", "multiprocessing", "torch.distributed", "torch.multiprocessing"}
@@ -242,17 +245,16 @@ def test_both_engines_use_the_shared_text_layer():
 
 
 def test_each_engine_module_has_its_builder():
-    builders = {"transformers_engine.py": "build_transformers_engine", "vllm_engine.py": "build_vllm_engine",
-                "simulated_engine.py": "build_simulated_engine"}
-    for module, name in builders.items():
-        tree = ast.parse((ENGINE / module).read_text(encoding="utf-8"))
-        assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, module
-    build = ast.parse((ENGINE / "build.py").read_text(encoding="utf-8"))
-    assert not [n.name for n in build.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_build")]
+    from stageb_pool.engine.registry import ENGINES
+
+    for name, known in ENGINES.items():
+        module, function = known.build.split(":")
+        tree = ast.parse((ENGINE / f"{module.lstrip('.')}.py").read_text(encoding="utf-8"))
+        assert function in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, name
 
 
 # --------------------------------------------------------------------------- one worker core
-# A worker's request handling (building the engine, the hello, Snapshot -> cache, Task ->
+# A worker's request handling (building the engine, the hello, Share -> cache, Task ->
 # Result or Failure) lives in one place, ``pool/worker_core.py``; its three hosts are I/O
 # loops around ``WorkerCore`` with no dispatch of their own. Read from the source.
 
@@ -261,7 +263,7 @@ POOL = PACKAGE / "pool"
 WORKER_HOSTS = {"worker.py": None, "ray_transport.py": "RayWorker", "inline.py": None}
 # The messages a worker receives or answers, and the typed calls behind them: a host naming
 # one of them handles requests itself.
-REQUEST_NAMES = {"Snapshot", "Task", "Shutdown", "Request", "Ready", "InitFailed", "Result", "Failure", "Calls",
+REQUEST_NAMES = {"Share", "Task", "Shutdown", "Request", "Ready", "InitFailed", "Result", "Failure", "Calls",
                  "decode_request"}
 FACTORY_NAMES = {"engine_factory", "factory"}
 
@@ -302,7 +304,7 @@ def test_the_worker_core_is_the_one_module_that_handles_requests():
     core = ast.parse((POOL / "worker_core.py").read_text(encoding="utf-8"))
     [match] = [node for node in ast.walk(core) if isinstance(node, ast.Match)]
     cases = {_name(case.pattern.cls) for case in match.cases if isinstance(case.pattern, ast.MatchClass)}
-    assert cases == {"Snapshot", "Task", "Shutdown"}
+    assert cases == {"Share", "Task", "Shutdown"}
     # elsewhere in the pool: nobody builds an engine, makes typed calls or matches on requests
     builders = {}
     for path in sorted(POOL.glob("*.py")):
@@ -311,26 +313,38 @@ def test_the_worker_core_is_the_one_module_that_handles_requests():
                 builders.setdefault(_name(node.func), set()).add(path.name)
             if isinstance(node, ast.Match):
                 builders.setdefault("match", set()).add(path.name)
-    assert builders == {"engine_factory": {"worker_core.py"}, "Calls": {"worker_core.py"}, "match": {"worker_core.py"}}
+    assert builders == {"engine_factory": {"worker_core.py"}, "Calls": {"worker_core.py"},
+                        "match": {"worker_core.py", "dispatch.py"}}
+
+
+def test_the_parent_matches_the_replies_once():
+    """The parent's side mirrors the worker's: a worker's reply is decoded as
+    ``protocol.Reply`` and matched in one place, the dispatcher's ``_on_reply``."""
+    dispatch = ast.parse((POOL / "dispatch.py").read_text(encoding="utf-8"))
+    [on_reply] = [n for n in ast.walk(dispatch) if isinstance(n, ast.FunctionDef) and n.name == "_on_reply"]
+    [match] = [node for node in ast.walk(on_reply) if isinstance(node, ast.Match)]
+    cases = set()
+    for case in match.cases:
+        for pattern in case.pattern.patterns if isinstance(case.pattern, ast.MatchOr) else [case.pattern]:
+            cases.add(_name(pattern.cls))
+    assert cases == {"Ready", "InitFailed", "Result", "Failure"}
 
 
 def test_the_worker_host_check_catches_a_host_with_a_dispatch_of_its_own():
     source = ("def serve(sock, engine_factory, device):\n"
               "    engine = engine_factory(device)\n"
               "    msg = protocol.recv(sock)\n"
-              "    if isinstance(msg, protocol.Snapshot):\n"
+              "    if isinstance(msg, protocol.Share):\n"
               "        pass\n")
-    assert request_handling(ast.parse(source)) == ["line 2: calls engine_factory()", "line 4: Snapshot"]
+    assert request_handling(ast.parse(source)) == ["line 2: calls engine_factory()", "line 4: Share"]
 
 
 def test_the_worker_side_engine_modules_never_check_a_model_path():
-    """The parent checks model.path once (``model_path.check_model_path``, in the run plan) and
-    sends the ModelRef it gives to the workers, which load it as it is: no engine module but
-    ``model_path`` itself names the check (a call, an import or a reference)."""
+    """The parent checks model.path once (``models.check_model_path``, in the run plan) and
+    sends the ModelRef it gives to the workers, which load it as it is: no engine module names
+    the check (a call, an import or a reference) beside its definition."""
     found = []
     for path in sorted(ENGINE.glob("*.py")):
-        if path.name == "model_path.py":
-            continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Name):
                 name = node.id

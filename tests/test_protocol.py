@@ -11,13 +11,13 @@ import pytest
 from stageb_pool.pool import protocol
 from stageb_pool.pool.protocol import (
     Exited, Failure, FrameReader, FrameTooLarge, InitFailed, Kill, ProtocolError, Ready, Result,
-    Shutdown, Snapshot, Spawn, Spawned, Task,
+    Shutdown, Share, Spawn, Spawned, Task,
 )
 
 MESSAGES = [
     Ready(1, 123, {"torch": "2.13"}),
     InitFailed(1, 123, "RuntimeError: x", "Traceback ..."),
-    Snapshot("abcd", msgspec.Raw(b'{"G0":"rule"}'), evict=["old"]),
+    Share("abcd", msgspec.Raw(b'{"G0":"rule"}'), evict=["old"]),
     Task(7, "rollout", msgspec.Raw(b'{"tickets":[1,2]}'), {"guidance": "abcd"}),
     Failure(7, "ValueError: bad", "Traceback ..."),
     Shutdown(2.0),
@@ -27,6 +27,12 @@ MESSAGES = [
     Exited(456, None, 9),
     Exited(457, 0, None),
 ]
+REPLIES = (Ready, InitFailed, Result, Failure)
+
+
+def messages(reader: FrameReader, data: bytes) -> list:
+    """Every message in the frames ``data`` completes, whoever it is for."""
+    return [protocol.decode(body) for body in reader.bodies(data)]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
@@ -35,13 +41,23 @@ def test_every_message_round_trips_with_its_type_tag(msg):
     (size,) = protocol.HEADER.unpack(data[:4])
     assert size == len(data) - 4
     assert msgspec.json.decode(data[4:])["type"] == type(msg).__name__
-    assert FrameReader().feed(data) == [msg]
+    assert messages(FrameReader(), data) == [msg]
 
 
-def test_task_items_and_snapshots_stay_raw_until_the_worker_decodes_them():
-    task, snap = FrameReader().feed(protocol.frame(MESSAGES[3]) + protocol.frame(MESSAGES[2]))
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_the_parent_reads_replies_only_and_names_anything_else(msg):
+    data = protocol.frame(msg)
+    if isinstance(msg, REPLIES):
+        assert FrameReader().feed(data) == [msg]
+    else:
+        with pytest.raises(ProtocolError, match=f"^parent got unexpected {type(msg).__name__}$"):
+            FrameReader().feed(data)
+
+
+def test_task_items_and_shared_values_stay_raw_until_the_worker_decodes_them():
+    task, share = messages(FrameReader(), protocol.frame(MESSAGES[3]) + protocol.frame(MESSAGES[2]))
     assert isinstance(task.item, msgspec.Raw) and bytes(task.item) == b'{"tickets":[1,2]}'
-    assert isinstance(snap.value, msgspec.Raw) and bytes(snap.value) == b'{"G0":"rule"}'
+    assert isinstance(share.value, msgspec.Raw) and bytes(share.value) == b'{"G0":"rule"}'
 
 
 def test_result_value_stays_raw_until_the_parent_decodes_it():
@@ -56,9 +72,9 @@ def test_reader_says_how_many_bytes_complete_the_frame_it_reads():
     data = protocol.frame(Result(1, "x" * 100_000))
     reader = FrameReader()
     assert reader.needed() == 4  # the header first
-    reader.feed(data[:2])
+    assert reader.feed(data[:2]) == []
     assert reader.needed() == 2
-    reader.feed(data[2:10])
+    assert reader.feed(data[2:10]) == []
     assert reader.needed() == len(data) - 10  # the rest of this frame, whatever was announced
     assert reader.feed(data[10:] + data[:3]) == [Result(1, msgspec.Raw(protocol.encode("x" * 100_000)))]
     assert reader.needed() == 1  # the next frame's header
@@ -68,7 +84,7 @@ def test_reader_reassembles_frames_fed_byte_by_byte():
     data = b"".join(protocol.frame(m) for m in MESSAGES)
     reader, got = FrameReader(), []
     for i in range(len(data)):
-        got += reader.feed(data[i:i + 1])
+        got += messages(reader, data[i:i + 1])
     assert got == MESSAGES and not reader.buffer
 
 
@@ -91,7 +107,7 @@ def test_oversize_header_on_receive_is_a_protocol_error():
 @pytest.mark.parametrize("body", [b"not json", b'{"type": "Nope"}', b'{"type": "Task", "id": "x"}', b"[]"])
 def test_garbage_is_a_protocol_error(body):
     with pytest.raises(ProtocolError, match="cannot decode message"):
-        FrameReader().feed(protocol.HEADER.pack(len(body)) + body)
+        messages(FrameReader(), protocol.HEADER.pack(len(body)) + body)
 
 
 def test_blocking_recv_reads_frames_and_reports_eof():

@@ -76,7 +76,7 @@ def ray_pool(engine=Uniform, gpus="2", placement_timeout: float = 60.0, **kwargs
     return Pool(engine, gpus, backend=Ray(placement_timeout=placement_timeout), **kwargs)
 
 
-# -- order, snapshots, placement ------------------------------------------------------------------
+# -- order, shared values, placement ------------------------------------------------------------------
 def test_map_keeps_input_order_and_sends_each_snapshot_once_per_actor(ray_free):
     guidance = {f"G{i}": "a rule of about sixty characters, like the real guidance ones" for i in range(5)}
     with ray_pool(gpus=str(GPUS), task_timeout=60) as pool:
@@ -84,10 +84,10 @@ def test_map_keeps_input_order_and_sends_each_snapshot_once_per_actor(ray_free):
         assert [o["item"] for o in out] == list(range(40))
         assert all(o["shared"] == {"guidance": guidance} for o in out)
         ran = sum(1 for n in pool.stats.items if n)
-        assert pool.stats.frames_sent["Snapshot"] == ran and sum(pool.stats.items) == 40
+        assert pool.stats.shared_sends == ran and sum(pool.stats.items) == 40
         assert [pool.call(r, "echo", r)["rank"] for r in range(GPUS)] == list(range(GPUS))  # pinned
         pool.map("echo", [1, 2, 3], guidance=dict(guidance))  # an equal value: not sent again
-        assert pool.stats.frames_sent["Snapshot"] == GPUS
+        assert pool.stats.shared_sends == GPUS
         assert sorted(p["gpu_ids"][0] for p in pool.placement) == [str(i) for i in range(GPUS)]
         assert pool.worker_info == [{"engine": "test", "kind": "cuda"}] * GPUS  # "ray" placement kept apart
         assert [d.torch_device for d in pool.devices] == ["cuda:0"] * GPUS  # Ray masks one GPU per actor
@@ -216,7 +216,7 @@ def test_a_replacement_in_the_same_bundle_retries_the_task_with_identical_result
         assert [pool.call(rank, "die_once", 2, marker=marker, how=how) for rank in (0, 1)] == [4, 4]  # both work
         assert len(set(p["pid"] for p in pool.placement) - set(first)) == 1  # one fresh actor
         # the two shared values (marker, how) went to each of the 3 actors once: resent to the replacement
-        assert pool.stats.frames_sent["Snapshot"] == 2 * 3
+        assert pool.stats.shared_sends == 2 * 3
 
 
 def test_close_leaves_no_actor_and_frees_every_gpu(ray_cluster):

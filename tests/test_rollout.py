@@ -167,12 +167,12 @@ def test_invalid_samples_counted(tickets, profile):
     assert s.majority is None and s.invalid_count == K and s.verdicts == [None] * K
 
 
-def test_snapshots_sent_once_per_worker(tickets, profile):
+def test_shared_values_sent_once_per_worker(tickets, profile):
     rule = dict(GUIDANCE, G1="Fail if scratch on the door.")
     with Pool(fake_factory(), "cpu:2") as pool:
         runner = RolloutRunner(pool, profile, chunk_size=1)
         runner.wait([runner.submit(spec(tickets)), runner.submit(spec(tickets, name="c", guidance=rule))])
-        sends = pool.stats.snapshot_sends
+        sends = pool.stats.shared_sends
         assert items_total(pool) == 2 * len(tickets)
     # three distinct shared values (2 guidances, 1 profile), at most once to each of 2 workers,
     # for 20 chunks

@@ -387,6 +387,7 @@ def _link(root: Path, kind: str) -> str:
     ("hardlink", "the export would overwrite it"),
     ("symlink", "the export would overwrite it"),
     (f"out/{MISSION}/run/state.json", "a file the run itself writes"),
+    (f"out/{MISSION}/run/report.html", "a file the run itself writes"),  # every file of artifacts.ARTIFACTS
     (".", "is a directory"),
     # folders the run itself creates: refused before they exist, not at the end of the run
     ("out", "a folder that holds the run directory"),

@@ -30,7 +30,7 @@ from doubles.run_inputs import MISSION, SEED, feature_records, search_inputs
 
 from stageb_pool.app import config as config_mod
 from stageb_pool.app import job, plan
-from stageb_pool.app.diff import VOLATILE_FILES, diff_runs, format_differences
+from stageb_pool.app.diff import diff_runs, format_differences, is_volatile_file
 from stageb_pool.app.identity import run_identity
 from stageb_pool.search import state as state_mod
 from stageb_pool.search.distill import distill_sampler
@@ -430,7 +430,7 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path):
     run_dir, _ = run(tmp_path)
 
     def artifacts():  # the wall-clock pool_timeline.jsonl is the resumed process's own
-        return {p: p.read_bytes() for p in run_dir.rglob("*.jsonl") if p.name not in VOLATILE_FILES}
+        return {p: p.read_bytes() for p in run_dir.rglob("*.jsonl") if not is_volatile_file(p.name)}
 
     before = artifacts()
     _, engines = run(tmp_path, resume=True)

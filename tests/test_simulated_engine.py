@@ -17,8 +17,10 @@ from stageb_pool.app import config as config_mod
 from stageb_pool.app import job
 from stageb_pool.app.diff import diff_runs, format_differences
 from stageb_pool.engine import simulated_engine as sim
-from stageb_pool.engine.model_path import check_model_path
-from stageb_pool.engine.records import ChatRequest, Decode, RolloutChunk, SimulatedSettings
+from stageb_pool.engine.models import check_model_path
+from stageb_pool.engine.records import ChatRequest, Decode, RolloutChunk
+from stageb_pool.engine.registry import engine_factory_for
+from stageb_pool.engine.simulated_engine import SimulatedSettings
 from stageb_pool.pool import Device
 from stageb_pool.stageb import prompts
 from stageb_pool.stageb.tickets import TicketText
@@ -189,7 +191,7 @@ def test_one_and_eight_simulated_workers_give_identical_artifacts(tmp_path):
         cfg = config_mod.load_config(path, ["model.engine=simulated", "model.simulated.time_scale=0"])
         # The job's own engine factory; passing it skips only the guidance-versus-prompt-cap
         # check, which loads the transformers tokenizer (seconds of CPU) and has its own tests.
-        job.run_job(cfg, gpus, engine_factory=job.engine_factory_for(cfg.model, check_model_path("tiny")))
+        job.run_job(cfg, gpus, engine_factory=engine_factory_for(cfg.model, check_model_path("tiny")))
         runs.append(tmp_path / "out" / MISSION / name)
     assert json.loads((runs[1] / "run.json").read_text())["provenance"]["engine"]["engine"] == "simulated"
     summary = json.loads((runs[0] / "summary.json").read_text())

@@ -92,11 +92,12 @@ class RawScores:
     forward pass over random ids did not show it here)."""
 
     def __init__(self, device):
-        from stageb_pool.engine.build import build_engine
-        from stageb_pool.engine.model_path import check_model_path
+        from stageb_pool.app.config import ModelConfig
+        from stageb_pool.engine.models import check_model_path
+        from stageb_pool.engine.registry import build_engine
         from stageb_pool.stageb import prompts
 
-        self.engine = build_engine(device, check_model_path("tiny"))
+        self.engine = build_engine(device, check_model_path("tiny"), ModelConfig())
         self.profile = prompts.load_profile("generic", mission=MISSION)
 
     def scores(self, index: int) -> list[list[str]]:

@@ -25,12 +25,12 @@ from processes import descendants, gone  # noqa: E402
 from test_audit import run_audit_job, same_artifacts  # noqa: E402
 
 from stageb_pool import Pool  # noqa: E402
-from stageb_pool.engine.model_path import check_model_path  # noqa: E402
+from stageb_pool.app.config import ModelConfig  # noqa: E402
+from stageb_pool.engine.models import check_model_path  # noqa: E402
 from stageb_pool.engine.records import (  # noqa: E402
     ChatRequest,
     ChunkResult,
     Decode,
-    EngineSettings,
     RolloutChunk,
     TicketText,
     VerdictChunk,
@@ -44,7 +44,7 @@ SAMPLED = Decode(temperature=0.8, top_p=0.9, max_new_tokens=12, repetition_penal
 GREEDY = Decode(temperature=0.0, max_new_tokens=12)
 PROFILE = prompts.load_profile("generic", mission=MISSION)
 TINY = check_model_path("tiny")
-VLLM = EngineSettings(engine="vllm")
+VLLM = ModelConfig(engine="vllm")
 TICKETS = [TicketText(f"T{i:03d}", MISSION, {f"image_{n + 1}": f"mount bolt {i + n} tight, seal {n}"
                                              for n in range(1 + i % 3)}) for i in range(10)]
 
@@ -59,7 +59,7 @@ def stable(result: ChunkResult) -> bytes:
 
 
 def vllm_factory(device):
-    from stageb_pool.engine.build import build_engine
+    from stageb_pool.engine.registry import build_engine
 
     return build_engine(device, TINY, VLLM)
 
@@ -125,7 +125,7 @@ def test_proposer_chat_through_the_pool_fits_examples_and_is_seeded():
 
 @pytest.fixture(scope="module")
 def engine():
-    from stageb_pool.engine.build import build_engine
+    from stageb_pool.engine.registry import build_engine
     from stageb_pool.pool.devices import Device
 
     return build_engine(Device("cpu", 0, 0, threads=1), TINY, VLLM)
@@ -194,11 +194,11 @@ def verdicts(engine, tickets=TICKETS[:6], limit=None, index=0) -> VerdictChunkRe
 def test_verdict_probabilities_match_the_transformers_engine_on_the_same_checkpoint(engine):
     """Prompt log-probs through vLLM and a padded forward pass through transformers give the
     same P(pass) for the same weights (to CPU kernel noise), and the same prompt lengths."""
-    from stageb_pool.engine.build import build_engine
+    from stageb_pool.engine.registry import build_engine
     from stageb_pool.engine.models import checkpoint_dir
     from stageb_pool.pool.devices import Device
 
-    reference = build_engine(Device("cpu", 0, 0, threads=1), check_model_path(str(checkpoint_dir(TINY))))
+    reference = build_engine(Device("cpu", 0, 0, threads=1), check_model_path(str(checkpoint_dir(TINY))), ModelConfig())
     ours = verdicts(engine)
     theirs = reference.verdict_probabilities(VerdictChunk(0, TICKETS[:6], None), guidance=GUIDANCE, profile=PROFILE)
     assert [t.prompt_tokens for t in ours.tickets] == [t.prompt_tokens for t in theirs.tickets]
@@ -236,7 +236,7 @@ def any_vllm(request, engine, embedded_tokenizer, tmp_path_factory):
     if request.param == "tiny":
         return engine
     from stageb_pool.engine import tiny
-    from stageb_pool.engine.build import build_engine
+    from stageb_pool.engine.registry import build_engine
     from stageb_pool.pool.devices import Device
 
     folder = tmp_path_factory.mktemp("embedded-vocabulary")

@@ -11,7 +11,7 @@ import pytest
 from stageb_pool.pool import protocol
 from stageb_pool.pool.devices import Device
 from stageb_pool.pool.errors import ProtocolError
-from stageb_pool.pool.protocol import Failure, InitFailed, Ready, Result, Shutdown, Snapshot, Task
+from stageb_pool.pool.protocol import Failure, InitFailed, Ready, Result, Shutdown, Share, Task
 from stageb_pool.pool.worker_core import WorkerCore
 
 DEVICE = Device("cpu", 0, 0)
@@ -87,11 +87,11 @@ def test_an_engine_that_fails_to_start_answers_init_failed_with_the_summary_and_
 
 def test_a_snapshot_is_cached_without_a_reply_and_a_task_gets_its_result():
     core = started()
-    assert core.answer(body(Snapshot("s1", msgspec.Raw(b'{"k": 3}')))) == b""
+    assert core.answer(body(Share("s1", msgspec.Raw(b'{"k": 3}')))) == b""
     task = Task(7, "scaled", msgspec.Raw(b'{"x": 1, "y": 2}'), {"scale": "s1"})
     assert reply(core.answer(body(task))) == Result(7, msgspec.Raw(b"9"))
-    # the evictions the parent sends with the next snapshot leave the worker's cache as its mirror
-    core.answer(body(Snapshot("s2", msgspec.Raw(b'{"k": 5}'), ["s1"])))
+    # the evictions the parent sends with the next shared value leave the worker's cache as its mirror
+    core.answer(body(Share("s2", msgspec.Raw(b'{"k": 5}'), ["s1"])))
     assert reply(core.answer(body(Task(8, "scaled", msgspec.Raw(b'{"x": 1, "y": 1}'), {"scale": "s2"})))) == Result(
         8, msgspec.Raw(b"10"))
     failure = reply(core.answer(body(task)))  # s1 was evicted: this task fails, the worker goes on
@@ -121,7 +121,7 @@ def test_the_calls_raise_the_engines_own_exceptions_for_a_host_in_the_same_proce
         WorkerCore(no_model, DEVICE, protocol.MAX_FRAME_BYTES).start()
     core = WorkerCore(Engine, DEVICE, protocol.MAX_FRAME_BYTES)
     assert core.start() == {"engine": "test", "device": "cpu:0"}
-    core.add_snapshot("s1", b'{"k": 2}')
+    core.add_shared("s1", b'{"k": 2}')
     assert core.call("scaled", b'{"x": 2, "y": 2}', {"scale": "s1"}) == 8
     with pytest.raises(ValueError, match="item 2 is bad"):
         core.call("fail_on", b"2", {})

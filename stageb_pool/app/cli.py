@@ -256,9 +256,10 @@ def cmd_report(args) -> int:
     """Write the report of a run directory (a run of any version: what it lacks is named on the
     page) to RUN_DIR/report.html, the -o FILE given (a new file or a previous report, checked
     before anything is written: report/output.py), or stdout for ``-o -``."""
-    from ..report import REPORT_FILE, ReportError, check_target, render_report
+    from ..artifacts import REPORT
+    from ..report import ReportError, check_target, render_report
 
-    out = args.output or os.path.join(args.run_dir, REPORT_FILE)
+    out = args.output or os.path.join(args.run_dir, REPORT.name)
     try:
         if out != "-":
             check_target(out, args.run_dir)  # before the page is built: a refusal is quick

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from ..engine.registry import describe_note
 from ..pool import Device, Ray
 from ..stageb.errors import capped
 
@@ -20,7 +21,7 @@ def describe(plan: RunPlan) -> str:
     the plan's devices (``--gpus``), the worker layout and the memory budget too (nothing
     touches CUDA). Raises InputError where the run would (a sampler whose every ticket is over
     its prompt cap)."""
-    from ..search.distill import DISTILL_DEFAULT
+    from ..artifacts import DISTILL
     from ..search.rundir import run_dir_exists
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
     from .prompt_budget import measure_lines, rules_summary, sampler_caps
@@ -42,7 +43,7 @@ def describe(plan: RunPlan) -> str:
               for what, counts in (("converted", ingest.converted), ("ignored", ingest.ignored)) if counts]
     lines += [
         ("model", (model.path if model.path == cfg.model.path else f"{cfg.model.path} -> {model.path}")
-         + _engine_note(cfg.model)),
+         + describe_note(cfg.model.engine)),
         ("profile", _profile_line(cfg.prompt.profile, inputs.profile)),
         ("guidance", f"{cfg.guidance.path}: step {g.step}, {rules_summary(g.experiences)}: "
                      f"{', '.join(list(g.experiences)[:10])}{', ...' if len(g.experiences) > 10 else ''}"),
@@ -53,7 +54,7 @@ def describe(plan: RunPlan) -> str:
     dist = cfg.stage_b_distillation
     when = "after the audit" if cfg.mode == "audit" else "after the loop, with the final guidance"
     lines.append(("distill", f"{dist.distill_size} tickets {when} -> "
-                  f"{dist.log_chatml_path or run_dir / DISTILL_DEFAULT}" if dist.enabled else "off"))
+                  f"{dist.log_chatml_path or run_dir / DISTILL.name}" if dist.enabled else "off"))
     hr = cfg.headroom
     lines.append(("headroom", f"the judge's P(pass) on {min(hr.tickets, len(tickets))} tickets before the {cfg.mode} "
                               f"(teacher forcing, nothing generated); AUC >= {hr.min_auc} separates"
@@ -123,9 +124,10 @@ def memory_lines(cfg: Config, model, devices: list[Device], *, ray: bool = False
     headers) against one group's GPU memory (nvidia-smi); a warning when it will not fit. Only
     for GPU workers; under Ray the GPUs are the cluster's, not this machine's, so only the
     weights are shown."""
-    from ..engine.model_path import embedded_gguf_path
+    from ..engine.models import embedded_gguf_path
+    from ..engine.registry import gpu_bytes
     from ..pool.devices import gpu_memory_bytes
-    from .memory_budget import GIB, HeaderError, budget_lines, weight_bytes
+    from .memory_budget import HeaderError, budget_lines, weight_bytes
 
     if devices[0].kind != "cuda":
         return []
@@ -136,8 +138,7 @@ def memory_lines(cfg: Config, model, devices: list[Device], *, ray: bool = False
         weights = weight_bytes(source, cfg.model.dtype or "bfloat16")
     except (HeaderError, OSError) as err:
         return [("memory", f"no estimate: {err}")]
-    kv = int(cfg.model.vllm.kv_cache_gib * GIB) if cfg.model.engine == "vllm" else 0
-    return budget_lines(devices, weights, extra_bytes=kv, gpu_memory=None if ray else gpu_memory_bytes())
+    return budget_lines(devices, weights, extra_bytes=gpu_bytes(cfg.model), gpu_memory=None if ray else gpu_memory_bytes())
 
 
 def _k(sampler) -> str:
@@ -166,12 +167,3 @@ def _table(lines: list[tuple[str, str]]) -> str:
     key, mission or path)."""
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {capped(v)}" for k, v in lines)
-
-
-def _engine_note(model) -> str:
-    """What ``check`` adds to the model line for an engine other than transformers; the
-    simulated engine says it judges no ticket with that model."""
-    if model.engine == "simulated":
-        return (" (engine simulated: a latency model for benchmarks, not a model; only its tokenizer counts "
-                "the prompt tokens)")
-    return f" (engine {model.engine})" if model.engine != "transformers" else ""

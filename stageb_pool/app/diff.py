@@ -1,12 +1,9 @@
-"""Compare two run directories, ignoring the documented volatile fields.
+"""``stageb-pool diff``: compare two run directories, ignoring the volatile fields.
 
-Same config and seed must give the same artifacts on 1 or 8 GPUs, apart from wall-clock
-fields. This module names those fields (``VOLATILE_KEYS``, ``VOLATILE_PATHS``) and files
-(``VOLATILE_FILES``), and implements ``stageb-pool diff``: the same set of files (the
-volatile ones aside); JSON and JSONL compared
-structurally with the volatile fields removed (types included: ``1`` is not ``1.0``);
-every other file byte for byte. A run directory that cannot be read as a run (a FIFO or
-another non-regular file, JSON nested deeper than any artifact) is bad input: a located
+``artifacts.py`` names those fields and files. Both runs must hold the same files (the
+volatile ones aside); JSON and JSONL are compared structurally without the volatile fields
+(types included: ``1`` is not ``1.0``), every other file byte for byte. A directory that cannot
+be read as a run (a FIFO, JSON nested deeper than any artifact) is bad input: a located
 error, never a hang or a RecursionError.
 """
 
@@ -18,30 +15,16 @@ from pathlib import Path
 
 import msgspec
 
+from .. import artifacts
 from ..stageb.errors import InputError
 from ..stageb.inputs import MAX_DEPTH, line_col, nesting_exceeds, regular_file
 from .config import join_key
 
-# Any JSON key with one of these names, at any depth of any JSON/JSONL artifact.
-VOLATILE_KEYS = frozenset({"timestamp", "updated_at", "started_at", "finished_at", "elapsed_s", "elapsed_sec"})
 
-# Whole subtrees of particular files (path relative to the run directory -> dotted key paths).
-VOLATILE_PATHS: dict[str, tuple[str, ...]] = {
-    # gpus, workers, threads, argv, hostname; where the run was written; where its input files
-    # were read from (inputs are identified by content: provenance and state.json hold hashes)
-    "run.json": ("invocation", "config.output", "config.stage_a_paths", "config.guidance.path",
-                 "config.prompt.profile", "config.rule_search.proposer_prompt_path",
-                 "config.ticket_filter.exclude_ticket_keys_path", "config.stage_b_distillation.log_chatml_path",
-                 "config.runner.speculate",  # how fast, never what: speculation leaves every result as it is
-                 # which stageb-pool wrote the run: not a result (a format change shows in the rows)
-                 "tool.version", "tool.format"),
-    "state.json": ("version", "tool_version"),  # the same, in the resume state
-    "summary.json": ("timing", "workers"),  # wall time per phase; throughput and restarts per worker
-}
-
-# Whole files, present or not: which worker ran which task when (pool_timeline.jsonl), and
-# the page drawn from it and from the timing (report.html; rebuilt by `stageb-pool report`).
-VOLATILE_FILES = frozenset({"pool_timeline.jsonl", "report.html"})
+def is_volatile_file(name: str) -> bool:
+    """Whether diff ignores the file ``name`` (relative to the run directory) whole."""
+    entry = artifacts.by_name(name)
+    return entry is not None and entry.volatile_file
 
 
 # An artifact wraps input values (nested at most MAX_DEPTH) in a few levels of its own; deeper
@@ -79,12 +62,12 @@ def _files(root: Path) -> list[str]:
 
 def compare_values(a, b, *, skip: tuple[str, ...] = (), path: str = ""):
     """Yield ``(key_path, a, b)`` for every difference between two JSON values, ignoring
-    ``VOLATILE_KEYS`` at any depth and the dotted paths in ``skip``."""
+    ``artifacts.VOLATILE_KEYS`` at any depth and the dotted paths in ``skip``."""
     if path in skip:
         return
     if isinstance(a, dict) and isinstance(b, dict):
         for key in list(a) + [k for k in b if k not in a]:
-            if key in VOLATILE_KEYS:
+            if key in artifacts.VOLATILE_KEYS:
                 continue
             sub = join_key(path, str(key))
             if key not in a or key not in b:
@@ -122,7 +105,8 @@ def _compare_file(name: str, paths: tuple[Path, Path]):
     a, b = (_read(path) for path in paths)
     if a == b:
         return
-    skip = VOLATILE_PATHS.get(name, ())
+    entry = artifacts.by_name(name)
+    skip = entry.volatile if entry is not None else ()
     if name.endswith(".json"):
         ok_a, va = _decode(a, paths[0])
         ok_b, vb = _decode(b, paths[1])
@@ -130,10 +114,7 @@ def _compare_file(name: str, paths: tuple[Path, Path]):
             for key, x, y in compare_values(va, vb, skip=skip):
                 yield Difference(name, "", key, x, y)
             return
-    if name.endswith(".jsonl"):
-        yield from _compare_lines(name, (a, b), paths, skip, structured=True)
-        return
-    yield from _compare_lines(name, (a, b), paths, skip, structured=False)
+    yield from _compare_lines(name, (a, b), paths, skip, structured=name.endswith(".jsonl"))
 
 
 def _read(path: Path) -> bytes:
@@ -183,7 +164,7 @@ def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, limit: int 
 def _differences(root_a: Path, root_b: Path):
     """Every difference, file by file in sorted order (lazily: diff_runs stops at its limit)."""
     set_a, set_b = set(_files(root_a)), set(_files(root_b))
-    for name in sorted((set_a | set_b) - VOLATILE_FILES):
+    for name in sorted(n for n in set_a | set_b if not is_volatile_file(n)):
         if name not in set_b:
             yield Difference(name, "", "(file)", "present", ABSENT)
         elif name not in set_a:

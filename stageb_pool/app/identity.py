@@ -8,7 +8,8 @@ everything the search's results depend on, and nothing else:
   worker's thread count changes low bits), ``runner.epochs`` (the budget: raising
   it extends a run), ``runner.speculate`` (work computed ahead, never different work),
   ``stage_b_distillation.log_chatml_path`` (where the export goes) and
-  ``headroom`` (the judge-headroom check only reports; the search never reads it);
+  ``headroom`` (the judge-headroom check only reports; the search never reads it), and the
+  sections of the engines the run does not use (``registry.identity_model_section``);
 - the inputs by content, never by path, so a data folder may move: the tickets (in run
   order, ``tickets_hash``), and in place of their paths the content of the seed guidance,
   the prompt profile and the proposer prompt (``guidance.path``, ``prompt.profile`` and
@@ -18,6 +19,7 @@ everything the search's results depend on, and nothing else:
 
 from __future__ import annotations
 
+from ..engine.registry import identity_model_section
 from ..search.settings import RunIdentity
 from ..stageb.hashing import content_hash, tickets_hash
 from .config import config_document
@@ -41,10 +43,7 @@ def identity_document(config, *, seed_guidance, profile, proposer_system: str | 
         # One GPU per worker is what every run before GPU groups did: left out, so their
         # identity (and a resume of them) stays the same; any other group size is compared.
         doc["model"].pop("gpus_per_worker")
-    if doc["model"].get("engine") != "simulated":
-        # The latency model's rates only matter to the simulated engine: left out otherwise,
-        # so a run made before that engine existed keeps its identity (and can be resumed).
-        doc["model"].pop("simulated", None)
+    doc["model"] = identity_model_section(doc["model"])
     doc["guidance"]["path"] = f"content:{content_hash(seed_guidance)}"
     doc["prompt"]["profile"] = f"content:{content_hash(profile)}"
     doc["rule_search"]["proposer_prompt_path"] = (

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import msgspec
 
-from ..engine.model_path import ModelRef
-from ..engine.records import EngineSettings
-from ..pool import REFUSE_ANY_DIFFERENCE, Device, EngineAgreement, Inline, Pool, Ray
-from ..report import TIMELINE_FILE
+from .. import artifacts
+from ..engine.registry import engine_agreement, engine_factory_for
+from ..pool import Inline, Pool, Ray
 from ..search import rundir
 from ..search.audit import AuditSettings, run_audit
 from ..search.fileio import write_json, write_jsonl
@@ -28,7 +27,6 @@ from ..search.rule_search import check_resume, run_search
 from ..search.rundir import RunJson
 from ..search.run_owner import RunDir
 from ..search.settings import RunIdentity, SearchSettings
-from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash, tickets_hash
 from .outputs import distillation_file
 from .progress import Progress, pool_items_per_rank
@@ -36,33 +34,6 @@ from .report_process import ReportJob
 from .plan import DeviceRequest, RunInputs, RunPlan, plan_run
 
 log = logging.getLogger("stageb_pool")
-
-
-def engine_factory_for(model_config, model: ModelRef):
-    """The factory each worker calls after fork: the engine of ``model`` (checked in the parent,
-    sent as it is) built as the config's model section says. It imports the engine (torch,
-    transformers) inside the worker: the parent never imports torch. What every worker would
-    load alike and the parent can load safely (the simulated engine's tokenizer) is loaded
-    here, once, before the fork (``build.preload``), and inherited."""
-    from ..engine.build import preload
-
-    settings = engine_settings(model_config)
-    preloaded = preload(model, settings)
-
-    def build(device: Device):
-        from ..engine.build import build_engine
-
-        return build_engine(device, model, settings, preloaded)
-
-    return build
-
-
-def engine_settings(model_config) -> EngineSettings:
-    """The config's model section as a worker's ``EngineSettings``: every key but ``path``
-    (the plan's ModelRef) and ``gpus_per_worker`` (the workers' devices)."""
-    fields = msgspec.structs.asdict(model_config)
-    del fields["path"], fields["gpus_per_worker"]
-    return EngineSettings(**fields)
 
 
 def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, overwrite: bool = False,
@@ -167,7 +138,7 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
                                  speculate=config.runner.speculate)
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
-        write_jsonl(run_dir / TIMELINE_FILE, timeline_rows(pool))
+        write_jsonl(run_dir / artifacts.TIMELINE.name, timeline_rows(pool))
     except BaseException:
         report.cancel()
         close_after_failure(pool)
@@ -217,21 +188,6 @@ def audit_settings(config, inputs: RunInputs) -> AuditSettings:
                          distill=config.stage_b_distillation)
 
 
-ENGINE_IDENTITY = ("engine", "vllm", "torch", "transformers")  # must agree across workers
-
-
-def engine_agreement(ray: bool) -> EngineAgreement:
-    """What the pool does when the workers report different engines. Byte-identical results
-    need every worker on the same software, device model and dtype (docs/architecture.md).
-    Under Ray, whose nodes may differ, any difference is refused (the pool's own rule). On one
-    machine another engine or version is refused as an input error located at --gpus, and
-    any other difference (a machine that mixes GPU models) is a warning: run.json records
-    rank 0's facts, so say loudly if the others differ."""
-    if ray:
-        return REFUSE_ANY_DIFFERENCE
-    return EngineAgreement(refuse=ENGINE_IDENTITY, warn=log, error=functools.partial(InputError, location="--gpus"))
-
-
 def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> dict:
     """Add the volatile ``timing`` and ``workers`` objects and write ``summary.json``."""
     summary = dict(summary)
@@ -240,7 +196,7 @@ def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> di
     timing.setdefault("rollout_s", round(runner.rollout_seconds, 3))
     summary["timing"] = timing
     summary["workers"] = worker_throughput(pool, runner.tickets_by_rank)
-    path = Path(run_dir) / rundir.SUMMARY_JSON
+    path = Path(run_dir) / artifacts.SUMMARY.name
     write_json(path, summary)
     log.info("summary written to %s", path)
     return summary

@@ -22,19 +22,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..search import audit, rundir, state
-from ..search.headroom import HEADROOM_FILE
-from ..search.distill import DISTILL_DEFAULT
-from ..search.guidance_store import GUIDANCE_FILE
+from .. import artifacts
 from ..stageb.errors import InputError
 from ..stageb.prompts import PROFILES_DIR
 from .config import input_files
 
 # What a run writes inside its run directory besides the distillation file: files by name,
 # folders by name (anything below them).
-RUN_FILES = (rundir.RUN_JSON, rundir.SUMMARY_JSON, GUIDANCE_FILE, HEADROOM_FILE, state.STATE_FILE,
-             *state.APPEND_ARTIFACTS, *audit.AUDIT_FILES)
-RUN_FOLDERS = rundir.RUN_FOLDERS
+RUN_FILES = tuple(a.name for a in artifacts.ARTIFACTS if a is not artifacts.DISTILL)
 
 
 def input_paths(config, config_path: str | None = None) -> list[tuple[str, str]]:
@@ -75,7 +70,7 @@ def check_outputs(config, run_dir: Path, *, config_path: str | None = None) -> N
     if _inside(real, run_real):
         relative = os.path.relpath(real, run_real)
         first = relative.split(os.sep)[0]
-        if relative != DISTILL_DEFAULT and (relative in RUN_FILES or first in RUN_FOLDERS):
+        if relative != artifacts.DISTILL.name and (relative in RUN_FILES or first in artifacts.RUN_FOLDERS):
             raise InputError(f"{chatml} is a file the run itself writes ({relative})", where)
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import msgspec
 
-from ..engine import model_path
-from ..engine.model_path import ModelRef, check_engine
+from ..engine import models
+from ..engine.models import ModelRef
+from ..engine.registry import check_engine
 from ..pool import Backend, Device, DeviceSpecError, Fork, Inline, Ray, plan_devices
 from ..pool.devices import GroupSizeError
 from ..search import rundir
@@ -85,7 +86,7 @@ def load_inputs(config: Config, model: ModelRef | None = None) -> RunInputs:
     if profile.options.bbu_cleanup:
         ingest = msgspec.structs.replace(ingest, tickets=tickets_mod.bbu_clean_tickets(ingest.tickets))
     if model is None:
-        model = model_path.check_model_path(config.model.path)
+        model = models.check_model_path(config.model.path)
     check_engine(config.model.engine)
     seed_guidance = guidance_mod.load_guidance(config.guidance.path, mission)
     proposer_system = None

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
-from ..engine.model_path import one_line
+from ..engine.models import one_line
 from ..stageb.errors import InputError
 from ..stageb.tickets import TicketText
 
@@ -112,32 +112,31 @@ def refuse_unusable_prompts(cfg: Config, inputs: RunInputs) -> None:
     one example (a model engine's only: the simulated engine's proposer is a latency model). The
     tokenizer is loaded in a child (``fork.call_in_child``), so this process never imports its
     libraries (torch among them) before it forks its workers; a tokenizer that cannot be loaded
-    skips the check, as in ``check``. The simulated engine's workers measure a prompt with their
-    token counter (``simulated_engine.messages_tokens``): the guidance is measured with the one
-    they inherit (``preloaded_counter``) here, in milliseconds, or in the child when it cannot
-    be loaded without threads (the tiny model's BPE is trained)."""
+    skips the check, as in ``check``. An engine that renders no chat template (the registry
+    entry's ``token_counter``: the simulated engine's) measures a prompt in its workers with a
+    token counter: the guidance is measured with the one they inherit (the entry's ``preload``)
+    here, in milliseconds, or in the child when it cannot be loaded without threads (the tiny
+    model's BPE is trained)."""
+    from ..engine.registry import entry
     from ..pool.fork import call_in_child
 
     everyone = sampler_caps(cfg, inputs.tickets)
     train = _train_tickets(everyone)
     measured = [m for m in everyone if m.cap is not None and m.tickets]
-    simulated = cfg.model.engine == "simulated"
-    if simulated:
-        from ..engine.simulated_engine import preloaded_counter
-
-        counter = preloaded_counter(inputs.model)
+    engine = entry(cfg.model.engine)
+    token_counter = engine.token_counter
+    if token_counter is not None and engine.preload is not None:
+        counter = engine.preload(inputs.model)
         if counter is not None:
-            guidance_verdict(None, cfg, inputs, measured, lengths=simulated_lengths(counter))
+            guidance_verdict(None, cfg, inputs, measured, lengths=counted_lengths(counter))
             return
 
     def helper() -> _Refusal | None:
         try:
             from ..engine import models
 
-            if simulated:
-                from ..engine.simulated_engine import token_counter
-
-                guidance_verdict(None, cfg, inputs, measured, lengths=simulated_lengths(token_counter(inputs.model)))
+            if token_counter is not None:
+                guidance_verdict(None, cfg, inputs, measured, lengths=counted_lengths(token_counter(inputs.model)))
             else:
                 tokenizer = models.tokenizer_only(inputs.model, cfg.model.trust_remote_code)
                 models.require_chat_template(tokenizer, cfg.model.path)
@@ -252,8 +251,9 @@ def _proposer_lines(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> l
                          f"cap {cfg.rule_search.proposer_max_prompt_tokens} ({PROPOSER_KEY})")]
 
 
-def simulated_lengths(counter):
-    """``prompt_lengths`` as the simulated engine's workers measure prompts, with ``counter``."""
+def counted_lengths(counter):
+    """``prompt_lengths`` as the workers of an engine with a token counter (the simulated
+    engine's) measure prompts, with ``counter``."""
     from ..engine.simulated_engine import messages_tokens
     from ..stageb import prompts
 

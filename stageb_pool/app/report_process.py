@@ -11,7 +11,8 @@ import signal
 from pathlib import Path
 
 from ..pool.fork import fork_child
-from ..report import REPORT_FILE, load_chart_libraries, render_report
+from ..artifacts import REPORT
+from ..report import load_chart_libraries, render_report
 from ..search.fileio import atomic_write_bytes
 
 log = logging.getLogger("stageb_pool")
@@ -20,7 +21,7 @@ log = logging.getLogger("stageb_pool")
 def render_report_file(run_dir) -> str | None:
     """Render and write ``report.html``; None, or the failure as ``Type: message``."""
     try:
-        atomic_write_bytes(Path(run_dir) / REPORT_FILE, render_report(run_dir).encode("utf-8"))
+        atomic_write_bytes(Path(run_dir) / REPORT.name, render_report(run_dir).encode("utf-8"))
     except Exception as err:  # noqa: BLE001 - the run's results are written; the page is a view of them
         return f"{type(err).__name__}: {err}"
     return None
@@ -32,7 +33,7 @@ def _report_outcome(run_dir, error: str | None) -> bool:
     if error is not None:
         log.warning("report.html was not written (%s); rebuild it with: stageb-pool report %s", error, run_dir)
         return False
-    log.info("report written to %s", Path(run_dir) / REPORT_FILE)
+    log.info("report written to %s", Path(run_dir) / REPORT.name)
     return True
 
 

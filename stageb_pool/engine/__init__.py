@@ -1,6 +1,7 @@
 """The generation engines that live in the workers: the only code that imports torch and
-transformers. ``records`` (the wire schema of the engine's requests and results) and
-``model_path`` (checking ``model.path``) are importable without torch, for the parent.
+transformers. ``contract`` (what an engine does), ``registry`` (the list of engines),
+``records`` (the wire schema of the engine's requests and results) and ``models``' check of
+``model.path`` are importable without torch, for the parent.
 """
 
 import os

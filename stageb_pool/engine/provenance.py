@@ -56,9 +56,8 @@ def device_facts(device_kind: str) -> dict:
 
 def group_facts(device: Device, sharding: str) -> dict:
     """How the model is spread over the worker's GPU group (``sharding``: the scheme's name):
-    part of the identity, since another group size may give other bits. Nothing for one GPU,
-    so the identity (and the rollout cache key) of a one-GPU worker is what it was before
-    groups existed."""
+    part of the identity, since another group size may give other bits. Nothing for one GPU:
+    the identity (and the rollout cache key) of a one-GPU worker names no group."""
     if device.group_size == 1:
         return {}
     return {"gpus_per_worker": device.group_size, "sharding": sharding}

@@ -45,54 +45,6 @@ class SamplerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     constrain_verdict: bool = False
 
 
-ENGINES = ("transformers", "vllm", "simulated")
-
-
-class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """The vLLM engine's settings that change bytes (the config's ``model.vllm``); all are
-    pinned, none is derived from the machine, and all are recorded in run.json."""
-
-    kv_cache_gib: Annotated[float, Meta(gt=0, le=4096)] = 1.0  # KV cache per worker, fixed (never profiled from free memory)
-    max_model_len: Annotated[int, Meta(ge=64, le=10_000_000)] = 8192  # longest prompt + completion of one request
-    max_num_seqs: Annotated[int, Meta(ge=1, le=100_000)] = 256  # requests scheduled together
-    block_size: Annotated[int, Meta(ge=1, le=4096)] | None = None  # KV-cache block size; None: vLLM's default for the device
-    # Threads of a CPU worker, fixed whatever the worker count: vLLM's CPU kernels give other
-    # low bits with another thread count. None: the pool's threads_per_worker, as transformers.
-    cpu_threads: Annotated[int, Meta(ge=1, le=4096)] | None = 1
-
-
-class SimulatedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """The simulated engine's latency model (the config's ``model.simulated``; see
-    ``simulated_engine`` and docs/performance.md for the formula and where the defaults come
-    from: a vLLM-served 7-8B model on one H100). None of these changes a result's bytes."""
-
-    prefill_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 20_000.0  # prompt tokens read per second
-    decode_step_s: Annotated[float, Meta(gt=0, le=3600)] = 0.009  # one decoding step of a small batch
-    decode_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 12_000.0  # generated tokens per second of a full batch
-    request_overhead_s: Annotated[float, Meta(ge=0, le=3600)] = 0.02  # fixed cost of every request (scheduling, sampling)
-    time_scale: Annotated[float, Meta(ge=0, le=1e6)] = 1.0  # slept = modelled x this (0: no sleep, for tests)
-    noise: Annotated[float, Meta(ge=0, le=1)] = 0.05  # probability that a sample's verdict flips
-
-
-class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """How a worker builds its engine (``build.build_engine``): the config's ``model`` section
-    less what the parent resolves, ``path`` (checked into a ``model_path.ModelRef``) and
-    ``gpus_per_worker`` (in the worker's ``Device``).
-
-    ``engine``: one of ``ENGINES``. ``dtype`` (None: bfloat16 on CUDA, float32 on CPU) and
-    ``attn_implementation`` (None: flash_attention_2 where it can run, else sdpa; transformers
-    only) as torch and transformers name them. ``stop``: stop strings added to the tokenizer's
-    end-of-turn tokens. ``vllm``, ``simulated``: those engines' own settings."""
-
-    engine: str = "transformers"
-    dtype: str | None = None
-    attn_implementation: str | None = None
-    trust_remote_code: bool = False
-    stop: list[str] | None = None
-    vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)
-    simulated: SimulatedSettings = msgspec.field(default_factory=SimulatedSettings)
-
-
 class RolloutChunk(msgspec.Struct, frozen=True):
     """One unit of rollout work: ``chunk_size`` tickets, one generate batch per (decode, sample).
 

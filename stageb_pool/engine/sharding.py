@@ -1,4 +1,4 @@
-"""Spreading one worker's model over its GPU group (issue 25): the transformers engine's
+"""Spreading one worker's model over its GPU group: the transformers engine's
 device map.
 
 The map is computed from the model's structure alone, never from free memory (as

@@ -15,23 +15,11 @@ draw seeded by the request's seed key), each as "If any photo shows <word>, the 
 fail.". Some are real defects and pass the gate, others are rejected: the loop does the work
 of a real search.
 
-The latency model (documented with its sources in docs/performance.md), per request:
-
-    seconds = request_overhead_s + sum over generate batches of
-              ( prompt tokens of the batch / prefill_tokens_per_s
-              + new tokens x max(decode_step_s, rows / decode_tokens_per_s) )
-
-A rollout chunk is one batch per (decode, sample) over its kept tickets (as the transformers
-engine generates it); a batch runs until its longest row stops, modelled as the decode's
-``max_new_tokens`` (pessimistic: a verdict answer is a few tokens). The proposer call is one
-batch of one row: its prompt, then the tokens of the answer it returns (``ChatResult``'s
-``completion_tokens``, at most ``max_new_tokens``), as a real engine stops at the answer's
-end; the headroom check (verdict probabilities) is a prefill only. Prompt tokens are counted
-with the configured model's own tokenizer (``TokenCounter``: each distinct line encoded once
-per process) on the rendered messages, plus the chat template's few tokens per message
-(``CHAT_TOKENS_PER_MESSAGE``), so tickets with longer summaries cost more and a longer
-guidance costs every prompt more. The engine sleeps ``seconds x time_scale``; ``modelled_s``
-adds up the unscaled seconds.
+The latency model, its formula and the sources of its defaults: docs/performance.md ("The
+latency model"). Per request, its generate batches' prompts are prefilled and their
+new tokens decoded (``batch_seconds``); prompt tokens are counted with the configured model's
+own tokenizer (``TokenCounter``) plus the chat template's few tokens per message. The engine
+sleeps ``seconds x time_scale``; ``modelled_s`` adds up the unscaled seconds.
 """
 
 from __future__ import annotations
@@ -41,27 +29,21 @@ import random
 import re
 import time
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 from ..pool.devices import Device
 from ..stageb import prompts
 from ..stageb.hashing import stable_seed
-from . import chat_text, rule_judge
-from .model_path import ModelRef
-from .records import (
-    ChatRequest,
-    ChatResult,
-    ChunkResult,
-    EngineSettings,
-    RolloutChunk,
-    Sample,
-    SimulatedSettings,
-    TicketRollout,
-    TicketVerdictProbability,
-    VerdictChunk,
-    VerdictChunkResult,
-)
+from . import chat_text, model_cache, rule_judge
+from .models import ModelRef
+from .records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, VerdictChunk, VerdictChunkResult
+
+NAME = "simulated"  # model.engine, and the section of its latency model
+# What ``check`` says of it on the model line.
+DESCRIBE = "a latency model for benchmarks, not a model; only its tokenizer counts the prompt tokens"
 
 # ChatML wraps a message as "<|im_start|>role\n" ... "<|im_end|>\n" and the generation prompt
 # is "<|im_start|>assistant\n": a few tokens that rendering through the chat template (with
@@ -71,6 +53,21 @@ GENERATION_PROMPT_TOKENS = 3
 PROPOSED_RULES = 3
 _EXAMPLE = re.compile(r"gt_label=(\w+); baseline_majority=(\w+)")
 _WORD = re.compile(r"[a-z]{4,}")
+
+
+
+
+class SimulatedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The simulated engine's latency model (the config's ``model.simulated``; see the module
+    docstring and docs/performance.md for the formula and where the defaults come from: a
+    vLLM-served 7-8B model on one H100). None of these changes a result's bytes."""
+
+    prefill_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 20_000.0  # prompt tokens read per second
+    decode_step_s: Annotated[float, Meta(gt=0, le=3600)] = 0.009  # one decoding step of a small batch
+    decode_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 12_000.0  # generated tokens per second of a full batch
+    request_overhead_s: Annotated[float, Meta(ge=0, le=3600)] = 0.02  # fixed cost of every request (scheduling, sampling)
+    time_scale: Annotated[float, Meta(ge=0, le=1e6)] = 1.0  # slept = modelled x this (0: no sleep, for tests)
+    noise: Annotated[float, Meta(ge=0, le=1)] = 0.05  # probability that a sample's verdict flips
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -162,10 +159,8 @@ def fast_counter(fast) -> TokenCounter:
 def tokenizer_file(model: ModelRef) -> Path | None:
     """The ``tokenizer.json`` of ``model`` when it is already on disk (a checkpoint's, or the
     embedded model's converted copy), without converting or loading anything."""
-    from . import models
-
     if model.kind == "embedded":
-        path = models.embedded_cache_dir() / "tokenizer.json"
+        path = model_cache.embedded_cache_dir() / "tokenizer.json"
     elif model.kind == "checkpoint":
         path = Path(model.path) / "tokenizer.json"
     else:
@@ -186,7 +181,7 @@ def token_counter(model: ModelRef) -> TokenCounter:
         return fast_counter(tiny.build_bpe())
     path = tokenizer_file(model)
     if path is None and model.kind == "embedded":
-        path = models.ensure_embedded() / "tokenizer.json"
+        path = model_cache.ensure_embedded() / "tokenizer.json"
     if path is not None and path.is_file():
         return fast_counter(Tokenizer.from_file(str(path)))
     slow = models.tokenizer_only(model)
@@ -240,17 +235,11 @@ class SimulatedEngine:
 
     def info(self) -> dict:
         """Provenance recorded in run.json: that this is a simulation, and its latency model."""
-        return {"engine": "simulated", "model": "none: the simulated engine (a latency model, not a model)",
-                "model_path": self.model_path, "simulated": msgspec.to_builtins(self.settings)}
-
-    def message_tokens(self, messages: list[dict]) -> int:
-        return self.messages_tokens([messages])[0]
-
-    def messages_tokens(self, conversations: list[list[dict]]) -> list[int]:
-        return messages_tokens(self.count, conversations)
+        return {"engine": NAME, "model": "none: the simulated engine (a latency model, not a model)",
+                "model_path": self.model_path, NAME: msgspec.to_builtins(self.settings)}
 
     def _prompt_tokens(self, tickets, guidance: dict[str, str], profile) -> list[int]:
-        return self.messages_tokens([prompts.build_messages(profile, guidance, t) for t in tickets])
+        return messages_tokens(self.count, [prompts.build_messages(profile, guidance, t) for t in tickets])
 
     def _sleep(self, seconds: float) -> None:
         self.modelled_s += seconds
@@ -262,25 +251,20 @@ class SimulatedEngine:
         ``max_prompt_tokens`` come back dropped. Sleeps the chunk's modelled time."""
         start = time.perf_counter()
         lengths = self._prompt_tokens(chunk.tickets, guidance, profile)
-        limit = chunk.max_prompt_tokens
+        kept = chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
         conditions = rule_judge.fail_conditions(guidance)
-        tickets, generated, kept = [], 0, []
-        for ticket, n in zip(chunk.tickets, lengths):
-            if limit is not None and n > limit:
-                tickets.append(TicketRollout(ticket.key, n, dropped=True))
-                continue
-            kept.append(n)
+        samples: list[list[Sample]] = [[] for _ in chunk.tickets]
+        for i in kept:
+            ticket = chunk.tickets[i]
             verdict, why = rule_judge.judge(conditions, rule_judge.ticket_text(ticket))
             texts = [rule_judge.answer_text(rule_judge.sample_verdict(verdict, self.settings.noise, chunk.seed_key,
                                                                       chunk.chunk_index, d, decode.seed, s, ticket.key),
                                             why, profile.verdict)
                      for d, decode in enumerate(chunk.grid) for s in range(chunk.samples_per_decode)]
-            samples = [Sample(i // chunk.samples_per_decode, i % chunk.samples_per_decode, text, tokens, "stop")
-                       for i, (text, tokens) in enumerate(zip(texts, self.count(texts)))]
-            generated += sum(s.completion_tokens for s in samples)
-            tickets.append(TicketRollout(ticket.key, n, samples=samples))
-        self._sleep(rollout_seconds(self.settings, chunk, kept))
-        return ChunkResult(chunk.chunk_index, tickets, generated, time.perf_counter() - start)
+            samples[i] = [Sample(n // chunk.samples_per_decode, n % chunk.samples_per_decode, text, tokens, "stop")
+                          for n, (text, tokens) in enumerate(zip(texts, self.count(texts)))]
+        self._sleep(rollout_seconds(self.settings, chunk, [lengths[i] for i in kept]))
+        return chat_text.rollout_result(chunk, lengths, kept, samples, start)
 
     def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
                               profile: prompts.PromptProfile) -> VerdictChunkResult:
@@ -288,25 +272,21 @@ class SimulatedEngine:
         the ticket key; a prefill of the kept prompts."""
         start = time.perf_counter()
         lengths = self._prompt_tokens(chunk.tickets, guidance, profile)
+        kept = chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
         conditions = rule_judge.fail_conditions(guidance)
-        out, kept = [], []
-        for ticket, n in zip(chunk.tickets, lengths):
-            if chunk.max_prompt_tokens is not None and n > chunk.max_prompt_tokens:
-                out.append(TicketVerdictProbability(ticket.key, n, dropped=True))
-                continue
-            kept.append(n)
-            verdict, _ = rule_judge.judge(conditions, rule_judge.ticket_text(ticket))
-            jitter = random.Random(stable_seed("simulated p_pass", ticket.key)).random() * 0.1
-            out.append(TicketVerdictProbability(ticket.key, n, p_pass=round((0.8 if verdict == "pass" else 0.2)
-                                                                            + jitter - 0.05, 6)))
-        self._sleep(self.settings.request_overhead_s + batch_seconds(self.settings, kept, 0))
-        return VerdictChunkResult(chunk.chunk_index, out, time.perf_counter() - start)
+        p_pass = {}
+        for i in kept:
+            verdict, _ = rule_judge.judge(conditions, rule_judge.ticket_text(chunk.tickets[i]))
+            jitter = random.Random(stable_seed("simulated p_pass", chunk.tickets[i].key)).random() * 0.1
+            p_pass[i] = round((0.8 if verdict == "pass" else 0.2) + jitter - 0.05, 6)
+        self._sleep(self.settings.request_overhead_s + batch_seconds(self.settings, [lengths[i] for i in kept], 0))
+        return chat_text.verdict_result(chunk, lengths, p_pass, start)
 
     def chat(self, request: ChatRequest) -> ChatResult:
         """The proposer: rules on words of the falsely passed examples (module docstring).
         Examples are dropped from the end until the prompt fits, as the real engines do."""
         # fit_examples wants the prompt's ids; only their number matters here.
-        k, row, fits = chat_text.fit_examples(request, lambda messages: range(self.message_tokens(messages)))
+        k, row, fits = chat_text.fit_examples(request, lambda messages: range(messages_tokens(self.count, [messages])[0]))
         if not fits:
             return ChatResult(None, k, len(row))
         text = proposed_rules(request.examples[:k], request.seed_key)
@@ -336,10 +316,10 @@ def proposed_rules(examples: list[str], seed_key: str) -> str:
          "rationale": f"the falsely passed tickets show {word}"} for word in picked]})
 
 
-def build_simulated_engine(device: Device, model: ModelRef, settings: EngineSettings,
+def build_simulated_engine(device: Device, model: ModelRef, config,
                            count: TokenCounter | None = None) -> SimulatedEngine:
     """The engine for a worker: ``model`` only chooses the tokenizer that counts the tokens
-    (``count``: its counter, already loaded by the parent; None: loaded here);
-    ``settings.simulated`` is the latency model."""
-    return SimulatedEngine(device, count or token_counter(model), settings=settings.simulated,
+    (``count``: its counter, already loaded by the parent; None: loaded here); the model
+    section ``config``'s ``simulated`` is the latency model."""
+    return SimulatedEngine(device, count or token_counter(model), settings=config.simulated,
                            model_path=model.path)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from .model_path import TINY_NAME as NAME  # defined there: the parent names the model without importing tokenizers
-
 # torch and transformers are imported inside the functions that need them: the simulated
 # engine counts tokens with the bare BPE (``build_bpe``) in every worker, and importing
 # them would cost each worker seconds of CPU.

@@ -1,21 +1,11 @@
-"""The transformers generation engine that lives in each worker: Stage-B prompts in,
-sampled texts out.
+"""The transformers generation engine (``model.engine: transformers``, the default).
 
 ``TransformersEngine(model, tokenizer, device)`` wraps a loaded model
-(``build_transformers_engine`` loads one inside a worker; ``Engine`` is the older name). The
-methods the parent calls through the pool, ``rollout`` (a chunk of tickets under a guidance
-snapshot), ``chat`` (a free-form prompt, used by the rule proposer) and
-``verdict_probabilities`` (the judge-headroom check: P(pass) per ticket by teacher forcing,
-nothing sampled), are ``model_engine.ModelEngine``'s, shared with the vLLM engine, as is the
-text around generation (chat template, stops, token counts, clean-up, result assembly:
-``chat_text.ChatText``). This module has how transformers generates and scores: batched,
-seeded ``generate`` calls and two forward passes over a KV cache.
-
-Determinism: every generate call is seeded from the work it does (``chunk.seed_key``,
-chunk index, decode index, decode seed, sample index), never from a rank, and a chunk is
-always generated as one batch in its own ticket order. So a chunk gives the same bytes on
-whichever worker runs it, and a rollout gives the same bytes on 1 or N workers, as long as
-the software, hardware, dtype and chunk size stay the same (docs/architecture.md).
+(``build_transformers_engine`` loads one inside a worker). The methods the pool calls
+(``contract.Engine``) are ``model_engine.ModelEngine``'s, shared with the vLLM engine, as is
+the text around generation (``chat_text.ChatText``). This module has how transformers
+generates and scores: one seeded, batched ``generate`` per (decode, sample) over a chunk's
+tickets in chunk order, and two forward passes over a KV cache.
 """
 
 from __future__ import annotations
@@ -31,8 +21,8 @@ from . import chat_text, models, provenance, sharding
 from .chat_text import Completion
 from .constrained import Grammars
 from .model_engine import ModelEngine
-from .model_path import ModelRef
-from .records import ChatRequest, Decode, EngineSettings, RolloutChunk, VerdictChunk
+from .models import ModelRef
+from .records import ChatRequest, Decode, RolloutChunk, VerdictChunk
 
 
 class ChunkOutOfMemory(RuntimeError):
@@ -40,21 +30,37 @@ class ChunkOutOfMemory(RuntimeError):
     lengths, so the run's error says which tickets to cap or drop."""
 
 
-def build_transformers_engine(device: Device, model: ModelRef, settings: EngineSettings) -> TransformersEngine:
-    """Load ``model`` on ``device`` as ``settings`` say and wrap it (called in the worker;
-    ``prepare_device`` first sets the thread count and the deterministic switches)."""
-    from .build import prepare_device
-
+def build_transformers_engine(device: Device, model: ModelRef, config, preloaded=None) -> TransformersEngine:
+    """Load ``model`` on ``device`` as the config's model section ``config`` says and wrap it
+    (called in the worker; ``prepare_device`` first sets the thread count and the
+    deterministic switches)."""
     prepare_device(device)
-    dtype = settings.dtype or models.default_dtype(device.kind)
-    attn = settings.attn_implementation or models.default_attn_implementation(device.kind, dtype)
-    # A worker of more than one GPU shards its model over them; one GPU loads it whole, as always.
+    dtype = config.dtype or models.default_dtype(device.kind)
+    attn = config.attn_implementation or models.default_attn_implementation(device.kind, dtype)
+    # A worker of more than one GPU shards its model over them; one GPU loads it whole.
     shard_over = device.torch_devices if device.group_size > 1 else None
     loaded, tokenizer = models.load(model, dtype=dtype, attn_implementation=attn,
-                                    trust_remote_code=settings.trust_remote_code, device=device.torch_device,
+                                    trust_remote_code=config.trust_remote_code, device=device.torch_device,
                                     shard_over=shard_over)
-    return TransformersEngine(loaded, tokenizer, device, stop=settings.stop, model_path=model.path,
+    return TransformersEngine(loaded, tokenizer, device, stop=config.stop, model_path=model.path,
                               model_name=model.name)
+
+
+def prepare_device(device: Device) -> None:
+    """What must happen before the first torch op of a worker: its thread count (fork rule)
+    and, on a GPU, the deterministic settings that must precede the CUDA context."""
+    torch.set_num_threads(max(1, device.threads))
+    if device.kind == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        # TF32 pinned off, so a run does not depend on a default that differs between versions.
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.fp32_precision = "ieee"
+        # cuDNN's attention, which sdpa prefers for bfloat16 on Hopper, gave a sampled chunk
+        # 4 different results in 8 repeats on an H100 (torch 2.11); without it, 8 of 8 alike
+        # at the same speed (bench/cuda_check.py repeat, docs/performance.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class TransformersEngine(ModelEngine):
@@ -104,10 +110,6 @@ class TransformersEngine(ModelEngine):
             "transformers", self.device, dtype=self.dtype, model_path=self.model_path, model_name=self.model_name,
             stop=self.text.stop_strings, model_options={"attn_implementation": self.attn_implementation},
             sharding=sharding.SHARDING)
-
-    def sharding_facts(self) -> dict:
-        """How the model is spread over the worker's GPU group (nothing for one GPU)."""
-        return provenance.group_facts(self.device, sharding.SHARDING)
 
     # ------------------------------------------------------------ generation (ModelEngine's steps)
 
@@ -217,9 +219,6 @@ class TransformersEngine(ModelEngine):
             self._grammars = Grammars(self.tokenizer, width)
         return self._grammars
 
-
-
-Engine = TransformersEngine  # the older name, used by tests and outside scripts
 
 
 @contextlib.contextmanager

@@ -27,18 +27,51 @@ Determinism (docs/architecture.md, "Determinism contract"):
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
 
 from ..pool.devices import Device
 from ..stageb.errors import InputError
 from ..stageb.hashing import stable_seed
-from . import chat_text, models, provenance
+from . import chat_text, model_cache, models, provenance
 from .chat_text import Completion
 from .model_engine import ModelEngine
-from .model_path import ModelRef
-from .records import ChatRequest, Decode, EngineSettings, RolloutChunk, VerdictChunk, VllmSettings
+from .models import ModelRef
+from .records import ChatRequest, Decode, RolloutChunk, VerdictChunk
 
 GIB = 1 << 30
+NAME = "vllm"  # model.engine, the section of its settings, and info()'s key of vLLM's version
+AGREEMENT = (NAME,)  # vLLM's version: every worker must run the same one
+
+
+class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The vLLM engine's settings that change bytes (the config's ``model.vllm``); all are
+    pinned, none is derived from the machine, and all are recorded in run.json."""
+
+    kv_cache_gib: Annotated[float, Meta(gt=0, le=4096)] = 1.0  # KV cache per worker, fixed (never profiled from free memory)
+    max_model_len: Annotated[int, Meta(ge=64, le=10_000_000)] = 8192  # longest prompt + completion of one request
+    max_num_seqs: Annotated[int, Meta(ge=1, le=100_000)] = 256  # requests scheduled together
+    block_size: Annotated[int, Meta(ge=1, le=4096)] | None = None  # KV-cache block size; None: vLLM's default for the device
+    # Threads of a CPU worker, fixed whatever the worker count: vLLM's CPU kernels give other
+    # low bits with another thread count. None: the pool's threads_per_worker, as transformers.
+    cpu_threads: Annotated[int, Meta(ge=1, le=4096)] | None = 1
+
+
+def kv_cache_bytes(config) -> int:
+    """The GPU memory each worker holds besides the weights: the pinned KV cache (``check``'s
+    memory budget; ``config``: the model section)."""
+    return int(config.vllm.kv_cache_gib * GIB)
+
+
+def check_installed() -> None:
+    """The parent's check (``registry.check_engine``): vllm is installed in this environment."""
+    if importlib.util.find_spec(NAME) is None:
+        raise InputError("vllm is not installed in this environment: create the vLLM environment with "
+                         "bin/setup-vllm and run .venv-vllm/bin/stageb-pool", f"model.engine: {NAME}")
 
 
 def prepare_environment(device: Device, threads: int) -> None:
@@ -74,31 +107,30 @@ def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
     return args
 
 
-def build_vllm_engine(device: Device, model: ModelRef, settings: EngineSettings) -> VllmEngine:
-    """Load ``model`` into an in-process vLLM engine on ``device`` as ``settings`` say (called
-    in the worker)."""
-    pinned = settings.vllm
+def build_vllm_engine(device: Device, model: ModelRef, config, preloaded=None) -> VllmEngine:
+    """Load ``model`` into an in-process vLLM engine on ``device`` as the config's model section
+    ``config`` says (called in the worker)."""
+    pinned = config.vllm
     threads = (pinned.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
     prepare_environment(device, threads)
     folder = models.checkpoint_dir(model)
-    tokenizer = models.load_tokenizer(folder, settings.trust_remote_code)
+    tokenizer = models.load_tokenizer(folder, config.trust_remote_code)
     models.require_chat_template(tokenizer, model.path)
-    dtype = settings.dtype or models.default_dtype(device.kind)
+    dtype = config.dtype or models.default_dtype(device.kind)
     args = llm_args(device, pinned, dtype)
-    config = models.read_config(folder)
-    if models.is_vision_language(config):
+    if models.is_vision_language(models.read_config(folder)):
         args["limit_mm_per_prompt"] = {"image": 0, "video": 0}  # Qwen-VL checkpoints, text only
     from vllm import LLM
 
     try:
-        llm = LLM(model=str(folder), tokenizer=str(folder), trust_remote_code=settings.trust_remote_code,
+        llm = LLM(model=str(folder), tokenizer=str(folder), trust_remote_code=config.trust_remote_code,
                   disable_log_stats=True, structured_outputs_config={"backend": "guidance"}, **args)
     except Exception as err:
         raise InputError(f"vLLM cannot load the model: {type(err).__name__}: {models.one_line(err)}",
                          model.path) from err
     # The tiny model vLLM loads is the one saved with head size 32, not the in-code one.
-    name = models.TINY_CHECKPOINT_NAME if model.kind == "tiny" else model.name
-    return VllmEngine(llm, tokenizer, device, stop=settings.stop, model_path=model.path, model_name=name,
+    name = model_cache.TINY_CHECKPOINT_NAME if model.kind == "tiny" else model.name
+    return VllmEngine(llm, tokenizer, device, stop=config.stop, model_path=model.path, model_name=name,
                       settings=dict(args, kv_cache_gib=pinned.kv_cache_gib, threads=threads))
 
 
@@ -124,7 +156,7 @@ class VllmEngine(ModelEngine):
         import vllm
 
         return provenance.engine_info(
-            "vllm", self.device, engine_version=vllm.__version__, dtype=self.settings.get("dtype"),
+            NAME, self.device, engine_version=vllm.__version__, dtype=self.settings.get("dtype"),
             model_path=self.model_path, model_name=self.model_name, stop=self.text.stop_strings,
             engine_settings={"vllm_settings": self.settings},  # holds tensor_parallel_size for a group of GPUs
             sharding="tensor_parallel")

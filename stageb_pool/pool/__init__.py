@@ -1,10 +1,7 @@
-"""The generic per-device process pool: a parent forks one worker per device (through a
-zygote) and talks to each over a socketpair with length-prefixed msgspec JSON frames; or,
-with ``backend=Ray(address)``, runs the same workers as Ray actors across a cluster.
-
-Standard library and msgspec only (ray lazily, in the Ray backend's two modules); nothing
-here knows about Stage-B, and nothing here imports from the rest of the package
-(tests/test_layout.py checks it).
+"""The generic per-device process pool (docs/architecture.md, "The worker pool"): a parent
+forks one worker per device and talks to each over a socketpair with msgspec JSON frames, or
+runs the same workers as Ray actors. Standard library and msgspec only (ray lazily); nothing
+here imports from the rest of the package (tests/test_layout.py checks it).
 """
 
 from .backend import Backend, Fork, Inline, Ray, plan_devices

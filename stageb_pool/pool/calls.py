@@ -1,13 +1,6 @@
-"""How a task becomes a method call on the engine: its item and its shared values arrive as
-JSON bytes and are decoded straight into the types the engine method declares.
-
-    def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: PromptProfile): ...
-
-gets a ``RolloutChunk`` and a ``PromptProfile``, validated by msgspec while decoding; an
-unannotated parameter gets plain JSON values. So an engine never converts untyped values
-itself, and a value that does not fit the declared type fails as that task's error, naming
-the parameter. Every worker calls through here, by way of ``worker_core.WorkerCore`` (the
-forked worker, the Ray actor and the pool's inline mode alike).
+"""How a task becomes a method call on the engine: its item and shared values are decoded
+straight into the types the engine method declares (unannotated: plain JSON), so a value
+that does not fit fails as that task's error, naming the parameter.
 """
 
 from __future__ import annotations
@@ -57,20 +50,20 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes, name: str):
 
 
 class Calls:
-    """Calls engine methods from task frames. Holds the shared values (snapshots) this
-    worker was sent, as bytes, and each one decoded once per type it was asked as."""
+    """Calls engine methods from task frames; holds this worker's shared values as bytes, each
+    decoded once per type it is asked as."""
 
     def __init__(self, engine):
         self.engine = engine
         self._signatures: dict[str, _Signature] = {}
-        self.snapshots: dict[str, bytes] = {}  # key -> encoded value; the parent decides what stays
+        self.values: dict[str, bytes] = {}  # key -> encoded value; the parent decides what stays
         self._decoded: dict[tuple[str, int], object] = {}
 
-    def add_snapshot(self, key: str, raw: bytes, evict=()) -> None:
+    def add_shared(self, key: str, raw: bytes, evict=()) -> None:
         for old in evict:
-            self.snapshots.pop(old, None)
-        self.snapshots[key] = raw
-        self._decoded = {k: v for k, v in self._decoded.items() if k[0] in self.snapshots}
+            self.values.pop(old, None)
+        self.values[key] = raw
+        self._decoded = {k: v for k, v in self._decoded.items() if k[0] in self.values}
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
         """``engine.<method>(item, **shared values)``, every argument decoded as declared."""
@@ -84,5 +77,5 @@ class Calls:
     def _shared(self, key: str, decoder: msgspec.json.Decoder, name: str):
         cache_key = (key, id(decoder))  # decoders live as long as their signature: ids are stable
         if cache_key not in self._decoded:
-            self._decoded[cache_key] = _decode(decoder, self.snapshots[key], name)
+            self._decoded[cache_key] = _decode(decoder, self.values[key], name)
         return self._decoded[cache_key]

@@ -1,17 +1,6 @@
-"""Is there a Ray cluster at this address that will take us? Answered within a bound.
-
-``ray.init(address=...)`` has no timeout: an address where nothing listens (``127.0.0.1:1``,
-a stale ``RAY_ADDRESS``) is retried for more than 10 minutes (20 GCS client attempts of up to
-40 s each, measured with ray 2.60) with only C++ ``gcs_client`` lines on stderr, and a
-cluster that refuses our auth token is retried for about 20 s before a generic error. So the
-Ray backend first asks the address itself:
-
-1. a TCP connect to the GCS port: "connection refused" is nothing listening, at once;
-2. a ``GcsClient`` (what ``ray.init`` makes first), in a thread so that the wait is bounded
-   (the C++ call releases the GIL): it fails in milliseconds with ``AuthenticationError``
-   when the cluster refuses this process's token.
-
-Only then is ``ray.init`` called. Imports ray lazily, like every Ray module of the pool.
+"""Is there a Ray cluster at this address that will take us? Answered within a bound, before
+``ray.init``, which has none (docs/architecture.md, "The Ray backend", Connecting): a TCP
+connect to the GCS port, then a ``GcsClient`` in a thread (it checks the auth token).
 """
 
 from __future__ import annotations
@@ -27,9 +16,8 @@ CONNECT_TIMEOUT = 45.0  # seconds; a reachable head answers in milliseconds
 
 
 def check_reachable(address: str, timeout: float) -> str:
-    """The GCS address (``host:port``) that ``address`` (``"auto"`` or ``"host:port"``) names,
-    once it is known to answer and to accept this process; else a PoolError naming the
-    address and the cause, within ``timeout`` seconds."""
+    """The GCS ``host:port`` that ``address`` names, once it answers and accepts this process;
+    else a PoolError naming the address and the cause, within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     gcs, source = resolve(address)
     named = f"{address!r}" if gcs == address else f"{address!r} ({source} {gcs})"
@@ -64,9 +52,8 @@ def check_reachable(address: str, timeout: float) -> str:
 
 
 def gcs_answers(gcs: str, timeout: float = 1.0) -> bool:
-    """Whether the cluster's GCS still accepts a connection. Ray's own state queries block
-    while the GCS is gone (and the process is terminated 60 s after it went), so the pool
-    asks this first whenever a worker died."""
+    """Whether the GCS still accepts a connection: asked before Ray's state queries, which
+    block while the GCS is gone."""
     host, _, port = gcs.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
@@ -76,8 +63,7 @@ def gcs_answers(gcs: str, timeout: float = 1.0) -> bool:
 
 
 def resolve(address: str) -> tuple[str, str]:
-    """``(host:port, where it came from)``: Ray's own lookup for ``"auto"`` (``RAY_ADDRESS``,
-    then the cluster ``ray start`` last started on this machine, then a running gcs_server)."""
+    """``(host:port, where it came from)``, by Ray's own lookup for ``"auto"``."""
     from ray._private import services
 
     if address != "auto":

@@ -1,20 +1,7 @@
-"""Which devices the workers run on: parsing ``--gpus`` specs without touching CUDA.
-
-The parent must never initialise CUDA (a forked child could not use it), so GPUs are
-counted from the driver's /proc entries or ``nvidia-smi``, never through torch.cuda.
-
-A worker may hold a group of GPUs (``gpus_per_worker``): a judge too large for one GPU is
-sharded over the group by the worker's engine, and the pool keeps one worker per group.
-Groups are contiguous in the spec's order (``0-7`` in pairs: 0,1 / 2,3 / 4,5 / 6,7).
-
-``--gpus`` numbers the GPUs as this process sees them: under ``CUDA_VISIBLE_DEVICES=4,5,6,7``
-(as a scheduler sets it) ``0-3`` are the machine's GPUs 4-7, and each worker's own mask names
-them as the parent's mask does. The mask is read as CUDA reads it (``visible_mask``).
-
-A spec is untrusted input: only ASCII digits count as numbers, GPU ranges are checked
-against the GPUs present before anything is expanded, at most ``MAX_CPU_WORKERS`` CPU
-workers may be asked for, and every problem is a ``DeviceSpecError`` that quotes at most
-a short excerpt of the spec.
+"""Which devices the workers run on: ``--gpus`` specs, GPU groups (``gpus_per_worker``) and
+``CUDA_VISIBLE_DEVICES``, without touching CUDA (docs/architecture.md, "GPU groups"). A spec
+is untrusted input: only ASCII digits are numbers, ranges are checked before they are
+expanded, and every problem is a ``DeviceSpecError`` quoting at most a short excerpt.
 """
 
 from __future__ import annotations
@@ -26,15 +13,9 @@ import subprocess
 
 import msgspec
 
-# CPU workers one pool may fork. Not the core count: tests and benchmarks rightly run 8
-# workers (sleeping or sharing cores) on 2 cores. 64 is far above any useful count.
-MAX_CPU_WORKERS = 64
-# Workers one Ray pool may ask for (GPUs of a cluster, or CPU workers); far above any cluster
-# this project runs on, and it keeps a typo from building a huge placement request.
-MAX_RAY_WORKERS = 4096
-# GPUs one worker may hold. The largest single machines have 16 GPUs; more than that in
-# one group would have to span nodes, which a group never does.
-MAX_GPUS_PER_WORKER = 16
+MAX_CPU_WORKERS = 64  # not the core count: tests rightly run 8 workers on 2 cores
+MAX_RAY_WORKERS = 4096  # far above any cluster; keeps a typo from a huge placement request
+MAX_GPUS_PER_WORKER = 16  # the largest single machines; a group never spans nodes
 MAX_THREADS_PER_WORKER = 1024  # torch threads of one worker: more cores than any machine has
 
 
@@ -43,23 +24,16 @@ class DeviceSpecError(ValueError):
 
 
 class GroupSizeError(DeviceSpecError):
-    """A GPUs-per-worker value that does not fit the spec (not a divisor of its GPU count,
-    or a CPU spec); the CLI locates it at ``--gpus-per-worker`` (or the config key)."""
+    """A GPUs-per-worker value that does not fit the spec; the CLI locates it at
+    ``--gpus-per-worker`` (or the config key)."""
 
 
 class Device(msgspec.Struct, frozen=True):
-    """A worker's device. ``index`` is the GPU index as ``--gpus`` numbers it (the first GPU of a
-    group; ``physical_gpus`` names the machine's) or the CPU worker's number; ``rank`` is the worker's position in
-    the pool; ``threads`` is the torch intra-op thread count the worker sets before its
-    first torch op: the pool's ``threads_per_worker``, never a share of the cores (another
-    count changes low bits: docs/architecture.md, "Determinism contract").
-
-    ``group``: every GPU of a worker that holds more than one, in order (``index`` is the
-    first); ``()`` for a one-GPU or CPU worker.
-
-    ``ordinal`` is the number torch gives the (first) GPU in the engine's process: 0 in a
-    worker process, which sees only its own GPUs (CUDA_VISIBLE_DEVICES); ``index`` in inline
-    mode, where the engine runs in the parent, which sees every GPU of the spec."""
+    """A worker's device. ``index``: the GPU index as ``--gpus`` numbers it (a group's first) or
+    the CPU worker's number; ``rank``: its position in the pool; ``threads``: the torch threads it
+    sets before its first op, never a share of the cores (docs/architecture.md, "Determinism
+    contract"); ``group``: every GPU of a multi-GPU worker, else ``()``; ``ordinal``: torch's
+    number of its first GPU in the engine's process (0 in a worker, ``index`` inline)."""
 
     kind: str  # "cuda" | "cpu"
     index: int
@@ -71,7 +45,7 @@ class Device(msgspec.Struct, frozen=True):
 
     @property
     def gpus(self) -> tuple[int, ...]:
-        """The physical GPUs this worker holds (one for an ungrouped GPU worker, none on CPU)."""
+        """The GPUs this worker holds (none on CPU)."""
         if self.kind != "cuda":
             return ()
         return self.group or (self.index,)
@@ -94,9 +68,8 @@ class Device(msgspec.Struct, frozen=True):
 
     @property
     def torch_devices(self) -> list[str]:
-        """Every GPU of the worker as torch numbers it in the engine's process: cuda:0..n-1
-        in a worker process (its CUDA_VISIBLE_DEVICES lists just its group); the physical
-        indices in inline mode (``in_parent``: the parent sees every GPU of the spec)."""
+        """Every GPU of the worker as torch numbers it in the engine's process (physical
+        indices inline, where the parent sees every GPU)."""
         if self.kind != "cuda":
             return ["cpu"]
         if self.in_parent:
@@ -104,32 +77,27 @@ class Device(msgspec.Struct, frozen=True):
         return [f"cuda:{self.ordinal + i}" for i in range(len(self.gpus))]
 
     def in_this_process(self) -> Device:
-        """This device as seen by an engine built in the parent itself (inline mode)."""
+        """This device as seen by an engine in the parent (inline mode)."""
         return msgspec.structs.replace(self, ordinal=self.index if self.kind == "cuda" else 0, in_parent=True)
 
     def physical_gpus(self) -> list[str]:
-        """This worker's GPUs as the machine names them: the parent's mask entries (an index or
-        a GPU or MIG UUID) at its GPUs' places; without a mask, its GPUs' own numbers."""
+        """This worker's GPUs as the machine names them (the parent's mask entries)."""
         mask = visible_mask()
         return [str(g) if mask is None else mask[g] for g in self.gpus]
 
     def visible_devices(self) -> str:
-        """The CUDA_VISIBLE_DEVICES value for this worker, relative to the parent's own:
-        its GPUs, comma-separated, as the parent's mask names them."""
+        """The worker's CUDA_VISIBLE_DEVICES, relative to the parent's own mask."""
         return ",".join(self.physical_gpus())
 
 
-# An entry of CUDA_VISIBLE_DEVICES that CUDA enumerates: a GPU index, or a GPU or MIG UUID
-# (nvidia-smi -L; "MIG-GPU-<uuid>/<gi>/<ci>" is the older MIG spelling).
+# A GPU index, or a GPU or MIG UUID ("MIG-GPU-<uuid>/<gi>/<ci>" is the older MIG spelling).
 _MASK_ENTRY = re.compile(r"[0-9]+|(?:GPU|MIG)-[0-9A-Za-z/-]+")
 
 
 def visible_mask() -> list[str] | None:
-    """The GPUs ``CUDA_VISIBLE_DEVICES`` lets this process see, as CUDA reads it: its entries in
-    order up to the first invalid one, where CUDA stops enumerating (``4,-1,5`` is GPU 4 alone;
-    ``-1``, an empty entry or a typo ends the list); None without a mask (every GPU). An index
-    past the machine's GPUs also ends CUDA's list; that is not checked here (it would take the
-    driver): the worker holding it finds no GPU."""
+    """The GPUs ``CUDA_VISIBLE_DEVICES`` lets this process see, as CUDA reads it: its entries
+    up to the first invalid one, where CUDA stops (``4,-1,5`` is GPU 4 alone); None without a mask.
+    An index past the machine's GPUs is not checked (that would take the driver)."""
     mask = os.environ.get("CUDA_VISIBLE_DEVICES")
     if mask is None:
         return None
@@ -142,8 +110,7 @@ def visible_mask() -> list[str] | None:
 
 
 def mask_stop() -> str | None:
-    """The invalid entry where CUDA stops reading the mask (None: it reads it all, or there is
-    no mask; an empty mask is no GPU, not a stop)."""
+    """The invalid entry where CUDA stops reading the mask, if any."""
     mask, visible = os.environ.get("CUDA_VISIBLE_DEVICES"), visible_mask()
     if mask is None or not mask.strip() or len(visible) == len(mask.split(",")):
         return None
@@ -151,8 +118,7 @@ def mask_stop() -> str | None:
 
 
 def mask_text() -> str:
-    """The mask for a message: ``CUDA_VISIBLE_DEVICES='4,-1,5'`` (a huge one cut short), and
-    where CUDA stops reading it when an entry is invalid."""
+    """The mask for a message, and where CUDA stops reading it."""
     stop = mask_stop()
     where = f" (CUDA stops at its invalid entry {_quote(stop)})" if stop is not None else ""
     return f"CUDA_VISIBLE_DEVICES={_quote(os.environ.get('CUDA_VISIBLE_DEVICES', ''))}{where}"
@@ -173,9 +139,8 @@ def count_gpus() -> int:
 
 
 def gpu_memory_bytes() -> dict[int, int] | None:
-    """Total memory of each GPU this process may use, by the index ``--gpus`` gives it
-    (relative to CUDA_VISIBLE_DEVICES), read with ``nvidia-smi``, never through torch.cuda;
-    None when it cannot be read (no driver, no nvidia-smi, a mask naming unknown GPUs)."""
+    """Total memory of each usable GPU, by its ``--gpus`` index, from ``nvidia-smi``; None when
+    it cannot be read."""
     if not shutil.which("nvidia-smi"):
         return None
     try:
@@ -211,8 +176,8 @@ def _quote(text: str) -> str:
 
 
 def _int(digits: str) -> int:
-    """The value of a run of ASCII digits; ``_TOO_BIG`` for any number of 10 or more
-    significant digits, which int() might not even read (its 4300-digit limit)."""
+    """The value of ASCII digits; ``_TOO_BIG`` for 10 or more significant digits (int() may
+    refuse 4300)."""
     digits = digits.lstrip("0") or "0"
     return int(digits) if len(digits) < 10 else _TOO_BIG
 
@@ -239,8 +204,7 @@ def _gpu_ranges(spec: str) -> list[tuple[int, int, str]]:
 
 
 def _which_exist(have: int, counted: bool) -> str:
-    """The GPUs ``--gpus`` may name, for an error; ``counted``: ``have`` was counted here, so
-    under a mask it is the mask's GPUs, and the message names the mask and what they are."""
+    """The GPUs ``--gpus`` may name, for an error (under a mask, named as the mask names them)."""
     mask = visible_mask() if counted else None
     if mask is None:
         return f"GPUs 0-{have - 1} exist" if have > 1 else ("GPU 0 exists" if have == 1 else
@@ -306,16 +270,9 @@ def _cpu_devices(spec: str, threads: int) -> list[Device]:
 
 def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpus_per_worker: int = 1,
                threads_per_worker: int = 1) -> list[Device]:
-    """``"0-7"``, ``"0,2,5-6"``, ``"0"``, ``[0, 1]``, ``"cpu"`` (one CPU worker), ``"cpu:N"``.
-
-    GPU indices are checked against the GPUs that exist (``gpu_count``, counted when not
-    given); an index that does not exist is an error naming the ones that do.
-    At most ``MAX_CPU_WORKERS`` CPU workers. Every worker computes with ``threads_per_worker``
-    torch threads, whatever the worker count and the cores (``Device``).
-
-    ``gpus_per_worker``: one worker per group of that many GPUs, contiguous in the spec's
-    order; the GPU count must be a multiple of it, and a CPU spec takes only 1.
-    """
+    """``"0-7"``, ``"0,2,5-6"``, ``"0"``, ``[0, 1]``, ``"cpu"`` or ``"cpu:N"``: one worker per GPU,
+    or per contiguous group of ``gpus_per_worker`` GPUs (a multiple; a CPU spec takes only 1).
+    GPU indices are checked against those that exist (``gpu_count``, counted when not given)."""
     gpus_per_worker = check_gpus_per_worker(gpus_per_worker)
     threads = check_threads_per_worker(threads_per_worker)
     if isinstance(spec, int):
@@ -343,18 +300,15 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
 
 
 def _gpu_workers(indices: list[int], gpus_per_worker: int, threads: int) -> list[Device]:
-    """One worker per run of ``gpus_per_worker`` GPUs of ``indices``, in order (a one-GPU
-    worker has no ``group``)."""
+    """One worker per run of ``gpus_per_worker`` GPUs of ``indices``, in order."""
     groups = [tuple(indices[i:i + gpus_per_worker]) for i in range(0, len(indices), gpus_per_worker)]
     return [Device("cuda", group[0], rank, threads, group=group if len(group) > 1 else ())
             for rank, group in enumerate(groups)]
 
 
 def ray_devices(spec: str | int, *, gpus_per_worker: int = 1, threads_per_worker: int = 1) -> list[Device]:
-    """The devices of a ``--gpus`` spec under the Ray backend, where Ray chooses the GPUs:
-    ``"32"`` (32 GPUs anywhere in the cluster), ``"cpu"`` or ``"cpu:N"``. With
-    ``gpus_per_worker`` G the count must be a multiple of G; the devices are numbered by rank
-    (rank r holds r*G .. r*G+G-1 of the plan; ``Pool.placement`` tells which GPUs they are)."""
+    """A ``--gpus`` spec under Ray, which chooses the GPUs: a GPU count (a multiple of
+    ``gpus_per_worker``), ``"cpu"`` or ``"cpu:N"``; devices numbered by rank."""
     gpus_per_worker = check_gpus_per_worker(gpus_per_worker)
     threads = check_threads_per_worker(threads_per_worker)
     spec = str(spec).strip()

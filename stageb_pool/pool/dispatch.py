@@ -1,28 +1,13 @@
-"""The dispatcher: which worker runs which task, and what a stalled or dead worker becomes.
-
-It is shared by every backend whose workers are other processes, and knows nothing about
-processes or sockets: a *transport* starts, feeds, kills and listens to the workers and
-reports what happened as events (``WorkerStarted``, ``WorkerMessage``, ``WorkerClosed``,
-``WorkerExited``). The dispatcher owns
-
-- the queue: a free worker takes the next task it may run (tasks submitted with ``rank=``
-  only go to that worker): a retried task first, then in submission order, or most
-  expensive first for tasks submitted with a ``cost``; one task in flight per worker, or
-  ``depth`` where a transport's round trip is worth hiding (the next task then waits in the
-  worker, which runs its tasks in order; free workers are served first);
-- one ``Slot`` per rank (slots.py): its ``WorkerState``, the tasks in flight and the deadline of the
-  state it is in (engine start, the running task, exit report), and the mirror of its
-  snapshot cache;
-- faults: a worker past its deadline is killed; once its exit is reported it is replaced
-  and its task retried (``max_restarts``, pool-wide), or the fault is raised. Before that,
-  a task silent for ``stall_warning`` seconds is logged as a warning (and again after each
-  further ``stall_warning``), so a long wait names its worker well before the timeout;
-- the pool's engine agreement (``engine_agreement.EngineAgreement``): applied to the
-  workers' ``engine.info()`` once all are ready, and to each replacement when it is.
+"""The dispatcher shared by every backend whose workers are other processes: the queue, one
+``Slot`` per rank (slots.py), deadlines, stall warnings, kills, replacements and retries, and
+the engine agreement. It knows nothing about processes or sockets: a ``Transport`` starts,
+feeds, kills and listens to the workers and reports events. The state machine and the fault
+rules: docs/architecture.md, "The pool's modules" and "Fault semantics".
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from typing import NamedTuple, Protocol
@@ -32,9 +17,9 @@ import msgspec
 from . import protocol
 from .engine_agreement import ACCEPT_ANY, EngineAgreement
 from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTimeout
-from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Result, Snapshot, Task
+from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Reply, Result, Share, Task
 from .slots import Earliest, Slot, Trouble, WorkerState
-from .snapshots import SnapshotStore
+from .shared import SharedStore
 from .tasks import Outcome, PoolStats, TaskHandle, TaskQueue
 
 log = logging.getLogger("stageb_pool.pool")
@@ -52,10 +37,10 @@ class WorkerStarted(NamedTuple):
 
 
 class WorkerMessage(NamedTuple):
-    """A message from the worker of ``rank``: Ready, InitFailed, Result or Failure."""
+    """A reply from the worker of ``rank``: Ready, InitFailed, Result or Failure."""
 
     rank: int
-    message: protocol.Message
+    message: Reply
 
 
 class WorkerClosed(NamedTuple):
@@ -65,8 +50,8 @@ class WorkerClosed(NamedTuple):
 
 
 class WorkerExited(NamedTuple):
-    """The worker of ``rank`` is gone (reaped); nothing more will come from it. A backend
-    that knows no exit code or signal says why in ``cause``."""
+    """The worker of ``rank`` is gone (reaped); a backend that knows no exit code or signal
+    says why in ``cause``."""
 
     rank: int
     exitcode: int | None
@@ -82,9 +67,8 @@ class Transport(Protocol):
         """Start a worker process for ``rank`` (its first, or a replacement)."""
 
     def send(self, rank: int, data: bytes) -> None:
-        """Frames for the worker of ``rank``, which has no task (or fewer than the
-        dispatcher's depth; the worker runs them in order); a worker that is gone shows
-        up as a later event, never as an exception here."""
+        """Frames for the worker of ``rank`` (which has fewer tasks than the dispatcher's depth);
+        a worker that is gone shows up as a later event, never as an exception here."""
 
     def kill(self, rank: int) -> None:
         """Kill the worker of ``rank``; its WorkerExited follows."""
@@ -96,19 +80,16 @@ class Transport(Protocol):
         """Stop every worker (``busy`` ones at once) and release everything."""
 
 
-
-
 # -- the dispatcher ---------------------------------------------------------------------------
 class Dispatcher:
-    """Runs tasks on the workers of ``transport``; the pool's runner for every backend but
-    inline. ``advance`` is one turn of the event loop."""
+    """Runs tasks on the workers of ``transport``; ``advance`` is one turn of the event loop."""
 
-    def __init__(self, transport: Transport, devices, snapshots: SnapshotStore, stats: PoolStats, *,
+    def __init__(self, transport: Transport, devices, shared: SharedStore, stats: PoolStats, *,
                  task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int,
                  engine_agreement: EngineAgreement = ACCEPT_ANY, depth: int = 1, stall_warning: float | None = None):
         self.transport = transport
         self.devices = devices
-        self.snapshots, self.stats = snapshots, stats
+        self.shared, self.stats = shared, stats
         self.task_timeout, self.start_timeout = task_timeout, start_timeout
         self.stall_warning = stall_warning
         self.restarts_left = max_restarts
@@ -121,9 +102,9 @@ class Dispatcher:
         self._outcomes: list[Outcome] = []
         self._started = False
         self._earliest = Earliest()  # no deadline or warning of any slot is before it
-        # Ranks that may be idle (every idle one is here): depth-1 dispatch visits these, not
-        # every worker, at each event; and the ranks that may have pinned tasks queued.
-        self._free: set[int] = set()
+        # The ranks that may be idle (each idle one once, in a heap) and those that may have pinned tasks.
+        self._free: list[int] = []
+        self._in_free: set[int] = set()
         self._pinned: set[int] = set()
 
     @property
@@ -150,8 +131,8 @@ class Dispatcher:
         self.queue.promote(task)
 
     def advance(self, waiting) -> list[Outcome]:
-        """Wait for the next event (or deadline), handle it, hand out queued tasks; the
-        tasks finished meanwhile (any task, not only ``waiting``)."""
+        """Wait for the next event (or deadline), handle it, hand out queued tasks; the tasks
+        finished meanwhile (any task, not only ``waiting``)."""
         self._step()
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
@@ -167,110 +148,109 @@ class Dispatcher:
         timeout = max(0.0, earliest - time.monotonic()) if earliest is not None else None
         for event in self.transport.poll(timeout):
             slot = self.slots[event.rank]
-            if isinstance(event, WorkerStarted):
-                slot.state, slot.pid = WorkerState.STARTING, event.pid
-                slot.deadline = _deadline(self.start_timeout)
-            elif isinstance(event, WorkerMessage):
-                self._on_message(slot, event.message)
-            elif isinstance(event, WorkerClosed):
-                self._on_closed(slot)
-            else:
-                self._on_exited(slot, event)
+            match event:
+                case WorkerMessage(message=reply):
+                    self._on_reply(slot, reply)
+                case WorkerStarted(pid=pid):
+                    slot.state, slot.pid = WorkerState.STARTING, pid
+                    slot.deadline = _deadline(self.start_timeout)
+                case WorkerClosed():
+                    self._on_closed(slot)
+                case WorkerExited():
+                    self._on_exited(slot, event)
         self._check_deadlines()
         self._dispatch()
 
     def _dispatch(self) -> None:
-        if self.depth == 1:
-            self._dispatch_to_free()
-            return
-        # Round by round: every idle worker gets a task before any gets a second one, and a
-        # second only while more tasks are queued than there are workers: the last ones go
-        # to whichever worker is free first, never behind a long task (a short tail), and
-        # never behind a speculative one (work nobody waits for must not delay work somebody does).
-        for in_flight in range(self.depth):
-            if in_flight and len(self.queue) <= len(self.slots):
+        """One task to each idle worker, lowest rank first, visiting only the ranks in ``_free``
+        (stale entries are dropped when reached) and then those that may have pinned tasks; then,
+        with ``depth`` > 1, the further rounds."""
+        free = self._free
+        while free:
+            slot = self.slots[free[0]]
+            if slot.state is WorkerState.IDLE and not slot.tasks:
+                task = self.queue.pop(slot.rank, speculative=True)  # an idle worker may take speculative work
+                if task is None:
+                    break
+                self._send_task(slot, task)
+            self._in_free.discard(heapq.heappop(free))
+        for rank in sorted(self._pinned):
+            slot = self.slots[rank]
+            if slot.state is WorkerState.IDLE and not slot.tasks:
+                task = self.queue.pop(rank, speculative=True)
+                if task is None:  # neither the shared queue nor this rank's has a task
+                    self._pinned.discard(rank)
+                else:
+                    self._send_task(slot, task)
+        # A next task waits in a worker only while more tasks are queued than there are workers
+        # (the last ones never wait behind a long task), and never behind a speculative one.
+        for in_flight in range(1, self.depth):
+            if len(self.queue) <= len(self.slots):
                 return
             for slot in self.slots:
-                if (len(slot.tasks) == in_flight and slot.state in (WorkerState.IDLE, WorkerState.BUSY)
+                if (len(slot.tasks) == in_flight and slot.state is WorkerState.BUSY
                         and not any(task.speculative for task in slot.tasks)):
-                    task = self.queue.pop(slot.rank, speculative=not in_flight)
+                    task = self.queue.pop(slot.rank)
                     if task is not None:
                         self._send_task(slot, task)
-
-    def _dispatch_to_free(self) -> None:
-        """One task to each idle worker, in rank order (as the rounds above, with depth 1),
-        visiting only the ranks in ``_free``: once the shared queue is empty, only ranks that
-        may have pinned tasks are asked."""
-        exhausted = False  # the queue holds no task any worker may run
-        for rank in sorted(self._free):
-            slot = self.slots[rank]
-            if slot.state is not WorkerState.IDLE or slot.tasks:
-                self._free.discard(rank)
-                continue
-            if exhausted and rank not in self._pinned:
-                continue
-            task = self.queue.pop(rank, speculative=True)  # an idle worker may take speculative work
-            if task is None:  # neither the shared queue nor this rank's has a task
-                exhausted = True
-                self._pinned.discard(rank)
-                continue
-            self._free.discard(rank)
-            self._send_task(slot, task)
 
     def _send_task(self, slot: Slot, task: TaskHandle) -> None:
         if not slot.tasks:  # it starts at once; a later one when those before it are done
             self._start_running(slot, time.monotonic())
         slot.state, task.ran_on = WorkerState.BUSY, slot.rank
         slot.tasks.append(task)
-        messages = [Snapshot(key, msgspec.Raw(self.snapshots.data(key)), evict)
-                    for key, evict in slot.cache.admit(task.shared)]
-        self.stats.snapshot_sends += len(messages)
-        messages.append(Task(task.id, task.method, msgspec.Raw(task.item), task.shared))
-        frames = []
-        for msg in messages:
-            frames.append(protocol.frame(msg, self.max_frame))
-            name = type(msg).__name__
-            self.stats.frames_sent[name] = self.stats.frames_sent.get(name, 0) + 1
+        frames = [protocol.frame(Share(key, msgspec.Raw(self.shared.data(key)), evict), self.max_frame)
+                  for key, evict in slot.cache.admit(task.shared)]
+        self.stats.shared_sends += len(frames)
+        self.stats.tasks_sent += 1
+        frames.append(protocol.frame(Task(task.id, task.method, msgspec.Raw(task.item), task.shared), self.max_frame))
         # Blocking sends are safe with depth 1: a worker reads while it has no task, and this
         # one has none (a deeper transport, Ray's, never blocks on a busy worker).
-        self.transport.send(slot.rank, b"".join(frames))
+        self.transport.send(slot.rank, b"".join(frames) if len(frames) > 1 else frames[0])
 
-    def _on_message(self, slot: Slot, msg) -> None:
-        name = type(msg).__name__
-        self.stats.frames_received[name] = self.stats.frames_received.get(name, 0) + 1
-        where = dict(rank=slot.rank, device=slot.device.name)
-        if isinstance(msg, Ready):
-            if msg.version != PROTOCOL_VERSION:
-                raise ProtocolError(f"worker {slot.rank} speaks protocol {msg.version}, the parent {PROTOCOL_VERSION}")
-            slot.state, slot.deadline = WorkerState.IDLE, None
-            self._free.add(slot.rank)
-            slot.pid = slot.pid or msg.pid  # a backend may only learn it here (Ray)
-            self.worker_info[slot.rank] = msg.info
-            if self._started:  # a replacement; at start all are compared at once
-                self._check_engines(new=slot)
-        elif isinstance(msg, InitFailed):
-            raise WorkerError(msg.error, method="engine_factory", remote_traceback=msg.traceback, **where)
-        elif isinstance(msg, (Result, Failure)):
-            task = slot.task
-            if task is None or task.id != msg.id:
-                raise ProtocolError(f"worker {slot.rank} answered task {msg.id}, which it was not running")
-            now = time.monotonic()
-            self.stats.record(slot.rank, task, slot.started, now)
-            slot.tasks.popleft()
-            if slot.state is WorkerState.BUSY:  # a killed one stays killed
-                if slot.tasks:  # the next one runs now
-                    self._start_running(slot, now)
+    def _on_reply(self, slot: Slot, reply: Reply) -> None:
+        match reply:
+            case Result(id=task_id) | Failure(id=task_id):
+                task = self._task_done(slot, task_id)
+                if type(reply) is Result:
+                    self._outcomes.append(Outcome(task, raw=reply.value))
                 else:
-                    slot.state, slot.deadline, slot.next_warning = WorkerState.IDLE, None, None
-                    self._free.add(slot.rank)
-            if isinstance(msg, Result):
-                self._outcomes.append(Outcome(task, raw=msg.value))
+                    error = WorkerError(reply.error, index=task.index, method=task.method,
+                                        remote_traceback=reply.traceback, rank=slot.rank, device=slot.device.name)
+                    self._outcomes.append(Outcome(task, error=error))
+            case Ready(version=version, pid=pid, info=info):
+                if version != PROTOCOL_VERSION:
+                    raise ProtocolError(f"worker {slot.rank} speaks protocol {version}, the parent {PROTOCOL_VERSION}")
+                slot.state, slot.deadline = WorkerState.IDLE, None
+                self._mark_free(slot.rank)
+                slot.pid = slot.pid or pid  # a backend may only learn it here (Ray)
+                self.worker_info[slot.rank] = info
+                if self._started:  # a replacement; at start all are compared at once
+                    self._check_engines(new=slot)
+            case InitFailed(error=error, traceback=remote):
+                raise WorkerError(error, method="engine_factory", remote_traceback=remote, rank=slot.rank,
+                                  device=slot.device.name)
+
+    def _task_done(self, slot: Slot, task_id: int) -> TaskHandle:
+        """The running task of ``slot`` answered: counted, and the worker's next one started."""
+        task = slot.task
+        if task is None or task.id != task_id:
+            raise ProtocolError(f"worker {slot.rank} answered task {task_id}, which it was not running")
+        now = time.monotonic()
+        self.stats.record(slot.rank, task, slot.started, now)
+        slot.tasks.popleft()
+        if slot.state is WorkerState.BUSY:  # a killed one stays killed
+            if slot.tasks:  # the next one runs now
+                self._start_running(slot, now)
             else:
-                error = WorkerError(msg.error, index=task.index, method=task.method,
-                                    remote_traceback=msg.traceback, **where)
-                self._outcomes.append(Outcome(task, error=error))
-        else:
-            raise ProtocolError(f"worker {slot.rank} sent an unexpected {name}")
+                slot.state, slot.deadline, slot.next_warning = WorkerState.IDLE, None, None
+                self._mark_free(slot.rank)
+        return task
+
+    def _mark_free(self, rank: int) -> None:
+        if rank not in self._in_free:  # a rank given a pinned task stays in the heap meanwhile
+            self._in_free.add(rank)
+            heapq.heappush(self._free, rank)
 
     def _check_engines(self, new: Slot | None = None) -> None:
         """Whether the running workers (and ``new``, a replacement) run the same engine."""
@@ -314,8 +294,7 @@ class Dispatcher:
                 slot.trouble = Trouble(slot.state, limit)
             slot.state, slot.deadline, slot.next_warning = WorkerState.KILLED, now + KILL_REPORT_TIMEOUT, None
             self.transport.kill(slot.rank)
-        # The exact earliest time again (a busy worker's next stall warning counts; an idle
-        # one has none).
+        # The exact earliest time again (a busy worker's next stall warning counts).
         self._earliest.at = None
         for slot in self.slots:
             self._earliest.lower(slot.deadline)

@@ -1,20 +1,7 @@
 """Whether the workers run the same engine: byte-identical results need the same GPU model
-and software on every worker (docs/architecture.md, determinism contract).
-
-One policy, ``EngineAgreement``, passed to the pool (``Pool(engine_agreement=...)``) and
-applied by its dispatcher once every worker is ready and again to each replacement. Its
-parameters are the outcomes:
-
-- ``REFUSE_ANY_DIFFERENCE``, the Ray backend's default (its nodes may be of other makes): a
-  worker whose ``engine.info()`` differs from the others' in any fact is refused, a
-  ``PoolError`` naming it and every fact that differs;
-- ``ACCEPT_ANY``, the fork backend's default (one machine, one installation): nothing is
-  compared;
-- the CLI's, on one machine (``app/job.py``): named facts (the engine and its versions) must
-  agree, refused as the CLI's own input error, and any other difference (a machine that
-  mixes GPU models) is a warning.
-
-Inline mode has one worker: nothing to compare.
+and software on every worker. One policy, ``EngineAgreement``, applied by the dispatcher once
+every worker is ready and to each replacement; the defaults per backend and the CLI's
+policy: docs/architecture.md, "The Ray backend" (Same engine everywhere).
 """
 
 from __future__ import annotations
@@ -32,23 +19,18 @@ from .errors import PoolError
 
 @dataclass(frozen=True)
 class EngineAgreement:
-    """What the pool does when its workers' ``engine.info()`` differ.
-
-    ``refuse``: the facts every worker must share, or None for all of them. All of them: the
-    odd worker is named with each fact that differs (at start the odd one is the one outside
-    the majority, a replacement is compared with the workers running). Named facts: the
-    workers whose facts differ from the first one's are listed, with those facts.
-    ``warn``: the logger that reports any difference not refused as a warning (None: quiet).
-    ``error``: makes a refusal's exception from its one-line text (the CLI's is located at
-    ``--gpus``)."""
+    """What the pool does when its workers' ``engine.info()`` differ. ``refuse``: the facts every
+    worker must share, or None for all of them (then the odd worker, outside the majority or a
+    replacement, is named with each fact that differs). ``warn``: the logger for differences not
+    refused (None: quiet). ``error``: makes a refusal's exception from its one-line text."""
 
     refuse: tuple[str, ...] | None = ()
     warn: logging.Logger | None = None
     error: Callable[[str], Exception] = PoolError
 
     def check(self, infos: dict[int, dict], names: list[str], *, newcomer: int | None = None) -> None:
-        """Apply the policy to the running workers' ``infos`` (by rank; ``names``: each
-        rank's device); ``newcomer``: the rank of a replacement, compared with the others."""
+        """Apply the policy to the running workers' ``infos`` (by rank; ``names``: their
+        devices); ``newcomer``: a replacement's rank, compared with the others."""
         ranks = sorted(infos, key=lambda rank: (rank == newcomer, rank))  # the newcomer last
         if self.refuse is None:
             self._refuse_the_odd_one(infos, ranks, names, replacement=newcomer is not None)

@@ -1,11 +1,5 @@
-"""Every error the pool raises, all subclasses of ``PoolError``.
-
-A fault on one worker (``WorkerError``, ``WorkerDied``, ``WorkerTimeout``) names the worker's
-rank and device, and the method and item it was running. ``str()`` of any of them is one
-line, which is what the CLI prints. A ``WorkerError`` from a worker process carries the
-worker's traceback as text (``remote_traceback``) and chains it as ``__cause__``, as
-``concurrent.futures`` does with its ``_RemoteTraceback``, so an uncaught one prints the
-worker's frames above the parent's.
+"""Every error the pool raises, all subclasses of ``PoolError``; ``str()`` of each is one line
+(what the CLI prints), and a worker's fault names its rank, device, method and item.
 """
 
 from __future__ import annotations
@@ -39,10 +33,8 @@ class TaskCancelled(PoolError, concurrent.futures.CancelledError):
 
 
 class RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker process, as text.
-
-    Set as a ``WorkerError``'s ``__cause__``: Python prints it first, then "The above
-    exception was the direct cause of the following exception", then the parent's frames."""
+    """A worker's traceback as text, set as a ``WorkerError``'s ``__cause__`` (as
+    ``concurrent.futures`` does) so Python prints it above the parent's frames."""
 
     def __init__(self, text: str):
         super().__init__(text)
@@ -53,7 +45,7 @@ class RemoteTraceback(Exception):
 
 
 class _WorkerFault(PoolError):
-    """Something went wrong on one worker; says which worker, device, item and method."""
+    """A fault of one worker; says which worker, device, item and method."""
 
     def __init__(self, summary: str, *, rank: int, device: str, index: int | None = None,
                  method: str | None = None):
@@ -68,10 +60,8 @@ class _WorkerFault(PoolError):
 
 
 class WorkerError(_WorkerFault):
-    """An exception in an engine method or in the engine's construction.
-
-    ``remote_traceback`` is the worker's traceback (text); when given it also becomes the
-    ``__cause__``, so a Python traceback of this error shows the worker's frames."""
+    """An exception in an engine method or in the engine's construction; the worker's
+    traceback (text) is ``remote_traceback`` and, when given, the ``__cause__``."""
 
     def __init__(self, summary: str, *, remote_traceback: str = "", **where):
         super().__init__(summary, **where)
@@ -81,10 +71,8 @@ class WorkerError(_WorkerFault):
 
 
 class WorkerDied(_WorkerFault):
-    """A worker process exited or was killed (OOM killer, segfault, kill -9).
-
-    ``exitcode`` or ``signal`` say how, where the backend knows (a forked worker); ``cause``
-    is the backend's own words where it does not (Ray reports neither for a dead actor)."""
+    """A worker process exited or was killed: ``exitcode`` or ``signal`` where the backend
+    knows them, else ``cause`` in its own words (Ray reports neither)."""
 
     def __init__(self, *, exitcode: int | None, signal: int | None, cause: str | None = None, **where):
         if signal is not None:

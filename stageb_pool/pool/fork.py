@@ -1,9 +1,6 @@
-"""Forking a child the one safe way; used for the zygote and for every worker.
-
-``fork_child`` owns the whole sequence, as moolib's env.cc does: refuse if the process is
-not safe to fork (for the zygote, forked from the user's process), flush stdio, fork, and in
-the child run the common first steps, die with the parent, close every descriptor it does not
-own, run the body and always leave through ``os._exit``, never returning into the caller.
+"""Forking a child the one safe way, for the zygote and every worker (docs/architecture.md,
+"Process model"): ``fork_child`` refuses an unsafe process, forks, runs the child's first
+steps and body, and always leaves through ``os._exit``.
 """
 
 from __future__ import annotations
@@ -29,12 +26,10 @@ PR_SET_PDEATHSIG = 1
 def fork_child(body, *, keep: tuple[int, ...] = (), setup=None, check_safe: bool = False) -> int:
     """Fork a child that runs ``body()`` and exits; return its pid (in the parent).
 
-    In the child: ``after_fork_in_child``, ``die_with_parent``, ``setup()`` (e.g. pointing
-    fds 1/2 somewhere), closing every descriptor above 2 but ``keep``, then ``body()``.
-    The exit code is what ``body`` returns (None: 0), or 1 with the traceback on stderr
-    when it raises. A child whose channel to its parent broke (the pool's process closed
-    it, or is gone) exits quietly with 0: nobody is left to tell, and a traceback would
-    only land on the user's terminal after a Ctrl-C."""
+    In the child: ``after_fork_in_child``, ``die_with_parent``, ``setup()``, closing every fd
+    above 2 but ``keep``, then ``body()``. The exit code is what ``body`` returns, or 1 with the
+    traceback on stderr; a child whose channel to its parent broke exits quietly with 0 (after a
+    Ctrl-C a traceback would only land on the user's terminal)."""
     if check_safe:
         check_fork_safe()
     parent_pid = os.getpid()
@@ -60,10 +55,9 @@ def fork_child(body, *, keep: tuple[int, ...] = (), setup=None, check_safe: bool
 
 
 def call_in_child(body, result_type):
-    """``body()``'s value (a ``result_type``), computed in a child forked by ``fork_child`` and
-    sent back as one protocol frame over a socketpair, as a worker answers: for work whose
-    imports (torch, a tokenizer's libraries) this process must not load before it forks its
-    workers. None when the child sends nothing (it died; a traceback is on stderr)."""
+    """``body()``'s value (a ``result_type``), computed in a forked child and sent back as one
+    frame: for work whose imports this process must not load before it forks its workers. None
+    when the child sends nothing (it died; a traceback is on stderr)."""
     ours, theirs = socket.socketpair()
     with ours:
         try:
@@ -86,15 +80,11 @@ def check_fork_safe() -> None:
         problems.append("CUDA is initialised in this process (a forked child cannot use it)")
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        # Its gRPC threads do not survive a fork: a child segfaults on its first Ray call,
-        # and may deadlock in any lock they held. They stay even after ray.shutdown().
+        # Its gRPC threads (left even after ray.shutdown) make a child segfault or deadlock.
         problems.append("Ray is initialised in this process (use backend=Ray(), or create fork pools before ray.init)")
     if os.path.isdir("/proc/self/task"):
-        # A clean interpreter has 1 thread, plus the BLAS thread pool that `import numpy`
-        # starts (torch imports numpy). Any other thread is usually torch's OpenMP pool,
-        # started by a torch op: a forked child that runs its own first op would then
-        # deadlock. A thread that was just joined can linger in /proc for a moment, so give
-        # the count a little time to settle.
+        # Beyond 1 + numpy's BLAS pool, a thread is usually torch's OpenMP pool, and a child
+        # forked after it deadlocks in its first op. A joined thread lingers in /proc briefly.
         clean = 1 + blas_threads("numpy" in sys.modules, os.cpu_count() or 1, os.environ)
         deadline = time.monotonic() + 0.5
         while (native := len(os.listdir("/proc/self/task"))) > clean and time.monotonic() < deadline:
@@ -114,11 +104,9 @@ def check_fork_safe() -> None:
 
 
 def blas_threads(numpy_imported: bool, cpus: int, environ) -> int:
-    """The worker threads numpy's OpenBLAS starts when numpy is imported: one fewer than its
-    thread count, which is ``OPENBLAS_NUM_THREADS`` (else ``GOTO_NUM_THREADS``, else
-    ``OMP_NUM_THREADS``) capped by the CPUs, or the CPUs. They are safe to fork from
-    (OpenBLAS stops them around a fork), and a 16-core GPU machine has 15 of them: counting
-    them as a hazard refused every pool created after `import torch` there."""
+    """The worker threads numpy's OpenBLAS starts at import (its thread count less one, by
+    ``OPENBLAS_NUM_THREADS``, ``GOTO_NUM_THREADS``, ``OMP_NUM_THREADS`` or the CPUs). Safe to fork
+    from (OpenBLAS stops them around a fork), so not a hazard."""
     if not numpy_imported:
         return 0
     for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
@@ -129,9 +117,8 @@ def blas_threads(numpy_imported: bool, cpus: int, environ) -> int:
 
 
 def after_fork_in_child() -> None:
-    """Common first steps of the zygote and of every worker, right after fork."""
-    # Objects inherited from the parent must never be finalised here: a file object of the
-    # parent whose descriptor number we reuse would otherwise close *our* socket.
+    """The first steps of the zygote and of every worker, right after fork."""
+    # A parent's file object finalised here could close *our* socket reusing its fd number.
     gc.freeze()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the parent
@@ -140,10 +127,8 @@ def after_fork_in_child() -> None:
 
 
 def die_with_parent(expected_ppid: int) -> None:
-    """SIGKILL this process when its parent dies.
-
-    The ``getppid`` re-check closes the race where the parent died between fork() and
-    prctl(): we would then already be re-parented and never get the signal."""
+    """SIGKILL this process when its parent dies; the ``getppid`` re-check closes the race
+    where the parent died before prctl()."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         os._exit(70)
@@ -152,10 +137,8 @@ def die_with_parent(expected_ppid: int) -> None:
 
 
 def close_fds_except(*keep: int) -> None:
-    """Close every descriptor above stderr except ``keep``.
-
-    A child that kept a sibling's socket (or the zygote's control socket) would hold that
-    connection open, and the parent would never see the EOF that tells it a process died."""
+    """Close every fd above stderr but ``keep``: a kept copy of another process's socket
+    would hide the EOF that tells the parent that process died."""
     low = 3
     for fd in sorted(set(keep)):
         os.closerange(low, fd)
@@ -164,8 +147,8 @@ def close_fds_except(*keep: int) -> None:
 
 
 def flush_stdio() -> None:
-    """Flush Python's stdio buffers before a fork (a child would inherit them and print
-    them once more) and before ``os._exit`` (which skips the flush)."""
+    """Flush stdio before a fork (a child would print the buffers again) and before
+    ``os._exit`` (which skips the flush)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

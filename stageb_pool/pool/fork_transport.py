@@ -1,10 +1,6 @@
-"""The fork backend's transport: workers forked by the zygote, one socketpair each.
-
-The dispatcher (dispatch.py) decides; this module only moves frames and reports events.
-``poll`` is one ``select`` over every worker socket and the zygote's control socket:
-frames become ``WorkerMessage`` events (parsed incrementally, so a worker that stalls in
-the middle of a frame never blocks the parent), EOF becomes ``WorkerClosed``, and the
-zygote's ``Spawned`` / ``Exited`` reports become ``WorkerStarted`` / ``WorkerExited``.
+"""The fork backend's transport: workers forked by the zygote, one socketpair each. ``poll``
+is one ``select`` over every worker socket and the zygote's control socket; frames are parsed
+incrementally, so a worker that stalls mid-frame never blocks the parent.
 """
 
 from __future__ import annotations
@@ -21,9 +17,8 @@ from .tasks import PoolStats
 from .zygote import Zygote
 
 CLOSE_GRACE = 1.0  # seconds a worker gets after Shutdown, and again after SIGTERM, before SIGKILL
-# One read asks for the rest of the frame being read, within these bounds: at least a
-# typical result (64 KiB: a read allocates its size, and 1 MiB per read cost 16.7 us against
-# 2.4), at most 16 MiB at a time of a big one.
+# One read asks for the rest of the frame, within these bounds (a read allocates its size:
+# 1 MiB per read cost 16.7 us against 2.4 for 64 KiB).
 RECV_MIN = 64 * 1024
 RECV_MAX = 16 * 1024 * 1024
 
@@ -74,8 +69,7 @@ class ForkedTransport:
     def close(self, busy: list[int]) -> None:
         for rank in list(self.socks):
             if rank in busy:
-                # Mid-task it cannot read Shutdown, and nobody will collect its result:
-                # stop it now rather than after the grace period (Ctrl-C stays prompt).
+                # Mid-task it cannot read Shutdown: stop it now (Ctrl-C stays prompt).
                 self.kill(rank, signal.SIGTERM)
             else:
                 try:
@@ -89,7 +83,8 @@ class ForkedTransport:
     # -- events ---------------------------------------------------------------------------
     def _read(self, rank: int, events: list, *, final: bool = False) -> None:
         try:
-            data = self.socks[rank].recv(min(max(self.readers[rank].needed(), RECV_MIN), RECV_MAX))
+            reader = self.readers[rank]
+            data = self.socks[rank].recv(min(max(reader.needed(), RECV_MIN), RECV_MAX) if reader.buffer else RECV_MIN)
         except OSError:
             data = b""
         if not data:
@@ -99,7 +94,7 @@ class ForkedTransport:
             return
         self.stats.bytes_received += len(data)
         try:
-            messages = self.readers[rank].feed(data)
+            messages = reader.feed(data)
         except ProtocolError as exc:
             self.kill(rank)
             raise ProtocolError(f"worker {rank} ({self.devices[rank].name}): {exc}") from None

@@ -1,10 +1,6 @@
-"""Inline mode: the engine runs in the calling process (single-device debugging).
-
-The runner is an I/O loop around a ``WorkerCore``, as a worker process is, but in calls
-instead of frames: items, snapshots and results take the same path as with a worker process
-(the msgspec codec, the core's typed calls, the snapshot cache with its evictions), so
-results are identical to the forked pool's, and ``breakpoint()`` or ``pdb.post_mortem``
-work inside the engine: an engine exception is the ``__cause__`` of its ``WorkerError``.
+"""Inline mode: the engine runs in the calling process around a ``WorkerCore``, with the same
+codec and shared-value cache as a worker process (so the same results), and ``breakpoint()``
+or ``pdb.post_mortem`` work inside the engine.
 """
 
 from __future__ import annotations
@@ -15,21 +11,21 @@ import traceback
 
 from . import protocol
 from .errors import FrameTooLarge, WorkerError
-from .snapshots import SnapshotCache, SnapshotStore
+from .shared import SharedCache, SharedStore
 from .tasks import Outcome, PoolStats, TaskHandle
 from .worker_core import WorkerCore, exception_summary
 
 
-class InlineRunner:
+class InlineDispatcher:
     """Runs the gathered tasks one by one, in the order of the gather."""
 
-    def __init__(self, engine_factory, device, snapshots: SnapshotStore, stats: PoolStats, max_frame: int):
+    def __init__(self, engine_factory, device, shared: SharedStore, stats: PoolStats, max_frame: int):
         self.device = device.in_this_process()  # e.g. cuda:3, not the cuda:0 of a worker process
         self.core = WorkerCore(engine_factory, self.device, max_frame)
-        self.snapshots, self.stats = snapshots, stats
+        self.shared, self.stats = shared, stats
         self.max_frame = max_frame
         self.worker_info: list[dict] = [{}]
-        self.cache = SnapshotCache()  # the mirror of the core's snapshots, as the dispatcher keeps one per worker
+        self.cache = SharedCache()  # the mirror of the core's shared values, as the dispatcher keeps one per worker
 
     @property
     def pids(self) -> list[int]:
@@ -53,7 +49,7 @@ class InlineRunner:
         started = time.monotonic()
         try:
             for key, evict in self.cache.admit(task.shared):
-                self.core.add_snapshot(key, self.snapshots.data(key), evict)
+                self.core.add_shared(key, self.shared.data(key), evict)
             raw = protocol.encode(self.core.call(task.method, task.item, task.shared))
             if len(raw) > self.max_frame:
                 raise FrameTooLarge(len(raw), self.max_frame, "Result frame")

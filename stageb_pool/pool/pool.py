@@ -1,19 +1,16 @@
 """``Pool``: one worker per device, each holding ``engine_factory(device)``; the parent decides.
 
     with Pool(Engine, gpus="cpu:2") as pool:
-        out = pool.map("square", items, guidance=snapshot)   # results in input order
+        out = pool.map("square", items, guidance=guidance)   # results in input order
 
-The facade over a runner, chosen by the backend value (backend.py): ``Inline`` is the
-``InlineRunner`` (the engine in this process); ``Fork`` and ``Ray`` are a ``Dispatcher``
-driving workers through a transport (``ForkedTransport``: forked by the zygote, one socketpair
-each; ``RayTransport``: Ray actors in one placement group). The pool encodes items and shared
-values at submit, gathers results in the order it was given, decodes them (as ``result_type``
-when given) and owns the tasks' life cycle; the runner decides where a task runs and turns
-every worker fault into an error or a retry.
+A facade over the dispatcher its backend names (``InlineDispatcher``, or a ``Dispatcher``
+over the fork or Ray transport): it encodes items and shared values at submit, gathers
+results in the order given, decodes them and owns the tasks' life cycle.
 """
 
 from __future__ import annotations
 
+import typing
 from contextlib import contextmanager
 
 import msgspec
@@ -24,9 +21,9 @@ from .dispatch import Dispatcher
 from .engine_agreement import ACCEPT_ANY, REFUSE_ANY_DIFFERENCE, EngineAgreement
 from .errors import FrameTooLarge, PoolError, TaskCancelled
 from .fork_transport import ForkedTransport
-from .inline import InlineRunner
+from .inline import InlineDispatcher
 from .protocol import MAX_FRAME_BYTES, encode
-from .snapshots import SharedValue, SnapshotStore
+from .shared import SharedValue, SharedStore
 from .tasks import Outcome, PoolStats, TaskHandle
 
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week; a longer limit is a typo (and overflows select())
@@ -35,33 +32,18 @@ RAY_DEPTH = 2  # tasks in flight per Ray actor: Ray's ~1 ms round trip is not sp
 
 class Pool:
     """One worker per device, each holding ``engine_factory(device)``, run by ``backend``
-    (``Fork()``, the default; ``Inline()``; ``Ray(address)``: backend.py).
+    (``Fork()``, the default; ``Inline()``; ``Ray(address)``).
 
-    ``gpus``: ``"0-7"``, ``"0,2,5-6"``, ``"0"``, a list of ints, ``"cpu"``, ``"cpu:N"`` (under
-    Ray a GPU count, ``"32"``, or ``"cpu:N"``), or a list of ``Device`` already planned
-    (``backend.plan_devices``). ``task_timeout``/``start_timeout`` are seconds (None: no
-    limit). ``max_restarts``: how many dead or timed-out workers may be replaced (pool-wide);
-    the task they were running is retried. ``stall_warning``: seconds a task may run without a
-    result before a warning names its worker (repeated after each further ``stall_warning``;
-    None: never). ``max_frame_bytes`` bounds every message (items, snapshots, results). A
-    timeout that is not a number of seconds in (0, ``MAX_TIMEOUT``], or a negative
-    ``max_restarts``, is a ValueError naming the argument. Errors, restarts, snapshots, order
-    and results are the same under every backend.
-
-    ``gpus_per_worker=G``: one worker per group of G GPUs (contiguous in the spec's order;
-    under Ray, G GPUs of one node in the worker's bundle), its ``Device.group`` listing them
-    and its CUDA_VISIBLE_DEVICES set to them; the engine shards its model over the group.
-    The GPU count must be a multiple of G; a CPU spec takes only G=1 (DeviceSpecError).
-
-    ``threads_per_worker``: the torch intra-op threads of every worker, whatever the worker
-    count and the machine's cores, so that a task gives the same bits on any layout (another
-    thread count sums reductions in another order); a list of ``Device`` carries its own.
-
-    ``engine_agreement``: what the pool does when its workers' ``engine.info()`` differ, at
-    start and for every replacement (``engine_agreement.EngineAgreement``). By default the
-    Ray backend refuses any difference (``REFUSE_ANY_DIFFERENCE``: a PoolError naming the odd
-    worker) and the fork backend, one machine, compares nothing (``ACCEPT_ANY``).
-    """
+    ``gpus``: a spec (``"0-7"``, ``"0,2,5-6"``, a list of ints, ``"cpu"``, ``"cpu:N"``; under Ray a
+    GPU count), or a list of ``Device`` already planned (``backend.plan_devices``).
+    ``task_timeout``/``start_timeout``: seconds, None for no limit; outside (0, ``MAX_TIMEOUT``] a
+    ValueError. ``max_restarts``: dead or timed-out workers that may be replaced, pool-wide; their
+    tasks are retried. ``stall_warning``: seconds a task may run silent before a warning names its
+    worker (again after each further interval). ``max_frame_bytes`` bounds every message.
+    ``gpus_per_worker=G``: one worker per group of G GPUs. ``threads_per_worker``: every worker's
+    torch threads, whatever the layout (the same bits anywhere). ``engine_agreement``: what to do
+    when the workers' ``engine.info()`` differ (default: Ray refuses any difference, fork compares
+    nothing). Errors, restarts, order and results are the same under every backend."""
 
     def __init__(self, engine_factory, gpus="cpu:2", *, backend: Backend = Fork(),
                  task_timeout: float | None = 600.0, start_timeout: float | None = 600.0, max_restarts: int = 0,
@@ -82,26 +64,25 @@ class Pool:
         self.size = len(self.devices)
         self.max_frame = max_frame_bytes
         self.stats = PoolStats.empty(self.size)
-        self._snapshots = SnapshotStore(max_frame_bytes)
+        self._shared = SharedStore(max_frame_bytes)
         self._unfinished: dict[int, TaskHandle] = {}  # by id: submitted, not yet finished
         self._next_id = 0
         self._closed = False
         self._speculating = False  # inside ``speculation()``
         if engine_agreement is None:
             engine_agreement = REFUSE_ANY_DIFFERENCE if isinstance(backend, Ray) else ACCEPT_ANY
-        self._runner = self._runner_for(engine_factory, backend, max_restarts=max_restarts,
-                                        engine_agreement=engine_agreement, **limits)
+        self._dispatcher = self._dispatcher_for(engine_factory, backend, max_restarts=max_restarts,
+                                                engine_agreement=engine_agreement, **limits)
         try:
-            self._runner.start()
+            self._dispatcher.start()
         except BaseException:
             self.close()
             raise
 
-    def _runner_for(self, engine_factory, backend: Backend, **limits):
-        """The inline runner, or the dispatcher over the fork or the Ray transport (``limits``:
-        its timeouts, restarts and engine agreement)."""
+    def _dispatcher_for(self, engine_factory, backend: Backend, **limits):
+        """The inline dispatcher, or the dispatcher over the fork or the Ray transport."""
         if isinstance(backend, Inline):
-            return InlineRunner(engine_factory, self.devices[0], self._snapshots, self.stats, self.max_frame)
+            return InlineDispatcher(engine_factory, self.devices[0], self._shared, self.stats, self.max_frame)
         if isinstance(backend, Fork):
             transport, depth = ForkedTransport(self.devices, engine_factory, self.max_frame, self.stats), 1
         else:
@@ -109,57 +90,51 @@ class Pool:
 
             transport = RayTransport(self.devices, engine_factory, self.max_frame, self.stats, backend)
             depth = RAY_DEPTH
-        return Dispatcher(transport, self.devices, self._snapshots, self.stats, max_frame=self.max_frame,
+        return Dispatcher(transport, self.devices, self._shared, self.stats, max_frame=self.max_frame,
                           depth=depth, **limits)
 
     # -- public API ---------------------------------------------------------------------
     @property
     def pids(self) -> list[int | None]:
         """The process id of each rank's worker (None while one is being replaced)."""
-        return self._runner.pids
+        return self._dispatcher.pids
 
     @property
     def worker_info(self) -> list[dict]:
         """Each rank's ``engine.info()``, as reported when its engine started."""
-        return self._runner.worker_info
+        return self._dispatcher.worker_info
 
     @property
     def placement(self) -> list[dict]:
-        """Where each rank's worker runs: under Ray, its node (id, address), Ray's GPU ids
-        and its pid there; {} for workers on this machine."""
-        transport = getattr(self._runner, "transport", None)
+        """Where each rank's worker runs under Ray (node, Ray's GPU ids, pid); {} on this machine."""
+        transport = getattr(self._dispatcher, "transport", None)
         return getattr(transport, "placement", None) or [{} for _ in range(self.size)]
 
     def submit(self, method: str, item=None, *, rank: int | None = None, result_type=None,
                cost: float | None = None, label: str | None = None, **shared) -> TaskHandle:
-        """Queue ``engine.<method>(item, **shared)``; run by the first free worker (or by
-        worker ``rank``) once a ``gather`` (or the handle's ``result()``) drives the pool.
+        """Queue ``engine.<method>(item, **shared)`` for the first free worker (or worker
+        ``rank``); it runs once a ``gather`` or the handle's ``result()`` drives the pool.
 
-        ``cost``: an estimate of the task's run time, in any unit. Queued tasks with a cost
-        start most expensive first, after those without one (which keep submission order);
-        results and seeds do not depend on it. Inline mode runs in gather order.
-        ``label``: the caller's name for the task, kept with its interval in
-        ``stats.intervals`` (e.g. which rollout a chunk belongs to); never sent to a worker."""
+        ``cost``: an estimate of the run time, in any unit: costed tasks start most expensive first,
+        after uncosted ones (in submission order); results never depend on it. ``label``: the
+        caller's name for the task, kept in ``stats.intervals``, never sent to a worker."""
         if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float))
                                  or not 0 <= cost < float("inf")):
             raise ValueError(f"cost must be a finite number >= 0 or None, got {cost!r}")
         if label is not None and not isinstance(label, str):
             raise ValueError(f"label must be a string or None, got {label!r}")
-        return self._submit(method, item, rank, result_type, self._snapshots.share(shared), cost, label)
+        return self._submit(method, item, rank, result_type, self._shared.keys(shared), cost, label)
 
     def share(self, value) -> SharedValue:
-        """``value`` encoded once, to pass as a shared keyword of many ``submit`` calls
-        (``submit("m", item, guidance=pool.share(g))``): the same snapshot as the value
-        itself, without encoding and hashing it again for each task."""
-        return self._snapshots.encode(value)
+        """``value`` encoded once, to pass as a shared keyword of many ``submit`` calls without
+        encoding and hashing it again for each task."""
+        return self._shared.encode(value)
 
     @contextmanager
     def speculation(self):
-        """Tasks submitted inside are speculative: work the caller may need later. A worker
-        takes one only when it has nothing in flight and no other task is queued, so it
-        never delays the work a gather waits for; once a gather waits for it, it is an
-        ordinary task. One never gathered is dropped with ``cancel``. (Inline mode runs
-        tasks only when gathered: there, speculation computes nothing ahead.)"""
+        """Tasks submitted inside are speculative: a worker takes one only with nothing in
+        flight and nothing else queued; a gather that waits for one makes it ordinary, and ``cancel``
+        drops one never gathered. (Inline mode computes nothing ahead.)"""
         self._speculating = True
         try:
             yield
@@ -167,18 +142,16 @@ class Pool:
             self._speculating = False
 
     def cancel(self, tasks) -> None:
-        """Drop tasks that will not be gathered (e.g. a speculation that turned out wrong):
-        queued ones never run; a running one's result is discarded when it comes."""
+        """Drop tasks that will not be gathered (a running one's result is discarded)."""
         self._cancel(list(tasks), "cancelled by its submitter")
 
     def gather(self, tasks, *, on_result=None, between=None) -> list:
         """Run the pool until every task is done; results in the order of ``tasks``.
 
-        ``on_result(index, result)`` is called as each task completes; ``between()`` after
-        every turn of the event loop in which any task finished (one of another gather, a
-        speculative one), e.g. to submit work that just became possible. On an error, this
-        gather's remaining tasks are cancelled; the pool stays usable after a WorkerError
-        and is closed after a death, a timeout or an interrupt."""
+        ``on_result(index, result)`` as each completes; ``between()`` after every turn in which any
+        task finished (to submit work that just became possible). On an error this gather's other
+        tasks are cancelled; the pool stays usable after a WorkerError and is closed after a death,
+        a timeout or an interrupt."""
         self._check_open()
         tasks = list(tasks)
         owner = object()
@@ -186,7 +159,7 @@ class Pool:
             task.index, task.owner = index, owner
             if task.speculative:  # waited for now: an ordinary task (also if its worker dies)
                 task.speculative = False
-                self._runner.promote(task)
+                self._dispatcher.promote(task)
         try:
             for task in tasks:
                 if task.done():  # finished before this gather
@@ -208,7 +181,7 @@ class Pool:
 
     def map(self, method: str, items, *, on_result=None, result_type=None, **shared) -> list:
         """``engine.<method>(item, **shared)`` for every item; results in input order."""
-        keys = self._snapshots.share(shared)
+        keys = self._shared.keys(shared)
         tasks = [self._submit(method, item, None, result_type, keys) for item in items]
         return self.gather(tasks, on_result=on_result)
 
@@ -217,13 +190,12 @@ class Pool:
         return self.submit(method, item, rank=rank, result_type=result_type, **shared).result()
 
     def close(self) -> None:
-        """Stop every worker (message, SIGTERM, SIGKILL), reap them (and the zygote), cancel
-        every unfinished task. Idempotent."""
+        """Stop and reap every worker (and the zygote), cancel every unfinished task. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._cancel(list(self._unfinished.values()), "the pool was closed")
-        self._runner.close()
+        self._dispatcher.close()
 
     def __enter__(self):
         return self
@@ -243,19 +215,18 @@ class Pool:
         data = encode(item)  # encode now: a bad item fails here, not in the loop
         if len(data) > self.max_frame:
             raise FrameTooLarge(len(data), self.max_frame, f"item for {method}()")
-        self._snapshots.acquire(keys)
+        self._shared.acquire(keys)
         task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type, cost, label)
         task.speculative = self._speculating
         self._next_id += 1
         self._unfinished[task.id] = task
-        self._runner.submit(task)
+        self._dispatcher.submit(task)
         return task
 
     def _advance(self, waiting) -> list[TaskHandle]:
-        """One turn of the runner; the tasks it finished (late results of cancelled tasks
-        are dropped). Anything the runner raises (a death, a timeout, Ctrl-C) closes the pool."""
+        """One turn of the dispatcher; the tasks it finished. Anything it raises closes the pool."""
         try:
-            outcomes = self._runner.advance(waiting)
+            outcomes = self._dispatcher.advance(waiting)
         except BaseException:
             self.close()
             raise
@@ -269,16 +240,14 @@ class Pool:
         if error is None and not cancelled:
             result, error = _decode(task, outcome.raw)
         task._finish(result, error, cancelled=cancelled)
-        self._snapshots.release(task.shared)  # the parent keeps a snapshot while a task needs it
+        self._shared.release(task.shared)  # the parent keeps a shared value while a task needs it
         del self._unfinished[task.id]
         return True
 
     def _deliver(self, task: TaskHandle, on_result) -> None:
-        error = task.exception()
-        if error is not None:
-            raise error
+        result = task.result()  # finished: raises its error
         if on_result is not None:
-            on_result(task.index, task.result())
+            on_result(task.index, result)
 
     def _cancel(self, tasks, why: str) -> None:
         """Forget tasks that will not be gathered; a late result of one is discarded."""
@@ -288,12 +257,16 @@ class Pool:
                 self._finish(Outcome(task, error=error), cancelled=True)
 
 
+_decoders: dict = {}  # result_type -> its decoder, made once
+
+
 def _decode(task: TaskHandle, raw) -> tuple:
     """(result, error): the result decoded as the caller's result_type, if any."""
+    decoder = _decoders.get(task.result_type)
+    if decoder is None:
+        decoder = _decoders[task.result_type] = msgspec.json.Decoder(task.result_type or typing.Any)
     try:
-        if task.result_type is None:
-            return msgspec.json.decode(raw), None
-        return msgspec.json.decode(raw, type=task.result_type), None
+        return decoder.decode(raw), None
     except msgspec.ValidationError as exc:
         return None, PoolError(f"result of {task.method}() for item {task.index} is not a "
                                f"{getattr(task.result_type, '__name__', task.result_type)}: {exc}")

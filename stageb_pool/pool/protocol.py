@@ -1,17 +1,6 @@
-"""The wire protocol between the parent, the zygote and the workers.
-
-Every message is a msgspec Struct in one tagged union (``{"type": "Task", ...}``), so a
-reader can tell what it got without guessing, and an unknown message is a clear error.
-A frame is a 4-byte big-endian length followed by the message's JSON. Frames larger than
-``max_frame`` are refused on both ends: the sender raises ``FrameTooLarge`` naming the
-size, the receiver raises ``ProtocolError`` instead of silently desynchronising.
-
-Who sends what:
-
-- worker -> parent: ``Ready`` | ``InitFailed`` once, then ``Result`` | ``Failure`` per task
-- parent -> worker: ``Snapshot`` (a shared value, sent once per worker), ``Task``, ``Shutdown``
-- parent -> zygote: ``Spawn``, ``Kill``, ``Shutdown``
-- zygote -> parent: ``Spawned`` (with the worker's socket attached as SCM_RIGHTS), ``Exited``
+"""The wire protocol between the parent, the zygote and the workers: msgspec Structs in one
+tagged union, each framed as a 4-byte big-endian length and its JSON, refused above
+``max_frame`` on both ends. Who sends what: docs/architecture.md, "Wire protocol".
 """
 
 from __future__ import annotations
@@ -46,11 +35,9 @@ class InitFailed(Message):
     traceback: str
 
 
-class Snapshot(Message):
-    """A shared value the worker caches under ``key`` (its content hash).
-
-    ``evict`` lists keys the parent dropped from its bookkeeping of this worker's cache,
-    so the worker's cache always mirrors what the parent believes it holds."""
+class Share(Message):
+    """A shared value the worker caches under ``key`` (its content hash), after dropping the
+    ``evict`` keys, so its cache mirrors the parent's bookkeeping."""
 
     key: str
     value: msgspec.Raw  # decoded by the worker into the type the engine method declares
@@ -103,13 +90,14 @@ class Exited(Message):
     signal: int | None
 
 
-AnyMessage = Union[
-    Ready, InitFailed, Snapshot, Task, Result, Failure, Shutdown, Spawn, Spawned, Kill, Exited
-]
-Request = Union[Snapshot, Task, Shutdown]  # parent -> worker: what a worker decodes (worker_core.py)
+AnyMessage = Union[Ready, InitFailed, Share, Task, Result, Failure, Shutdown, Spawn, Spawned, Kill, Exited]
+Request = Union[Share, Task, Shutdown]  # parent -> worker (worker_core.py)
+Reply = Union[Ready, InitFailed, Result, Failure]  # worker -> parent (dispatch.py)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyMessage)
+_requests = msgspec.json.Decoder(Request)
+_replies = msgspec.json.Decoder(Reply)
 
 
 def encode(value) -> bytes:
@@ -130,6 +118,24 @@ def decode(body: bytes) -> Message:
         return _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"cannot decode message ({exc}): {bytes(body[:120])!r}") from None
+
+
+def decode_request(body: bytes) -> Request:
+    """One parent -> worker message; any other is a ProtocolError naming what came."""
+    return _decode_as(_requests, body, "worker")
+
+
+def decode_reply(body: bytes) -> Reply:
+    """One worker -> parent message; any other is a ProtocolError naming what came."""
+    return _decode_as(_replies, body, "parent")
+
+
+def _decode_as(decoder: msgspec.json.Decoder, body: bytes, receiver: str):
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError:
+        unexpected = decode(body)  # itself a ProtocolError when it is no message at all
+        raise ProtocolError(f"{receiver} got unexpected {type(unexpected).__name__}") from None
 
 
 def _check_incoming(size: int, max_frame: int) -> None:
@@ -160,42 +166,42 @@ def recv_body(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> bytes | 
 
 
 class FrameReader:
-    """Incremental frame parser for the parent's non-blocking event loop.
-
-    The parent reads whatever a ready socket has and parses complete frames out of it, so a
-    worker that stalls in the middle of a frame can never block the parent."""
+    """Incremental frame parser: a worker that stalls mid-frame never blocks the parent."""
 
     def __init__(self, max_frame: int = MAX_FRAME_BYTES):
         self.max_frame = max_frame
-        self.buffer = bytearray()
+        self.buffer = bytearray()  # the start of a frame not yet complete
 
     def needed(self) -> int:
-        """The bytes that would complete the frame being read (its header first): how much
-        the parent asks a ready socket for, so that a read allocates what the frame needs and
-        a big frame takes few reads."""
+        """The bytes that would complete the frame being read (its header first)."""
         have = len(self.buffer)
         if have < HEADER.size:
             return HEADER.size - have
         (size,) = HEADER.unpack_from(self.buffer)
         return max(HEADER.size + size - have, 0)
 
-    def feed(self, data: bytes) -> list[Message]:
-        """The messages of the frames that ``data`` completes."""
-        return [decode(body) for body in self.bodies(data)]
+    def feed(self, data: bytes) -> list[Reply]:
+        """The replies in the frames that ``data`` completes (the parent's side)."""
+        return [decode_reply(body) for body in self.bodies(data)]
 
-    def bodies(self, data: bytes) -> list[bytes]:
-        """The bodies of the frames that ``data`` completes, undecoded (a worker decodes
-        them as requests)."""
-        self.buffer += data
-        bodies = []
-        while len(self.buffer) >= HEADER.size:
-            (size,) = HEADER.unpack_from(self.buffer)
+    def bodies(self, data: bytes) -> list:
+        """The bodies of the frames ``data`` completes, undecoded; views of ``data`` (no copy)
+        when no partial frame was waiting."""
+        if self.buffer:
+            self.buffer += data
+            if self.needed():  # still incomplete: parse it once it is whole, not at every read
+                return []
+            data, self.buffer = bytes(self.buffer), bytearray()
+        view, bodies, start = memoryview(data), [], 0
+        while len(data) - start >= HEADER.size:
+            (size,) = HEADER.unpack_from(data, start)
             _check_incoming(size, self.max_frame)
-            end = HEADER.size + size
-            if len(self.buffer) < end:
+            end = start + HEADER.size + size
+            if end > len(data):
                 break
-            bodies.append(bytes(self.buffer[HEADER.size:end]))
-            del self.buffer[:end]
+            bodies.append(view[start + HEADER.size:end])
+            start = end
+        self.buffer += view[start:]
         return bodies
 
 

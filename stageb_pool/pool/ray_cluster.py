@@ -1,10 +1,6 @@
 """The Ray backend's connection: connecting to a cluster (bounded: ``cluster_probe``) or
-starting a local one, and undoing what ``ray.init`` changes in this process. Planning and
-placing the workers is ``ray_placement``.
-
-``ray`` is imported here lazily, never at module level: the fork backend and everything
-else in the package run without it (tests/test_layout.py and tests/test_ray.py check it).
-Measured facts behind the choices (ray 2.60, docs/performance.md) are in the comments.
+starting a local one, and undoing what ``ray.init`` changes in this process. Imports ray
+lazily (tests/test_layout.py and tests/test_ray.py check it).
 """
 
 from __future__ import annotations
@@ -20,10 +16,8 @@ from .errors import PoolError
 from .ray_logs import ray_logs_to_stderr
 from .ray_reaper import Reaper
 
-# Plain-text actor output, one line per line, never merged across workers; no usage stats;
-# no C++ failure-signal handler, which prints "*** SIGTERM received ... PC: @ ..." on a plain
-# SIGTERM of the driver (measured; with it off the driver still stops the same way, exit
-# code included; a crashing worker of a local cluster, which inherits it, loses its C++ stack).
+# Plain-text actor output, never merged across workers; no usage stats; no C++ failure-signal
+# handler, which prints "*** SIGTERM received ... PC: @ ..." on a plain SIGTERM of the driver.
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0",
              "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"}
 
@@ -41,11 +35,8 @@ def import_ray():
 
 
 class RayConnection:
-    """This process's connection to the Ray cluster at ``address`` (``backend.Ray``; a local
-    one is shut down by ``close``). If Ray is already initialised in this process (a notebook,
-    the test session), that connection is used and left open. Connecting to an existing
-    cluster takes at most ``connect_timeout`` seconds (``cluster_probe``): ``ray.init`` alone
-    retries an unreachable address for more than 10 minutes."""
+    """This process's connection to the Ray cluster at ``address`` (a local one is shut down
+    by ``close``). A connection already open in this process is used and left open."""
 
     def __init__(self, address: str, connect_timeout: float):
         self.started = False
@@ -79,10 +70,8 @@ class RayConnection:
                 raise
             # ray.init's own GCS retries (about 1 s each) within what is left of the bound.
             self._setenv("RAY_gcs_server_port_wait_time_s", str(max(1, int(deadline - time.monotonic()))))
-            # Ray ends a driver 60 s after it lost the GCS, even an idle one (exit 1, no
-            # exception); the pool notices a lost head itself (RayTransport._check_cluster) and
-            # raises on the next call, so this process waits a week instead (measured: 70 s idle
-            # after the loss, then a PoolError). Not for a local cluster: its processes inherit it.
+            # Ray ends a driver 60 s after it lost the GCS (exit 1, no exception); the pool notices
+            # a lost head itself (RayTransport._check_cluster). Not for a local cluster: it inherits it.
             self._setenv("RAY_gcs_rpc_server_reconnect_timeout_s", str(GCS_LOSS_PATIENCE))
         # ray.init replaces the SIGTERM handler with one that calls sys.exit, and keeps it
         # after shutdown: restore ours in close().
@@ -100,10 +89,7 @@ class RayConnection:
             hint = " (start one with `ray start --head`, or use address 'local')" if address == "auto" else ""
             raise PoolError(f"cannot connect to the Ray cluster at {address!r}{hint}: {exc}") from None
         if callable(self._saved_sigterm):
-            # The caller's own handler (the CLI's: stop the run, close the pool, say how to
-            # resume, exit 143) goes on handling SIGTERM while Ray is up. Ray's would sys.exit
-            # from wherever the run is (measured: exit 1 with nothing said). A process with no
-            # handler of its own keeps Ray's until close.
+            # The caller's own handler (the CLI's) goes on handling SIGTERM while Ray is up.
             signal.signal(signal.SIGTERM, self._saved_sigterm)
         self._log_redirect = ray_logs_to_stderr()
 
@@ -113,8 +99,7 @@ class RayConnection:
             os.environ[name] = value
 
     def close(self) -> None:
-        """Shut Ray down if this connection started it; restore SIGTERM, Ray's log printer
-        and the env."""
+        """Shut Ray down if this connection started it; restore SIGTERM, the log printer and env."""
         if self.started:
             self.started = False
             if self.ray.is_initialized():
@@ -134,11 +119,8 @@ class RayConnection:
 
 
 def _local_auth_env() -> dict[str, str]:
-    """Token auth for a new local cluster, without writing ~/.ray/auth_token.
-
-    Ray 2.60 turns token auth on for a new local cluster, writes ~/.ray/auth_token and logs
-    a warning; its ports listen on every interface, so auth stays on, with a per-run token
-    in the environment that the raylet and the actors inherit. A RAY_AUTH_* the user set wins."""
+    """Token auth for a new local cluster (whose ports listen on every interface) with a per-run
+    token in the environment, not ~/.ray/auth_token. A RAY_AUTH_* the user set wins."""
     if "RAY_AUTH_MODE" in os.environ:
         return {}
     env = {"RAY_AUTH_MODE": "token"}
@@ -148,9 +130,7 @@ def _local_auth_env() -> dict[str, str]:
 
 
 def _apply_auth_env() -> None:
-    """Make an already imported ray see RAY_AUTH_* set after its import: its C++ config
-    reads them once. Private API (what ray.init itself calls when it turns auth on), hence
-    the pinned ray version."""
+    """Make an already imported ray read RAY_AUTH_* again (private API: the pinned ray version)."""
     from ray._raylet import AuthenticationTokenLoader, Config
 
     Config.initialize("")

@@ -1,12 +1,7 @@
-"""Ray's forwarded log lines go to stderr, never to stdout (the CLI's summary stream).
-
-With ``log_to_driver`` Ray prints, in this process, every line its actors and raylets write:
-actor output and raylet notices (``(raylet) A worker died ...``, about 20 ``[state-dump]``
-lines on a node loss, "marked dead" notices) go to **stdout** unless the line came from a
-stderr stream. Both of Ray's printing paths (the log subscriber's handler and the error
-listener) end in ``ray._private.worker.print_worker_logs(data, file)``; replacing that
-function (a private name, hence the pinned ray version) sends every line to stderr and
-drops the ``[state-dump]`` lines, which describe Ray's internals, not the run.
+"""Ray's forwarded log lines go to stderr, never to stdout (the CLI's summary stream), and its
+``[state-dump]`` lines are dropped. Both of Ray's printing paths end in
+``ray._private.worker.print_worker_logs`` (a private name: the pinned ray version), which
+this replaces.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""The Ray backend's placement: planning one bundle per worker, checking that the whole request
-packs onto the live nodes, and reserving it through one placement group.
-
-Ray reports a placement group that can never be placed and one that other jobs block the same
-way (PENDING, NO_RESOURCES, forever), and it checks nothing before accepting one. So the pool
-packs the request itself, bundle by bundle onto the live nodes (first fit, largest bundle
-first: exact for the pool's equal bundles), against the nodes' totals (impossible: fail at
-once); a request that fits is waited for, bounded, saying why once the wait is more than a
-group's release.
-Imports ray lazily, like every Ray module of the pool.
+"""The Ray backend's placement: one bundle per worker, packed onto the live nodes by the pool
+itself (Ray shows an impossible request and a blocked one alike, pending forever), then
+reserved through one PACK placement group, waited for within a bound. docs/architecture.md,
+"The Ray backend" (Placement).
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ PLACEMENT_SETTLE = 3.0
 
 
 class Node(NamedTuple):
-    """A live node (as the GCS sees it): its id, its address and raylet port, its total and
-    its free resources."""
+    """A live node as the GCS sees it."""
 
     id: str
     ip: str
@@ -54,9 +47,8 @@ def live_nodes(ray) -> list[Node]:
 
 
 def raylet_answers(node: Node, timeout: float = RAYLET_PROBE_TIMEOUT) -> bool:
-    """Whether the node's raylet accepts a connection now. The GCS keeps a node whose raylet
-    died "alive" until its health checks fail (about 15 s with Ray's defaults); an actor on it
-    is reported unavailable at once, and a replacement placed there would die too."""
+    """Whether the node's raylet accepts a connection now: the GCS keeps a lost node "alive" for
+    about 15 s, and a replacement placed there would die too."""
     try:
         with socket.create_connection((node.ip, node.port), timeout=timeout):
             return True
@@ -75,17 +67,10 @@ def bundle_shape(devices: list[Device]) -> tuple[str, int]:
 
 
 def plan_bundles(ray, kind: str, gpus_per_worker: int, workers: int) -> list[dict]:
-    """The placement bundles of ``workers`` workers of ``gpus_per_worker`` GPUs (or CPU
-    workers) on this cluster.
-
-    A GPU worker reserves its group of GPUs in one bundle (a bundle always lands on one node,
-    so a group never spans nodes) and the CPUs that go with them on the poorest node that can
-    hold a group (CPUs // GPUs per GPU, at most 8 per worker; 0 on a cluster that declares more
-    GPUs than CPUs). Every worker computes with its device's torch threads whatever its bundle
-    holds: the thread count changes low bits, the reservation does not. CPU workers share the
-    cluster's CPUs: the largest share that packs every bundle onto the nodes (whole CPUs when
-    one or more each; else a fraction, rounded down to Ray's unit, so 3 workers on 2 CPUs take
-    0.6666 each, never 2.0001 in all)."""
+    """The placement bundles of ``workers`` workers of ``gpus_per_worker`` GPUs (or CPU workers):
+    a GPU worker's holds its group (on one node) and the CPUs per GPU of the poorest node that can
+    hold a group, at most 8 (its torch threads stay the device's); CPU workers share the CPUs
+    (``cpu_share``)."""
     nodes = live_nodes(ray)
     if kind == "cuda":
         fitting = [n for n in nodes if n.total.get("GPU", 0) >= gpus_per_worker]
@@ -107,9 +92,9 @@ def plan_bundles(ray, kind: str, gpus_per_worker: int, workers: int) -> list[dic
 
 
 def cpu_share(cpus: list[float], count: int) -> float | None:
-    """The largest CPU share per worker such that ``count`` of them pack onto nodes with
-    ``cpus`` CPUs each: whole CPUs where at least one each fits, else a fraction (a node's
-    CPUs over a whole number of workers, rounded down to Ray's unit); None without CPUs."""
+    """The largest CPU share per worker such that ``count`` of them pack onto nodes with ``cpus``
+    CPUs: whole CPUs where possible, else a fraction rounded down to Ray's unit (never 3 x 0.6667
+    on 2 CPUs); None without CPUs."""
     fits = lambda share: sum(math.floor(c / share + EPS) for c in cpus) >= count  # noqa: E731
     whole = [s for s in range(int(max(cpus, default=0)), 0, -1) if fits(s)]
     if whole:
@@ -120,8 +105,7 @@ def cpu_share(cpus: list[float], count: int) -> float | None:
 
 
 def pack(bundles: list[dict], capacity: list[dict]) -> list[int | None]:
-    """Which node (index into ``capacity``) takes each bundle, first fit, largest bundles
-    first; None for a bundle that fits nowhere."""
+    """The node (index into ``capacity``) of each bundle, first fit, largest first; None where none fits."""
     left = [dict(c) for c in capacity]
     where: list[int | None] = [None] * len(bundles)
     for i in sorted(range(len(bundles)), key=lambda i: sorted(bundles[i].values(), reverse=True), reverse=True):
@@ -135,8 +119,7 @@ def pack(bundles: list[dict], capacity: list[dict]) -> list[int | None]:
 
 
 def refuse_impossible(ray, bundles: list[dict]) -> None:
-    """Raise a PoolError at once when the live nodes could never hold ``bundles``, naming per
-    node what it has and what was asked."""
+    """A PoolError at once when the live nodes could never hold ``bundles``, naming what each has."""
     nodes = live_nodes(ray)
     on_totals = pack(bundles, [n.total for n in nodes])
     if None in on_totals:
@@ -147,14 +130,11 @@ def refuse_impossible(ray, bundles: list[dict]) -> None:
 
 
 def place(ray, bundles: list[dict], timeout: float, name: str):
-    """Reserve every bundle in one PACK placement group (PACK fills a node before the next,
-    so 32 GPU bundles fill four 8-GPU nodes; STRICT_SPREAD would wait for 32 nodes).
+    """Reserve every bundle in one PACK placement group (32 GPU bundles fill four 8-GPU nodes).
 
-    An impossible request fails at once (``refuse_impossible``). One that fits the cluster
-    but is not placed within ``PLACEMENT_SETTLE`` seconds is waited for at most ``timeout``
-    seconds in all, saying so, and then fails naming what is free on each node. The settle
-    time is for the resources of a placement group just removed (the pool before this one):
-    Ray returns them to the nodes shortly after the removal, and a wait for them is no news."""
+    An impossible request fails at once. One not placed within ``PLACEMENT_SETTLE`` seconds (the
+    time Ray takes to return a just-removed group's resources) is logged as blocked by other jobs
+    and waited for at most ``timeout`` seconds in all, then fails naming what is free per node."""
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     refuse_impossible(ray, bundles)

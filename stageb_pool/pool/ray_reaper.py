@@ -1,17 +1,8 @@
-"""A watcher that stops a local Ray cluster whose driver died, SIGKILL included.
-
-``Pool(backend=Ray("local"))`` starts its own cluster. Ray ties the GCS and the
-raylet to the driver, but the raylet's agents (``ray::DashboardAgent``,
-``ray::RuntimeEnvAgent``) notice their raylet is gone only after trying to report it to the
-GCS, which is gone too: they linger about 60 s (ray 2.60, measured), one of them listening
-on a network address. A graceful close (``ray.shutdown``) stops them; a SIGKILLed driver runs
-no code. So the driver starts this small process first, with a pipe: it lists the driver's
-Ray descendants every ``SCAN_INTERVAL`` seconds and, when the pipe reaches EOF without the
-word ``stop`` (the driver died), SIGKILLs every one it saw that still runs (the same process,
-by its start time: never a reused pid), then exits.
-
-Run as ``python ray_reaper.py DRIVER_PID`` (a file, not ``-m``: nothing of the package is
-imported, so it starts in milliseconds). Plain bytes on the pipe, no pickle.
+"""A watcher that stops a local Ray cluster whose driver died, SIGKILL included: the raylet's
+agents would otherwise linger about 60 s (ray 2.60, measured). It lists the driver's Ray
+descendants every ``SCAN_INTERVAL`` seconds and, at EOF on its pipe without ``stop``, SIGKILLs
+each one still running (the same process, by its start time). Run as a file, importing nothing
+of the package, to start in milliseconds.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """The Ray backend's transport: one actor per worker, each in its bundle of one placement
-group; the dispatcher (dispatch.py) decides everything, as for forked workers.
-
-The payloads stay the pool's msgspec frames: ``RayWorker.run`` takes one ``bytes`` argument
-(the Snapshot frames the actor lacks, then one Task frame) and returns one ``bytes`` frame
-(Result or Failure); Ray passes top-level bytes without pickling them. ``RayWorker.ready``
-answers ``Ready`` or ``InitFailed``: an engine that fails to start is a ``WorkerError``, and a
-Ray error (the actor's process died) is a death. Ray's own restarts and retries are off; the
-dispatcher replaces a dead or stalled actor in the same bundle and retries its task. A
-stalled actor is killed (``ray.cancel`` does not stop a running actor task).
-
-A replacement is created only once its bundle sits on a live node: after a node loss Ray
-moves the lost bundles of the placement group to other nodes (and kills any actor still
-using the old ones), so an actor created before that would die too and cost a second
-restart. Until then the replacement waits here; if no live node has the bundle's resources
-free, the run fails saying so instead of waiting for ``start_timeout``.
-
-``ray`` is imported lazily (``ray_cluster.import_ray``); this module is only imported for
-``Pool(backend=Ray(...))``.
+group, answering the pool's msgspec frames (``RayWorker.run``: bytes in, bytes out, not
+pickled). Ray's restarts and retries are off: the dispatcher replaces a dead or stalled actor
+in the same bundle, once the bundle sits on a live node (docs/architecture.md, "The Ray
+backend": Faults, Node loss). Imported only for ``Pool(backend=Ray(...))``.
 """
 
 from __future__ import annotations
@@ -47,8 +33,7 @@ REPLACE_GRACE = 2.0  # seconds a replacement may find no node with room before t
 
 
 class RayWorker:
-    """The actor: a ``WorkerCore`` whose engine is built in ``__init__``, answering frames.
-    Runs in an actor process."""
+    """The actor: a ``WorkerCore`` whose engine is built in ``__init__``, answering frames."""
 
     def __init__(self, device_json: bytes, engine_factory, max_frame: int):
         import ray
@@ -59,9 +44,7 @@ class RayWorker:
         where = {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                  "gpu_ids": [str(i) for i in ray.get_gpu_ids()], "pid": os.getpid()}
         self.core = WorkerCore(engine_factory, self.device, max_frame)
-        # An engine that fails to start answers InitFailed: the parent raises it as WorkerError,
-        # as for a forked worker. The placement rides along under "ray"; the transport takes
-        # it out again, so worker_info is the engine's own report, as with forked workers.
+        # The placement rides along under "ray"; the transport takes it out of worker_info again.
         self.hello = self.core.hello(ray=where)
 
     def __repr__(self) -> str:  # Ray's prefix of every line the actor prints: "(w3 cuda:3 pid=...)"
@@ -72,14 +55,13 @@ class RayWorker:
         return self.hello
 
     def run(self, frames: bytes) -> bytes:
-        """The reply to the Snapshot frames the actor lacks and the one Task frame after them."""
+        """The reply to the Share frames the actor lacks and the one Task frame after them."""
         return b"".join(self.core.answer(body) for body in protocol.FrameReader(self.max_frame).bodies(frames))
 
 
 class RayTransport:
-    """Connects to Ray, places one bundle per worker of ``devices`` (``backend.plan_devices``:
-    numbered by rank, Ray chooses the GPUs), then runs actors on request. ``placement`` holds,
-    per rank, where its actor runs (node id and address, Ray's GPU ids, pid)."""
+    """Connects to Ray, places one bundle per worker of ``devices`` (numbered by rank), then
+    runs actors on request. ``placement``: per rank, where its actor runs."""
 
     def __init__(self, devices: list[Device], engine_factory, max_frame: int, stats: PoolStats, backend: Ray):
         self.devices = devices
@@ -94,10 +76,9 @@ class RayTransport:
             self.group = place(ray, self.bundles, backend.placement_timeout,
                                name=f"stageb_pool-{os.getpid()}-{id(self):x}")
             self.actor_class = ray.remote(RayWorker)
-            # Passed to each actor as an argument, never ray.put: an object this process owns
-            # in the object store makes Ray end the whole process at once when the cluster
-            # dies (measured: exit 1, no exception, even with the pool idle). A factory over
-            # 100 KiB is put there by Ray anyway: keep factories small (a class, a partial).
+            # Passed to each actor as an argument, never ray.put: an object this process owns in
+            # the object store makes Ray end the process when the cluster dies. (Ray puts a factory
+            # over 100 KiB there anyway: keep factories small.)
             self.factory = engine_factory
             self.gcs_address = ray.get_runtime_context().gcs_address
         except BaseException:
@@ -119,8 +100,8 @@ class RayTransport:
 
     def _create_waiting(self) -> None:
         """Create the replacements whose bundles are on live nodes; fail for one that no live
-        node has had room for during ``REPLACE_GRACE`` (while Ray moves a bundle, the node it
-        moves to shows its resources taken and the group still RESCHEDULING)."""
+        node has had room for during ``REPLACE_GRACE`` (while Ray moves a bundle, its new node shows
+        the resources taken)."""
         if not self.waiting:
             return
         from ray.util.placement_group import placement_group_table
@@ -144,8 +125,8 @@ class RayTransport:
                                 f"{show(bundle)} free (free now: {free}); the placement group is {table['state']}")
 
     def _live_nodes(self) -> list:
-        """The GCS's live nodes, less those where an actor died and whose raylet does not
-        answer (lost, but not yet declared dead by the GCS)."""
+        """The GCS's live nodes, less suspects whose raylet does not answer (lost, not yet
+        declared dead)."""
         nodes = live_nodes(self.ray)
         for node in nodes:
             if node.id in self.suspects and raylet_answers(node):
@@ -204,18 +185,16 @@ class RayTransport:
         return events
 
     def _in_order(self, ready: list) -> list:
-        """The calls to answer, in the order each actor got them: for every actor, its calls
-        up to its last one found done. An actor runs its calls in order, but Ray may report
-        a later one done first; ``ray.get`` of an earlier one then returns at once."""
+        """The calls to answer, in the order each actor got them: Ray may report a later call of
+        an actor done first (``ray.get`` of the earlier ones then returns at once)."""
         done = set(ready)
         calls = list(self.inflight.items())
         last = {id(actor): i for i, (ref, (_, actor)) in enumerate(calls) if ref in done}
         return [ref for i, (ref, (_, actor)) in enumerate(calls) if i <= last.get(id(actor), -1)]
 
     def close(self, busy: list[int]) -> None:
-        """Kill every actor (an engine holds nothing worth a graceful stop), remove the
-        placement group, and shut Ray down if this pool started it. A cluster whose head is
-        gone holds nothing to free, and Ray's calls would block: they are skipped."""
+        """Kill every actor, remove the placement group, and shut Ray down if this pool started
+        it; skip Ray's calls (which would block) when the head is gone."""
         ray = self.ray
         gcs = getattr(self, "gcs_address", None)
         if ray.is_initialized() and (gcs is None or gcs_answers(gcs)):
@@ -256,14 +235,13 @@ class RayTransport:
         return WorkerMessage(rank, msg)
 
     def _check_cluster(self) -> None:
-        """A worker died or waits for a node: first make sure the cluster itself is there
-        (Ray's state queries would block without its GCS)."""
+        """Raise if the cluster's GCS no longer answers (Ray's state queries would block)."""
         if not gcs_answers(self.gcs_address):
             raise PoolError(f"lost the Ray cluster at {self.gcs_address}: its head (GCS) no longer answers; "
                             "every worker is gone")
 
     def _node_of(self, rank: int) -> str | None:
-        """The node of the actor of ``rank``: from its Ready, or (one that died starting) its bundle's."""
+        """The node of the actor of ``rank``: from its Ready, else its bundle's."""
         node_id = self.placement[rank].get("node_id")
         if node_id is None:
             from ray.util.placement_group import placement_group_table
@@ -272,8 +250,8 @@ class RayTransport:
         return node_id
 
     def _where(self, rank: int) -> str:
-        """"; it ran on node 10.0.0.1 (1a2b3c4d), whose raylet does not answer": the node of
-        the dead actor of ``rank`` and what is known of it; the node becomes a suspect."""
+        """"; it ran on node 10.0.0.1 (1a2b3c4d), whose raylet does not answer": the node of the dead
+        actor of ``rank`` and what is known of it; the node becomes a suspect."""
         try:
             node_id = self._node_of(rank)
             node = next((n for n in live_nodes(self.ray) if n.id == node_id), None)
@@ -293,12 +271,9 @@ class RayTransport:
 
 
 def _cause(exc: BaseException) -> str:
-    """Ray's own explanation of a death, in one line and in full (it reports no exit code or
-    signal): "The actor is dead because its worker process has died (Worker unexpectedly
-    exits with a connection error code 2. End of file.)"; Ray's list of common causes and
-    the actor's repr are left out. An actor that died in its creation task never reached
-    the engine (whose own failure to start is ``InitFailed``): Ray could not rebuild the actor
-    or its arguments on that node, and the last line of Ray's traceback says why."""
+    """Ray's own explanation of a death, in one line (it reports no exit code or signal), less
+    its list of common causes. An actor that died in its creation never reached the engine:
+    Ray could not rebuild it on that node, and the last line of its traceback says why."""
     if getattr(exc, "actor_init_failed", False):
         lines = [line.strip() for line in _plain(getattr(exc, "error_msg", "") or str(exc)).splitlines()]
         last = next((line for line in reversed(lines) if line and not line.startswith("^")), type(exc).__name__)

@@ -1,8 +1,6 @@
-"""The parent's view of each worker of a process pool: its ``Slot`` (state, tasks in flight,
-the deadline of the state it is in, the mirror of its snapshot cache), the states a worker
-goes through (``WorkerState``), the first sign of its trouble (``Trouble``), and the lower
-bound of every slot's deadline (``Earliest``) that lets the dispatcher scan the slots only
-when one is due. The dispatcher (dispatch.py) moves slots between states."""
+"""The parent's view of each worker of a process pool: its ``Slot``, ``WorkerState``, ``Trouble``
+and ``Earliest``. The dispatcher (dispatch.py) moves slots between states.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ import enum
 from collections import deque
 from typing import NamedTuple
 
-from .snapshots import SnapshotCache
+from .shared import SharedCache
 from .tasks import TaskHandle
 
 
@@ -25,18 +23,15 @@ class WorkerState(enum.Enum):
 
 
 class Trouble(NamedTuple):
-    """The first sign that a worker is failing: what it was doing, and the limit it
-    exceeded (None when it died or closed its channel)."""
+    """The first sign that a worker is failing: its state then, and the limit it exceeded (if any)."""
 
     during: WorkerState
     timeout: float | None
 
 
 class Earliest:
-    """A lower bound of every slot's deadline and next stall warning, kept without scanning
-    the slots at each event: a slot that sets a time lowers it (``Slot``'s setters), and the
-    dispatcher recomputes it exactly (one scan) only once it has passed. Times cleared or
-    moved later leave it low: the loop then wakes early once, which costs one scan."""
+    """A lower bound of every slot's deadline and next stall warning, lowered by ``Slot``'s setters
+    and recomputed by the dispatcher once it passes: the slots are scanned only when one is due."""
 
     __slots__ = ("at",)
 
@@ -61,7 +56,7 @@ class Slot:
         self.started = 0.0  # when the running task (the first) started, as far as we know
         self.next_warning: float | None = None  # when the running task's silence is next reported
         self.trouble: Trouble | None = None
-        self.cache = SnapshotCache()
+        self.cache = SharedCache()
 
     @property
     def deadline(self) -> float | None:

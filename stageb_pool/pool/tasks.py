@@ -1,6 +1,6 @@
-"""A submitted task (``TaskHandle``, shaped like a ``concurrent.futures.Future``), the queue
-it waits in for a worker (``TaskQueue``), how a runner reports it finished (``Outcome``), and
-the pool's counters (``PoolStats``)."""
+"""A submitted task (``TaskHandle``), the queue it waits in (``TaskQueue``), how a dispatcher
+reports it finished (``Outcome``), and the pool's counters (``PoolStats``).
+"""
 
 from __future__ import annotations
 
@@ -15,24 +15,22 @@ import msgspec
 class PoolStats(msgspec.Struct):
     """Counters for tests, benchmarks and the run summary."""
 
-    frames_sent: dict[str, int]  # by message type, parent -> workers
-    frames_received: dict[str, int]  # by message type, workers -> parent
     bytes_sent: int
     bytes_received: int
-    snapshot_sends: int
+    tasks_sent: int  # Task frames (a retried task counts again)
+    shared_sends: int  # Share frames: a shared value sent to a worker
     items: list[int]  # tasks completed, per rank
     busy_s: list[float]  # seconds with a task in flight, per rank
     restarts: int
     restarts_by_rank: list[int]  # replacements of each rank's worker (each is also logged)
-    # One (rank, method, label, start_s, end_s) per completed task, seconds from ``origin``
-    # (the pool's start): the per-worker timeline of a run's report. A tuple append per task
-    # costs about a microsecond; busy_s of a rank is the sum of its intervals.
+    # One (rank, method, label, start_s, end_s) per completed task, seconds from ``origin``: the
+    # per-worker timeline of a run's report (a tuple append costs about a microsecond).
     intervals: list[tuple[int, str, str | None, float, float]]
     origin: float  # time.monotonic() when the pool was made
 
     @classmethod
     def empty(cls, size: int) -> "PoolStats":
-        return cls({}, {}, 0, 0, 0, [0] * size, [0.0] * size, 0, [0] * size, [], time.monotonic())
+        return cls(0, 0, 0, 0, [0] * size, [0.0] * size, 0, [0] * size, [], time.monotonic())
 
     def record(self, rank: int, task: "TaskHandle", start: float, end: float) -> None:
         """Count a completed task of ``rank`` that ran from ``start`` to ``end`` (monotonic)."""
@@ -49,16 +47,12 @@ class _State(enum.Enum):
 
 
 class TaskHandle:
-    """A submitted task, used like a ``concurrent.futures.Future``.
-
-    ``done()``, ``cancelled()``, ``result()`` and ``exception()`` mean what they mean there;
-    ``result()``/``exception()`` of an unfinished task drive the pool until it is finished,
-    as ``pool.gather([task])`` does (which is also how several tasks come back in order).
-    ``ran_on`` is the rank of the worker that computed the result; ``label`` is the
-    submitter's name for the task (in ``PoolStats.intervals``). A ``speculative`` task runs
-    only on an idle worker while nothing else is queued, until a gather waits for it
-    (``Pool.speculation``); ``busy_s`` is the worker time it took (the speculation's
-    accounting: the time of one never used was wasted)."""
+    """A submitted task, used like a ``concurrent.futures.Future`` (``done``, ``cancelled``, and
+    ``result``/``exception``, which drive the pool until it is finished), but not one: only the
+    caller's thread drives this pool, so ``wait``/``as_completed`` would wait forever (and a driver
+    thread would take Ctrl-C away from the event loop). ``ran_on``: the rank that computed it;
+    ``label``: the submitter's name for it; ``speculative``: see ``Pool.speculation``; ``busy_s``:
+    the worker time it took."""
 
     __slots__ = ("id", "method", "item", "shared", "rank", "result_type", "cost", "label", "index", "owner",
                  "ran_on", "speculative", "busy_s", "_pool", "_state", "_result", "_error")
@@ -92,8 +86,7 @@ class TaskHandle:
         return self._result
 
     def exception(self) -> BaseException | None:
-        """The task's own error, or None. An error of the whole pool (a dead worker, a
-        timeout, Ctrl-C) met while waiting is raised, as by ``gather``."""
+        """The task's own error, or None; an error of the whole pool met while waiting is raised."""
         if not self.done():
             try:
                 self._pool.gather([self])
@@ -111,7 +104,7 @@ class TaskHandle:
 
 
 class Outcome(NamedTuple):
-    """How a task finished, as a runner reports it: the encoded result, or an error."""
+    """How a task finished, as a dispatcher reports it: the encoded result, or an error."""
 
     task: TaskHandle
     raw: bytes | None = None
@@ -121,16 +114,9 @@ class Outcome(NamedTuple):
 class TaskQueue:
     """Tasks waiting for a worker: one heap for any worker, one per rank for pinned tasks.
 
-    A free worker takes, among the tasks it may run: a retried task first (it is older than
-    anything still queued); then tasks without a cost, in submission order; then tasks with
-    a cost, most expensive first (longest-processing-time-first: the longest tasks never
-    start last, so the tail after the last start is short), equal costs in submission order.
-    The order never changes a result: a task's seeds come from its work, not its turn.
-
-    Speculative tasks (``TaskHandle.speculative``) come after every other task, and only a
-    worker with nothing in flight takes one (``pop(..., speculative=True)``): speculation
-    never takes a worker from a queued task nor queues behind one. A speculative task that
-    a gather now waits for is ``promote``d to an ordinary one."""
+    A free worker takes a retried task first, then uncosted tasks in submission order, then
+    costed ones most expensive first (a short tail); speculative tasks last, and only a worker
+    with nothing in flight takes one. The order never changes a result."""
 
     def __init__(self, size: int):
         self._any: list = []
@@ -144,9 +130,8 @@ class TaskQueue:
         heapq.heappush(self._any if task.rank is None else self._pinned[task.rank], (key, task))
 
     def promote(self, task: TaskHandle) -> None:
-        """A speculative task (its flag already cleared by the pool) still queued is queued
-        again as an ordinary one (its old entry is dropped when reached); one already sent
-        to a worker just runs on."""
+        """Queue a speculative task again as an ordinary one (its old entry is dropped when
+        reached); one already sent just runs on."""
         if task.id in self._speculative:
             self._speculative.discard(task.id)
             self.push(task)
@@ -161,18 +146,22 @@ class TaskQueue:
 
     def pop(self, rank: int, *, speculative: bool = False) -> TaskHandle | None:
         """The first task the worker of ``rank`` may run (a speculative one only with
-        ``speculative``); tasks already done (cancelled) and entries a promotion replaced
-        are dropped on the way."""
-        heaps = (self._any, self._pinned[rank])
-        for heap in heaps:
-            while heap and (heap[0][1].done() or (heap[0][0][0] and heap[0][1].id not in self._speculative)):
-                heapq.heappop(heap)
-        candidates = [heap for heap in heaps if heap]
-        if not candidates:
+        ``speculative``), dropping done and replaced entries on the way."""
+        heap = self._live(self._any)
+        pinned = self._live(self._pinned[rank]) if self._pinned[rank] else None
+        if pinned and (not heap or pinned[0][0] < heap[0][0]):
+            heap = pinned
+        if not heap:
             return None
-        heap = min(candidates, key=lambda heap: heap[0][0])
         if heap[0][0][0]:
             if not speculative:
                 return None
             self._speculative.discard(heap[0][1].id)
         return heapq.heappop(heap)[1]
+
+    def _live(self, heap: list) -> list:
+        """``heap`` without the done or replaced entries at its top."""
+        while heap and (heap[0][1]._state is not _State.PENDING
+                        or (heap[0][0][0] and heap[0][1].id not in self._speculative)):
+            heapq.heappop(heap)
+        return heap

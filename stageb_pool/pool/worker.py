@@ -1,10 +1,6 @@
-"""The forked worker: a child of the zygote that holds one engine and answers its socket.
-
-Everything here runs in a child process that the zygote forked with ``fork.fork_child``,
-which ran the common first steps and makes the child leave through ``os._exit`` with the
-code ``worker_main`` returns. What a worker does with its engine and each request is
-``worker_core.WorkerCore``'s; this module is the process around it: line-buffered stdio
-for the zygote's relay, the thread limits (also the Ray actor's), and the socket loop.
+"""The forked worker: the process around a ``WorkerCore`` (line-buffered stdio for the zygote's
+relay, the thread limits, also the Ray actor's, and the socket loop). It runs in a child of
+the zygote, forked by ``fork.fork_child``.
 """
 
 from __future__ import annotations
@@ -37,13 +33,13 @@ def _line_buffered_stdio() -> None:
 
 
 def worker_main(sock, device, engine_factory, max_frame: int) -> int:
-    """Body of a forked worker: start the engine, then answer requests until Shutdown or EOF
-    (the parent is gone); the exit code (1: the engine did not start, InitFailed says why)."""
+    """Body of a forked worker: start the engine, then answer requests until Shutdown or EOF;
+    the exit code (1: the engine did not start)."""
     _line_buffered_stdio()
     limit_threads(device)
     core = WorkerCore(engine_factory, device, max_frame)
     sock.sendall(core.hello())
     while core.serving and (request := protocol.recv_body(sock, max_frame)) is not None:
-        if reply := core.answer(request):  # a Snapshot or Shutdown needs none
+        if reply := core.answer(request):  # a Share or Shutdown needs none
             sock.sendall(reply)
     return 0 if core.started else 1

@@ -1,21 +1,7 @@
-"""The worker's side of the protocol, whatever process it runs in: one engine, built from
-``engine_factory(device)``, and the answer to each request.
-
-``WorkerCore`` is the only code that builds an engine or handles a request. Its hosts are
-I/O loops around it, with no dispatch of their own:
-
-- the forked worker (``worker.worker_main``): frames over its socketpair;
-- the Ray actor (``ray_transport.RayWorker``): frames as the arguments and return values of
-  its ``ready`` and ``run`` calls;
-- the inline runner (``inline.InlineRunner``): calls in the pool's own process.
-
-It works at two levels. ``start``, ``add_snapshot`` and ``call`` raise the engine's own
-exceptions: the inline runner, in the caller's process, chains the real exception to its
-``WorkerError`` (so ``pdb.post_mortem`` reaches the engine's frames). ``hello`` and
-``answer`` turn the same steps into the protocol's frames, for a host behind a channel:
-``Ready`` or ``InitFailed``, then per request nothing (a ``Snapshot`` is cached), a
-``Result`` or a ``Failure`` carrying the worker's traceback (a ``Task``). Requests are
-decoded as ``protocol.Request``, so any other message is a ``ProtocolError`` naming it.
+"""The worker's side of the protocol in every host (the forked worker, the Ray actor, the
+inline dispatcher): the only code that builds an engine or answers a request. ``start``,
+``add_shared`` and ``call`` raise the engine's own exceptions (inline mode chains them, for
+``pdb.post_mortem``); ``hello`` and ``answer`` turn the same steps into frames.
 """
 
 from __future__ import annotations
@@ -23,14 +9,9 @@ from __future__ import annotations
 import os
 import traceback
 
-import msgspec
-
 from . import protocol
 from .calls import Calls
-from .errors import ProtocolError
-from .protocol import Failure, InitFailed, Ready, Request, Result, Shutdown, Snapshot, Task
-
-_requests = msgspec.json.Decoder(Request)
+from .protocol import Failure, InitFailed, Ready, Result, Share, Shutdown, Task
 
 
 class WorkerCore:
@@ -44,7 +25,6 @@ class WorkerCore:
 
     @property
     def started(self) -> bool:
-        """Whether the engine was built."""
         return self.calls is not None
 
     @property
@@ -60,18 +40,16 @@ class WorkerCore:
         self.calls = Calls(engine)
         return info
 
-    def add_snapshot(self, key: str, raw: bytes, evict=()) -> None:
+    def add_shared(self, key: str, raw: bytes, evict=()) -> None:
         """Cache a shared value (``evict``: the keys the parent no longer counts on)."""
-        self.calls.add_snapshot(key, raw, evict)
+        self.calls.add_shared(key, raw, evict)
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
-        """``engine.<method>(item, **shared values)``: its return value."""
         return self.calls.call(method, item, shared)
 
     # -- the protocol: frames for a host behind a channel -----------------------------------
     def hello(self, **facts) -> bytes:
-        """The first frame: ``Ready`` with the engine's info (plus the host's ``facts``: the
-        Ray actor's placement), or ``InitFailed`` with the summary and traceback."""
+        """``Ready`` with the engine's info (plus the host's ``facts``), or ``InitFailed``."""
         try:
             info = self.start()
         except Exception as exc:
@@ -80,11 +58,10 @@ class WorkerCore:
         return self._frame(Ready(protocol.PROTOCOL_VERSION, os.getpid(), {**info, **facts}))
 
     def answer(self, body: bytes) -> bytes:
-        """The reply frame to one request frame's ``body``: empty for a Snapshot (cached) and
-        for Shutdown (``serving`` turns false), a Result or a Failure for a Task."""
-        match decode_request(body):
-            case Snapshot(key=key, value=value, evict=evict):
-                self.add_snapshot(key, value, evict)
+        """The reply frame to a request: empty for Share and Shutdown, Result or Failure for a Task."""
+        match protocol.decode_request(body):
+            case Share(key=key, value=value, evict=evict):
+                self.add_shared(key, value, evict)
             case Task(id=task_id, method=method, item=item, shared=shared):
                 try:  # an oversize result too is this task's Failure, not the worker's end
                     return self._frame(Result(task_id, self.call(method, item, shared)))
@@ -96,15 +73,6 @@ class WorkerCore:
 
     def _frame(self, msg: protocol.Message) -> bytes:
         return protocol.frame(msg, self.max_frame)
-
-
-def decode_request(body: bytes) -> Request:
-    """One parent -> worker message; any other is a ProtocolError naming what came."""
-    try:
-        return _requests.decode(body)
-    except msgspec.DecodeError:
-        unexpected = protocol.decode(body)  # itself a ProtocolError when it is no message at all
-        raise ProtocolError(f"worker got unexpected {type(unexpected).__name__}") from None
 
 
 def exception_summary(exc: BaseException) -> str:

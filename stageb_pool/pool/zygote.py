@@ -1,18 +1,7 @@
-"""The zygote: a small fork server that the parent forks once, while it is still clean.
-
-Every worker (the first ones and every replacement) is forked by the zygote, never by the
-grown parent, so a replacement never inherits the parent's threads, CUDA context or
-OpenMP pool (moolib's EnvPool does the same). The zygote also
-
-- hands the parent its end of each worker's socketpair (SCM_RIGHTS over a SOCK_SEQPACKET
-  control socket), then closes its own copy so EOF still means "that worker is gone";
-- reaps its children (SIGCHLD via signal.set_wakeup_fd) and reports every exit status,
-  because only a process's parent can waitpid it;
-- relays each worker's stdout and stderr line by line with a "[w<rank> <device>] " prefix (a line
-  redrawn with carriage returns, a progress bar, as its last state);
-- on Shutdown stops the workers (they got a Shutdown message; then SIGTERM, then SIGKILL),
-  reaps them all and exits. If the parent dies, the zygote dies (PDEATHSIG), and the
-  workers die with it (their PDEATHSIG, and EOF on their sockets as a backup).
+"""The zygote: a fork server the parent forks once, while it is still clean, which forks every
+worker and replacement, passes the parent each worker's socket, reaps them, relays their
+output with a ``[w<rank> <device>] `` prefix and stops them on Shutdown. Why and how:
+docs/architecture.md, "Process model".
 """
 
 from __future__ import annotations
@@ -55,18 +44,16 @@ class Zygote:
             raise PoolError(self.death_message()) from None
 
     def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
-        """Ask the zygote to signal its child: it knows whether the pid is still its child,
-        so we can never hit a recycled pid. A zygote that is gone took its workers with it
-        (their PDEATHSIG), so there is nothing to signal: quiet, and never an error that
-        would hide the one that made the pool close."""
+        """Ask the zygote to signal its child (it knows whether the pid is still its own: never a
+        recycled one). A zygote that is gone took its workers with it: quiet, never an error that
+        would hide the one that closes the pool."""
         try:
             protocol.send_packet(self.sock, Kill(pid, int(sig)))
         except OSError:
             pass
 
     def death_message(self) -> str:
-        """One line that names the zygote and how it ended (it closed its socket: it exited
-        or is exiting, so the wait is short)."""
+        """One line naming the zygote and how it ended."""
         if self.status is None:
             try:
                 _, status = os.waitpid(self.pid, 0)
@@ -184,8 +171,7 @@ class ForkServer:
             self.stop_at, self.grace = time.monotonic(), grace
 
     def escalate(self) -> float | None:
-        """Send TERM, then KILL, to workers that outlive the grace periods; return the
-        select timeout until the next step."""
+        """TERM, then KILL, the workers that outlive the grace periods; the time to the next step."""
         if self.stop_at is None:
             return None
         elapsed = time.monotonic() - self.stop_at
@@ -246,9 +232,7 @@ class ForkServer:
             self.report(Exited(pid, code if code >= 0 else None, -code if code < 0 else None))
 
     def relay(self, fd: int, final: bool = False) -> None:
-        """Copy a worker's output to ours, prefixing every complete line.
-
-        ``final``: the worker is gone; copy whatever is left without blocking."""
+        """Copy a worker's output to ours, each complete line prefixed (``final``: all that is left)."""
         if final:
             os.set_blocking(fd, False)
         entry = self.outputs[fd]
@@ -277,8 +261,7 @@ class ForkServer:
 
 
 def _last_state(line: bytes) -> bytes:
-    """A line redrawn with carriage returns (a progress bar) as its last state: relayed
-    as is, every state would land on one long line behind the prefix."""
+    """A line redrawn with carriage returns (a progress bar) as its last state."""
     return line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
 
 

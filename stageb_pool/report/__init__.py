@@ -4,13 +4,11 @@ files alone (it imports nothing of the pool, the engines or the search).
     html = render_report(run_dir)     # raises ReportError when run_dir is not a run
     check_target(path, run_dir)       # raises ReportError unless the page may be written there
 
-matplotlib is imported only inside ``render_report`` (or ``load_chart_libraries``, in the
-process that will render): the run's parent forks its workers and must not carry a heavy
-import (or its threads) before that.
+matplotlib is imported only by ``render_report`` and ``load_chart_libraries`` (charts.py says why).
 """
 
 from .files import ReportError
 from .output import check_target
-from .page import REPORT_FILE, TIMELINE_FILE, load_chart_libraries, render_report
+from .page import load_chart_libraries, render_report
 
-__all__ = ["REPORT_FILE", "TIMELINE_FILE", "ReportError", "check_target", "load_chart_libraries", "render_report"]
+__all__ = ["ReportError", "check_target", "load_chart_libraries", "render_report"]

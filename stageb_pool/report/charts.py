@@ -1,12 +1,11 @@
 """The report's charts: matplotlib figures rendered as inline SVG text.
 
-Only ``page.py`` imports this module, and only while building a report: matplotlib is a
-heavy import, and the run's parent process must stay lean until its workers are forked
-(docs/architecture.md). No pyplot: a bare ``Figure`` saved as SVG needs no GUI backend and
-keeps no global figure list. The SVG is self-contained (text as text, no fonts, no links)
-and reproducible: ``svg.hashsalt`` fixes the element ids (one salt per chart, so two charts
-of one page never share an id) and the date metadata is left out, so rebuilding a report
-from the same files gives the same bytes.
+Imported only while a report is built (``page.load_chart_libraries``): matplotlib is a heavy
+import (with threads), and the run's parent must stay lean until its workers are forked. No
+pyplot: a bare ``Figure`` needs no GUI backend and keeps no global figure list. The SVG is
+self-contained (text as text, no fonts, no links) and reproducible: ``svg.hashsalt`` fixes the
+element ids (one salt per chart, so no two charts share an id) and the date metadata is left
+out, so the same files give the same bytes.
 """
 
 from __future__ import annotations
@@ -51,18 +50,23 @@ def _svg(fig: Figure, name: str, label: str) -> str:
                                f'style="width:100%;max-width:{m.group(2)}pt;height:auto"', text, count=1)
 
 
-def _figure(width: float, height: float) -> Figure:
+def _figure(width: float, height: float, columns: int = 1):
+    """A figure and its axes (``columns`` of them side by side)."""
     fig = Figure(figsize=(width, height), dpi=100)
     fig.set_layout_engine("constrained")
-    return fig
+    return fig, fig.subplots(1, columns)
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
+        ax.legend(fontsize=9)
 
 
 def metrics_per_iteration(points: list[dict], accepted: list[int]) -> str:
     """Accuracy and false-release rate (fp_rate) per iteration, train and eval, with the
     iterations whose edit was accepted marked. ``points``: {"x", "tick", "train", "eval"},
     each split a metrics dict or None."""
-    fig = _figure(10, 3.4)
-    axes = fig.subplots(1, 2)
+    fig, axes = _figure(10, 3.4, columns=2)
     xs = [p["x"] for p in points]
     for ax, key, title in ((axes[0], "acc", "accuracy"), (axes[1], "fp_rate", "false-release rate (fp_rate)")):
         top = 0.0
@@ -91,8 +95,7 @@ def metrics_per_iteration(points: list[dict], accepted: list[int]) -> str:
 def candidate_deltas(cands: list[dict]) -> str:
     """Each evaluated candidate's A/B delta (train accuracy, candidate minus baseline) by
     iteration, coloured by the gate's verdict; the applied one ringed."""
-    fig = _figure(10, 3.2)
-    ax = fig.subplots()
+    fig, ax = _figure(10, 3.2)
     ax.axhline(0, color="#444", linewidth=0.8)
     for decision in sorted({c["decision"] for c in cands}, key=lambda d: (d not in DECISION_COLORS, d)):
         color = DECISION_COLORS.get(decision, COLORS["other"])
@@ -108,15 +111,13 @@ def candidate_deltas(cands: list[dict]) -> str:
     ax.set_xlabel("iteration")
     ax.set_ylabel("Δ train accuracy")
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
-        ax.legend(fontsize=9)
+    _legend(ax)
     return _svg(fig, "candidates", "A/B delta of every candidate")
 
 
 def headroom_histogram(per_ticket: list[dict]) -> str:
     """The judge's P(pass) per ticket, one histogram per ground-truth label."""
-    fig = _figure(7, 3)
-    ax = fig.subplots()
+    fig, ax = _figure(7, 3)
     bins = [i / 20 for i in range(21)]
     for label, color in (("pass", COLORS["eval"]), ("fail", COLORS["proposer"])):
         values = [t["p_pass"] for t in per_ticket if t.get("label") == label and t.get("p_pass") is not None]
@@ -126,8 +127,7 @@ def headroom_histogram(per_ticket: list[dict]) -> str:
     ax.set_ylabel("tickets")
     ax.set_xlim(0, 1)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
-        ax.legend(fontsize=9)
+    _legend(ax)
     return _svg(fig, "headroom", "P(pass) histogram by label")
 
 
@@ -138,8 +138,7 @@ def worker_timeline(rows: list[dict], workers: list[str], wall_s: float | None) 
     stays a small SVG."""
     end = max([r["end_s"] for r in rows] + [wall_s or 0.0]) or 1.0
     merge_gap = end / 2000
-    fig = _figure(10, 0.9 + 0.45 * len(workers))
-    ax = fig.subplots()
+    fig, ax = _figure(10, 0.9 + 0.45 * len(workers))
     kinds_seen = []
     for y, worker in enumerate(workers):
         bars: dict[str, list[list[float]]] = {}
@@ -169,8 +168,7 @@ def worker_timeline(rows: list[dict], workers: list[str], wall_s: float | None) 
 
 def audit_progress(steps: list[dict]) -> str:
     """The audit's accuracy and fp_rate over the first n tickets of the run order."""
-    fig = _figure(8, 3)
-    ax = fig.subplots()
+    fig, ax = _figure(8, 3)
     xs = [s["n_done"] for s in steps]
     for key, color in (("acc", COLORS["train"]), ("fp_rate", COLORS["proposer"]), ("fn_rate", COLORS["final"])):
         ys = [s.get(key) for s in steps]
@@ -179,6 +177,5 @@ def audit_progress(steps: list[dict]) -> str:
     ax.set_xlabel("tickets of the run order judged")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:  # none: a file without the values (the page names it)
-        ax.legend(fontsize=9)
+    _legend(ax)
     return _svg(fig, "audit", "audit metrics as tickets were judged")

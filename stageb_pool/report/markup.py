@@ -1,15 +1,13 @@
 """Text from a run's files as HTML: made safe to show (one rule for the page and its
 charts), and the small builders of the page's elements.
 
-A run directory may hold any text (ticket keys, model answers, a crafted file), and the
-page shows it as text, never as something else: ``esc`` escapes the markup characters (in
-the charts, matplotlib does), and the characters that would change how the page parses or
-reads are shown as visible escapes (``\\u202e``) instead of acting: NUL (a parse error in
-HTML, which a browser turns into U+FFFD), the bidirectional embedding, override and isolate
-controls (U+202A-U+202E, U+2066-U+2069: a right-to-left override displays text in another
-order than it reads) and lone surrogates (not encodable as UTF-8). Other control characters
-stay as they are: inert in a page, and a small model's answers do hold some (DEL), which
-the report of a real run keeps byte for byte.
+A run directory may hold any text (ticket keys, model answers, a crafted file), shown as text
+and never as markup: ``esc`` escapes the markup characters (in the charts, matplotlib does),
+and the characters that would change how the page parses or reads are shown as visible
+``\\uXXXX`` escapes: NUL (a parse error in HTML), the bidirectional embedding, override and
+isolate controls (U+202A-U+202E, U+2066-U+2069: they display text in another order than it
+reads) and lone surrogates (not encodable as UTF-8). Other control characters are inert in a
+page and kept, so the report of a real run (a small model's answers hold DEL) keeps its bytes.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ def visible(text: str) -> str:
 
 
 def esc(value) -> str:
-    """Any value as HTML text: markup escaped, acting characters made visible (see the module docstring)."""
+    """Any value as HTML text: markup escaped, acting characters made visible."""
     return html.escape(visible("" if value is None else str(value)))
 
 
@@ -44,7 +42,7 @@ def filled(record):
 def num(value, digits: int = 3) -> str:
     if value is None:
         return "–"
-    if isinstance(value, bool) or isinstance(value, int):
+    if isinstance(value, int):  # bool included
         return str(value)
     return f"{value:.{digits}f}" if isinstance(value, float) else esc(value)
 

@@ -1,13 +1,9 @@
-"""The report page: read a run directory's files, write one self-contained HTML page.
+"""The report page: a run directory's files (docs/artifacts.md) as one self-contained HTML page.
 
-Everything comes from the files (docs/artifacts.md), nothing from the code that wrote them,
-so a report can be rebuilt for any run, also one of an earlier version: a file it lacks is
-named on the page with what it would have shown, and the rest is drawn from what is there.
-The files are read by ``files.py`` (regular files inside the run directory only, each
-size-capped, each row decoded into a record of ``records.py``), so a damaged or crafted
-file is named on the page too, and every text is shown through ``markup.esc``.
-The page makes no request of any kind (inline CSS and SVG, no script, and a Content
-Security Policy that forbids loading anything), so it opens offline and leaks nothing.
+Drawn from the files alone, never from the code that wrote them, so a report can be rebuilt
+for any run: a file that is missing or cannot be read (``files.py``) is named on the page with
+what it would have shown. Every text is shown through ``markup.esc``, and the page makes no
+request (inline CSS and SVG, no script, a Content Security Policy that forbids loading anything).
 """
 
 from __future__ import annotations
@@ -15,15 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections import Counter
 
+from .. import artifacts
 from .files import RunFiles
 from .markup import cards, esc, filled, given, num, section, short, table, verdict
 from .records import (AuditMetrics, AuditStep, Benchmark, BestCandidate, Candidate, Guidance, GuidanceSection,
                       HardCase, Headroom, Invocation, Iteration, LabelCounts, Metrics, ProposerAnswer, ProposerFailure,
                       RunInfo, Splits, Summary, TimelineRow, Tool)
 
-TIMELINE_FILE = "pool_timeline.jsonl"
-REPORT_FILE = "report.html"
 # Every report opens so, since the first version: how `report -o` knows a previous report (output.py).
 REPORT_OPENING = "<!DOCTYPE html>\n"
 REPORT_TITLE = "<title>stageb-pool report: "
@@ -50,26 +46,19 @@ pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f6f8fa;padding:6px 8
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
-# -- the page ------------------------------------------------------------------------------
-def load_chart_libraries() -> None:
-    """Import what ``render_report`` draws with (matplotlib, seconds), ahead of a render, with
-    matplotlib's folders as ``render_report`` sets them (``_import_charts``)."""
-    _import_charts()
-
-
 def render_report(run_dir) -> str:
     """The report of ``run_dir`` as one HTML document. Raises ReportError when the directory
     is not a run; anything a run of another version lacks, or a file that cannot be read as
     what it should hold, is named on the page instead."""
     files = RunFiles(run_dir)
-    charts = _import_charts()
-    run = files.json("run.json", RunInfo, None) or RunInfo()
-    summary = files.json("summary.json", Summary,
+    charts = load_chart_libraries()
+    run = files.json(artifacts.RUN.name, RunInfo, None) or RunInfo()
+    summary = files.json(artifacts.SUMMARY.name, Summary,
                          "the final metrics, the cache counts and the per-worker throughput") or Summary()
     mode = summary.mode or (run.config.mode if run.config else None) or "search"
-    mission = summary.mission or next(iter(files.json("guidance.json", Guidance, None) or {}), "")
+    mission = summary.mission or next(iter(files.json(artifacts.GUIDANCE.name, Guidance, None) or {}), "")
     sections = _search_sections(files, summary, charts) if mode == "search" else _audit_sections(files, summary, charts)
-    headroom = files.json("judge_headroom.json", Headroom, "the judge-headroom result" if mode == "search" else None)
+    headroom = files.json(artifacts.HEADROOM.name, Headroom, "the judge-headroom result" if mode == "search" else None)
     if headroom is not None:
         sections.append(("headroom", "Judge headroom", _headroom(headroom, charts)))
     sections.append(("pool", "The pool's work", _pool(files, summary, charts)))
@@ -79,6 +68,7 @@ def render_report(run_dir) -> str:
                                        f"{given(invocation.workers, '?')} worker(s) ({given(invocation.gpus, '?')})",
                                        f"{given(tool.name, 'stageb_pool')} {given(tool.version, '')}", files.root))
     nav = "".join(f'<a href="#{a}">{esc(t)}</a>' for a, t, _ in sections)
+    files.check_the_rest()
     missing = ""
     if files.missing:
         items = "".join(f"<li><code>{esc(n)}</code> {esc(why)}</li>" for n, why in files.missing)
@@ -93,12 +83,11 @@ def render_report(run_dir) -> str:
             f"<nav>{nav}</nav>{missing}{body}</main></body></html>\n")
 
 
-def _import_charts():
-    """charts.py, whose matplotlib is imported only now (see charts.py), with matplotlib's
-    config and cache folder (MPLCONFIGDIR) a temporary folder, removed once it is imported:
-    the font cache matplotlib writes while it is imported belongs to neither the user's
-    ~/.cache nor ~/.config (a report writes its page and nothing else), and no
-    matplotlibrc of the user's changes the charts."""
+def load_chart_libraries():
+    """charts.py, importing matplotlib (seconds) the first time; a process may call it ahead of
+    a render. MPLCONFIGDIR is a temporary folder meanwhile: the font cache matplotlib writes
+    stays out of the user's ~/.cache and ~/.config (a report writes its page and nothing else),
+    and no matplotlibrc of the user's changes the charts."""
     fonts = logging.getLogger("matplotlib.font_manager")  # "generated new fontManager" (INFO) on every report
     with tempfile.TemporaryDirectory(prefix="stageb-report-matplotlib-") as folder:
         before, level = os.environ.get("MPLCONFIGDIR"), fonts.level
@@ -124,9 +113,9 @@ def _split(splits: Splits | None, split: str) -> Metrics | None:
     return getattr(splits, split) if splits is not None else None
 
 
-def _metric(splits: Splits | None, split: str, key: str):
-    m = _split(splits, split)
-    return getattr(m, key) if m is not None else None
+def _change(base: Splits | None, final: Splits | None, split: str, key: str) -> str:
+    """A metric's baseline → final ("–" where one is not measured)."""
+    return " → ".join(num(getattr(_split(s, split), key, None)) for s in (base, final))
 
 
 def _chart_metrics(m: Metrics | None) -> dict | None:
@@ -136,25 +125,22 @@ def _chart_metrics(m: Metrics | None) -> dict | None:
 
 
 def _search_sections(files: RunFiles, summary: Summary, charts) -> list:
-    iterations = files.jsonl("rule_search_iterations.jsonl", Iteration, "per-iteration metrics, gate decisions and "
-                             "proposer outcomes (drawn from rule_candidates.jsonl instead, where it can)")
-    candidates = files.jsonl("rule_candidates.jsonl", Candidate, None) or []  # absent: no candidate was evaluated
-    benchmarks = files.jsonl("benchmarks.jsonl", Benchmark, None) or []  # absent: no edit was accepted
+    iterations = files.jsonl(artifacts.ITERATIONS.name, Iteration, "per-iteration metrics, gate decisions and "
+                             f"proposer outcomes (drawn from {artifacts.CANDIDATES.name} instead, where it can)")
+    candidates = files.jsonl(artifacts.CANDIDATES.name, Candidate, None) or []  # absent: no candidate was evaluated
+    benchmarks = files.jsonl(artifacts.BENCHMARKS.name, Benchmark, None) or []  # absent: no edit was accepted
     base, final = summary.baseline, summary.final
     overview = cards([("iterations", num(summary.iterations)), ("stop reason", esc(summary.stop_reason)),
                       ("edits accepted", num(given(summary.edits_accepted, len(benchmarks)))),
-                      ("train accuracy: baseline → final",
-                       f"{num(_metric(base, 'train', 'acc'))} → {num(_metric(final, 'train', 'acc'))}"),
-                      ("eval accuracy: baseline → final",
-                       f"{num(_metric(base, 'eval', 'acc'))} → {num(_metric(final, 'eval', 'acc'))}"),
-                      ("eval fp_rate: baseline → final",
-                       f"{num(_metric(base, 'eval', 'fp_rate'))} → {num(_metric(final, 'eval', 'fp_rate'))}")])
+                      ("train accuracy: baseline → final", _change(base, final, "train", "acc")),
+                      ("eval accuracy: baseline → final", _change(base, final, "eval", "acc")),
+                      ("eval fp_rate: baseline → final", _change(base, final, "eval", "fp_rate"))])
     out = [("overview", "Overview", overview + table(["", "baseline", "final"], [
         [split, _metric_line(_split(base, split)), _metric_line(_split(final, split))] for split in ("train", "eval")]))]
     points, accepted = _iteration_points(iterations, candidates, benchmarks, final)
     body = charts.metrics_per_iteration(points, accepted) if points else "<p>No iteration finished.</p>"
     if iterations is None:
-        body += '<p class="muted">From rule_candidates.jsonl: iterations without candidates are not shown; ' \
+        body += f'<p class="muted">From {artifacts.CANDIDATES.name}: iterations without candidates are not shown; ' \
                 'train fp_rate on the tickets baseline and candidate share.</p>'
     else:
         body += _iteration_table(iterations)
@@ -162,7 +148,7 @@ def _search_sections(files: RunFiles, summary: Summary, charts) -> list:
     out.append(("candidates", "Candidates and the gate", _candidates(candidates, charts)))
     out.append(("guidance", "Guidance as it evolved", _guidance(files, benchmarks)))
     out.append(("proposer", "Proposer", _proposer(files, iterations)))
-    hard = [r for r in files.jsonl("rule_search_hard_cases.jsonl", HardCase, None) or []  # absent: no confident error
+    hard = [r for r in files.jsonl(artifacts.HARD_CASES.name, HardCase, None) or []  # absent: no confident error
             if r.sampler == "train"]
     if hard:
         last = max(r.iteration for r in hard)
@@ -211,9 +197,7 @@ def _signed(value) -> str:
 def _candidates(candidates: list[Candidate], charts) -> str:
     if not candidates:
         return "<p>No candidate was evaluated.</p>"
-    counts: dict[int, int] = {}
-    for c in candidates:
-        counts[c.iteration] = counts.get(c.iteration, 0) + 1
+    counts = Counter(c.iteration for c in candidates)
     seen: dict[int, int] = {}
     points = []
     for c in candidates:
@@ -238,14 +222,10 @@ def _section_of(doc: dict | None) -> GuidanceSection | None:
 
 
 def _guidance(files: RunFiles, benchmarks: list[Benchmark]) -> str:
-    states: dict[int, dict] = {}
-    for path in sorted((files.root / "snapshots").glob("guidance-step*.json")):
-        snapshot = _section_of(files.json(f"snapshots/{path.name}", Guidance, None))
-        if snapshot is not None:
-            states[given(snapshot.step, -1)] = snapshot.experiences or {}
-    final = _section_of(files.json("guidance.json", Guidance, "the final guidance"))
-    if final is not None:
-        states[given(final.step, -1)] = final.experiences or {}
+    snapshots = [_section_of(files.json(f"{artifacts.SNAPSHOTS_DIR}/{path.name}", Guidance, None))
+                 for path in sorted((files.root / artifacts.SNAPSHOTS_DIR).glob(artifacts.SNAPSHOT_GLOB))]
+    final = _section_of(files.json(artifacts.GUIDANCE.name, Guidance, "the final guidance"))
+    states = {given(s.step, -1): s.experiences or {} for s in [*snapshots, final] if s is not None}
     parts = []
     for b in benchmarks:
         before, after = states.get(b.guidance_step_before), states.get(b.guidance_step_after)
@@ -260,8 +240,8 @@ def _guidance(files: RunFiles, benchmarks: list[Benchmark]) -> str:
             key = b.accepted_key or b.target_signature or ""
             sign = "-" if b.op == "remove" else "+"
             diff = (f'<span class="{"del" if sign == "-" else "add"}">{sign} {esc(key)}: {esc(b.text)}</span>\n'
-                    f'<span class="muted">(the snapshots of these steps were pruned: the edit as benchmarks.jsonl '
-                    f'records it)</span>')
+                    '<span class="muted">(the snapshots of these steps were pruned: the edit as '
+                    f'{artifacts.BENCHMARKS.name} records it)</span>')
         parts.append(f"<h3>{title}</h3><pre>{diff}</pre>"
                      + (f'<p class="muted">rationale: {short(b.rationale)}</p>' if b.rationale else ""))
     if not benchmarks:
@@ -273,9 +253,9 @@ def _guidance(files: RunFiles, benchmarks: list[Benchmark]) -> str:
 
 
 def _proposer(files: RunFiles, iterations: list[Iteration] | None) -> str:
-    answers = files.jsonl("reflection_cache/proposer_answers.jsonl", ProposerAnswer,
+    answers = files.jsonl(artifacts.PROPOSER_ANSWERS.name, ProposerAnswer,
                           "each proposer answer and whether it parsed")
-    failures = files.jsonl("reflection_cache/rule_search_proposer_failures.jsonl", ProposerFailure, None) or []
+    failures = files.jsonl(artifacts.PROPOSER_FAILURES.name, ProposerFailure, None) or []
     parts = []
     if iterations is not None:
         calls = sum(r.proposer_calls or 0 for r in iterations)
@@ -291,10 +271,9 @@ def _proposer(files: RunFiles, iterations: list[Iteration] | None) -> str:
         parts.append(table(["it", "outcome", "finish", "prompt tok", "completion tok", "examples", "constrained",
                             "error", "answer"], rows))
     if failures:
-        by_stage: dict[str, int] = {}
-        for f in failures:
-            by_stage[given(f.stage, "?")] = by_stage.get(given(f.stage, "?"), 0) + 1
-        parts.append("<h3>Proposer failures and rejected proposals (rule_search_proposer_failures.jsonl)</h3>"
+        by_stage = Counter(given(f.stage, "?") for f in failures)
+        file = os.path.basename(artifacts.PROPOSER_FAILURES.name)
+        parts.append(f"<h3>Proposer failures and rejected proposals ({file})</h3>"
                      + table(["stage", "rows"], [[esc(k), num(v)] for k, v in sorted(by_stage.items())])
                      + table(["it", "stage", "error"], [[num(f.iteration), esc(f.stage), short(f.error)]
                                                         for f in failures[:40]]))
@@ -309,8 +288,8 @@ def _hard_cases(rows: list[HardCase]) -> str:
 
 
 def _audit_sections(files: RunFiles, summary: Summary, charts) -> list:
-    m = (filled(files.json("baseline_metrics.json", AuditMetrics, "the audit's metrics")) or filled(summary.metrics)
-         or AuditMetrics())
+    m = (filled(files.json(artifacts.BASELINE_METRICS.name, AuditMetrics, "the audit's metrics"))
+         or filled(summary.metrics) or AuditMetrics())
     overview = cards([("tickets used", num(given(m.n_used, summary.n_used))), ("accuracy", num(m.acc)),
                       ("fp_rate (false release)", num(m.fp_rate)), ("fn_rate (false block)", num(m.fn_rate)),
                       ("dropped (overlength)", num(given(m.n_dropped_overlength, summary.n_dropped_overlength)))])
@@ -319,11 +298,11 @@ def _audit_sections(files: RunFiles, summary: Summary, charts) -> list:
           f'<td>{num(m.fn)} (fn)</td></tr><tr><th>label fail</th><td>{num(m.fp)} (fp)</td>'
           f'<td>{num(m.tn)} (tn)</td></tr></table></div>')
     out = [("overview", "Audit metrics", overview + cm)]
-    steps = files.jsonl("baseline_metrics_steps.jsonl", AuditStep, "the metrics as tickets were judged")
+    steps = files.jsonl(artifacts.BASELINE_STEPS.name, AuditStep, "the metrics as tickets were judged")
     if steps:
         out.append(("progress", "Metrics over the run order", charts.audit_progress(
             [{"n_done": s.n_done, "acc": s.acc, "fp_rate": s.fp_rate, "fn_rate": s.fn_rate} for s in steps])))
-    hard = [r for r in files.jsonl("rule_search_hard_cases.jsonl", HardCase, None) or []
+    hard = [r for r in files.jsonl(artifacts.HARD_CASES.name, HardCase, None) or []
             if r.sampler == "baseline"]
     if hard:
         out.append(("hard", "Hardest cases", _hard_cases(hard)))
@@ -349,7 +328,8 @@ def _seconds(value) -> int | float | None:
 
 
 def _pool(files: RunFiles, summary: Summary, charts) -> str:
-    timeline = files.jsonl(TIMELINE_FILE, TimelineRow, "the per-worker timeline (busy and idle time, the proposer call)")
+    timeline = files.jsonl(artifacts.TIMELINE.name, TimelineRow,
+                           "the per-worker timeline (busy and idle time, the proposer call)")
     workers = summary.workers or {}
     timing = summary.timing or {}
     wall_s, rollout_s = _seconds(timing.get("wall_s")), _seconds(timing.get("rollout_s"))

@@ -1,20 +1,23 @@
-"""The report's read-side records: the shape of every file row the page draws from.
+"""The report's read-side records: the shape of every file the page draws from.
 
-These are the report's own (the layer rule: ``report/`` imports nothing of ``search/``,
-which writes the files) and they ask only for what the page shows. Every field may be
-absent, since a run of an earlier version lacks fields; a field that is present must have
-its documented type (docs/artifacts.md), so that what a crafted or damaged file holds is
-found while it is decoded, with its file and line, and never later as a traceback. The
-few fields a row cannot do without (the iteration a candidate belongs to, the worker a
-timeline interval ran on) are required.
-
-Numbers are ``int | float``: a number is shown as the file holds it (``1`` and ``1.0`` are
-written differently), so the page of a real run keeps its bytes.
+A row file's record is a lenient view of its row record (``artifacts.py``): every field may
+be absent (a run of an earlier version lacks fields), but a present field must have its
+documented type, so a crafted or damaged file is found while it is decoded, with its file
+and line. The few fields a row cannot do without are required. Numbers are ``int | float``:
+shown as the file holds them (``1`` and ``1.0`` differ), so a real run's page keeps its bytes.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
+import types
+import typing
+
 import msgspec
+from msgspec import UnsetType
+
+from .. import artifacts
 
 Num = int | float
 
@@ -33,20 +36,6 @@ class Metrics(Record):
 class Splits(Record):
     train: Metrics | None = None
     eval: Metrics | None = None
-
-
-class AuditMetrics(Record):
-    """``baseline_metrics.json``, or the audit's ``metrics`` in ``summary.json``."""
-
-    n_used: int | None = None
-    n_dropped_overlength: int | None = None
-    acc: Num | None = None
-    fp_rate: Num | None = None
-    fn_rate: Num | None = None
-    tp: int | None = None
-    fn: int | None = None
-    fp: int | None = None
-    tn: int | None = None
 
 
 class WorkerStats(Record):
@@ -112,108 +101,6 @@ class BestCandidate(Record):
     relative_error_reduction: Num | None = None
 
 
-class Iteration(Record):
-    """A row of ``rule_search_iterations.jsonl``."""
-
-    iteration: int
-    guidance_step: int | None = None
-    proposer_calls: int | None = None
-    proposer_parsed: int | None = None
-    candidates_proposed: int | None = None
-    candidates_rejected: dict[str, int] | None = None
-    candidates_evaluated: int | None = None
-    decision: str | None = None
-    accepted_candidate: str | None = None
-    reasons: list[str] | None = None
-    baseline: Splits | None = None
-    best_candidate: BestCandidate | None = None
-
-
-class Candidate(Record):
-    """A row of ``rule_candidates.jsonl``."""
-
-    iteration: int
-    candidate_id: str | None = None
-    op: str | None = None
-    text: str | None = None
-    source: str | None = None
-    base_acc: Num | None = None
-    cand_acc: Num | None = None
-    base_fp_rate: Num | None = None
-    eval_base_acc: Num | None = None
-    d_acc: Num | None = 0  # absent in a run that wrote none: shown as +0.000, as before; null: "–"
-    d_fp_rate: Num | None = 0
-    relative_error_reduction: Num | None = None
-    changed_fraction: Num | None = None
-    bootstrap_prob: Num | None = None
-    eval_acc_drop: Num | None = None
-    decision: str | None = None
-    applied: bool | None = None
-    reason: str | None = None
-
-
-class Benchmark(Record):
-    """A row of ``benchmarks.jsonl`` (an accepted edit)."""
-
-    iteration: int
-    op: str | None = None
-    candidate_id: str | None = None
-    guidance_step_before: int | None = None
-    guidance_step_after: int | None = None
-    relative_error_reduction: Num | None = None
-    base_acc: Num | None = None
-    after_acc: Num | None = None
-    accepted_key: str | None = None
-    target_signature: str | None = None
-    text: str | None = None
-    rationale: str | None = None
-
-
-class ProposerAnswer(Record):
-    """A row of ``reflection_cache/proposer_answers.jsonl``."""
-
-    iteration: int | None = None
-    parsed: bool | None = None
-    finish_reason: str | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    examples_used: int | None = None
-    constrained: bool | None = None
-    error: str | None = None
-    text: str | None = None
-
-
-class ProposerFailure(Record):
-    """A row of ``reflection_cache/rule_search_proposer_failures.jsonl``."""
-
-    iteration: int | None = None
-    stage: str = "?"
-    error: str | None = None
-
-
-class HardCase(Record):
-    """A row of ``rule_search_hard_cases.jsonl``."""
-
-    iteration: int
-    sampler: str | None = None
-    rank: int | None = None
-    ticket_key: str | None = None
-    gt_label: str | None = None
-    majority_pred: str | None = None
-    agreement: Num | None = None
-    hard_wrong: Num | None = None
-    majority_reason: str | None = None
-
-
-class AuditStep(Record):
-    """A row of ``baseline_metrics_steps.jsonl``."""
-
-    n_done: int
-    acc: Num | None = None
-    fp_rate: Num | None = None
-    fn_rate: Num | None = None
-
-
 class HeadroomTicket(Record):
     label: str | None = None
     p_pass: Num | None = None
@@ -247,3 +134,38 @@ class TimelineRow(Record):
     end_s: Num
     method: str | None = None
     label: str | None = None
+
+
+def _as_written(tp):
+    """A row field's type for reading: a ``float`` takes an int and keeps it one (shown as
+    written), and a field that may be unset is simply absent."""
+    if tp is float:
+        return Num
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return functools.reduce(operator.or_, [_as_written(t) for t in typing.get_args(tp) if t is not UnsetType])
+    return tp
+
+
+def view(entry: artifacts.Artifact, *, required: tuple[str, ...] = (), defaults: dict | None = None,
+         kinds: dict | None = None) -> type[Record]:
+    """The lenient view of ``entry``'s row record: its fields, each optional (None, or
+    ``defaults``) but ``required``; ``kinds`` gives a field the record of its own the page reads."""
+    fields = []
+    for f in msgspec.structs.fields(entry.record):
+        kind = (kinds or {}).get(f.name) or _as_written(f.type)
+        fields.append((f.name, kind) if f.name in required else
+                      (f.name, kind | None, (defaults or {}).get(f.name)))
+    return msgspec.defstruct(entry.record.__name__.removesuffix("Row"), fields, bases=(Record,),
+                             module=__name__, kw_only=True, frozen=True)
+
+
+AuditMetrics = view(artifacts.BASELINE_METRICS)  # also the audit's ``metrics`` in summary.json
+Iteration = view(artifacts.ITERATIONS, required=("iteration",),
+                 kinds={"baseline": Splits, "best_candidate": BestCandidate})
+# d_acc, d_fp_rate absent (a run that wrote none): shown as +0.000; null: "–"
+Candidate = view(artifacts.CANDIDATES, required=("iteration",), defaults={"d_acc": 0, "d_fp_rate": 0})
+Benchmark = view(artifacts.BENCHMARKS, required=("iteration",))
+ProposerAnswer = view(artifacts.PROPOSER_ANSWERS)
+ProposerFailure = view(artifacts.PROPOSER_FAILURES, defaults={"stage": "?"})
+HardCase = view(artifacts.HARD_CASES, required=("iteration",))
+AuditStep = view(artifacts.BASELINE_STEPS, required=("n_done",))

@@ -15,22 +15,17 @@ from typing import Any
 
 import msgspec
 
+from .. import artifacts
+from ..artifact_rows import AuditMetricsDoc, AuditStepRow, CaseRow, TicketStatsRow
 from ..stageb import verdicts
 from .distill import export_distillation
 from .fileio import write_json, write_jsonl
 from .recorder import Recorder
 from .rollout import RolloutResult, rollout_spec
 from .rows import hard_case_rows, rollout_rows
-from .rundir import HARD_CASES, artifact, rollouts_path, utc_timestamp
+from .rundir import utc_timestamp
 
-BASELINE_METRICS = "baseline_metrics.json"
-BASELINE_TICKET_STATS = "baseline_ticket_stats.jsonl"
-BASELINE_WRONG = "baseline_wrong_cases.jsonl"
-BASELINE_NP = "baseline_np_cases.jsonl"
-BASELINE_NG = "baseline_ng_cases.jsonl"
-BASELINE_STEPS = "baseline_metrics_steps.jsonl"
 STEPS_LABEL = "jump_reflection baseline"  # upstream's label, which scripts may filter on
-AUDIT_FILES = (BASELINE_METRICS, BASELINE_TICKET_STATS, BASELINE_WRONG, BASELINE_NP, BASELINE_NG, BASELINE_STEPS)
 
 
 class AuditSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,21 +49,10 @@ def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_d
     spec = rollout_spec("audit", f"{settings.seed}/audit", tickets, guidance, settings.sampler)
     log.info("audit: %d tickets, guidance step %d (%s)", len(spec.tickets), guidance.step, guidance.hash)
     result = runner.run(spec)
-    written = write_audit_artifacts(
-        run_dir, result, spec.tickets,
-        mission=settings.mission,
-        logging_steps=settings.logging_steps,
-        chunk_size=runner.chunk_size,
-        hard_case_limit=settings.hard_case_limit,
-        n_skipped_lines=settings.n_skipped_lines,
-        n_excluded=settings.n_excluded,
-        save_rollouts=runner.save_rollouts,
-    )
-    metrics = written["metrics"]
-    log.info(
-        "audit: acc %.4f on %d tickets (%d dropped), fn %d, fp %d",
-        metrics["acc"], metrics["n_used"], metrics["n_dropped_overlength"], metrics["fn"], metrics["fp"],
-    )
+    metrics, files = write_audit_artifacts(run_dir, result, spec.tickets, settings, chunk_size=runner.chunk_size,
+                                           save_rollouts=runner.save_rollouts)
+    log.info("audit: acc %.4f on %d tickets (%d dropped), fn %d, fp %d",
+             metrics.acc, metrics.n_used, metrics.n_dropped_overlength, metrics.fn, metrics.fp)
     distillation = None
     if settings.distill is not None:
         distillation = export_distillation(Recorder(run_dir, runner), tickets=spec.tickets, guidance=guidance,
@@ -79,112 +63,77 @@ def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_d
         "mission": settings.mission,
         "guidance_hash": result.guidance_hash,
         "guidance_step": guidance.step,
-        "n_total": metrics["n_total"],
-        "n_used": metrics["n_used"],
-        "n_dropped_overlength": metrics["n_dropped_overlength"],
+        "n_total": metrics.n_total,
+        "n_used": metrics.n_used,
+        "n_dropped_overlength": metrics.n_dropped_overlength,
         "n_skipped_lines": settings.n_skipped_lines,
         "n_excluded": settings.n_excluded,
-        "metrics": {k: metrics[k] for k in ("acc", "tp", "fp", "fn", "tn", "fn_rate", "fp_rate")},
+        "metrics": {k: getattr(metrics, k) for k in ("acc", "tp", "fp", "fn", "tn", "fn_rate", "fp_rate")},
         "distillation": distillation,
         "judge_headroom": headroom,
         "generations_done": runner.run_done,
         "generations_saved": runner.run_saved,
-        "artifacts": written["files"],
+        "artifacts": files,
     }
 
 
-def write_audit_artifacts(run_dir, result: RolloutResult, tickets, *, mission: str, logging_steps: int,
-                          chunk_size: int, hard_case_limit: int, n_skipped_lines: int = 0, n_excluded: int = 0,
-                          save_rollouts: bool = False) -> dict:
-    """Write every audit artifact for ``result`` (the rollout of ``tickets``, in run order)."""
-    now = utc_timestamp()
+def write_audit_artifacts(run_dir, result: RolloutResult, tickets, settings: AuditSettings, *, chunk_size: int,
+                          save_rollouts: bool) -> tuple[AuditMetricsDoc, dict[str, int]]:
+    """Write every audit artifact for ``result`` (the rollout of ``tickets``, in run order);
+    returns the metrics and the rows written per file."""
+    now, mission = utc_timestamp(), settings.mission
     ghash = result.guidance_hash
     by_key = {t.key: t for t in tickets}
     stats = result.stats  # ticket order, dropped excluded
     m = verdicts.compute_metrics(stats)
-    metrics = {
-        "timestamp": now,
-        "mission": mission,
-        "mode": "audit",
-        "guidance_hash": ghash,
-        "n_total": len(tickets),
-        "n_used": len(stats),
-        "n_dropped_overlength": len(result.dropped),
-        "n_skipped_lines": n_skipped_lines,
-        "n_excluded": n_excluded,
-        "acc": m.acc,
-        "fn": m.fn,
-        "fp": m.fp,
-        "tp": m.tp,
-        "tn": m.tn,
-        "fn_rate": m.fn_rate,
-        "fp_rate": m.fp_rate,
-        "np": m.fn,
-        "ng": m.fp,
-        "generations": result.generations + result.cached_generations,
-    }
+    metrics = AuditMetricsDoc(
+        timestamp=now, mission=mission, mode="audit", guidance_hash=ghash, n_total=len(tickets), n_used=len(stats),
+        n_dropped_overlength=len(result.dropped), n_skipped_lines=settings.n_skipped_lines,
+        n_excluded=settings.n_excluded, acc=m.acc, fn=m.fn, fp=m.fp, tp=m.tp, tn=m.tn, fn_rate=m.fn_rate, fp_rate=m.fp_rate, np=m.fn, ng=m.fp,
+        generations=result.generations + result.cached_generations)
     files = {}
 
     def put(name, rows=None, doc=None):
-        path = artifact(run_dir, name)
+        path = Path(run_dir) / name
         write_json(path, doc) if doc is not None else write_jsonl(path, rows)
         files[name] = len(rows) if rows is not None else 1
 
-    put(BASELINE_METRICS, doc=metrics)
+    put(artifacts.BASELINE_METRICS.name, doc=metrics)
     ordered = [stats[k] for k in sorted(stats)]
-    put(BASELINE_TICKET_STATS, [ticket_stats_row(s, by_key[s.key], ghash) for s in ordered])
+    put(artifacts.BASELINE_TICKET_STATS.name, [ticket_stats_row(s, by_key[s.key], ghash) for s in ordered])
     wrong = [s for s in ordered if not s.correct]
-    put(BASELINE_WRONG, [case_row(s, by_key[s.key], mission, ghash, reasons=3) for s in wrong])
-    put(BASELINE_NP, [case_row(s, by_key[s.key], mission, ghash, reasons=5) for s in wrong if s.gt_label == "pass"])
-    put(BASELINE_NG, [case_row(s, by_key[s.key], mission, ghash, reasons=5) for s in wrong if s.gt_label == "fail"])
-    put(BASELINE_STEPS, step_rows(result, tickets, logging_steps=logging_steps, chunk_size=chunk_size,
-                                  label=STEPS_LABEL, now=now))
-    put(HARD_CASES, hard_case_rows(stats, iteration=1, sampler="baseline", limit=hard_case_limit,
-                                   mission=mission, guidance_hash=ghash, now=now))
+    cases = {artifacts.BASELINE_WRONG: (wrong, 3),
+             artifacts.BASELINE_NP: ([s for s in wrong if s.gt_label == "pass"], 5),
+             artifacts.BASELINE_NG: ([s for s in wrong if s.gt_label == "fail"], 5)}
+    for entry, (chosen, reasons) in cases.items():
+        put(entry.name, [case_row(s, by_key[s.key], mission, ghash, reasons=reasons) for s in chosen])
+    put(artifacts.BASELINE_STEPS.name, step_rows(result, tickets, logging_steps=settings.logging_steps,
+                                                 chunk_size=chunk_size, label=STEPS_LABEL, now=now))
+    put(artifacts.HARD_CASES.name, hard_case_rows(stats, iteration=1, sampler="baseline", mission=mission,
+                                                  limit=settings.hard_case_limit, guidance_hash=ghash, now=now))
     if save_rollouts:
-        name = str(rollouts_path(run_dir, "audit").relative_to(Path(run_dir)))
-        put(name, rollout_rows(result))
-    return {"metrics": metrics, "files": files}
+        put(artifacts.rollouts_name("audit"), rollout_rows(result))
+    return metrics, files
 
 
-def ticket_stats_row(s: verdicts.TicketStats, ticket, guidance_hash: str) -> dict:
-    """``baseline_ticket_stats.jsonl`` row (upstream fields + difficulty, guidance_hash)."""
-    return {
-        "ticket_key": s.key,
-        "gt_label": s.gt_label,
-        "majority_pred": s.majority,
-        "agreement": s.agreement,
-        "difficulty": s.difficulty,
-        "hard_wrong": s.hard_wrong,
-        "pass_count": s.pass_count,
-        "fail_count": s.fail_count,
-        "invalid_count": s.invalid_count,
-        "total_samples": s.total_samples,
-        "n_images": len(ticket.per_image),
-        "guidance_hash": guidance_hash,
-    }
+def ticket_stats_row(s: verdicts.TicketStats, ticket, guidance_hash: str) -> TicketStatsRow:
+    return TicketStatsRow(
+        ticket_key=s.key, gt_label=s.gt_label, majority_pred=s.majority, agreement=s.agreement,
+        difficulty=s.difficulty, hard_wrong=s.hard_wrong, pass_count=s.pass_count, fail_count=s.fail_count,
+        invalid_count=s.invalid_count, total_samples=s.total_samples, n_images=len(ticket.per_image),
+        guidance_hash=guidance_hash)
 
 
-def case_row(s: verdicts.TicketStats, ticket, mission: str, guidance_hash: str, *, reasons: int) -> dict:
-    """``baseline_wrong/np/ng_cases.jsonl`` row; ``reason_samples`` keeps the first
-    ``reasons`` (3 for wrong cases, 5 for np/ng, as upstream)."""
-    return {
-        "ticket_key": s.key,
-        "group_id": ticket.group_id,
-        "mission": mission,
-        "gt_label": s.gt_label,
-        "majority_pred": s.majority,
-        "agreement": s.agreement,
-        "hard_wrong": s.hard_wrong,
-        "verdict_samples": list(s.verdicts),
-        "reason_samples": list(s.reasons[:reasons]),
-        "per_image": dict(ticket.per_image),
-        "guidance_hash": guidance_hash,
-    }
+def case_row(s: verdicts.TicketStats, ticket, mission: str, guidance_hash: str, *, reasons: int) -> CaseRow:
+    """``reason_samples`` keeps the first ``reasons`` (3 for wrong cases, 5 for np/ng, as upstream)."""
+    return CaseRow(
+        ticket_key=s.key, group_id=ticket.group_id, mission=mission, gt_label=s.gt_label, majority_pred=s.majority,
+        agreement=s.agreement, hard_wrong=s.hard_wrong, verdict_samples=list(s.verdicts),
+        reason_samples=list(s.reasons[:reasons]), per_image=dict(ticket.per_image), guidance_hash=guidance_hash)
 
 
 def step_rows(result: RolloutResult, tickets, *, logging_steps: int, chunk_size: int, label: str,
-              now: str) -> list[dict]:
+              now: str) -> list[AuditStepRow]:
     """``baseline_metrics_steps.jsonl``: metrics over the first k tickets of the run order
     (``n_done``), for k = logging_steps, 2*logging_steps, ..., n; ``n_total`` is n in every
     row, as upstream. Computed from the final results, so deterministic; ``elapsed_sec``
@@ -198,22 +147,9 @@ def step_rows(result: RolloutResult, tickets, *, logging_steps: int, chunk_size:
         used = [result.stats[t.key] for t in head if t.key in result.stats]
         m = verdicts.compute_metrics(used)
         chunks = result.chunk_done_s[: -(-k // chunk_size)]
-        rows.append({
-            "timestamp": now,
-            "label": label,
-            "batch_index": index,
-            "total_batches": len(bounds),
-            "n_total": n,
-            "n_done": k,
-            "n_used": len(used),
-            "n_dropped_overlength": k - len(used),
-            "acc": m.acc,
-            "fn": m.fn,
-            "fp": m.fp,
-            "tp": m.tp,
-            "fn_rate": m.fn_rate,
-            "fp_rate": m.fp_rate,
-            "elapsed_sec": round(max(chunks, default=0.0), 3),
-            "guidance_hash": result.guidance_hash,
-        })
+        rows.append(AuditStepRow(
+            timestamp=now, label=label, batch_index=index, total_batches=len(bounds), n_total=n, n_done=k,
+            n_used=len(used), n_dropped_overlength=k - len(used), acc=m.acc, fn=m.fn, fp=m.fp, tp=m.tp,
+            fn_rate=m.fn_rate, fp_rate=m.fp_rate, elapsed_sec=round(max(chunks, default=0.0), 3),
+            guidance_hash=result.guidance_hash))
     return rows

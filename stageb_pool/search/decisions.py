@@ -12,31 +12,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-import msgspec
-
+from ..artifact_rows import IterationRow
 from ..stageb.text import short
 from .summary import brief
-
-
-class IterationRow(msgspec.Struct):
-    """``rule_search_iterations.jsonl``: one completed iteration (docs/artifacts.md).
-    ``candidates_proposed`` = the rejected ones + ``candidates_evaluated``."""
-
-    iteration: int
-    mission: str
-    guidance_step: int
-    guidance_hash: str
-    proposer_calls: int
-    proposer_parsed: int
-    candidates_proposed: int
-    candidates_rejected: dict[str, int]  # reason kind -> count (never A/B-tested)
-    candidates_evaluated: int  # A/B rollouts done
-    decision: str  # accepted | rejected | no_candidates
-    accepted_candidate: str | None
-    reasons: list[str]
-    baseline: dict  # {"train": metrics, "eval": metrics | null}
-    best_candidate: dict | None  # the applied one, else the largest RER (earliest on ties), with its gate reason
-    guidance_step_after: int
 
 
 # Specifics after these marks (a quoted word, a target, a rule key) are dropped, so that

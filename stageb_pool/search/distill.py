@@ -16,11 +16,10 @@ from pathlib import Path
 
 import msgspec
 
+from ..artifact_rows import DistillRow
+from ..artifacts import DISTILL
 from ..stageb.prompts import build_messages
 from .rollout import rollout_spec
-from .rows import DistillRow
-
-DISTILL_DEFAULT = "distill_chatml.jsonl"
 
 
 def distill_sampler(train_sampler, temperature: float | None):
@@ -77,7 +76,7 @@ def export_distillation(recorder, *, tickets: list, guidance, settings, train_sa
                         distill_sampler(train_sampler, settings.distill_temperature))
     result = recorder.wait([runner.submit(spec)])[0]
     rows = distill_rows(chosen, result, runner.profile, guidance)
-    path = Path(settings.log_chatml_path) if settings.log_chatml_path else run_dir / DISTILL_DEFAULT
+    path = Path(settings.log_chatml_path) if settings.log_chatml_path else run_dir / DISTILL.name
     recorder.write_jsonl(path, rows)
     log.info("distillation: %d of %d tickets exported to %s", len(rows), len(chosen), path)
     return {"path": path.name if path.parent == run_dir else str(path), "tickets": len(chosen),

@@ -11,11 +11,11 @@ import re
 import stat
 from pathlib import Path
 
+from ..artifacts import GUIDANCE, SNAPSHOT_PATTERN, SNAPSHOTS_DIR, snapshot_name
 from ..stageb.guidance import Guidance, load_guidance, section_of
 from .fileio import remove, write_json
 
-GUIDANCE_FILE = "guidance.json"
-_SNAPSHOT = re.compile(r"^guidance-step(\d+)\.json$")
+_SNAPSHOT = re.compile(SNAPSHOT_PATTERN)
 
 
 class GuidanceStore:
@@ -27,8 +27,8 @@ class GuidanceStore:
         self.run_dir = Path(run_dir)
         self.mission = mission
         self.retention = retention
-        self.path = self.run_dir / GUIDANCE_FILE
-        self.snapshot_dir = self.run_dir / "snapshots"
+        self.path = self.run_dir / GUIDANCE.name
+        self.snapshot_dir = self.run_dir / SNAPSHOTS_DIR
 
     def exists(self) -> bool:
         return self.path.is_file()
@@ -62,7 +62,7 @@ class GuidanceStore:
         Returns the snapshot path (None when there was no ``old``)."""
         snapshot = None
         if old is not None:
-            snapshot = self.snapshot_dir / f"guidance-step{old.step:04d}.json"
+            snapshot = self.run_dir / snapshot_name(old.step)
             write_json(snapshot, self.document(old))
             self._prune()
         self.write(new)

@@ -37,12 +37,12 @@ from pathlib import Path
 
 import msgspec
 
+from ..artifacts import HEADROOM
 from ..engine.records import VerdictChunk, VerdictChunkResult
 from ..stageb.hashing import content_hash, stable_seed
 from .fileio import write_json
 from .chunk_cost import prompt_chars
 
-HEADROOM_FILE = "judge_headroom.json"
 DECIMALS = 6  # rounding of every derived number in the file (the engine rounds P(pass) too)
 SUMMARY_KEYS = ("auc", "tickets", "pass_share", "separates")  # what summary.json repeats
 
@@ -203,7 +203,7 @@ def run_headroom(runner, *, tickets: list, guidance: dict[str, str], settings: H
             else:
                 per_ticket.append({"key": ticket.key, "label": ticket.label, "p_pass": scored.p_pass})
     doc = report(per_ticket, min_auc=settings.min_auc, dropped=dropped, guidance_hash=content_hash(guidance))
-    write_json(Path(run_dir) / HEADROOM_FILE, doc)
+    write_json(Path(run_dir) / HEADROOM.name, doc)
     if dropped:
         log.warning("judge headroom: %d sampled ticket(s) dropped, prompt over the sampler's max_prompt_tokens",
                     dropped)

@@ -35,9 +35,11 @@ from ..stageb.hashing import content_hash
 from ..stageb.proposer_schema import proposer_schema
 from ..stageb.tickets import Ticket
 from ..stageb.verdicts import Metrics, compute_metrics
+from .. import artifacts
+from ..artifact_rows import ProposerAnswerRow, ProposerFailureRow
 from . import rows
 from .rollout import ChatFailure, RolloutResult, RolloutSpec, rollout_spec
-from .rundir import HARD_CASES, PROPOSER_ANSWERS, PROPOSER_FAILURES, utc_timestamp
+from .rundir import utc_timestamp
 
 
 class IterationInput(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,12 +79,12 @@ class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
     candidates: list[Evaluated]
     applied: Evaluated | None  # the edit to apply (one of ``candidates``)
     rejected_ids: list[str]  # this iteration's candidates that were not promoted
-    proposers: list[rows.ProposerAnswerRow] = []  # one per proposer call (none: no call)
+    proposers: list[ProposerAnswerRow] = []  # one per proposer call (none: no call)
     rejections: list[str] = []  # why each candidate that never reached the A/B test was rejected
     ablation_note: str | None = None  # why no ablation candidate filled up, when none could
 
     @property
-    def proposer(self) -> rows.ProposerAnswerRow | None:
+    def proposer(self) -> ProposerAnswerRow | None:
         """The first proposer call's answer row (None: no call)."""
         return self.proposers[0] if self.proposers else None
 
@@ -121,7 +123,7 @@ def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) ->
     seed_key = pool_seed_key(settings.seed, inp.pool)
     log.info("iteration %d: %d train tickets, guidance step %d (%s)", it, len(inp.pool), g.step, g.hash)
     base = recorder.wait([runner.submit(baseline_spec(inp, settings))])[0]
-    recorder.append(HARD_CASES, rows.hard_case_rows(
+    recorder.append(artifacts.HARD_CASES.name, rows.hard_case_rows(
         base.stats, iteration=it, sampler="train", limit=max(100, 4 * rs.reflect_size),
         mission=settings.mission, guidance_hash=g.hash, now=utc_timestamp()))
     outcome = IterationOutcome(iteration=it, guidance=g, pool_keys=[t.key for t in inp.pool],
@@ -146,8 +148,8 @@ def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) ->
             log.warning("iteration %d: the proposer answer%s is unusable (%s); no proposer candidates", it, which,
                         answer.error)
     previews, ablation_note = _previews(inp, settings, proposed, example_keys, failures)
-    recorder.append(PROPOSER_ANSWERS, answers)
-    recorder.append(PROPOSER_FAILURES, failures.rows)
+    recorder.append(artifacts.PROPOSER_ANSWERS.name, answers)
+    recorder.append(artifacts.PROPOSER_FAILURES.name, failures.rows)
     evaluated = _evaluate(inp, settings, recorder, seed_key, base, eval_base, previews, on_gate)
     evaluated, applied = _choose(evaluated)
     return msgspec.structs.replace(
@@ -169,7 +171,7 @@ class Failures:
 
     def __init__(self, iteration: int, mission: str, examples: int):
         self.iteration, self.mission, self.examples = iteration, mission, examples
-        self.rows: list[rows.ProposerFailureRow] = []
+        self.rows: list[ProposerFailureRow] = []
 
     def add(self, error: str, *, stage: str, chat=None, raw: str | None = None, **entry) -> None:
         self.rows.append(rows.failure_row(
@@ -245,12 +247,12 @@ def _merge_proposals(inp: IterationInput, settings, runner, chats: list, request
 
 
 def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str], examples_text: str,
-                     failures: Failures) -> tuple[list[proposer.Candidate], rows.ProposerAnswerRow]:
+                     failures: Failures) -> tuple[list[proposer.Candidate], ProposerAnswerRow]:
     """The proposer's valid candidates and its answer row; every failure and rejection
     becomes a failure row. A proposer call that raised leaves the iteration with no proposer
     candidates (the ablation fill still runs), as upstream."""
     rs = settings.rule_search
-    answer = rows.ProposerAnswerRow(iteration=inp.iteration, mission=settings.mission,
+    answer = ProposerAnswerRow(iteration=inp.iteration, mission=settings.mission,
                                     constrained=rs.constrain_proposer, parsed=False)
     if isinstance(chat, ChatFailure):
         failures.add(chat.error, stage="generate")

@@ -136,7 +136,7 @@ class RolloutRunner(SpeculativeSubmissions):
         self._cache: dict[str, ChunkResult] = {}
         self._inflight: dict[str, object] = {}  # cache key -> pool task, submitted, not yet gathered
         self._done_s: dict[str, float] = {}
-        self._profile_snapshot = None
+        self._profile_shared = None
         self._verdicts = verdicts.VerdictParser(profile.verdict)  # answers repeat: each distinct one parsed once
         self.on_progress = None  # called at the start of every wait and after each of its event-loop turns
         self._start_speculation()
@@ -145,12 +145,12 @@ class RolloutRunner(SpeculativeSubmissions):
 
     def submit(self, spec: RolloutSpec) -> Pending:
         """Queue every chunk of ``spec`` that is neither cached nor already in flight. What
-        all chunks share (the guidance and profile snapshots, the guidance's part of the
+        all chunks share (the guidance and profile as shared values, the guidance's part of the
         cost estimate, the sampler's fields) is encoded or computed once per rollout."""
         guidance_hash = spec.guidance_hash
         sampler = msgspec.to_builtins(spec.sampler)
         rules_chars = guidance_chars(spec.guidance)
-        shared = None  # the snapshots, encoded at the first chunk to generate
+        shared = None  # the shared values, encoded at the first chunk to generate
         parts = []
         for index, start in enumerate(range(0, len(spec.tickets), self.chunk_size)):
             tickets = spec.tickets[start : start + self.chunk_size]
@@ -182,10 +182,10 @@ class RolloutRunner(SpeculativeSubmissions):
         return Pending(spec, guidance_hash, self._claim(parts, spec.name))
 
     def _shared_profile(self):
-        """The profile's snapshot, encoded once per runner."""
-        if self._profile_snapshot is None:
-            self._profile_snapshot = self.pool.share(self.profile)
-        return self._profile_snapshot
+        """The profile as a shared value, encoded once per runner."""
+        if self._profile_shared is None:
+            self._profile_shared = self.pool.share(self.profile)
+        return self._profile_shared
 
     def submit_chat(self, request: ChatRequest) -> Pending:
         """Queue one free-form generation (the proposer); ``wait`` returns its ChatResult

@@ -17,6 +17,7 @@ import time
 
 import msgspec
 
+from .. import artifacts
 from ..stageb.guidance import Guidance
 from ..stageb.ticket_pools import split_eval_pool
 from . import decisions, fileio, rows
@@ -26,7 +27,6 @@ from .iteration import IterationInput, IterationOutcome, run_iteration
 from .speculation import Speculation
 from .recorder import Recorder
 from .run_format import redo_warning
-from .rundir import BENCHMARKS, CANDIDATES, ITERATIONS, REGRESSIONS
 from .settings import RunIdentity, SearchSettings
 from .summary import brief, final_metrics, print_summary, search_summary
 
@@ -83,7 +83,7 @@ class RuleSearch:
             # to a run killed before its first commit, the seed guidance and empty artifacts.
             if resume is not None:
                 self.store.write(self.seed_guidance)
-                fileio.remove(self.run_dir / state_mod.STATE_FILE)
+                fileio.remove(self.run_dir / artifacts.STATE.name)
             fresh = self._fresh_state()
             state_mod.truncate_artifacts(self.run_dir, fresh.artifacts)
             return fresh
@@ -162,15 +162,15 @@ class RuleSearch:
         """The outcome's rows; with an edit: snapshot, the new guidance.json, the benchmark row;
         then the decision row and its terminal line."""
         mission = self.settings.mission
-        self.recorder.append(CANDIDATES, rows.candidate_rows(outcome, mission))
-        self.recorder.append(REGRESSIONS, rows.regression_rows(outcome, mission))
+        self.recorder.append(artifacts.CANDIDATES.name, rows.candidate_rows(outcome, mission))
+        self.recorder.append(artifacts.REGRESSIONS.name, rows.regression_rows(outcome, mission))
         c = outcome.applied
         if c is not None:
             with self.recorder.phase("io"):
                 self.store.snapshot_and_write(self.guidance, c.guidance)
-            self.recorder.append(BENCHMARKS, [rows.benchmark_row(outcome, mission)])
+            self.recorder.append(artifacts.BENCHMARKS.name, [rows.benchmark_row(outcome, mission)])
         decision = decisions.iteration_row(outcome, mission)
-        self.recorder.append(ITERATIONS, [decision])
+        self.recorder.append(artifacts.ITERATIONS.name, [decision])
         self.log.info("%s", decisions.iteration_line(decision))
 
     def _commit(self, outcome: IterationOutcome) -> None:
@@ -225,7 +225,7 @@ class RuleSearch:
                                  n_eval=len(self.eval), runner=self.recorder.runner, timing=timing,
                                  headroom=self.headroom)
         # Read back, not kept in memory: a resumed run explains the iterations of every process.
-        iterations = fileio.read_jsonl(self.run_dir / ITERATIONS)
+        iterations = fileio.read_jsonl(self.run_dir / artifacts.ITERATIONS.name)
         summary["why"] = decisions.run_sentence(iterations, edits=len(st.edits), stop_reason=st.stop_reason,
                                                 headroom=summary.get("judge_headroom"))
         print_summary(summary)

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Callable
 
 from ..stageb.errors import InputError
 from .fileio import TMP_SUFFIX, atomic_write_bytes, file_mode, normalise_modes, read_json, remove, write_json
-from .guidance_store import GUIDANCE_FILE
-from .rundir import CANNOT_PREPARE, REPLACED, RUN_FOLDERS, RUN_JSON, RunJson, encoded
+from ..artifacts import GUIDANCE, RUN, RUN_FOLDERS
+from .rundir import CANNOT_PREPARE, REPLACED, RunJson, encoded
 
 if TYPE_CHECKING:  # state.py imports rundir, which this module imports
     from .state import ResumePoint
@@ -72,7 +72,7 @@ class RunDir:
         self.overwrite, self.resume = overwrite, resume
         self.run_json = run_json
         self.first_files = {name: encoded(doc, name) for name, doc in
-                            ((RUN_JSON, run_json and run_json.document()), (GUIDANCE_FILE, seed_guidance))
+                            ((RUN.name, run_json and run_json.document()), (GUIDANCE.name, seed_guidance))
                             if doc is not None}
         self.distillation_file = distillation_file
         self.resume_check = resume_check
@@ -110,8 +110,8 @@ class RunDir:
         if not self.overwrite:
             raise InputError("the run directory already exists: pass --overwrite to replace it or --resume to "
                              "continue it", str(path))
-        if any(path.iterdir()) and not (path / RUN_JSON).exists():
-            raise InputError(f"refusing to --overwrite a non-empty directory without {RUN_JSON}: it does not look "
+        if any(path.iterdir()) and not (path / RUN.name).exists():
+            raise InputError(f"refusing to --overwrite a non-empty directory without {RUN.name}: it does not look "
                              "like a stageb-pool run", str(path))
 
     def _check_distillation_file(self) -> None:
@@ -129,7 +129,7 @@ class RunDir:
     def _recorded_distillation_file(self) -> str | None:
         """The distillation path the run.json being resumed records (resolved), if any."""
         try:
-            recorded = read_json(self.path / RUN_JSON)["config"]["stage_b_distillation"]["log_chatml_path"]
+            recorded = read_json(self.path / RUN.name)["config"]["stage_b_distillation"]["log_chatml_path"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
         return os.path.realpath(recorded) if isinstance(recorded, str) else None
@@ -174,7 +174,7 @@ class RunDir:
             if self.resume:
                 self.clean_up()
             for name, data in self.first_files.items():
-                if not (self.resume and name == GUIDANCE_FILE and (self.path / name).is_file()):
+                if not (self.resume and name == GUIDANCE.name and (self.path / name).is_file()):
                     atomic_write_bytes(self.path / name, data)
         except BaseException:
             self._roll_back()
@@ -255,7 +255,7 @@ class RunDir:
     def record_workers(self, worker_info: dict) -> None:
         """Rewrite run.json with the started workers' engine facts (rank 0's ``engine.info()``)."""
         self._expect(Phase.COMMITTED)
-        write_json(self.path / RUN_JSON, self.run_json.document(worker_info))
+        write_json(self.path / RUN.name, self.run_json.document(worker_info))
 
 
 def check_folders(run_dir: Path) -> None:

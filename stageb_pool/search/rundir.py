@@ -16,24 +16,12 @@ from typing import Any, NamedTuple
 import msgspec
 
 from .. import __version__
+from ..artifacts import rollouts_name
 from ..stageb.errors import InputError
 from ..stageb.inputs import first_lone_surrogate
 from .fileio import json_document
 from .run_format import FORMAT_VERSION
 
-RUN_JSON = "run.json"
-SUMMARY_JSON = "summary.json"
-ROLLOUTS_DIR = "rollouts"
-# The rule search's append-only artifacts (the audit writes HARD_CASES too).
-CANDIDATES = "rule_candidates.jsonl"
-BENCHMARKS = "benchmarks.jsonl"
-HARD_CASES = "rule_search_hard_cases.jsonl"
-REGRESSIONS = "rule_search_candidate_regressions.jsonl"
-PROPOSER_FAILURES = "reflection_cache/rule_search_proposer_failures.jsonl"
-PROPOSER_ANSWERS = "reflection_cache/proposer_answers.jsonl"
-ITERATIONS = "rule_search_iterations.jsonl"
-# The folders a run writes into; each must be a real folder inside the run (check_folders).
-RUN_FOLDERS = ("snapshots", ROLLOUTS_DIR, "reflection_cache")
 REPLACED = ".replaced-"  # the old run of an --overwrite, until the new one has started
 CANNOT_PREPARE = "cannot prepare the run directory (output.root)"
 
@@ -220,11 +208,6 @@ def encoded(doc, name: str) -> bytes:
                          "whose bytes are not UTF-8)", name) from None
 
 
-def artifact(run_dir: str | Path, name: str) -> Path:
-    """Path of an artifact file in the run directory."""
-    return Path(run_dir) / name
-
-
 def rollouts_path(run_dir: str | Path, rollout_id: str) -> Path:
-    """``rollouts/<rollout_id>.jsonl``; ``/`` in ids such as ``train/it3/cand2`` become ``-``."""
-    return Path(run_dir) / ROLLOUTS_DIR / (rollout_id.replace("/", "-") + ".jsonl")
+    """``rollouts/<rollout_id>.jsonl`` (``artifacts.rollouts_name``) in the run directory."""
+    return Path(run_dir) / rollouts_name(rollout_id)

@@ -22,20 +22,17 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 
 from .. import __version__
+from ..artifacts import BENCHMARKS, CANDIDATES, ITERATIONS, STATE, Artifact, committed_names
 from ..stageb.errors import InputError
 from ..stageb.guidance import parse_section
 from ..stageb.ticket_pools import TrainPoolSampler
-from . import fileio, rundir
+from . import fileio
 from .run_format import FORMAT_VERSION, migrate
 from .settings import RunIdentity
 
-STATE_FILE = "state.json"
 # Every append-only artifact of the search, relative to the run directory. Their byte
 # lengths go into state.json; a resume truncates them back to those lengths.
-APPEND_ARTIFACTS = (
-    rundir.CANDIDATES, rundir.BENCHMARKS, rundir.HARD_CASES, rundir.REGRESSIONS, rundir.PROPOSER_FAILURES,
-    rundir.PROPOSER_ANSWERS, rundir.ITERATIONS,
-)
+APPEND_ARTIFACTS = committed_names()
 
 
 # A bound far above any run (runner.epochs is at most 10,000) that still keeps every counter an
@@ -107,7 +104,7 @@ class SearchState(msgspec.Struct, forbid_unknown_fields=True):
 
 def load_state(run_dir: Path) -> SearchState | None:
     """The committed state of ``run_dir``, or None when no iteration has completed."""
-    path = Path(run_dir) / STATE_FILE
+    path = Path(run_dir) / STATE.name
     try:
         return fileio.read_json(path, type=SearchState)
     except FileNotFoundError:
@@ -134,7 +131,7 @@ def _split_key_path(message: str) -> tuple[str, str]:
 def write_state(run_dir: Path, state: SearchState) -> None:
     """Commit ``state``, marked with this version's format and package version (the writer)."""
     state.version, state.tool_version = FORMAT_VERSION, __version__
-    fileio.write_json(Path(run_dir) / STATE_FILE, state)
+    fileio.write_json(Path(run_dir) / STATE.name, state)
 
 
 def artifact_lengths(run_dir: Path) -> dict[str, int]:
@@ -189,7 +186,7 @@ def check_resume(run_dir: Path, identity: RunIdentity, *, train_keys: list[str],
     committed = load_state(run_dir)
     if committed is None:
         return ResumePoint(None, continued=False)
-    if not migrate(committed, identity, str(Path(run_dir) / STATE_FILE)):
+    if not migrate(committed, identity, str(Path(run_dir) / STATE.name)):
         return ResumePoint(committed, continued=False)
     validate_state(committed, run_dir, train_keys=train_keys, start_sampler=start_sampler, store=store)
     return ResumePoint(committed, continued=True)
@@ -219,20 +216,23 @@ def _check_lengths(state: SearchState, run_dir: Path, location: str) -> None:
             raise InputError(f"cannot resume: cannot read {name}: {err.strerror or err}", str(path)) from None
 
 
-def _committed_rows(run_dir: Path, name: str, length: int) -> list[dict]:
-    """The JSON rows in the first ``length`` bytes of an artifact (a row that does not decode
-    was damaged outside the program: refused, naming the file and line)."""
-    path = Path(run_dir) / name
+def _committed_rows(run_dir: Path, artifact: Artifact, length: int) -> list:
+    """The rows in the first ``length`` bytes of an artifact, decoded as its record (a row that
+    does not decode was damaged outside the program: refused, naming the file, line and key)."""
+    path = Path(run_dir) / artifact.name
+    decoder = msgspec.json.Decoder(artifact.record)
     out = []
     data = fileio.read_prefix(path, length) if length else b""
     for number, line in enumerate(data.splitlines(), 1):
         try:
-            row = msgspec.json.decode(line)
+            out.append(decoder.decode(line))
+        except msgspec.ValidationError as err:
+            message, key = _split_key_path(str(err))
+            raise InputError(f"cannot resume: a committed row of {artifact.name} is not one this program wrote "
+                             f"({message})", f"{path}:{number}" + (f": {key}" if key else "")) from None
         except msgspec.DecodeError:
-            row = None
-        if not isinstance(row, dict):
-            raise InputError(f"cannot resume: a committed row of {name} is not a JSON object", f"{path}:{number}")
-        out.append(row)
+            raise InputError(f"cannot resume: a committed row of {artifact.name} is not a JSON object",
+                             f"{path}:{number}") from None
     return out
 
 
@@ -246,27 +246,26 @@ def _check_against_rows(state: SearchState, run_dir: Path, refuse) -> None:
     iterations count the decision rows; edits, baseline, rejected candidates and the no-gain
     streak are what those rows and the benchmark and candidate rows record."""
     lengths = state.artifacts
-    its = _committed_rows(run_dir, rundir.ITERATIONS, lengths[rundir.ITERATIONS])
-    if len(its) != state.iteration or [r.get("iteration") for r in its] != list(range(1, len(its) + 1)):
-        refuse(f"iteration {state.iteration}, but {rundir.ITERATIONS} commits {len(its)} iteration rows", "iteration")
+    its = _committed_rows(run_dir, ITERATIONS, lengths[ITERATIONS.name])
+    if len(its) != state.iteration or [r.iteration for r in its] != list(range(1, len(its) + 1)):
+        refuse(f"iteration {state.iteration}, but {ITERATIONS.name} commits {len(its)} iteration rows", "iteration")
     streak = 0
     for r in its:
-        streak = 0 if r.get("decision") == "accepted" else streak + 1
+        streak = 0 if r.decision == "accepted" else streak + 1
     if state.no_gain != streak:
         refuse(f"no_gain {state.no_gain}, but the committed iteration rows end {streak} without an edit", "no_gain")
-    if its and msgspec.to_builtins(state.baseline) != its[0].get("baseline"):
-        refuse(f"not the baseline of iteration 1 in {rundir.ITERATIONS}", "baseline")
-    bench = _committed_rows(run_dir, rundir.BENCHMARKS, lengths[rundir.BENCHMARKS])
-    recorded = [{"iteration": r.get("iteration"), "candidate_id": r.get("candidate_id"), "op": r.get("op"),
-                 "relative_error_reduction": r.get("relative_error_reduction"),
-                 "guidance_step": r.get("guidance_step_after"), "guidance_hash": r.get("guidance_hash")}
-                for r in bench]
-    if msgspec.to_builtins(state.edits) != recorded:
-        refuse(f"not the {len(bench)} accepted edits {rundir.BENCHMARKS} commits", "edits")
-    cands = _committed_rows(run_dir, rundir.CANDIDATES, lengths[rundir.CANDIDATES])
-    rejected = sorted({str(r.get("candidate_id")) for r in cands if r.get("decision") != "promoted"})
+    if its and msgspec.to_builtins(state.baseline) != its[0].baseline:
+        refuse(f"not the baseline of iteration 1 in {ITERATIONS.name}", "baseline")
+    bench = _committed_rows(run_dir, BENCHMARKS, lengths[BENCHMARKS.name])
+    recorded = [Edit(iteration=r.iteration, candidate_id=r.candidate_id, op=r.op,
+                     relative_error_reduction=r.relative_error_reduction, guidance_step=r.guidance_step_after,
+                     guidance_hash=r.guidance_hash) for r in bench]
+    if state.edits != recorded:
+        refuse(f"not the {len(bench)} accepted edits {BENCHMARKS.name} commits", "edits")
+    cands = _committed_rows(run_dir, CANDIDATES, lengths[CANDIDATES.name])
+    rejected = sorted({r.candidate_id for r in cands if r.decision != "promoted"})
     if state.rejected_ids != rejected:
-        refuse(f"not the {len(rejected)} candidates {rundir.CANDIDATES} commits as not promoted", "rejected_ids")
+        refuse(f"not the {len(rejected)} candidates {CANDIDATES.name} commits as not promoted", "rejected_ids")
 
 
 def _check_sampler(state: SearchState, train_keys: list[str], start: TrainPoolSampler, refuse) -> None:
@@ -302,7 +301,7 @@ def validate_state(state: SearchState, run_dir: Path, *, train_keys: list[str], 
 
     ``train_keys``: the run's train tickets in train order (the sampler indexes them);
     ``start_sampler``: the sampler a fresh run starts with (``TrainPoolSampler.start``)."""
-    location = str(Path(run_dir) / STATE_FILE)
+    location = str(Path(run_dir) / STATE.name)
 
     def refuse(message: str, key: str):
         raise InputError(f"cannot resume: {message}", f"{location}: {key}")

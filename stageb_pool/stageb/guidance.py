@@ -54,7 +54,7 @@ class Guidance(msgspec.Struct, dict=True):
 
     @cached_property
     def hash(self) -> str:
-        """What rollouts, pool snapshots and artifact rows refer to: the rule texts only."""
+        """What rollouts, the pool's shared values and artifact rows refer to: the rule texts only."""
         return content_hash(self.experiences)
 
 

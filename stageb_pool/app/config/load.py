@@ -16,7 +16,7 @@ import stat
 
 import msgspec
 
-from ...engine import model_path
+from ...engine import models
 from ...stageb.errors import InputError
 from ..upstream_config import Translation, is_upstream, translate
 from .checks import validate
@@ -73,14 +73,14 @@ def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = Tr
 
 
 def load_checked_config(path: str | os.PathLike, overrides=(), *,
-                        upstream_root: str | None = None) -> tuple[Config, model_path.ModelRef]:
+                        upstream_root: str | None = None) -> tuple[Config, models.ModelRef]:
     """``load_config`` with its file checks, and the model path they checked: the start of a
     run plan (``plan.plan_command``), which so checks the model path once."""
     return _load(path, overrides, check_files=True, upstream_root=upstream_root, announce=True)
 
 
 def _load(path, overrides, *, check_files: bool, upstream_root: str | None,
-          announce: bool) -> tuple[Config, model_path.ModelRef | None]:
+          announce: bool) -> tuple[Config, models.ModelRef | None]:
     """The config and, with ``check_files``, its checked model (else None)."""
     where, raw, translation = read_config(path, upstream_root=upstream_root)
     if translation is not None and announce:
@@ -217,7 +217,7 @@ def input_files(cfg: Config) -> list[tuple[str, str]]:
     return found
 
 
-def _check_files(cfg: Config, where: str) -> model_path.ModelRef:
+def _check_files(cfg: Config, where: str) -> models.ModelRef:
     """Input files must be regular files before a run starts (nothing is created for a missing
     input, and a FIFO is never opened: it would block the run forever); the model path is
     checked (``check_model_path``) into the ModelRef the run loads."""
@@ -228,7 +228,7 @@ def _check_files(cfg: Config, where: str) -> model_path.ModelRef:
     if os.path.isabs(cfg.prompt.profile) and not os.path.isdir(cfg.prompt.profile):
         raise InputError(f"prompt profile directory not found: {cfg.prompt.profile}", f"{where}: prompt.profile")
     try:
-        return model_path.check_model_path(cfg.model.path)
+        return models.check_model_path(cfg.model.path)
     except InputError as err:
         raise InputError(f"{err.message}: {cfg.model.path}", f"{where}: model.path") from None
 

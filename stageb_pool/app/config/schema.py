@@ -17,7 +17,10 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
-from ...engine.records import SamplerConfig, SimulatedSettings, VllmSettings
+from ...engine.records import SamplerConfig
+from ...engine.registry import ENGINES
+from ...engine.simulated_engine import SimulatedSettings
+from ...engine.vllm_engine import VllmSettings
 from ...pool.devices import MAX_THREADS_PER_WORKER
 
 # Constrained scalar types: msgspec checks these while converting and reports the key path.
@@ -64,7 +67,7 @@ class ModelConfig(_Section, kw_only=True):
     trust_remote_code: bool = False  # passed to transformers when loading a checkpoint
     stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
     # the generation engine in each worker (vllm: bin/setup-vllm; simulated: a latency model for benchmarks, not a model)
-    engine: Literal["transformers", "vllm", "simulated"] = "transformers"
+    engine: Literal[tuple(ENGINES)] = next(iter(ENGINES))  # the names of engine/registry.py
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)  # the vllm engine's pinned settings
     gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker); the GPU count must be a multiple
     simulated: SimulatedSettings = msgspec.field(default_factory=SimulatedSettings)  # the simulated engine's latency model

@@ -1,10 +1,5 @@
-"""Shared values ("snapshots", e.g. the guidance) sent to each worker once.
-
-``SnapshotStore`` is the parent's side: each distinct value is encoded once and keyed by
-the hash of its bytes, and kept while a task needs it. ``SnapshotCache`` is the parent's
-mirror of what one worker holds: an LRU of ``SNAPSHOT_CACHE_SIZE`` keys whose evictions
-travel with the next ``Snapshot`` frame, so the worker's cache is exactly what the parent
-believes it is.
+"""Shared values (``Pool.share``, e.g. the guidance), sent to each worker once: the parent's
+store (``SharedStore``) and its LRU mirror of one worker's cache (``SharedCache``).
 """
 
 from __future__ import annotations
@@ -16,18 +11,17 @@ from typing import NamedTuple
 from . import protocol
 from .errors import FrameTooLarge
 
-SNAPSHOT_CACHE_SIZE = 8  # distinct shared values each worker keeps (a baseline + candidates)
+SHARED_CACHE_SIZE = 8  # distinct shared values each worker keeps (a baseline + candidates)
 
 
 class SharedValue(NamedTuple):
-    """A shared value encoded once (``Pool.share``): passed to ``submit`` in place of the
-    value, it is neither encoded nor hashed again (a rollout's chunks share one guidance)."""
+    """A shared value encoded once (``Pool.share``), passed to ``submit`` in place of the value."""
 
     key: str
     data: bytes
 
 
-class SnapshotStore:
+class SharedStore:
     """Encoded shared values by key, each with the number of unfinished tasks using it."""
 
     def __init__(self, max_frame: int):
@@ -35,14 +29,12 @@ class SnapshotStore:
         self._values: dict[str, list] = {}  # key -> [encoded value, tasks using it]
 
     def encode(self, value) -> SharedValue:
-        """``value`` encoded and keyed by the hash of its bytes (equal encodings are one
-        snapshot)."""
+        """``value`` encoded and keyed by the hash of its bytes (equal encodings are one value)."""
         data = protocol.encode(value)
         return SharedValue(hashlib.sha256(data).hexdigest()[:16], data)
 
-    def share(self, shared: dict) -> dict[str, str]:
-        """Snapshot keys (name -> key) of shared values; each distinct value is encoded once
-        (a ``SharedValue`` already is)."""
+    def keys(self, shared: dict) -> dict[str, str]:
+        """The keys (name -> key) of shared values, each distinct value encoded once."""
         keys = {}
         for name, value in shared.items():
             key, data = value if isinstance(value, SharedValue) else self.encode(value)
@@ -69,10 +61,10 @@ class SnapshotStore:
         return self._values[key][0]
 
 
-class SnapshotCache:
-    """The parent's bookkeeping of one worker's snapshot cache (least recently used first)."""
+class SharedCache:
+    """The parent's bookkeeping of one worker's cache of shared values (least recently used first)."""
 
-    def __init__(self, capacity: int = SNAPSHOT_CACHE_SIZE):
+    def __init__(self, capacity: int = SHARED_CACHE_SIZE):
         self.capacity = capacity
         self._keys: OrderedDict[str, None] = OrderedDict()
 
@@ -80,10 +72,9 @@ class SnapshotCache:
         return key in self._keys
 
     def admit(self, needed: dict[str, str]) -> list[tuple[str, list[str]]]:
-        """Mark the keys a task needs as used; return ``(key, evict)`` for each key the
-        worker must be sent, with the keys it must drop first. A key this task needs is
-        never evicted: if it needs more values than the capacity, the cache grows."""
-        wanted = set(needed.values())
+        """Mark the keys a task needs as used; ``(key, evict)`` for each key the worker must be
+        sent, with the keys it must drop first. A key the task needs is never evicted (the cache grows
+        instead)."""
         sends = []
         for key in needed.values():
             if key in self._keys:
@@ -91,7 +82,7 @@ class SnapshotCache:
                 continue
             evict = []
             while len(self._keys) >= self.capacity:
-                old = next((k for k in self._keys if k not in wanted), None)
+                old = next((k for k in self._keys if k not in needed.values()), None)
                 if old is None:
                     break
                 del self._keys[old]
