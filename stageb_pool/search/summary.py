@@ -14,7 +14,6 @@ from .rollout import rollout_spec
 
 
 def brief(metrics) -> dict | None:
-    """The summary's view of a Metrics."""
     if metrics is None:
         return None
     return {"n": metrics.n, "acc": metrics.acc, "fp_rate": metrics.fp_rate, "fn_rate": metrics.fn_rate}
@@ -41,7 +40,7 @@ def final_metrics(recorder, settings, guidance, *, first_pool: list, eval_pool: 
 def search_summary(state, settings, guidance, *, final: dict, distillation: dict | None, n_train: int,
                    n_eval: int, runner, timing: dict, headroom: dict | None = None) -> dict:
     """``summary.json`` of the rule search (``job.write_summary`` adds the job's timing and
-    the per-worker throughput). ``headroom``: the judge-headroom check's entry (None: not run)."""
+    the per-worker throughput)."""
     return {
         "mode": "search",
         "mission": settings.mission,
@@ -66,7 +65,6 @@ def search_summary(state, settings, guidance, *, final: dict, distillation: dict
 
 
 def print_summary(summary: dict) -> None:
-    """A few human lines on stdout (the full record is summary.json)."""
     base, final = summary["baseline"], summary["final"]
 
     def fmt(m):

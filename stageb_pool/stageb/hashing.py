@@ -19,12 +19,8 @@ def canonical_json(value) -> bytes:
 
 
 def content_hash(value) -> str:
-    """16 hex digits of sha256 over the canonical JSON of ``value``.
-
-    Used for guidance states, prompt profiles and the pool's shared values: two values with
-    the same hash are treated as the same value everywhere (IPC de-duplication, the
-    rollout cache and every artifact row).
-    """
+    """16 hex digits of sha256 over the canonical JSON of ``value``: equal hashes are the
+    same value everywhere (IPC de-duplication, the rollout cache, every artifact row)."""
     return hashlib.sha256(canonical_json(value)).hexdigest()[:16]
 
 

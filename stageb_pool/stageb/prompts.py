@@ -1,15 +1,13 @@
 """Prompt profiles: the verdict prompt as data (upstream 2.1).
 
 A profile is a directory with ``system.txt`` (or ``system_<domain>.txt``), ``user.txt``
-(the user-message layout) and ``profile.yaml`` (verdict vocabulary, block labels,
-options). ``load_profile`` resolves it for one mission into a self-contained, frozen
-``PromptProfile`` that the parent sends to the workers; ``build_messages`` renders one
-ticket's chat messages from it. Pure Python: no torch, no tokenizer.
+(the user-message layout) and ``profile.yaml``. ``load_profile`` resolves it for one
+mission into a frozen ``PromptProfile`` that the parent sends to the workers;
+``build_messages`` renders one ticket's chat messages from it.
 
-User layout: ``{name}`` placeholders are replaced by text. A line that holds only a
-block placeholder (``{scaffold}``, ``{rules}``, ``{image_stats}``, ``{station_summary}``,
-``{image_summaries}``) is replaced by the block's lines; an empty block removes its line
-and the blank line after it, so optional blocks leave no gap.
+In the layout, ``{name}`` placeholders are replaced by text; a line that holds only a block
+placeholder is replaced by the block's lines, and an empty block removes its line and the
+blank line after it, so optional blocks leave no gap.
 """
 
 from __future__ import annotations
@@ -66,7 +64,6 @@ class ProfileOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ProfileFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The schema of ``profile.yaml``."""
 
     verdict: VerdictVocab
     language: str = "en"
@@ -77,7 +74,6 @@ class ProfileFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class PromptProfile(msgspec.Struct, frozen=True):
-    """A resolved profile: everything a worker needs to render prompts, nothing on disk."""
 
     name: str
     domain: str | None
@@ -106,9 +102,8 @@ def _profile_dir(name_or_path: str, base_dir: str | Path | None) -> Path:
 
 
 def _read_text(path: Path, *, keep_final_newline: bool = False) -> str:
-    """A profile file (regular, UTF-8, a BOM removed, CRLF read as LF). A system text is
-    used as written, final newline included (upstream's system messages end with one); a
-    layout or YAML file loses its trailing newlines."""
+    """A profile file, CRLF read as LF. A system text keeps its final newline (upstream's
+    system messages end with one); a layout loses its trailing newlines."""
     text = inputs.read_text(path, "profile file").replace("\r\n", "\n")
     if not text.strip():
         raise InputError("empty profile file", str(path))
@@ -158,10 +153,8 @@ def resolve_domain(profile: ProfileFile, mission: str) -> str | None:
 def load_profile(
     name_or_path: str, *, mission: str, base_dir: str | Path | None = None, domain: str | None = None
 ) -> PromptProfile:
-    """Resolve a profile for ``mission``. A bare name is looked up under ``base_dir``
-    (default: the built-in profiles, ``stageb_pool/profiles``); anything with a path
-    separator is a directory.
-    ``domain`` overrides the domain derived from the mission prefix."""
+    """Resolve a profile for ``mission``: a bare name under ``base_dir`` (default: the
+    built-in profiles), else a directory. ``domain`` overrides the mission prefix's."""
     directory = _profile_dir(str(name_or_path), base_dir)
     spec = _read_profile_yaml(directory / "profile.yaml")
     domain = domain or resolve_domain(spec, mission)
@@ -203,8 +196,7 @@ def _image_order(key: str) -> int:
 
 def ordered_summaries(per_image: dict[str, str]) -> list[str]:
     """Summaries sorted by the trailing integer of their key (none: 0; ties keep their
-    order), as stored: the obj estimate and the station blocks read them raw, the summary
-    block shows them through ``summaries.strip_summary_headers`` (upstream)."""
+    order), as stored (the summary block strips their headers, the other blocks do not)."""
     return [per_image[k] for k in sorted(per_image, key=_image_order)]
 
 
@@ -249,7 +241,6 @@ def _blocks(profile: PromptProfile, guidance: dict[str, str], mission: str, summ
 
 
 def render_template(template: str, values: dict[str, str]) -> str:
-    """Fill the user layout (see the module docstring for the block-line rule)."""
     out: list[str] = []
     drop_blank = False
     for line in template.split("\n"):
@@ -269,8 +260,8 @@ def render_template(template: str, values: dict[str, str]) -> str:
 
 
 def build_messages(profile: PromptProfile, guidance: dict[str, str], ticket) -> list[dict]:
-    """``[{"role": "system", ...}, {"role": "user", ...}]`` for one ticket (a TicketText,
-    Ticket or dict with ``mission`` and ``per_image``). The label is never shown."""
+    """The system and user messages for one ticket (a TicketText, Ticket or dict); the label
+    is never shown."""
     if not guidance:
         raise ValueError("guidance has no experiences: nothing to put in the prompt")
     mission = ticket["mission"] if isinstance(ticket, dict) else ticket.mission

@@ -1,18 +1,10 @@
-"""The rule proposer's pure parts (upstream 3.4 step 5-7 and 3.5).
+"""The rule proposer's pure parts (upstream 3.4 step 5-7 and 3.5): the examples, the
+prompt (whose examples the worker drops from the end until it fits its token budget), the
+candidates parsed from the answer with every filter (``rule_text``) and ablation removes.
 
-* :func:`select_examples` picks the most confidently wrong tickets of a baseline rollout;
-* :func:`build_proposer_prompt` turns them into a :class:`ProposerPrompt` (system text,
-  user head, examples, user tail), sent as a chat request whose examples the worker drops
-  from the end until the prompt fits its token budget;
-* :func:`extract_json` (``answer_json``) finds the first parseable JSON in the answer;
-* :func:`parse_candidates` applies every validation filter (``rule_text``) and names the
-  reason of each rejection; :func:`ablation_candidates` fills up with ``remove`` candidates.
-
-Differences from upstream, on purpose (the filters' own are in ``rule_text``):
-
-* Target resolution (update/remove/merge) happens here with a logged reason instead of
-  a silent skip during evaluation; every rejection is returned as a row.
-* Reflection ids are a hash of their inputs, not ``uuid4``.
+Differences from upstream, on purpose: target resolution (update/remove/merge) happens
+here with a logged reason instead of a silent skip during evaluation; reflection ids are a
+hash of their inputs, not ``uuid4``.
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ from typing import Iterable, Mapping, Sequence
 
 import msgspec
 
-from .answer_json import extract_json, json_candidates  # noqa: F401 - the proposer's API: callers parse answers here
+from .answer_json import extract_json  # noqa: F401 - the proposer's API: callers parse answers here
 from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
 from .rule_text import copied_identifier, normalize_signature, text_problem
 from .text import CJK_CHAR
@@ -43,9 +35,7 @@ def confidently_wrong(stats: Mapping | Iterable) -> list:
 
 
 def select_examples(stats: Mapping | Iterable, tickets_by_key: Mapping, reflect_size: int) -> list[tuple]:
-    """The ``reflect_size`` most confidently wrong tickets (:func:`confidently_wrong`) as
-    ``(TicketStats, Ticket)`` pairs. Keys without a ticket in ``tickets_by_key`` are skipped.
-    """
+    """The ``reflect_size`` most confidently wrong tickets as ``(TicketStats, Ticket)`` pairs."""
     picked = [(s, tickets_by_key[s.key]) for s in confidently_wrong(stats) if s.key in tickets_by_key]
     return picked[:max(0, int(reflect_size))]
 
@@ -69,7 +59,6 @@ _TEXTS = {
 
 
 def proposer_language(vocab) -> str:
-    """``"zh"`` when the profile's verdict words are Chinese, else ``"en"``."""
     words = f"{getattr(vocab, 'pass_text', '')}{getattr(vocab, 'fail_text', '')}"
     return "zh" if CJK_CHAR.search(words) else "en"
 
@@ -79,7 +68,6 @@ def _experiences(guidance) -> dict[str, str]:
 
 
 def _pair(example) -> tuple:
-    """(stats, ticket) from a pair in either order."""
     a, b = example
     return (b, a) if hasattr(a, "per_image") else (a, b)
 
@@ -98,7 +86,6 @@ def render_example(number: int, stats, ticket, lang: str = "zh") -> str:
 
 
 def render_head(mission: str, guidance, lang: str = "zh") -> str:
-    """Mission, G0, the scaffold block, the modifiable rules with their signatures, intro."""
     t = _TEXTS[lang]
     exp = _experiences(guidance)
     lines = [f"{t['mission']}: {mission}", f"G0: {exp.get('G0', '')}"]
@@ -125,12 +112,8 @@ class ProposerPrompt(msgspec.Struct, frozen=True):
 
 def build_proposer_prompt(system_prompt: str, mission: str, guidance, examples: Sequence, *,
                           lang: str = "zh") -> ProposerPrompt:
-    """The proposer prompt (upstream 3.5 user message), examples as separate strings.
-
-    ``examples`` are ``(TicketStats, Ticket)`` pairs from :func:`select_examples` (either
-    order). Joined with blank lines, head + examples + tail is upstream's user message.
-    ``lang="en"`` translates the labels of the user message for English profiles.
-    """
+    """The proposer prompt; ``examples`` are ``(TicketStats, Ticket)`` pairs (either order).
+    ``lang="en"`` translates the labels of the user message for English profiles."""
     blocks = [render_example(i, *_pair(ex), lang=lang) for i, ex in enumerate(examples, start=1)]
     return ProposerPrompt(system=system_prompt, user_head=render_head(mission, guidance, lang), examples=blocks,
                           user_tail=_TEXTS[lang]["close"])
@@ -202,7 +185,7 @@ def _clean(value) -> str:
 
 
 def _resolve(op: str, target: str, targets: list[str], lookup: dict[str, str]):
-    """(key, merged_from) or a rejection reason string."""
+    """(key, merged_from), or why not."""
     if op in ("update", "remove"):
         key = lookup.get(target)
         if key is None:
@@ -230,7 +213,7 @@ def _resolve(op: str, target: str, targets: list[str], lookup: dict[str, str]):
 
 
 def _entry_targets(op: str, entry: dict):
-    """(target_signature, target_signatures) or a rejection reason string."""
+    """(target_signature, target_signatures), or why not."""
     if op in ("update", "remove"):
         target = normalize_signature(_clean(entry.get("target_signature")))
         return (target, []) if target else "missing target_signature"
@@ -244,8 +227,6 @@ def _entry_targets(op: str, entry: dict):
 
 
 class _Seen:
-    """What earlier entries of the same response already claimed."""
-
     def __init__(self):
         self.signatures: set[str] = set()
         self.ids: set[str] = set()
@@ -311,20 +292,14 @@ def parse_candidates(
     obj, guidance, *, vocab=None, rejected_ids: Iterable[str] = (), limit: int = 3, evidence: Sequence[str] = (),
     examples_text: str = "",
 ) -> tuple[list[Candidate], list[dict]]:
-    """Validate the proposer's JSON (upstream 3.5) into at most ``limit`` candidates.
+    """Validate the proposer's JSON (upstream 3.5) into ``(accepted, rejections)``: at most
+    ``limit`` candidates (later entries are not examined), each rejection ``{"index", "op",
+    "text", "reason"}``. A malformed top level raises ValueError. ``vocab`` None accepts
+    通过/不通过 and pass/fail; ``evidence`` (the example ticket keys) goes into each operation.
 
-    Returns ``(accepted, rejections)``; each rejection is ``{"index", "op", "text",
-    "reason"}`` for ``rule_search_proposer_failures.jsonl``. Entries after the limit is
-    reached are not examined. A malformed top level (not an object, both ``operations``
-    and ``rules``, not a list) raises ValueError. ``vocab`` is the profile's
-    ``VerdictVocab`` (None accepts 通过/不通过 and pass/fail); ``evidence`` (the example
-    ticket keys) goes into each operation.
-
-    Beyond upstream's filters, a rule text is rejected when its signature equals that of a
-    rule text in ``rejected_ids`` (whatever the op: ``repeats a rule text rejected earlier in
-    the run``), or when it copies a ticket key of ``evidence`` or a long digit run of
-    ``examples_text`` (the example blocks the proposer was shown;
-    ``rule_text.copied_identifier``).
+    Beyond upstream's filters, a rule text is rejected when its signature is that of a
+    rejected one, or when it copies an identifier out of the examples
+    (``rule_text.copied_identifier``).
     """
     entries = _operations_list(obj)
     exp = _experiences(guidance)
@@ -372,13 +347,7 @@ def ablation_candidates(guidance, *, rejected_ids: Iterable[str] = (), limit: in
         if not sig or cid in rejected:
             continue
         meta = metadata.get(key)
-        if meta is None:
-            confidence = 1.0
-        elif isinstance(meta, dict):
-            confidence = float(meta.get("confidence", 1.0))
-        else:
-            confidence = float(meta.confidence)
-        scored.append((confidence, key, sig, cid))
+        scored.append((1.0 if meta is None else meta.confidence, key, sig, cid))
     scored.sort(key=lambda item: (item[0], item[1]))
     return [
         Candidate(candidate_id=cid, op="remove", text=None, rationale="ablation_candidate", signature=sig,

@@ -1,19 +1,13 @@
 """The JSON schema a constrained proposer answer is held to (``rule_search.constrain_proposer``).
 
 Built from the current guidance and the profile's verdict words, so the grammar itself rules
-out what the validation filters would reject for form alone: an unknown op, a target that is
-not an existing rule's signature (targets are an ``enum`` of the signatures the prompt
-shows), removing or merging G0, a merge of fewer than two rules, more than
-``num_candidate_rules`` operations, a rule that does not conclude with a verdict word, and an
-answer longer than the token budget (every string is bounded). What a rule *says* is still
-judged by the text filters (``rule_text``), which name why they reject. A merge that names one
-rule twice passes the grammar (llguidance implements no ``uniqueItems``: a schema with it is
-refused, and spelling out every set of distinct targets grows with the powers of the rule
-count); the candidate validation rejects it (``merge names rule G1 twice``).
+out what the validation filters would reject for form alone (an unknown op, a target that is
+not an existing rule's signature, removing or merging G0, too many operations, a rule that
+does not conclude with a verdict word, an over-long string); what a rule *says* is still
+judged by ``rule_text``. A merge that names one rule twice passes the grammar (llguidance
+implements no ``uniqueItems``); the candidate validation rejects it.
 
-Without the schema, small models rarely produce a usable answer: on the demo all three
-answers of the embedded 135M model were cut off at the token budget, one of them prose
-(docs/performance.md).
+Without the schema, small models rarely produce a usable answer (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -60,16 +54,8 @@ def _operation(op: str, fields: dict) -> dict:
 
 def proposer_schema(guidance, vocab, *, max_operations: int) -> dict:
     """The schema of ``{"operations": [...]}`` with 1 to ``max_operations`` entries, each one
-    of the operations the guidance allows (docs/formats.md); ``vocab`` is the profile's
-    VerdictVocab:
-
-    * ``upsert``: ``text``;
-    * ``update``: ``target_signature`` (any learnable rule, G0 included) and ``text``;
-    * ``merge``: ``target_signatures`` (2 or more rules other than G0) and ``text``;
-    * ``remove``: ``target_signature`` (a learnable rule other than G0).
-
-    Operations without a possible target are left out (no ``remove`` when G0 is the only
-    rule). Property order is the order the model writes them in."""
+    of the operations the guidance allows (docs/formats.md; an operation without a possible
+    target is left out). Property order is the order the model writes them in."""
     experiences = dict(getattr(guidance, "experiences", guidance))
     learnable = sorted(k for k in experiences if LEARNABLE_KEY.match(k))
     signatures = {k: normalize_signature(experiences[k]) for k in learnable}

@@ -3,15 +3,11 @@ text must pass before it becomes a candidate (upstream 3.5, ``ReflectionEngine``
 validators), in upstream's order: Stage-A leak, third-state wording, hedged negation,
 binary outcome, scaffold conflict, brand dimension.
 
-Differences from upstream, on purpose:
-
-* Traditional -> Simplified Chinese conversion is skipped (``zhconv`` is not a
-  dependency; upstream also ran without it when it was not installed).
-* The Stage-A leak filter catches ``image1``-style text (upstream's ``image\\d`` pattern
-  was a raw string matching a literal backslash) and ``复核`` in object chains; it finds a
-  summary the way the prompt's summary parser does (anywhere in the text).
-* English word lists sit next to the Chinese ones so the generic profile is filtered too;
-  the binary-outcome check uses the verdict words of the profile's vocabulary.
+Differences from upstream, on purpose: no Traditional -> Simplified conversion (``zhconv``
+is not a dependency; upstream ran without it too when it was missing); the leak filter
+catches ``image1``-style text (upstream's pattern matched a literal backslash) and finds a
+summary anywhere, as the prompt's parser does; English word lists sit next to the Chinese
+ones, and the binary-outcome check uses the profile's verdict words.
 """
 
 from __future__ import annotations
@@ -41,10 +37,9 @@ LONG_DIGIT_RUN = re.compile(r"\d{6,}")
 
 
 def copied_identifier(text: str, *, ticket_keys: Iterable[str], examples_text: str) -> str | None:
-    """Why a rule text copies an identifier out of the proposer's examples, or None: a ticket
-    key (or its group id, the part before ``::``) of an example, compared casefolded, or a
-    run of 6+ digits that also occurs in the examples' text. Such a rule names tickets, not a
-    condition, and cannot generalise: it is rejected before any rollout is spent on it."""
+    """Why a rule text copies an identifier out of the proposer's examples (a ticket key or
+    group id, casefolded, or a digit run of the examples' text), or None: such a rule names
+    tickets, not a condition, and cannot generalise."""
     folded = (text or "").casefold()
     for key in ticket_keys:
         for name in dict.fromkeys((key, key.split("::", 1)[0])):
@@ -57,7 +52,6 @@ def copied_identifier(text: str, *, ticket_keys: Iterable[str], examples_text: s
 
 
 def _check_form(text: str) -> str:
-    """Form used by the word-list filters: spaces normalised, lower-cased, ``_``/``-`` as spaces."""
     value = normalize_spaces(text or "").lower().replace("_", " ").replace("-", " ")
     return normalize_spaces(value)
 
@@ -98,10 +92,9 @@ def _is_json_object(text: str) -> bool:
 
 
 def is_stage_a_leak(text: str) -> bool:
-    """Pasted Stage-A summary text: a summary object anywhere in the text (a header line
-    before it, inside a sentence, on the last line, or a ``统计=[...]`` assignment: what the
-    prompt's summary parser would read as one), any JSON object, ``标签/``, an image
-    reference (``image_3``, ``image3``, ``Image 3``), or ``/``-joined object chains."""
+    """Pasted Stage-A summary text: a summary object anywhere in the text (what the prompt's
+    summary parser would read as one), any JSON object, ``标签/``, an image reference
+    (``image_3``, ``Image 3``), or ``/``-joined object chains."""
     stripped = (text or "").strip()
     if extract_summary_json(stripped) is not None or _is_json_object(stripped):
         return True
@@ -134,7 +127,7 @@ def _verdict_words(vocab) -> tuple[list[str], list[str]]:
 
 
 def _polarity(text: str, vocab) -> tuple[bool, bool]:
-    """(concludes fail, concludes pass) of a rule text."""
+    """(concludes fail, concludes pass)."""
     form = _check_form(text)
     pass_words, fail_words = _verdict_words(vocab)
     fail_terms = [w.lower() for w in fail_words] + list(_EXTRA_FAIL)

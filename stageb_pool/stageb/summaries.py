@@ -2,11 +2,10 @@
 summary, with upstream's exact rules (``src/utils/summary_json.py``, the obj estimate of its
 prompt builder and the BBU clean-up of its ingest).
 
-A summary is usually one JSON line ``{"统计": [{"类别": ..., <attribute>: {<value>: count}}],
-"备注": [...]}``, possibly after a ``<DOMAIN=...>, <TASK=...>`` header line, and sometimes
-free text (``螺丝，标签``) or ``无关图片`` (an irrelevant photo). Parsing never raises: text
-that does not parse is free text. Nesting is bounded before ``json.loads`` sees the text, so
-a hostile summary cannot raise RecursionError in a worker.
+A summary is usually one JSON line ``{"统计": [...], "备注": [...]}``, possibly after a
+``<DOMAIN=...>, <TASK=...>`` header line, sometimes free text or ``无关图片`` (an irrelevant
+photo). Parsing never raises (nesting is bounded before ``json.loads``): text that does not
+parse is free text.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Text forms shared by the domain modules: upstream's space normalisation, the trailing
-integer of a key, and the brackets of JSON-like text outside its string literals.
-
-They are comparison, ordering and scanning helpers: nothing here changes what is stored or shown.
-"""
+"""Text forms shared by the domain modules for comparing, ordering and scanning: nothing here
+changes what is stored or shown."""
 
 from __future__ import annotations
 
@@ -45,23 +42,21 @@ _WHITESPACE = re.compile(r"\s+")
 
 
 def verdict_word_form(value: str, *, loose: bool = False) -> str:
-    """Upstream's form of a verdict word: stripped, spaces normalised (whitespace between
-    CJK characters dropped), ASCII spaces removed, lower-cased: ``" 不 通过 "`` ->
-    ``"不通过"``, while ``"pa\\tss"`` and ``"pass."`` stay distinct from ``"pass"``.
-    ``loose`` (a profile's ``verdict.loose``) also removes every whitespace and trailing
-    。/. runs, so those become ``"pass"`` too."""
+    """Upstream's form of a verdict word: spaces normalised, ASCII spaces removed, lower-cased
+    (``" 不 通过 "`` -> ``"不通过"``; ``"pass."`` stays distinct from ``"pass"``). ``loose``
+    also removes every whitespace and trailing 。/."""
     if loose:
         return _WHITESPACE.sub("", value).lower().rstrip("。.")
     return normalize_spaces(value.strip()).strip().replace(" ", "").lower()
 
 
 class IndexTooLong(ValueError):
-    """A key's trailing number has more than ``MAX_INDEX_DIGITS`` digits."""
+    pass
 
 
 def trailing_index(key: str) -> int | None:
-    """The integer at the end of ``key`` (``image_7`` -> 7, ``图片_01`` -> 1, ``G12`` -> 12),
-    None when it has no trailing digits. Raises IndexTooLong for an absurd digit run."""
+    """The integer at the end of ``key`` (``图片_01`` -> 1), or None; IndexTooLong past
+    ``MAX_INDEX_DIGITS`` digits."""
     m = _TRAILING_DIGITS.search(key)
     if m is None:
         return None
@@ -84,9 +79,8 @@ def short(text: str, limit: int = 40) -> str:
 
 
 def brackets_outside_strings(text: str, start: int) -> Iterator[tuple[int, str]]:
-    """``(index, char)`` of every ``{``, ``}``, ``[`` and ``]`` from ``start`` on that is not
-    inside a JSON string literal (escapes respected): what brace matching in model output
-    and Stage-A summaries, which may be cut off or malformed, is built on."""
+    """``(index, char)`` of every bracket from ``start`` on outside JSON string literals
+    (escapes respected), in text that may be cut off or malformed."""
     in_string = escape = False
     for i in range(start, len(text)):
         ch = text[i]

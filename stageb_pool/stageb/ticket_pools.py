@@ -1,16 +1,11 @@
 """The fixed eval pool and the per-iteration train pool of the rule search.
 
 Both follow upstream Stage-B (reference 3.3) draw for draw, so a run selects the same
-tickets as the upstream runner with the same seed, with two fixes:
-
-* an eval pool that comes out empty (``eval_pool_size <= 0`` or ``>= N``) is a normal
-  state, never a crash (upstream defect 9.3.2);
-* a train pool never holds the same ticket twice: when the rolling window wraps, the head
-  of the new permutation is taken skipping tickets already in the pool (upstream 9.3.8).
-  Wherever upstream's pool had no duplicate, ours is identical.
-
-Sampling *with replacement* (upstream ``train_with_replacement``) is not supported: its
-only effect was duplicated tickets voting twice.
+tickets as upstream with the same seed, with two fixes: an empty eval pool is a normal
+state, never a crash (upstream defect 9.3.2); a train pool never holds a ticket twice (when
+the rolling window wraps, the new head skips tickets already in the pool; upstream 9.3.8),
+and wherever upstream's pool had no duplicate, ours is identical. Sampling with
+replacement is not supported: its only effect was duplicated tickets voting twice.
 """
 
 from __future__ import annotations
@@ -40,14 +35,10 @@ def eval_quotas(label_counts: dict[str, int], eval_size: int) -> dict[str, int]:
 
 
 def split_eval_pool(tickets: Sequence[T], eval_pool_size: int, seed: int) -> tuple[list[T], list[T]]:
-    """Split ``tickets`` into ``(train, eval)``: a label-stratified, seeded eval pool.
-
-    ``eval_pool_size <= 0`` -> everything is train; ``>= len(tickets)`` -> train is all
-    tickets and eval is empty (upstream's fallback). Otherwise ``E = eval_pool_size``
-    tickets go to eval with per-label quotas from :func:`eval_quotas`. Each label bucket
-    (labels sorted, bucket sorted by ticket key) has its index list shuffled by one
-    ``random.Random(seed)`` used in bucket order; the first ``quota`` go to eval. Both
-    lists come out bucket by bucket in shuffled order, as upstream.
+    """Split ``tickets`` into ``(train, eval)``: a label-stratified, seeded eval pool
+    (empty unless ``0 < eval_pool_size < len(tickets)``). Each label bucket (labels sorted,
+    bucket sorted by key) has its index list shuffled by one ``random.Random(seed)``; the
+    first ``quota`` go to eval. Both lists come out bucket by bucket, as upstream.
     """
     tickets = list(tickets)
     if not 0 < eval_pool_size < len(tickets):
@@ -85,12 +76,9 @@ def _permutation(n: int, seed: int) -> list[int]:
 
 
 class TrainPoolSampler(msgspec.Struct, forbid_unknown_fields=True):
-    """Rolling window over seeded permutations of the train indices.
-
-    The whole state is these five integers, so it is written to ``state.json`` as is and a
-    resumed run continues with exactly the pools the uninterrupted run would draw. The
-    current permutation is ``random.Random(seed + wraps)`` over ``range(n_train)``.
-    """
+    """Rolling window over seeded permutations (``random.Random(seed + wraps)``) of the train
+    indices. The whole state is these five integers, written to ``state.json`` as is, so a
+    resumed run draws exactly the pools the uninterrupted run would."""
 
     n_train: int
     size: int
@@ -100,7 +88,6 @@ class TrainPoolSampler(msgspec.Struct, forbid_unknown_fields=True):
 
     @classmethod
     def start(cls, n_train: int, size: int, seed: int, *, fraction: float | None = None) -> "TrainPoolSampler":
-        """A sampler at its first pool; ``size``/``fraction`` resolved as upstream."""
         return cls(n_train=n_train, size=resolve_train_pool_size(n_train, size, fraction), seed=int(seed))
 
     def permutation(self) -> list[int]:

@@ -1,12 +1,9 @@
 """Stage-A ticket files (upstream 1.2): read, validate, normalise, filter.
 
 One JSON object per line; each becomes a ``Ticket`` keyed ``"{group_id}::{label}"``.
-Every record upstream's ingest reads is read, with explicit conversions counted in the
-``IngestReport`` (an integer group id becomes its decimal text, a non-string summary its
-compact JSON text; a non-string ``label_timestamp``/``label_source`` is ignored). Every
-problem is reported with its ``path:line``; by default the first bad line stops the run
-(``InputError``, exit code 2) before any work starts, with ``on_bad_line="skip"`` bad
-lines are skipped and listed in ``IngestReport.skipped``.
+Every record upstream's ingest reads is read, with the conversions counted in the
+``IngestReport``. Every problem is located at its ``path:line``; the first bad line stops
+the run unless ``on_bad_line="skip"``.
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ class Ticket(msgspec.Struct, frozen=True):
     label_timestamp: str | None = None
 
     def text(self) -> TicketText:
-        """What a worker needs to render the prompt (never the label)."""
         return TicketText(self.key, self.mission, self.per_image)
 
 
@@ -63,7 +59,7 @@ class IngestReport(msgspec.Struct):
 
 
 class _BadLine(Exception):
-    """A problem with one line; turned into a located InputError or a skipped entry."""
+    pass
 
 
 class _UnreadableLine(_BadLine):
@@ -90,7 +86,6 @@ def _unwrap(value: str) -> str:
 
 
 def _bbu_cleaned(mission: str, per_image: dict[str, str]) -> dict[str, str]:
-    """``bbu_clean_summary`` on every summary, except for RRU missions (left as they are)."""
     if is_rru_mission(mission):
         return per_image
     return {k: bbu_clean_summary(v) for k, v in per_image.items()}
@@ -180,7 +175,6 @@ def _decode_record(line: str) -> dict:
 
 
 def _parse_record(record: dict, bbu_cleanup: bool) -> tuple[Ticket, list[str]]:
-    """The ticket and what was converted or ignored on the way (``"converted per_image"``, ...)."""
     notes: list[str] = []
     mission = _text_field(record, "mission")
     if "\x00" in mission:
@@ -222,10 +216,9 @@ _BLOCK = 1 << 20  # the rest of an over-long line is read past in blocks of this
 
 
 def _read_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterable[tuple[int, str | int | None]]:
-    """(line number, text) for every non-blank line; text None when not UTF-8, and the line's
-    byte length (an int) when it is longer than ``max_line_bytes``. Read line by line and an
-    over-long line in blocks, so memory stays near ``max_line_bytes`` whatever the file holds
-    (one 50 MB line costs 50 MB of reading, never 50 MB held or parsed)."""
+    """(line number, text) for every non-blank line; text None when not UTF-8, the line's
+    byte length (an int) when it is longer than ``max_line_bytes``, which is all the
+    memory an over-long line costs (it is read past in blocks)."""
     path = inputs.regular_file(path, "ticket file")
     try:
         with open(path, "rb") as f:
@@ -281,10 +274,8 @@ def load_tickets(
 ) -> IngestReport:
     """Read Stage-A JSONL files into tickets (file order kept), drop excluded keys.
 
-    ``on_bad_line``: ``"error"`` raises ``InputError("path:line: ...")`` at the first bad
-    line; ``"skip"`` records it in ``skipped``. ``bbu_cleanup`` applies upstream's BBU
-    summary clean-up to missions not starting with "RRU" (the bbu_rru profile asks for it).
-    A line longer than ``max_line_bytes`` is a bad line (never read whole into memory).
+    ``on_bad_line``: ``"error"`` raises at the first bad line, ``"skip"`` records it in
+    ``skipped``. ``bbu_cleanup``: upstream's BBU summary clean-up for non-RRU missions.
     Missing files, no tickets, duplicate keys and more than one mission always raise.
     """
     if on_bad_line not in ("error", "skip"):
@@ -344,6 +335,5 @@ def load_exclusions(keys: Iterable[str] | None, path: str | Path | None) -> froz
 
 
 def bbu_clean_tickets(tickets: list[Ticket]) -> list[Ticket]:
-    """``bbu_cleanup`` applied after loading (for callers that learn the profile, and so
-    whether it asks for the clean-up, only once the mission is known)."""
+    """``bbu_cleanup`` applied after loading (the profile is known once the mission is)."""
     return [msgspec.structs.replace(t, per_image=_bbu_cleaned(t.mission, t.per_image)) for t in tickets]

@@ -39,8 +39,8 @@ def _invalid(error: str) -> Parsed:
 
 
 def strip_assistant_marker(text: str) -> str:
-    """Remove leading ``assistant`` / ``Assistant:`` / ``<|im_start|>assistant`` markers.
-    The only place a role echo is removed: the engine returns the decoded text as is."""
+    """Remove leading role markers: the only place a role echo is removed (the engine
+    returns the decoded text as is)."""
     while True:
         m = _ASSISTANT_MARKER.match(text)
         if not m:
@@ -55,14 +55,12 @@ def _split_field(line: str) -> str | None:
 
 @functools.lru_cache(maxsize=64)
 def _word_forms(words: tuple[str, ...], loose: bool) -> frozenset[str]:
-    """The verdict words' forms, computed once per vocabulary (parse_verdict runs per sample)."""
     return frozenset(verdict_word_form(w, loose=loose) for w in words)
 
 
 def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
-    """Parse ``Verdict: <word>`` / ``Reason: <text>``: exactly two non-empty lines (blank
-    lines between them are tolerated), the verdict word in the profile's vocabulary and a
-    non-empty reason. Anything else is an invalid sample (``verdict=None``)."""
+    """Parse ``Verdict: <word>`` / ``Reason: <text>``: exactly two non-empty lines, a word of
+    the profile's vocabulary and a non-empty reason; anything else is an invalid sample."""
     if text is None:
         return _invalid("no text")
     body = strip_assistant_marker(text.strip()).strip()
@@ -222,18 +220,15 @@ def _most_common(values: list[str]) -> list[tuple[str, int]]:
 
 
 def _majority_voters_reasons(stats: TicketStats) -> list[str]:
-    """The reasons of the samples that voted with the majority (upstream's hard-case rows)."""
     if stats.majority is None:
         return []
     return [r for v, r in zip(stats.verdicts, stats.reasons) if v == stats.majority and r]
 
 
 def majority_reason(stats: TicketStats) -> str | None:
-    """The most frequent reason among the samples that voted with the majority."""
     reasons = _majority_voters_reasons(stats)
     return _most_common(reasons)[0][0] if reasons else None
 
 
 def reason_counts(stats: TicketStats, top: int = 5) -> list[dict]:
-    """``[{"reason", "count"}]`` of the majority voters' reasons, most frequent first."""
     return [{"reason": r, "count": c} for r, c in _most_common(_majority_voters_reasons(stats))[:top]]
