@@ -6,9 +6,8 @@ msgspec JSON frames. Everything Stage-B (tickets, guidance, prompts, verdicts, r
 search) runs in the parent; workers only hold a model.
 """
 
-# The package version: bumped with every release whose artifacts or resume state differ from the
-# last one's (docs/rule_search.md, "Upgrades"); run.json and state.json record it. 0.1.0 was
-# every version before versions were kept (state.json without one).
+# Bumped with every release whose artifacts or resume state differ (docs/rule_search.md,
+# "Upgrades"); run.json and state.json record it (a state.json without one is 0.1.0).
 __version__ = "0.2.0"
 
 from .pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout  # noqa: E402

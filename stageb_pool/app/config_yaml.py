@@ -1,9 +1,6 @@
-"""``stageb-pool import-config``: an upstream Stage-B config written out as our config file.
-
-The file is the translation of ``app.upstream_config``, as YAML with a comment on every key
-whose name or value differs from upstream's and a header listing the upstream keys that have
-no effect here. Loading it gives the same resolved config as loading the upstream file, so a
-run of either writes the same artifacts (tests/test_upstream_configs.py checks both).
+"""``stageb-pool import-config``: an upstream Stage-B config written out as our config file,
+with a comment on every key whose name or value differs from upstream's. Loading it gives
+the same resolved config as loading the upstream file.
 """
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def native_yaml(translation: Translation, source: str, *, out_dir: str | None = None) -> str:
-    """Our config file for ``translation`` of the upstream file ``source``. Paths that were
-    relative upstream are written relative to ``out_dir`` (where the file will live), else
-    absolute."""
+    """Our config file for ``translation``; paths that were relative upstream are written
+    relative to ``out_dir`` (where the file will live), else absolute."""
     native = _in_schema_order(_with_relative_paths(translation, out_dir), Config)
     lines = _header(translation, source, out_dir)
     for key, value in native.items():
@@ -32,7 +28,6 @@ def native_yaml(translation: Translation, source: str, *, out_dir: str | None = 
 
 
 def _in_schema_order(raw: dict, struct) -> dict:
-    """The sections and keys of ``raw`` in the order the schema declares them (docs/usage.md's)."""
     fields = fields_of(struct) if struct is not None else {}
     order = {name: i for i, name in enumerate(fields)}
     out = {}

@@ -1,12 +1,10 @@
 """The memory budget check of ``stageb-pool check``: will the model's weights fit the GPU
 memory of one worker's group?
 
-The weight bytes are estimated from the checkpoint's file headers alone (the safetensors
-JSON header, the GGUF tensor table), never by loading the model: the parameter count times
-the bytes of the dtype the engine loads it in (a GGUF is dequantised to that dtype by
-transformers). The GPU memory comes from ``nvidia-smi`` (devices.gpu_memory_bytes): the
-parent never initialises CUDA. What else a worker needs (activations, the KV cache, the
-CUDA context) is not estimated, apart from vLLM's pinned KV cache; hence the margin.
+The weight bytes come from the checkpoint's file headers alone, never by loading the model:
+the parameter count times the bytes of the dtype it is loaded in. The GPU memory comes from
+``nvidia-smi``: the parent never initialises CUDA. What else a worker needs is not estimated
+(apart from vLLM's pinned KV cache); hence the margin.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ class HeaderError(ValueError):
 
 
 def weight_bytes(model_file_or_dir: str | Path, dtype: str) -> int | None:
-    """Bytes of the weights of the checkpoint directory or .gguf file once loaded in
-    ``dtype``; None when it holds no safetensors or GGUF file to read."""
+    """Bytes of the weights once loaded in ``dtype``; None without a safetensors or GGUF file."""
     path = Path(model_file_or_dir)
     per_param = DTYPE_BYTES.get(str(dtype), 2)
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -43,7 +40,6 @@ def weight_bytes(model_file_or_dir: str | Path, dtype: str) -> int | None:
 
 
 def safetensors_parameters(path: Path) -> int:
-    """The parameter count of one .safetensors file, from its JSON header."""
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -65,12 +61,9 @@ _GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12:
 
 
 def gguf_parameters(path: Path) -> int:
-    """The parameter count of a .gguf file, from its tensor table (the metadata before it is
-    skipped value by value; nothing after the table is read).
-
-    Not ``gguf.GGUFReader``, although ``gguf`` is a dependency: it parses every metadata
-    value into numpy arrays, the 49,152-token vocabulary included, and took 2.8 s on the
-    embedded model where this takes 0.05 s; ``check`` should answer at once."""
+    """The parameter count of a .gguf file, from its tensor table. Not ``gguf.GGUFReader``:
+    it parses every metadata value, the vocabulary included (2.8 s on the embedded model,
+    this 0.05 s); ``check`` should answer at once."""
     with open(path, "rb") as f:
         def read(n: int) -> bytes:
             data = f.read(n)
@@ -117,8 +110,8 @@ def gguf_parameters(path: Path) -> int:
 
 
 def budget_lines(devices, weights: int | None, *, extra_bytes: int = 0, gpu_memory: dict[int, int] | None) -> list[tuple[str, str]]:
-    """``check``'s lines about memory: the weight estimate against one group's GPU memory,
-    and a warning when the weights (plus ``extra_bytes``, e.g. vLLM's KV cache) will not fit."""
+    """``check``'s lines about memory: the weights (plus ``extra_bytes``, e.g. vLLM's KV
+    cache) against one group's GPU memory."""
     if not devices or devices[0].kind != "cuda":
         return []
     if weights is None:

@@ -1,8 +1,7 @@
 """Rollout progress on stderr: a tqdm bar on a terminal, a periodic log line otherwise.
 
-The runner calls ``start(label, total)``, ``advance(n)`` per finished chunk and ``finish()``.
-``advance`` is on the parent's hot path, so it only adds and compares numbers; the bar's
-postfix (per-worker share, read from the pool's stats) is rebuilt at most once a second.
+``advance`` (per finished chunk) is on the parent's hot path, so it only adds and compares
+numbers; the bar's per-worker share is rebuilt at most once a second.
 """
 
 from __future__ import annotations
@@ -19,12 +18,9 @@ tqdm.tqdm.monitor_interval = 0
 
 
 class Progress:
-    """Progress of one gather at a time.
-
-    ``stats_fn`` returns the pool's items-per-rank counters (a list or {rank: n}) for the
-    per-worker share; ``tty`` forces the bar on/off (default: ``stream.isatty()``).
-    Without a terminal a line is logged every ``interval_s`` seconds or every
-    ``every_chunks`` chunks, whichever comes first, plus one at the end."""
+    """Progress of one gather at a time. ``stats_fn`` returns the pool's items-per-rank
+    counters (a list or {rank: n}); without a terminal a line is logged every ``interval_s``
+    seconds or ``every_chunks`` chunks, whichever comes first, and one at the end."""
 
     def __init__(self, *, stream=None, tty: bool | None = None, log: logging.Logger | None = None,
                  stats_fn=None, interval_s: float = 10.0, every_chunks: int = 200):
@@ -108,7 +104,6 @@ class Progress:
 
 
 def pool_items_per_rank(pool):
-    """A ``stats_fn`` for ``Progress``: the pool's items-per-rank counters."""
     return lambda: pool.stats.items
 
 

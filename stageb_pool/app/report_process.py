@@ -1,7 +1,5 @@
-"""report.html for a run, drawn by a forked process that loads matplotlib while the run goes
-on and draws the page while the run closes its pool (``ReportJob``, what ``job.run_plan``
-uses). The same function writes the same bytes as ``stageb-pool report``; a failure is a
-warning, never the run's failure."""
+"""report.html for a run, drawn by a forked process (``ReportJob``); a failure is a warning,
+never the run's failure."""
 
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ log = logging.getLogger("stageb_pool")
 
 
 def render_report_file(run_dir) -> str | None:
-    """Render and write ``report.html``; None, or the failure as ``Type: message``."""
+    """Write ``report.html`` (as ``stageb-pool report``); None, or the failure as ``Type: message``."""
     try:
         atomic_write_bytes(Path(run_dir) / REPORT.name, render_report(run_dir).encode("utf-8"))
     except Exception as err:  # noqa: BLE001 - the run's results are written; the page is a view of them
@@ -27,24 +25,11 @@ def render_report_file(run_dir) -> str | None:
     return None
 
 
-def _report_outcome(run_dir, error: str | None) -> bool:
-    """A finished run stays finished whatever happened to its page: a failure is a warning
-    naming the cause (``stageb-pool report`` can retry)."""
-    if error is not None:
-        log.warning("report.html was not written (%s); rebuild it with: stageb-pool report %s", error, run_dir)
-        return False
-    log.info("report written to %s", Path(run_dir) / REPORT.name)
-    return True
-
-
 class ReportJob:
-    """``report.html`` from a forked child: forked at the run's start, while this process is
-    clean, it imports the chart libraries (matplotlib: seconds) while the run goes on, then
-    waits; ``render(run_dir)`` once the run's files are written makes it draw and write the
-    page (``render_report_file``, the same bytes as ``stageb-pool report``) while this
-    process closes its pool; ``wait`` collects the outcome (``_report_outcome`` logs it);
-    ``cancel`` (a failed run) ends it without a page. This process never imports
-    matplotlib (the fork rules of any later pool in it)."""
+    """``report.html`` from a child forked at the run's start, while this process is clean: it
+    imports matplotlib (seconds) while the run goes on; ``render`` makes it draw the page
+    while this process closes its pool; ``wait`` collects the outcome; ``cancel`` ends it
+    without a page. This process never imports matplotlib (the fork rules of a later pool)."""
 
     def __init__(self):
         child_requests, self.requests = os.pipe()
@@ -73,7 +58,6 @@ class ReportJob:
         self.run_dir = None
 
     def render(self, run_dir) -> None:
-        """Draw the page of ``run_dir`` now (its files are written)."""
         self.run_dir = run_dir
         try:
             with os.fdopen(self.requests, "w") as request:
@@ -82,7 +66,6 @@ class ReportJob:
             pass
 
     def cancel(self) -> None:
-        """No page: the run failed (or was interrupted)."""
         os.close(self.requests)
         os.close(self.answers)
         try:
@@ -103,4 +86,9 @@ class ReportJob:
             raise
         if not error and os.waitstatus_to_exitcode(status) != 0:
             error = f"its process ended with status {os.waitstatus_to_exitcode(status)}"
-        return _report_outcome(self.run_dir, error or None)
+        if error:  # a finished run stays finished: the page can be rebuilt
+            log.warning("report.html was not written (%s); rebuild it with: stageb-pool report %s", error,
+                        self.run_dir)
+            return False
+        log.info("report written to %s", Path(self.run_dir) / REPORT.name)
+        return True

@@ -1,9 +1,5 @@
-"""SIGTERM and SIGHUP to a run: raised as ``Terminated`` where the run was, as Ctrl-C is.
-
-The CLI installs the handlers for a run's life only (``stop_signals_raise_terminated``), so a
-caller of ``cli.main`` in-process gets its own handlers back; ``cli.main`` turns the exception
-into the exit status 128 + signal and the resume line.
-"""
+"""SIGTERM and SIGHUP to a run: raised as ``Terminated`` where the run was, as Ctrl-C is,
+for a run's life only (an in-process caller of ``cli.main`` gets its own handlers back)."""
 
 from __future__ import annotations
 
@@ -14,15 +10,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP to the main process. Raised where the run was (as Ctrl-C's
-    KeyboardInterrupt is, so no ``except Exception`` catches it) so that every ``finally`` on
-    the way out runs: the pool stops and reaps its workers, nothing is left half-written.
+    """SIGTERM or SIGHUP to the main process, raised where the run was so that every
+    ``finally`` on the way out runs.
 
-    A KeyboardInterrupt, because Ray's blocking calls (``ray.wait`` under ``--ray``) pass on
-    only a KeyboardInterrupt raised by a signal handler: any other exception is lost there and
-    the run goes on (measured: a SIGHUP'd ``--ray local`` run did not exit). Ray then raises a
-    KeyboardInterrupt of its own, so the signal is also kept in ``received`` for ``main`` to
-    name."""
+    A KeyboardInterrupt, because Ray's blocking calls pass on only a KeyboardInterrupt raised
+    by a signal handler (any other exception is lost and the run goes on). Ray then raises one
+    of its own, so the signal is also kept in ``received`` for ``main`` to name."""
 
     received: int | None = None  # the stop signal of this process's run, once one came
 

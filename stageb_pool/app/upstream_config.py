@@ -1,21 +1,12 @@
 """Upstream Stage-B configs (``Pein2017/Qwen3-VL``, ``configs/stage_b/*.yaml``) read as written.
 
-``is_upstream`` recognises the upstream schema by ``model.model_name_or_path``, the model key
-every upstream config must have (ours is ``model.path``). ``translate`` turns such a mapping
-into the equivalent raw mapping of our schema, key by key, the way upstream's loader and
-runner read it (docs/migrating.md has the table):
-
-- relative paths are resolved against the launch directory (``root``): upstream opens them
-  relative to its working directory, which its launcher sets to the repository root;
-- the prompt profile is ``bbu_rru`` with upstream's domain rule (``domain_map[mission]``,
-  else ``default_domain``; ``bbu`` or ``rru``);
-- ``max_token_length`` and upstream's 4096-token rollout guard become explicit budgets;
-- upstream's quiet defaults that differ from ours are written out (a chunk of 1 ticket,
-  ``trust_remote_code``, distillation on, ``max_changed_fraction`` 0 read as 0.05).
-
-A key that has no counterpart and would change results (``mining_sampler``,
-``train_with_replacement: true``, ``no_repeat_ngram_size``, ...) is a located error; keys
-upstream's loader never reads are ignored as upstream ignores them, and listed.
+An upstream config is recognised by ``model.model_name_or_path`` (ours is ``model.path``).
+``translate`` turns it into the equivalent raw mapping of our schema, key by key, the way
+upstream's loader and runner read it (docs/migrating.md has the table): relative paths
+against the launch directory (upstream's working directory), the ``bbu_rru`` profile with
+upstream's domain rule, its token guards and quiet defaults written out. A key with no
+counterpart that would change results is a located error; keys upstream's loader never
+reads are ignored as upstream ignores them, and listed.
 """
 
 from __future__ import annotations
@@ -67,7 +58,6 @@ _FALSE = ("false", "0", "no", "n", "off")
 
 
 def is_upstream(raw: Any) -> bool:
-    """Whether a config mapping is written in upstream's schema."""
     return isinstance(raw, dict) and isinstance(raw.get("model"), dict) and "model_name_or_path" in raw["model"]
 
 
@@ -84,7 +74,6 @@ class Translation:
     relative: dict[str, str] = field(default_factory=dict)  # our key -> the relative path written upstream
 
     def summary(self, where: str) -> str:
-        """The one log line naming the translation."""
         prompt = self.native["prompt"]
         domain = prompt["domain"] if "domain_map" not in prompt else f"from domain_map, else {prompt['domain']}"
         line = (f"{where}: upstream Stage-B config, translated to stageb-pool's schema (profile {PROFILE}, "
@@ -95,8 +84,7 @@ class Translation:
 
 
 def translate(raw: dict, where: str, root: str) -> Translation:
-    """An upstream config mapping as our raw config mapping (see the module docstring).
-    Raises InputError located at ``where: upstream.key``."""
+    """Raises InputError located at ``where: upstream.key``."""
     return _Translator(raw, where, root).run()
 
 
@@ -181,7 +169,7 @@ class _Translator:
             if self.get(key) is not _MISSING and (key not in _DROPPED_WHEN_NULL or self.get(key) is None):
                 self.out.dropped[key] = why
         read = set(self.out.origin.values()) | set(self.out.dropped) | {"default_domain", "domain_map"}
-        self.out.ignored = sorted(set(self.out.ignored) | {k for k in _leaf_keys(self.raw) if not _under(k, read)})
+        self.out.ignored = sorted(set(self.out.ignored) | {k for k in _leaf_keys(self.raw) if not any(under(k, r) for r in read)})
         return self.out
 
     def top_level(self) -> None:
@@ -225,8 +213,8 @@ class _Translator:
             self.put("model.stop", stop, where, "the grid entries' stop list")
 
     def stops(self) -> tuple[list[str] | None, str | None]:
-        """The grid entries' ``stop`` lists as one ``model.stop``: upstream's default pair (or
-        nothing) is our default too; one other list shared by every entry is ``model.stop``."""
+        """The grid entries' ``stop`` lists as one ``model.stop`` (upstream's default pair is
+        ours too)."""
         lists: dict[tuple, str] = {}
         for name in ("train_sampler", "eval_sampler"):
             grid = _get(self.raw, f"rule_search.{name}.grid")
@@ -346,9 +334,8 @@ class _Translator:
                      f"upstream drops a ticket whose prompt exceeds {ROLLOUT_GUARD} tokens when no budget is set")
 
     def distillation(self) -> None:
-        """Upstream exports when ``enabled`` (default true, even with the section absent) and
-        ``distill_size`` are both set; otherwise every distillation key has no effect, and is
-        left out (ours refuses a setting of an export that is off)."""
+        """Upstream exports when ``enabled`` (default true) and ``distill_size`` are set;
+        otherwise every distillation key is left out (ours refuses them when the export is off)."""
         section = self.section("stage_b_distillation")
         enabled = section.get("enabled", True)
         if enabled is not None and not isinstance(enabled, bool):
@@ -394,6 +381,6 @@ def _leaf_keys(raw: dict, prefix: str = "") -> list[str]:
     return keys
 
 
-def _under(key: str, read: set[str]) -> bool:
-    """Whether ``key`` is one of ``read`` or inside one of them."""
-    return any(key == r or key.startswith((r + ".", r + "[")) for r in read)
+def under(key: str, prefix: str) -> bool:
+    """Whether ``key`` is ``prefix`` or a key inside it."""
+    return key == prefix or key.startswith((prefix + ".", prefix + "["))

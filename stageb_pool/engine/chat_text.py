@@ -1,17 +1,9 @@
-"""Text in and out of a chat model, shared by the engines: rendering messages with the
-tokenizer's chat template, token counting, the stop strings, cleaning a decoded completion
-and assembling a chunk's results. ``ChatText`` holds it for one tokenizer; an engine keeps
-only how it generates (its batching, sampling parameters and provenance).
-
-Data is text (``PromptEncoder``): every message content comes from data (tickets, mission
-names, guidance rules, proposer answers and examples), and a control token's spelling in it
-(``<|im_end|>``) is tokenized as the characters it is, never as the token; only the chat
-template's own control tokens are tokens. Otherwise a ticket could close the user turn and
-write the judge's answer.
-
-Stops follow upstream (docs/migrating.md, ``<sampler>.grid[].stop``): the end-of-turn
-strings are always there, and ``model.stop`` adds to them; it never replaces them.
-
+"""Text in and out of a chat model, shared by the engines (``ChatText`` for one tokenizer):
+chat-template rendering, prompt ids with every message content tokenized as text
+(``PromptEncoder``: a control token's spelling in data never becomes that token, or a ticket
+could close the user turn; docs/formats.md), the stop strings (the end-of-turn ones always,
+``model.stop`` added, as upstream), a completion's clean-up, the over-length drop and a
+chunk's result.
 """
 
 from __future__ import annotations
@@ -27,8 +19,7 @@ END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
 
 
 def render(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of ``messages`` with the generation prompt, thinking off where the
-    template knows the switch (Qwen3)."""
+    """The prompt text of ``messages``, thinking off where the template knows the switch (Qwen3)."""
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                              enable_thinking=False)
@@ -37,8 +28,7 @@ def render(tokenizer, messages: list[dict]) -> str:
 
 
 def stop_strings(tokenizer, extra: list[str] | None = None) -> list[str]:
-    """The tokenizer's eos, ``<|im_end|>`` and ``<|endoftext|>`` where the vocabulary has
-    them, then the configured extra stops, without repeats."""
+    """The tokenizer's eos and the ``END_OF_TURN`` tokens it has, then ``extra``, no repeats."""
     vocab = tokenizer.get_vocab()
     defaults = [t for t in (tokenizer.eos_token, *END_OF_TURN) if t and t in vocab]
     return list(dict.fromkeys([*defaults, *(extra or [])]))
@@ -58,11 +48,8 @@ def chat_messages(request, k: int) -> list[dict]:
 
 
 def fit_examples(request, encode) -> tuple[int, list[int], bool]:
-    """``(k, prompt ids, fits)`` for the most examples whose prompt fits the request's
-    ``max_prompt_tokens``, dropping examples from the end but never below one (upstream:
-    the proposer is never asked without an example). When even that does not fit, ``fits``
-    is False and ``k`` and the ids are those of the last try. ``encode(messages)`` gives
-    the prompt's token ids."""
+    """``(k, prompt ids, fits)`` for the most examples, never below one, whose prompt fits
+    (``contract.py``); ``fits`` False: the last try's. ``encode(messages)``: the prompt's ids."""
     limit = request.max_prompt_tokens
     lowest = 1 if request.examples else 0
     for k in range(len(request.examples), lowest - 1, -1):
@@ -74,40 +61,30 @@ def fit_examples(request, encode) -> tuple[int, list[int], bool]:
 
 def chunk_prompts(tokenizer, chunk, guidance: dict[str, str], profile,
                   encoder: PromptEncoder | None = None) -> tuple[list[list[int]], list[int]]:
-    """The prompt ids of every ticket of a ``RolloutChunk`` and the positions of the tickets
-    kept (prompt within ``chunk.max_prompt_tokens``; longer ones are dropped, never cut).
-    ``encoder``: the tokenizer's ``PromptEncoder``, when the caller keeps one."""
+    """The prompt ids of every ticket of ``chunk`` and the positions of those kept."""
     encoder = encoder or PromptEncoder(tokenizer)
     ids = encoder.encode([prompts.build_messages(profile, guidance, t) for t in chunk.tickets])
     return ids, kept_positions([len(row) for row in ids], chunk.max_prompt_tokens)
 
 
 def kept_positions(prompt_tokens: list[int], limit: int | None) -> list[int]:
-    """The positions of the tickets whose prompt of ``prompt_tokens`` fits ``limit`` (a
-    chunk's ``max_prompt_tokens``; None: no limit): every engine drops the others, never
-    cuts them, and generates nothing for them."""
+    """The positions whose prompt fits ``limit`` (None: no limit); the others are dropped."""
     return [i for i, n in enumerate(prompt_tokens) if limit is None or n <= limit]
 
 
-# A private-use plane (U+F0000 on): the characters that stand in for a control token's
-# spelling in data while the template is rendered. Unassigned by Unicode, so the data that
-# needs one almost never holds one; a character the data does hold is skipped.
+# Stand-ins for a control token's spelling in data while the template renders: a private-use
+# plane (U+F0000 on), which data almost never holds (a character it holds is skipped).
 _STAND_IN_START = 0xF0000
 
 
 class PromptEncoder:
     """The token ids of chat prompts whose message contents are data, for one tokenizer.
 
-    A prompt whose contents spell no control token (every added token of the vocabulary,
-    special or not, except whitespace ones, which templates and text share) is rendered and
-    tokenized in one call, the template's way. A prompt whose data
-    spells one is rendered with a stand-in character for each spelling, so that the only
-    spellings in the rendered text are the template's own; the text is cut at those (where
-    the tokenizer itself cuts a text: at every added token), each cut piece gets its data
-    back and is tokenized with the tokenizer's own normalizer, pre-tokenizer and model but
-    without its added tokens, and the template's tokens go between the pieces. An added
-    token's whitespace stripping (``lstrip``/``rstrip``) is not reproduced on that path: no
-    tokenizer this project ships has one."""
+    A prompt whose data spells no control token (an added token, whitespace ones aside) is
+    tokenized the template's way, in one call. One that does is rendered with a stand-in for
+    each spelling, cut at the template's added tokens, and each piece, its data put back,
+    tokenized by the tokenizer's pipeline without its added tokens (an added token's
+    ``lstrip``/``rstrip`` is not reproduced: no tokenizer this project ships has one)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -118,7 +95,6 @@ class PromptEncoder:
         self.control = _alternatives(s for s in added if not s.isspace())
 
     def encode(self, conversations: list[list[dict]]) -> list[list[int]]:
-        """The prompt ids of each conversation (``render`` with the generation prompt)."""
         spelled = {i for i, messages in enumerate(conversations) if self._spells_a_control_token(messages)}
         clean = [render(self.tokenizer, m) for i, m in enumerate(conversations) if i not in spelled]
         # The usual case, in one batched call.
@@ -166,9 +142,7 @@ def _alternatives(spellings) -> re.Pattern | None:
 
 
 class Completion(NamedTuple):
-    """One generated sample of a rollout chunk: the ticket's position in the chunk, the decode
-    and sample indices, the completion ids (up to and including the stop) and why it ended
-    (``"stop"`` or ``"length"``)."""
+    """One generated sample: ``ids`` up to and including the stop; ``"stop"`` or ``"length"``."""
 
     ticket: int
     decode: int
@@ -178,12 +152,9 @@ class Completion(NamedTuple):
 
 
 class ChatText:
-    """The text side of an engine for one tokenizer.
-
-    ``stop``: extra stop strings (``model.stop``), added to the end-of-turn ones
-    (``stop_strings``). A stop string that is one token of the vocabulary stops generation
-    as a token (``stop_ids``, like eos); a longer one (``multi_token_stops``) is matched in
-    the decoded text, and every completion is cut before the first stop string."""
+    """The text side of an engine for one tokenizer. ``stop``: ``model.stop``. A stop string
+    that is one token stops generation as a token (``stop_ids``); a longer one
+    (``multi_token_stops``) is matched in the text; every completion is cut at the first."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
         self.tokenizer = tokenizer
@@ -193,32 +164,21 @@ class ChatText:
         self.multi_token_stops = [s for s in self.stop_strings if s not in vocab]
         self.encoder = PromptEncoder(tokenizer)
 
-    # -- prompts in
-
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The token ids of ``messages`` rendered with the chat template (the contents as text)."""
         return self.encoder.encode([messages])[0]
 
     def chunk_prompts(self, chunk, guidance: dict[str, str], profile) -> tuple[list[list[int]], list[int]]:
-        """``chunk_prompts`` with this tokenizer."""
         return chunk_prompts(self.tokenizer, chunk, guidance, profile, self.encoder)
 
     def fit_examples(self, request) -> tuple[int, list[int], bool]:
-        """``fit_examples`` with this tokenizer's prompt ids."""
         return fit_examples(request, self.prompt_ids)
 
-    # -- completions out
-
     def texts(self, rows: list[list[int]]) -> list[str]:
-        """The cleaned text of each completion (special tokens skipped, cut at the first stop
-        string, stripped)."""
         return [clean(t, self.stop_strings) for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
 
     def rollout_result(self, chunk, ids: list[list[int]], kept: list[int], completions: list[Completion],
                        started: float) -> ChunkResult:
-        """A rollout chunk's result: every ticket in chunk order with its prompt length, dropped
-        unless ``kept``, with its samples in the order of ``completions`` (their texts decoded
-        and cleaned here); ``started`` is the ``perf_counter`` at the start."""
+        """``rollout_result`` with the samples of ``completions``, in their order."""
         samples: list[list[Sample]] = [[] for _ in chunk.tickets]
         for c, text in zip(completions, self.texts([c.ids for c in completions])):
             samples[c.ticket].append(Sample(c.decode, c.sample, text, len(c.ids), c.finish_reason,
@@ -226,9 +186,8 @@ class ChatText:
         return rollout_result(chunk, [len(row) for row in ids], kept, samples, started)
 
     def cut(self, row: list[int], pad_id: int) -> tuple[list[int], str]:
-        """A generated row up to and including its stop, and why it ended (``"stop"`` or
-        ``"length"``), for a generate that does not say so itself (transformers). A
-        stop-string finish pads the rest of the row; trailing pads are not output."""
+        """A transformers row up to and including its stop, and why it ended; after a stop
+        string the row is padded, and trailing pads are not output."""
         for n, token in enumerate(row):
             if token in self.stop_ids:
                 return row[: n + 1], "stop"
@@ -242,13 +201,9 @@ class ChatText:
         return row, "length"
 
 
-# --------------------------------------------------------------------------- results
-
-
 def rollout_result(chunk, prompt_tokens: list[int], kept: list[int], samples: list[list[Sample]],
                    started: float) -> ChunkResult:
-    """A rollout chunk's result: every ticket in chunk order with its prompt length, dropped
-    unless ``kept``, with its ``samples``; ``started`` is the ``perf_counter`` at the start."""
+    """A rollout chunk's result, tickets in chunk order. ``started``: ``perf_counter`` at the start."""
     kept_set = set(kept)
     tickets = [TicketRollout(t.key, prompt_tokens[i], dropped=i not in kept_set, samples=samples[i])
                for i, t in enumerate(chunk.tickets)]
@@ -257,8 +212,7 @@ def rollout_result(chunk, prompt_tokens: list[int], kept: list[int], samples: li
 
 
 def verdict_result(chunk, prompt_tokens: list[int], p_pass: dict[int, float], started: float) -> VerdictChunkResult:
-    """A verdict chunk's result: every ticket in chunk order with its prompt length and
-    P(pass), dropped (unscored) where ``p_pass`` has no entry for its position."""
+    """A verdict chunk's result, tickets in chunk order; dropped where ``p_pass`` has no entry."""
     tickets = [TicketVerdictProbability(t.key, prompt_tokens[i], dropped=i not in p_pass, p_pass=p_pass.get(i))
                for i, t in enumerate(chunk.tickets)]
     return VerdictChunkResult(chunk.chunk_index, tickets, time.perf_counter() - started)

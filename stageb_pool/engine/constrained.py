@@ -1,27 +1,12 @@
-"""Constrained decoding: the verdict protocol of a rollout (the sampler option
-``constrain_verdict``) and the JSON schema of a proposer answer
-(``rule_search.constrain_proposer``).
+"""Constrained decoding: a rollout's verdict protocol (``<sampler>.constrain_verdict``: the
+first line exactly ``Verdict: <pass_text|fail_text>``, the second ``Reason: `` and one line,
+then only the end-of-turn token, since a small model writes on after its reason otherwise:
+docs/performance.md) and the proposer's JSON schema (``rule_search.constrain_proposer``: once
+the grammar is complete, only the end-of-turn token).
 
-A small model often breaks the two-line protocol (``Verdict: pass`` / ``Reason: ...``), so
-a rollout measures parse failures more than judgement. With the option on, the first line
-of every sample is held to exactly ``Verdict: <pass word>`` or ``Verdict: <fail word>`` (the
-profile's ``pass_text`` / ``fail_text``) and one newline, the second line starts with
-``Reason: ``, and the reason's words run free up to the end of the line, where the only way
-on is the end-of-turn token. Holding the first line alone was not enough: on the demo the
-135M model then went on writing more lines after its reason in about 4 samples out of 10,
-which the protocol (exactly two lines) counts as invalid.
-
-The proposer's answer is held to the JSON schema of ``stageb.proposer_schema``; there the
-grammar is complete right after the closing brace, and the row must then end: the only
-token it may take next is the end-of-turn token (releasing the mask would let the model
-write on after the JSON).
-
-The token masks come from llguidance (the Rust structured-generation library that vLLM also
-uses as a backend, so both engines enforce the same grammars): it matches the grammar on the
-bytes of the generated tokens, so it does not matter how the tokenizer splits
-``Verdict: 不通过`` or whether a leading space merges into the next token. A mask depends
-only on the tokens a row has generated, so seeded results stay identical for any number of
-workers.
+The masks come from llguidance (vLLM's backend too, so both engines hold the same grammars),
+which matches the grammar on the generated tokens' bytes, however the tokenizer splits them.
+A mask depends only on the row's own tokens: seeded results stay the same on any worker count.
 """
 
 from __future__ import annotations
@@ -33,20 +18,16 @@ from ..stageb.text import regex_literal
 if TYPE_CHECKING:
     import torch
 
-# torch is imported where it is used, not here: the vLLM engine imports verdict_line_regex
-# from this module before its worker sets OMP_NUM_THREADS, which must precede torch's import
-# for the thread pinning (model.vllm.cpu_threads) to hold.
+# torch is imported where it is used: the vLLM engine imports this module before its worker
+# sets OMP_NUM_THREADS, which must precede torch's import (model.vllm.cpu_threads).
 
 VERDICT_LABEL = "Verdict: "
-
-
 REASON_LABEL = "Reason: "
 
 
 def verdict_line_regex(vocab) -> str:
-    """The two lines a constrained sample must produce, as a regex: the verdict line exactly,
-    then a one-line reason that does not start with white space (the parser strips it and
-    needs something left)."""
+    """The verdict line exactly, then a one-line reason that does not start with white space
+    (the parser strips it and needs something left), as a regex."""
     words = "|".join(regex_literal(w) for w in (vocab.pass_text, vocab.fail_text))
     return f"{regex_literal(VERDICT_LABEL)}({words})\\n{regex_literal(REASON_LABEL)}[^\\s]{_ONE_LINE}*"
 
@@ -56,9 +37,7 @@ _ONE_LINE = "[^\\n\\r\\x0b\\x0c\\x1c\\x1d\\x1e\\x85\\u2028\\u2029]"
 
 
 class Grammars:
-    """Builds, per generate call, a transformers logits processor that holds each row to a
-    grammar: a regex (``regex=``) or a JSON schema given as JSON text (``json_schema=``).
-    Compiled grammars are kept per text. ``vocab_size`` is the width of the model's logits."""
+    """Per generate call, a logits processor holding each row to a regex or a JSON schema."""
 
     def __init__(self, tokenizer, vocab_size: int):
         import llguidance
@@ -87,15 +66,10 @@ class Grammars:
 
 
 def _tokenizer_json(tokenizer) -> str:
-    """The fast tokenizer's full definition (added tokens included) as llguidance must read
-    it: without padding or truncation, which llguidance rebuilds in Rust, and with a plain
-    ByteLevel decoder where the tokenizer is byte-level.
-
-    llguidance reads a token's bytes as byte-level only when the decoder itself is ByteLevel.
-    transformers 5.17 converts the embedded GGUF's tokenizer with a decoder sequence
-    (ByteFallback, Fuse, Replace, ByteLevel) that decodes the same text, and llguidance then
-    took ``Ġany`` for the bytes C4 A0 ``any`` instead of `` any``: the first token with a
-    space failed the grammar (seen on a GPU machine)."""
+    """The fast tokenizer's definition as llguidance must read it: no padding or truncation,
+    and a plain ByteLevel decoder where the tokenizer is byte-level. llguidance reads bytes as
+    byte-level only with that decoder, and transformers converts the embedded GGUF's tokenizer
+    with a decoder sequence (``Ġany`` was then read as C4 A0 ``any``: docs/performance.md)."""
     import json
     from copy import copy
 
@@ -138,10 +112,9 @@ def _check_token_bytes(lltokenizer, tokenizer) -> None:
 
 
 class GrammarProcessor:
-    """A transformers logits processor: row ``i`` may only sample tokens its matcher allows.
-    A matcher that has stopped either took the end-of-turn token (the row is finished and
-    only pads follow: ``free``) or completed its grammar on another token (a JSON object's
-    closing brace): then the end-of-turn token is the only one allowed, once. Runs before
+    """A transformers logits processor: row ``i`` may only sample what its matcher allows. A
+    stopped matcher either took the end-of-turn token (the row is done: ``free``) or completed
+    its grammar on another token, and then allows only the end-of-turn token, once. Runs before
     temperature and top-p (generate puts custom processors ahead of its warpers)."""
 
     def __init__(self, matchers: list, prompt_length: int, end_id: int):

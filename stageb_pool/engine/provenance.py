@@ -1,9 +1,6 @@
-"""What an engine reports about itself (``info()``): the facts its results' bytes depend on.
-
-Rank 0's report goes into run.json (``provenance``) and, hashed, into every rollout cache
-key; the parent refuses workers whose engine or versions differ. So the dict's keys, values
-*and order* are a contract: ``engine_info`` writes the part both model engines share, in the
-one order both have always used, and each engine passes only what is its own.
+"""The ``info()`` of the model engines (``contract.py``): it is hashed into every rollout
+cache key, so its keys, values *and order* are a contract, written once here; each engine
+passes only what is its own.
 """
 
 from __future__ import annotations
@@ -16,13 +13,7 @@ from ..pool.devices import Device
 def engine_info(engine: str, device: Device, *, dtype: str | None, model_path: str, model_name: str,
                 stop: list[str], sharding: str, engine_version: str | None = None,
                 model_options: dict | None = None, engine_settings: dict | None = None) -> dict:
-    """``info()`` of a model engine, in this order: the engine's name, its own library's
-    version under that name (``engine_version``: vLLM's), torch and transformers, the device
-    (``device_facts``), ``dtype``, the model (``model_path``: "embedded", "tiny" or an absolute
-    path; its name), how it was loaded (``model_options``: the transformers engine's attention
-    implementation), the stop strings, llguidance (constrained decoding), the engine's pinned
-    settings (``engine_settings``: vLLM's) and, for a worker of a GPU group, how the model is
-    split over it (``group_facts`` with the scheme ``sharding``)."""
+    """``info()`` of a model engine; ``engine_version``: its own library's (vLLM's)."""
     import torch
     import transformers
 
@@ -44,8 +35,7 @@ def engine_info(engine: str, device: Device, *, dtype: str | None, model_path: s
 
 
 def device_facts(device_kind: str) -> dict:
-    """The device part of an engine's provenance: its name, and on a GPU the CUDA and cuDNN
-    versions (another stack can give other bits)."""
+    """The device's name and, on a GPU, its CUDA and cuDNN versions (another stack, other bits)."""
     import torch
 
     if device_kind != "cuda":
@@ -55,9 +45,8 @@ def device_facts(device_kind: str) -> dict:
 
 
 def group_facts(device: Device, sharding: str) -> dict:
-    """How the model is spread over the worker's GPU group (``sharding``: the scheme's name):
-    part of the identity, since another group size may give other bits. Nothing for one GPU:
-    the identity (and the rollout cache key) of a one-GPU worker names no group."""
+    """How the model is spread over the worker's GPU group (another size, other bits); nothing
+    for one GPU, whose identity names no group."""
     if device.group_size == 1:
         return {}
     return {"gpus_per_worker": device.group_size, "sharding": sharding}

@@ -1,8 +1,5 @@
-"""Typed records that travel between the parent and the generation engine in the workers.
-
-They are the single source of truth for the engine's requests and results: the parent
-encodes them into pool frames, the pool decodes each frame in the worker into the types the
-engine method declares, and the parent decodes results with them (``result_type``).
+"""The engine's requests and results as they travel between the parent and the workers (the
+one definition of each; how the pool encodes and decodes them: ``contract.py``).
 """
 
 from __future__ import annotations
@@ -19,11 +16,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 4096
 
 
 class Decode(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One entry of a sampling grid. ``temperature <= 0`` means greedy decoding.
-
-    ``seed`` (optional) is mixed into every generation seed of this decode, like the
-    upstream per-decode seed; it never replaces the per-chunk derivation.
-    """
+    """One entry of a sampling grid (``temperature <= 0``: greedy; ``seed``: ``contract.py``)."""
 
     temperature: float
     top_p: float = 1.0
@@ -46,14 +39,9 @@ class SamplerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class RolloutChunk(msgspec.Struct, frozen=True):
-    """One unit of rollout work: ``chunk_size`` tickets, one generate batch per (decode, sample).
-
-    The generation seed of (decode d, sample s) is
-    ``stable_seed(seed_key, chunk_index, d, decode.seed, s)`` (the vLLM engine seeds each
-    ticket's request and adds its position in the chunk): it depends on the work only.
-    ``seed_key`` names the rollout's ticket pool (e.g. ``"1234/train"``), not the guidance,
-    so a baseline and its candidates draw the same random numbers (common random numbers).
-    """
+    """One unit of rollout work (its seeds: ``contract.py``). ``seed_key`` names the rollout's
+    ticket pool (e.g. ``"1234/train"``), not the guidance, so a baseline and its candidates
+    draw the same random numbers."""
 
     seed_key: str
     chunk_index: int
@@ -77,8 +65,7 @@ class Sample(msgspec.Struct, frozen=True):
 
 
 class TicketRollout(msgspec.Struct, frozen=True):
-    """All candidates of one ticket, in (decode, sample) order, or ``dropped`` when its
-    prompt exceeded ``max_prompt_tokens`` (never truncated, never generated)."""
+    """All candidates of one ticket, in (decode, sample) order, or ``dropped`` (no samples)."""
 
     key: str
     prompt_tokens: int
@@ -94,12 +81,8 @@ class ChunkResult(msgspec.Struct, frozen=True):
 
 
 class ChatRequest(msgspec.Struct, frozen=True):
-    """A free-form generation (the rule proposer).
-
-    The user message is ``user_head + examples[:k] + user_tail`` (joined with blank
-    lines) for the largest ``k >= 1`` whose rendered prompt fits ``max_prompt_tokens``;
-    examples are dropped from the end down to one (as upstream), the text is never truncated.
-    """
+    """A free-form generation (the rule proposer): the user message is ``user_head``,
+    ``examples[:k]`` and ``user_tail`` joined by blank lines (``k``: ``contract.py``)."""
 
     system: str
     user_head: str
@@ -113,9 +96,7 @@ class ChatRequest(msgspec.Struct, frozen=True):
 
 
 class ChatResult(msgspec.Struct, frozen=True):
-    """``text`` is None when the prompt does not fit ``max_prompt_tokens`` even with one
-    example; ``examples_used`` and ``prompt_tokens`` then describe that last try (1, or 0
-    for a request without examples)."""
+    """``text`` is None when even one example does not fit; the rest then describe that try."""
 
     text: str | None
     examples_used: int
@@ -125,10 +106,8 @@ class ChatResult(msgspec.Struct, frozen=True):
 
 
 class VerdictChunk(msgspec.Struct, frozen=True):
-    """One unit of the judge-headroom check (``Engine.verdict_probabilities``): the
-    tickets whose verdict probabilities are scored as one batch, in this order. Nothing is
-    sampled, so there is no seed; the chunk geometry still fixes the batch, and with it
-    the low bits."""
+    """One batch of the judge-headroom check, in this order: nothing is sampled, so no seed,
+    but the chunk still fixes the batch, and with it the low bits."""
 
     chunk_index: int
     tickets: list[TicketText]
@@ -136,9 +115,8 @@ class VerdictChunk(msgspec.Struct, frozen=True):
 
 
 class TicketVerdictProbability(msgspec.Struct, frozen=True):
-    """``p_pass``: the judge's probability of answering ``Verdict: <pass_text>`` rather than
-    ``Verdict: <fail_text>`` (rounded to ``P_PASS_DECIMALS``), or None when the ticket was
-    ``dropped`` (prompt over ``max_prompt_tokens``; never scored)."""
+    """``p_pass``: P(``Verdict: <pass_text>``) against ``<fail_text>``, rounded to
+    ``P_PASS_DECIMALS``; None when ``dropped``."""
 
     key: str
     prompt_tokens: int

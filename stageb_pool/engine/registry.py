@@ -1,15 +1,10 @@
 """The list of engines: every name ``model.engine`` may take, and what the rest of the program
-needs of each engine. Adding an engine is its module (an ``Engine``: ``contract.py``) and one
-entry in ``ENGINES``; the config schema's choice of names (``app/config/schema.py``), what
-``check`` prints, the resume identity and the workers' agreement check derive from here.
-
-An engine with settings of its own (``EngineEntry.settings``) reads them from its section of
-the config's model section, ``model.<name>``, a field of ``ModelConfig``. The schema reads
-``ENGINES`` when it is defined: an entry added at run time is added before
-``stageb_pool.app`` is imported.
-
-Nothing here imports torch: the parent builds the engine factory, and each worker calls it
-after the fork (``build_engine``), which imports the engine's module there.
+needs of each. Adding an engine is its module (an ``Engine``: ``contract.py``) and one entry in
+``ENGINES``; the config schema's names, what ``check`` prints, the resume identity and the
+workers' agreement check derive from here. An engine's own settings are its section of the
+model section, ``model.<name>``. The schema reads ``ENGINES`` when it is defined: an entry
+added at run time is added before ``stageb_pool.app`` is imported. Nothing here imports torch:
+each worker imports its engine's module after the fork (``build_engine``).
 """
 
 from __future__ import annotations
@@ -47,8 +42,8 @@ class EngineEntry:
     in_every_identity: bool = False
     agreement: tuple[str, ...] = ()  # facts of its info() beyond AGREEMENT that every worker must share
     check: Callable[[], None] | None = None  # run in the parent before anything starts (raises InputError)
-    # preload(model): what every worker would load alike, loaded once in the parent before it
-    # forks, and inherited (None from it: each worker loads its own)
+    # preload(model): what every worker would load alike, loaded once by the parent before the
+    # fork and inherited (None from it: each worker loads its own)
     preload: Callable[[ModelRef], object] | None = None
     # token_counter(model), for an engine that measures prompts with a token counter rather
     # than the chat template (its preload, when it has one, is that counter)
@@ -83,8 +78,7 @@ def entry(name: str) -> EngineEntry:
 
 
 def check_engine(name: str) -> str:
-    """``model.engine``, checked in the parent without importing the engine (its own
-    ``check``: e.g. that the library it needs is installed here)."""
+    """``model.engine``, checked in the parent by its ``check``, without importing the engine."""
     check = entry(name).check
     if check is not None:
         check()
@@ -92,10 +86,7 @@ def check_engine(name: str) -> str:
 
 
 def build_engine(device, model: ModelRef, config, preloaded=None):
-    """The engine ``config.engine`` names, built for ``device`` inside the worker, with
-    ``model`` loaded as it is: its path was checked in the parent (``models.check_model_path``)
-    and is not checked again here. ``preloaded``: the entry's ``preload``, inherited from the
-    parent."""
+    """The engine ``config.engine`` names, built inside the worker; ``preloaded``: its ``preload``."""
     device = device if isinstance(device, Device) else msgspec.convert(device, Device)
     chosen = entry(config.engine)
     if chosen.cuda_pinned and device.kind == "cuda":
@@ -106,11 +97,8 @@ def build_engine(device, model: ModelRef, config, preloaded=None):
 
 
 def engine_factory_for(config, model: ModelRef):
-    """The factory each worker calls after fork: the engine of ``model`` (checked in the
-    parent, sent as it is) built as the config's model section ``config`` says. The engine's
-    module (torch, transformers) is imported inside the worker: the parent never imports
-    torch. What every worker would load alike and the parent can load safely is loaded here,
-    once, before the fork (the entry's ``preload``), and inherited."""
+    """The factory each worker calls after the fork (``build_engine``); the entry's ``preload``
+    is loaded here, once, before the fork."""
     load = entry(config.engine).preload
     preloaded = None if load is None else load(model)
 
@@ -133,8 +121,7 @@ def gpu_bytes(config) -> int:
 
 
 def describe_note(name: str) -> str:
-    """What ``check`` adds to the model line: nothing for the default engine, else its name
-    and its ``describe``."""
+    """What ``check`` adds to the model line (nothing for the default engine)."""
     if name == DEFAULT_ENGINE:
         return ""
     more = entry(name).describe
@@ -153,18 +140,14 @@ def identity_model_section(model: dict) -> dict:
 
 
 def agreement_facts() -> tuple[str, ...]:
-    """The ``info()`` facts that must agree across workers: the engine, each engine's own
-    ``agreement`` facts, and ``AGREEMENT``."""
     return ("engine", *(fact for known in ENGINES.values() for fact in known.agreement), *AGREEMENT)
 
 
 def engine_agreement(ray: bool) -> EngineAgreement:
-    """What the pool does when the workers report different engines. Byte-identical results
-    need every worker on the same software, device model and dtype (docs/architecture.md).
-    Under Ray, whose nodes may differ, any difference is refused (the pool's own rule). On one
-    machine another engine or version is refused as an input error located at --gpus, and
-    any other difference (a machine that mixes GPU models) is a warning: run.json
-    records rank 0's facts, so say loudly if the others differ."""
+    """What the pool does when the workers report different engines (byte-identical results
+    need the same software, device model and dtype). Under Ray any difference is refused. On
+    one machine another engine or version is an input error at --gpus, and any other difference
+    (mixed GPU models) a warning: run.json records rank 0's facts only."""
     if ray:
         return REFUSE_ANY_DIFFERENCE
     return EngineAgreement(refuse=agreement_facts(), warn=log,

@@ -1,15 +1,9 @@
-"""A judge that follows the guidance's rules literally: the deterministic verdicts of the
-simulated engine (``simulated_engine``) and of the tests' scripted engine.
-
-It reads the rules of the form "If any photo shows X, the verdict is fail." ("shows" or
-"is", an article allowed before X) and "If no photo shows X, the verdict is fail.", and judges
-a ticket *fail* when one of them holds for the ticket's summaries (X matched as whole words,
-case-insensitively), else *pass*. Every other rule is ignored. Each sample's verdict then
-flips with probability ``noise``, drawn from the sample's work-derived seed and the ticket
-key, never from a rank or the guidance: a baseline and its candidates see the same flips
-(common random numbers), so the gate measures what a rule changes and nothing else. A rule
-on a feature that really goes with the labels lowers the error; one on a feature that does
-not raises it: the gate sees real gains and real harm.
+"""A judge that follows the guidance's rules literally (the simulated engine's and the tests'
+scripted engine's): a ticket fails when an "If any/no photo shows X, the verdict is fail."
+rule holds for its summaries (X as whole words, any case); other rules are ignored. Each
+sample's verdict flips with probability ``noise``, drawn from the work's seed and the ticket
+key, never the guidance: a baseline and its candidates see the same flips, so the gate
+measures what a rule changes.
 """
 
 from __future__ import annotations
@@ -26,8 +20,7 @@ _RULE = re.compile(r"\bif (any|no) photo (?:shows|is) (?:(?:an?|the) )?([^,.]+?)
 
 
 class FailCondition(msgspec.Struct, frozen=True):
-    """A rule the judge obeys: fail when ``feature`` is present (``present=True``, "any photo
-    shows") or absent (``present=False``, "no photo shows") in a ticket's summaries."""
+    """Fail when ``feature`` is present ("any photo shows") or absent ("no photo shows")."""
 
     feature: str  # lower case
     present: bool
@@ -50,8 +43,7 @@ def shows(text: str, feature: str) -> bool:
 
 
 def judge(conditions: list[FailCondition], text: str) -> tuple[str, str]:
-    """``(verdict, why)`` of a ticket's ``text`` (``ticket_text``) under ``conditions``:
-    ``fail`` naming the first condition that holds (sorted), else ``pass``."""
+    """``(verdict, why)``: ``fail`` naming the first condition that holds, else ``pass``."""
     hits = [c for c in conditions if shows(text, c.feature) == c.present]
     if not hits:
         return "pass", "nothing wrong"
@@ -60,16 +52,13 @@ def judge(conditions: list[FailCondition], text: str) -> tuple[str, str]:
 
 
 def sample_verdict(verdict: str, noise: float, *seed_parts) -> str:
-    """``verdict``, flipped with probability ``noise`` by a draw seeded by ``seed_parts``
-    (the rollout's ``seed_key, chunk_index, decode index, decode seed, sample index, ticket
-    key``)."""
+    """``verdict``, flipped with probability ``noise`` by a draw seeded by ``seed_parts``."""
     if random.Random(stable_seed(*seed_parts)).random() < noise:
         return "pass" if verdict == "fail" else "fail"
     return verdict
 
 
 def answer_text(verdict: str, why: str, vocab=None) -> str:
-    """The two-line answer of the verdict protocol (``Verdict: ...`` / ``Reason: ...``), the
-    verdict in the prompt profile's words (``vocab``, a ``VerdictVocab``; None: pass/fail)."""
+    """The two-line answer, the verdict in ``vocab``'s words (a ``VerdictVocab``; None: pass/fail)."""
     word = verdict if vocab is None else (vocab.pass_text if verdict == "pass" else vocab.fail_text)
     return f"Verdict: {word}\nReason: {why}"

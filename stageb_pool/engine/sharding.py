@@ -1,18 +1,7 @@
-"""Spreading one worker's model over its GPU group: the transformers engine's
-device map.
-
-The map is computed from the model's structure alone, never from free memory (as
-``device_map="auto"`` would): the same model on the same group size always gets the same
-map, so the rollouts of every worker of a run, and of any rerun, go through the same
-layer split (docs/usage.md, "A judge larger than one GPU"). The decoder layers, the
-model's largest ``ModuleList``, are split into equal contiguous runs, one per GPU in order
-(the first GPUs take one more layer when the count does not divide); the modules before
-the layers (embeddings) go to the first GPU, the ones after (final norm, rotary tables,
-head) to the last, except a head tied to the embeddings, which stays with them.
-accelerate's hooks move the hidden states between GPUs; the inputs go to the first GPU.
-
-torch, accelerate and transformers are imported inside the functions: a worker imports
-them after the fork, the parent never does.
+"""One worker's model spread over its GPU group (the transformers engine's device map), from
+the model's structure alone, never from free memory (as ``device_map="auto"`` would), so every
+worker and rerun of a group size splits it alike (the layout: docs/architecture.md, "GPU
+groups"). torch, accelerate and transformers are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -32,8 +21,7 @@ def decoder_layers(model) -> str:
 
 
 def layer_split_map(model, devices: list[str]) -> dict[str, str]:
-    """The device map of ``model`` over ``devices`` (torch device strings, in group order),
-    keyed by module name as transformers' ``device_map`` and accelerate take it."""
+    """The device map (module name -> torch device) of ``model`` over ``devices``, in order."""
     layers_name = decoder_layers(model)
     modules = dict(model.named_modules())
     count = len(modules[layers_name])
@@ -70,19 +58,15 @@ def _tied_heads(model) -> set[str]:
 
 
 def dispatch(model, devices: list[str]):
-    """``model`` (built in memory, e.g. the tiny model) placed over ``devices`` by
-    ``layer_split_map``. accelerate's hooks are forced even when every entry is the same
-    device, so a one-GPU (or CPU) test runs the very code path of a real group. (On CPU,
-    accelerate treats the map's "cpu" entries as offloaded weights, loaded by the hooks at
-    each forward, and says so once; the arithmetic is the same.)"""
+    """``model`` (built in memory: the tiny model) placed over ``devices``, the hooks forced
+    even on one device, so a one-GPU (or CPU) test runs the code path of a real group."""
     from accelerate import dispatch_model
 
     return dispatch_model(model, layer_split_map(model, devices), main_device=devices[0], force_hooks=True)
 
 
 def empty_model(config, cls, *, trust_remote_code: bool = False):
-    """The model ``cls`` of ``config`` with no weights (on the meta device), to compute a
-    checkpoint's map before loading it."""
+    """The model ``cls`` of ``config`` without weights, to map a checkpoint before loading it."""
     from accelerate import init_empty_weights
 
     with init_empty_weights():

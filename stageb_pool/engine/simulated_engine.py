@@ -1,25 +1,10 @@
-"""The simulated engine (``model.engine: simulated``): a latency model, not a model. It is a
-benchmarking tool: it answers every request the real engines answer, with deterministic
-verdicts, and sleeps the time a GPU serving a 7-8B model would take, so the whole rule search
-runs at the pace of N GPUs on a machine that has none (a sleeping worker uses no CPU, so 64
-of them fit two cores).
-
-Verdicts: ``rule_judge`` (the guidance's "If any photo shows X, the verdict is fail." rules,
-each sample flipped with probability ``noise`` by a work-derived seed), so a rule on a
-feature that goes with the labels really lowers the error and the gate accepts it.
-
-The proposer: from the examples it is shown (the most confidently wrong tickets), the
-``PROPOSED_RULES`` words of the falsely passed tickets' summaries that the fewest of them
-share (a word every example has is the summaries' structure, not a defect; ties ordered by a
-draw seeded by the request's seed key), each as "If any photo shows <word>, the verdict is
-fail.". Some are real defects and pass the gate, others are rejected: the loop does the work
-of a real search.
-
-The latency model, its formula and the sources of its defaults: docs/performance.md ("The
-latency model"). Per request, its generate batches' prompts are prefilled and their
-new tokens decoded (``batch_seconds``); prompt tokens are counted with the configured model's
-own tokenizer (``TokenCounter``) plus the chat template's few tokens per message. The engine
-sleeps ``seconds x time_scale``; ``modelled_s`` adds up the unscaled seconds.
+"""The simulated engine (``model.engine: simulated``): a benchmarking tool, a latency model
+and not a model. It answers every request a real engine answers, with verdicts from
+``rule_judge``, and sleeps (``seconds x time_scale``) what a GPU serving a 7-8B model would
+take, so the rule search runs at the pace of N GPUs on a machine that has none (a sleeping
+worker uses no CPU). Its proposer suggests rules on the rarest words of the falsely passed
+examples (``proposed_rules``): some pass the gate, others do not. The latency model, its
+defaults and the token counting: docs/performance.md ("The latency model").
 """
 
 from __future__ import annotations
@@ -45,9 +30,8 @@ NAME = "simulated"  # model.engine, and the section of its latency model
 # What ``check`` says of it on the model line.
 DESCRIBE = "a latency model for benchmarks, not a model; only its tokenizer counts the prompt tokens"
 
-# ChatML wraps a message as "<|im_start|>role\n" ... "<|im_end|>\n" and the generation prompt
-# is "<|im_start|>assistant\n": a few tokens that rendering through the chat template (with
-# transformers, seconds of CPU in every worker) would count exactly.
+# ChatML's tokens around each message and of the generation prompt, counted rather than
+# rendered (the chat template needs transformers: seconds of CPU in every worker).
 CHAT_TOKENS_PER_MESSAGE = 5
 GENERATION_PROMPT_TOKENS = 3
 PROPOSED_RULES = 3
@@ -55,12 +39,8 @@ _EXAMPLE = re.compile(r"gt_label=(\w+); baseline_majority=(\w+)")
 _WORD = re.compile(r"[a-z]{4,}")
 
 
-
-
 class SimulatedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """The simulated engine's latency model (the config's ``model.simulated``; see the module
-    docstring and docs/performance.md for the formula and where the defaults come from: a
-    vLLM-served 7-8B model on one H100). None of these changes a result's bytes."""
+    """``model.simulated`` (docs/performance.md): none of these changes a result's bytes."""
 
     prefill_tokens_per_s: Annotated[float, Meta(gt=0, le=1e9)] = 20_000.0  # prompt tokens read per second
     decode_step_s: Annotated[float, Meta(gt=0, le=3600)] = 0.009  # one decoding step of a small batch
@@ -70,12 +50,8 @@ class SimulatedSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     noise: Annotated[float, Meta(ge=0, le=1)] = 0.05  # probability that a sample's verdict flips
 
 
-# ----------------------------------------------------------------------------- cost model
-
-
 def batch_seconds(settings: SimulatedSettings, prompt_tokens: list[int], new_tokens: int) -> float:
-    """Modelled seconds of one generate batch: its rows' prompts prefilled, then
-    ``new_tokens`` decoding steps of ``len(prompt_tokens)`` rows (``new_tokens=0``: prefill only)."""
+    """Modelled seconds of one generate batch: its prompts prefilled, ``new_tokens`` steps."""
     rows = len(prompt_tokens)
     if rows == 0:
         return 0.0
@@ -84,35 +60,25 @@ def batch_seconds(settings: SimulatedSettings, prompt_tokens: list[int], new_tok
 
 
 def rollout_seconds(settings: SimulatedSettings, chunk: RolloutChunk, kept_prompt_tokens: list[int]) -> float:
-    """Modelled seconds of a rollout chunk whose kept tickets have ``kept_prompt_tokens``."""
     batches = sum(batch_seconds(settings, kept_prompt_tokens, decode.max_new_tokens) * chunk.samples_per_decode
                   for decode in chunk.grid)
     return settings.request_overhead_s + batches
 
 
 def chat_seconds(settings: SimulatedSettings, prompt_tokens: int, new_tokens: int) -> float:
-    """Modelled seconds of the proposer call: one row, its prompt, ``new_tokens`` steps."""
     return settings.request_overhead_s + batch_seconds(settings, [prompt_tokens], new_tokens)
 
 
-# ----------------------------------------------------------------------------- token counts
-
-
-# A line break between two non-space characters is a boundary of the byte-level BPE's
-# pre-tokenizer (GPT-2's split pattern makes "\n" a word of its own there, at the end of a
-# text as inside one), and BPE merges never cross a word: the text's tokens are its pieces'
-# tokens, split after each such line break.
+# A line break between two non-space characters is a word boundary of GPT-2's byte-level
+# pre-tokenizer, which no BPE merge crosses: a text's tokens are the sum of its lines'.
 _LINE_BOUNDARY = re.compile(r"(?<=\S\n)(?=\S)")
 MEMO_LIMIT = 200_000  # distinct pieces a counter remembers (then it starts over)
 
 
 class TokenCounter:
-    """``count(texts) -> [tokens per text]`` with a tokenizer's ``encode_len(text)``, each
-    distinct piece of text encoded once per process: a prompt is split into lines where that
-    is exact (``split_lines``: a byte-level BPE without a normaliser), so the guidance's
-    rules, the template and a ticket's summaries are each encoded once, however many prompts
-    and guidances they appear in; a text that cannot be split is remembered whole. The
-    simulated worker's CPU per chunk is then a few dictionary look-ups, not the tokenizer."""
+    """``count(texts) -> [tokens per text]`` with ``encode_len(text)``, each distinct piece
+    encoded once per process: with ``split_lines`` (exact: ``splits_exactly``) a prompt is
+    counted line by line, so a rule or a summary is encoded once however many prompts hold it."""
 
     def __init__(self, encode_len, *, split_lines: bool):
         self.encode_len = encode_len
@@ -139,8 +105,7 @@ class TokenCounter:
 
 
 def splits_exactly(fast) -> bool:
-    """Whether counting a text's lines apart gives its token count (``_LINE_BOUNDARY``): no
-    normaliser, GPT-2's byte-level pre-tokenizer, and no added token spanning a line break."""
+    """Whether ``_LINE_BOUNDARY`` holds: no normaliser, no added token across a line break."""
     from tokenizers import pre_tokenizers
 
     pre = fast.pre_tokenizer
@@ -149,16 +114,14 @@ def splits_exactly(fast) -> bool:
 
 
 def fast_counter(fast) -> TokenCounter:
-    """A ``TokenCounter`` over a ``tokenizers.Tokenizer``. ``encode``, never ``encode_batch``:
-    a batch starts the library's thread pool, and the parent loads the counter before it
-    forks (``preloaded_counter``), when no thread may exist."""
+    """A ``TokenCounter`` over a ``tokenizers.Tokenizer``. ``encode``, never ``encode_batch``
+    (a thread pool): the parent may load it before it forks (``preloaded_counter``)."""
     return TokenCounter(lambda text: len(fast.encode(text, add_special_tokens=False).ids),
                         split_lines=splits_exactly(fast))
 
 
 def tokenizer_file(model: ModelRef) -> Path | None:
-    """The ``tokenizer.json`` of ``model`` when it is already on disk (a checkpoint's, or the
-    embedded model's converted copy), without converting or loading anything."""
+    """The ``tokenizer.json`` of ``model`` if already on disk (nothing converted or loaded)."""
     if model.kind == "embedded":
         path = model_cache.embedded_cache_dir() / "tokenizer.json"
     elif model.kind == "checkpoint":
@@ -169,10 +132,7 @@ def tokenizer_file(model: ModelRef) -> Path | None:
 
 
 def token_counter(model: ModelRef) -> TokenCounter:
-    """The counter with the tokenizer of ``model`` (``model.path`` as the parent checked it),
-    loaded cheaply: the bare ``tokenizers`` BPE of the tiny model or a checkpoint's
-    ``tokenizer.json`` (the embedded model's converted copy included); only a model without
-    one (a .gguf file) loads the transformers tokenizer."""
+    """The counter of ``model``'s tokenizer: the bare ``tokenizers`` BPE, but for a .gguf file."""
     from tokenizers import Tokenizer
 
     from . import models, tiny
@@ -189,8 +149,7 @@ def token_counter(model: ModelRef) -> TokenCounter:
 
 
 def messages_tokens(count, conversations: list[list[dict]]) -> list[int]:
-    """Prompt tokens of each conversation as the simulated engine measures them (its contents,
-    plus the chat template's tokens), with ``count`` (a ``TokenCounter``)."""
+    """Prompt tokens of each conversation: its contents' plus the chat template's."""
     contents = [m["content"] for messages in conversations for m in messages]
     counts = iter(count(contents))
     return [sum(next(counts) + CHAT_TOKENS_PER_MESSAGE for _ in messages) + GENERATION_PROMPT_TOKENS
@@ -201,12 +160,9 @@ _preloaded: dict[ModelRef, TokenCounter] = {}
 
 
 def preloaded_counter(model: ModelRef) -> TokenCounter | None:
-    """The counter of ``model``, loaded once in this process (the parent, before it forks the
-    pool: every simulated worker inherits it instead of loading the tokenizer itself, 0.13 s
-    of CPU each) when that is safe and cheap: a ``tokenizer.json`` already on disk, read by
-    the ``tokenizers`` library, which starts no thread for it (the tiny model's BPE is
-    trained, which does, and a conversion would import torch). None otherwise: each worker
-    loads its own."""
+    """The counter of ``model``, loaded once by the parent before the fork and inherited, when
+    a ``tokenizer.json`` is on disk (reading it starts no thread; training the tiny BPE does,
+    and a conversion imports torch). None: each worker loads its own."""
     if model not in _preloaded:
         path = tokenizer_file(model)
         if path is None:
@@ -217,13 +173,8 @@ def preloaded_counter(model: ModelRef) -> TokenCounter | None:
     return _preloaded[model]
 
 
-# ----------------------------------------------------------------------------- the engine
-
-
 class SimulatedEngine:
-    """The simulated engine on one (pretend) device: the real engines' methods, verdicts from
-    ``rule_judge``, a sleep from the latency model. ``count`` is a ``TokenCounter`` (or any
-    ``count(texts) -> [tokens]``)."""
+    """``count``: a ``TokenCounter`` (or any ``count(texts) -> [tokens]``)."""
 
     def __init__(self, device: Device, count, *, settings: SimulatedSettings = SimulatedSettings(),
                  model_path: str = ""):
@@ -234,7 +185,6 @@ class SimulatedEngine:
         self.modelled_s = 0.0  # unscaled modelled seconds of every request so far
 
     def info(self) -> dict:
-        """Provenance recorded in run.json: that this is a simulation, and its latency model."""
         return {"engine": NAME, "model": "none: the simulated engine (a latency model, not a model)",
                 "model_path": self.model_path, NAME: msgspec.to_builtins(self.settings)}
 
@@ -247,8 +197,6 @@ class SimulatedEngine:
             time.sleep(seconds * self.settings.time_scale)
 
     def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: prompts.PromptProfile) -> ChunkResult:
-        """Every sample of every kept ticket of ``chunk`` judged by ``rule_judge``; tickets over
-        ``max_prompt_tokens`` come back dropped. Sleeps the chunk's modelled time."""
         start = time.perf_counter()
         lengths = self._prompt_tokens(chunk.tickets, guidance, profile)
         kept = chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
@@ -268,8 +216,7 @@ class SimulatedEngine:
 
     def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
                               profile: prompts.PromptProfile) -> VerdictChunkResult:
-        """P(pass) from the rule judge's verdict (0.8 pass, 0.2 fail) plus a little noise from
-        the ticket key; a prefill of the kept prompts."""
+        """P(pass) 0.8 or 0.2 by the rule judge's verdict, jittered by the ticket key."""
         start = time.perf_counter()
         lengths = self._prompt_tokens(chunk.tickets, guidance, profile)
         kept = chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
@@ -283,8 +230,6 @@ class SimulatedEngine:
         return chat_text.verdict_result(chunk, lengths, p_pass, start)
 
     def chat(self, request: ChatRequest) -> ChatResult:
-        """The proposer: rules on words of the falsely passed examples (module docstring).
-        Examples are dropped from the end until the prompt fits, as the real engines do."""
         # fit_examples wants the prompt's ids; only their number matters here.
         k, row, fits = chat_text.fit_examples(request, lambda messages: range(messages_tokens(self.count, [messages])[0]))
         if not fits:
@@ -297,16 +242,15 @@ class SimulatedEngine:
 
 
 def proposed_rules(examples: list[str], seed_key: str) -> str:
-    """The simulated proposer's JSON answer for these example blocks (``proposer.render_example``)."""
+    """``PROPOSED_RULES`` rules on the words the fewest falsely passed examples share, as JSON."""
     wrongly_passed = [block for block in examples
                       if (m := _EXAMPLE.search(block)) and m.group(1) == "fail" and m.group(2) == "pass"]
     summaries = [" ".join(line for line in block.lower().splitlines() if line.startswith("  - "))
                  for block in wrongly_passed]
     words = [set(_WORD.findall(text)) for text in summaries]
-    # The fewer examples share a word, the more it looks like a defect than like the
-    # summaries' structure; a seeded draw orders the words that tie.
-    # The draws follow the sorted words, never a set's order (which changes with each process's
-    # hash seed: a Ray actor is not forked from the parent, and would draw in another order).
+    # A word every example shares is the summaries' structure, not a defect. A seeded draw
+    # orders the ties, drawn over the sorted words: a set's order changes with the hash seed
+    # (a Ray actor is not forked from the parent).
     rng = random.Random(stable_seed(seed_key, "simulated proposer"))
     draws = {w: rng.random() for w in sorted({w for ws in words for w in ws})}
     ranked = sorted(draws, key=lambda w: (sum(w in ws for ws in words), draws[w], w))
@@ -318,8 +262,6 @@ def proposed_rules(examples: list[str], seed_key: str) -> str:
 
 def build_simulated_engine(device: Device, model: ModelRef, config,
                            count: TokenCounter | None = None) -> SimulatedEngine:
-    """The engine for a worker: ``model`` only chooses the tokenizer that counts the tokens
-    (``count``: its counter, already loaded by the parent; None: loaded here); the model
-    section ``config``'s ``simulated`` is the latency model."""
+    """``model`` only chooses the tokenizer that counts (``count``: preloaded, or None)."""
     return SimulatedEngine(device, count or token_counter(model), settings=config.simulated,
                            model_path=model.path)

@@ -1,20 +1,16 @@
 """The tiny test model (model path ``"tiny"``): a random Qwen2 and a byte-level BPE tokenizer
-built in code, deterministically, in milliseconds, with nothing downloaded.
-
-It exists so the whole pipeline (pool, engine, rollouts, search) runs in tests for real.
-Its outputs are noise, but reproducible noise: the BPE training corpus is fixed and the
-weights are drawn from a fixed seed. ``initializer_range=0.3`` (not the usual 0.02) so that
-greedy output depends on the prompt instead of repeating one token for every input.
-Byte-level decoding of random tokens can give ``\\ufffd`` and control characters.
+built in code, deterministically (a fixed corpus, a fixed seed), in milliseconds, so the whole
+pipeline runs in tests for real. Its outputs are reproducible noise (``\\ufffd`` and control
+characters included); ``initializer_range=0.3`` (not 0.02) makes greedy output depend on the
+prompt instead of repeating one token.
 """
 
 from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-# torch and transformers are imported inside the functions that need them: the simulated
-# engine counts tokens with the bare BPE (``build_bpe``) in every worker, and importing
-# them would cost each worker seconds of CPU.
+# torch and transformers are imported inside the functions: the simulated engine counts
+# tokens with ``build_bpe`` in every worker, and importing them costs seconds of CPU.
 
 VOCAB_SIZE = 1024
 CORPUS = [
@@ -53,8 +49,7 @@ CHAT_TEMPLATE = (
 
 
 def build_bpe() -> Tokenizer:
-    """The bare byte-level BPE trained on ``CORPUS`` (deterministic for a fixed tokenizers
-    version), without the transformers wrapper."""
+    """The bare byte-level BPE trained on ``CORPUS`` (deterministic per tokenizers version)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -70,8 +65,7 @@ def build_bpe() -> Tokenizer:
 
 
 def build_tokenizer():
-    """``build_bpe`` as a transformers ``PreTrainedTokenizerFast``: ChatML chat template, left
-    padding, eos ``<|im_end|>``."""
+    """``build_bpe`` as a transformers tokenizer with a ChatML template."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
@@ -85,12 +79,8 @@ def build_tokenizer():
 
 
 def build_model(tokenizer, *, seed: int = 0, attn_implementation: str = "sdpa", heads: int = 4):
-    """A 2-layer, hidden-64 Qwen2 whose weights depend only on ``seed``. ``heads`` sets the
-    head size (64 / heads): 4 gives 16; vLLM's CPU attention needs 32 (``heads=2``).
-
-    The global torch RNG is saved and restored around construction, so building the model
-    never shifts the random numbers of the caller (the rollout seeds).
-    """
+    """A 2-layer, hidden-64 Qwen2 whose weights depend only on ``seed``; head size 64 / ``heads``.
+    The global torch RNG is restored afterwards: the caller's random numbers never shift."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -1,11 +1,7 @@
-"""The transformers generation engine (``model.engine: transformers``, the default).
-
-``TransformersEngine(model, tokenizer, device)`` wraps a loaded model
-(``build_transformers_engine`` loads one inside a worker). The methods the pool calls
-(``contract.Engine``) are ``model_engine.ModelEngine``'s, shared with the vLLM engine, as is
-the text around generation (``chat_text.ChatText``). This module has how transformers
-generates and scores: one seeded, batched ``generate`` per (decode, sample) over a chunk's
-tickets in chunk order, and two forward passes over a KV cache.
+"""The transformers engine (``model.engine: transformers``, the default): how transformers
+generates and scores under ``model_engine.ModelEngine``'s methods: one seeded, batched
+``generate`` per (decode, sample) over a chunk's tickets in chunk order, and two forward
+passes over a KV cache.
 """
 
 from __future__ import annotations
@@ -26,14 +22,10 @@ from .records import ChatRequest, Decode, RolloutChunk, VerdictChunk
 
 
 class ChunkOutOfMemory(RuntimeError):
-    """A generate call ran out of device memory; the message names the work and its prompt
-    lengths, so the run's error says which tickets to cap or drop."""
+    """Out of device memory, naming the work and its prompt lengths (which tickets to cap)."""
 
 
 def build_transformers_engine(device: Device, model: ModelRef, config, preloaded=None) -> TransformersEngine:
-    """Load ``model`` on ``device`` as the config's model section ``config`` says and wrap it
-    (called in the worker; ``prepare_device`` first sets the thread count and the
-    deterministic switches)."""
     prepare_device(device)
     dtype = config.dtype or models.default_dtype(device.kind)
     attn = config.attn_implementation or models.default_attn_implementation(device.kind, dtype)
@@ -47,8 +39,7 @@ def build_transformers_engine(device: Device, model: ModelRef, config, preloaded
 
 
 def prepare_device(device: Device) -> None:
-    """What must happen before the first torch op of a worker: its thread count (fork rule)
-    and, on a GPU, the deterministic settings that must precede the CUDA context."""
+    """Before a worker's first torch op: its thread count, and on a GPU the deterministic settings."""
     torch.set_num_threads(max(1, device.threads))
     if device.kind == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -57,20 +48,13 @@ def prepare_device(device: Device) -> None:
         # TF32 pinned off, so a run does not depend on a default that differs between versions.
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.backends.cudnn.fp32_precision = "ieee"
-        # cuDNN's attention, which sdpa prefers for bfloat16 on Hopper, gave a sampled chunk
-        # 4 different results in 8 repeats on an H100 (torch 2.11); without it, 8 of 8 alike
-        # at the same speed (bench/cuda_check.py repeat, docs/performance.md).
+        # cuDNN's attention (sdpa's choice for bfloat16 on Hopper) did not repeat its results
+        # on an H100: docs/architecture.md, determinism point 4.
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class TransformersEngine(ModelEngine):
-    """A model and its tokenizer on one device, ready to generate (the methods the pool calls:
-    ``ModelEngine``).
-
-    ``stop``: stop strings (default: the tokenizer's eos plus ``<|im_end|>`` /
-    ``<|endoftext|>`` when they exist). ``model_path`` and ``model_name`` are provenance
-    for ``info()``.
-    """
+    """A model and its tokenizer on one device. ``stop``: ``model.stop`` (``chat_text.ChatText``)."""
 
     def __init__(self, model, tokenizer, device: Device, *, stop: list[str] | None = None,
                  model_path: str = "", model_name: str = ""):
@@ -85,8 +69,6 @@ class TransformersEngine(ModelEngine):
         self._grammars: Grammars | None = None
         # transformers 5.x renamed forward's past_key_values to cache (the old name warns).
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-    # ------------------------------------------------------------ set-up
 
     def _setup_tokens(self, stop) -> None:
         from transformers import GenerationConfig
@@ -104,19 +86,14 @@ class TransformersEngine(ModelEngine):
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.text.stop_ids or None)
 
     def info(self) -> dict:
-        """Provenance that bit-identical results depend on (recorded in run.json; the shared
-        part and its order: ``provenance.engine_info``)."""
         return provenance.engine_info(
             "transformers", self.device, dtype=self.dtype, model_path=self.model_path, model_name=self.model_name,
             stop=self.text.stop_strings, model_options={"attn_implementation": self.attn_implementation},
             sharding=sharding.SHARDING)
 
-    # ------------------------------------------------------------ generation (ModelEngine's steps)
-
     def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
                 regex: str | None) -> list[Completion]:
-        """For every (decode, sample), one seeded, batched generate over the kept tickets in
-        chunk order (the chunk is the batch, whatever worker runs it)."""
+        """Per (decode, sample), one seeded generate whose batch is the chunk's kept tickets."""
         batch = self._pad([ids[i] for i in kept])
         completions = []
         for d, decode in enumerate(chunk.grid):
@@ -135,12 +112,10 @@ class TransformersEngine(ModelEngine):
             return self._answer_logprobs([ids[i] for i in kept], answers)
 
     def _answer_logprobs(self, prompts: list[list[int]], answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
-        """Per prompt, the summed log-probability of each answer's tokens after it.
-
-        Two forward passes: the left-padded prompts once (their KV cache kept), then every
-        (prompt, answer) row on top of its prompt's cache, so a long prompt is not computed
-        once per answer. Positions count real tokens only (what generate does), so a padded
-        row gets the positions it would have alone."""
+        """Per prompt, the summed log-probability of each answer's tokens after it, in two
+        forward passes: the left-padded prompts once (their KV cache kept), then every (prompt,
+        answer) row on that cache, so a long prompt is computed once. Positions count real
+        tokens only (as generate does): a padded row gets the positions it would have alone."""
         k = len(answers)
         batch = self._pad(prompts)
         mask = batch["attention_mask"]
@@ -175,14 +150,11 @@ class TransformersEngine(ModelEngine):
         return out
 
     def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
-        """The proposer's prompt alone in one seeded generate, held to its JSON schema when it
-        has one."""
+        """The proposer's prompt alone in one seeded generate, held to its JSON schema if any."""
         with _located_oom(lambda: f"proposer chat {request.seed_key!r} ({len(row)} prompt tokens)"):
             ((out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key),
                                               json_schema=request.json_schema)
         return out, reason
-
-    # ------------------------------------------------------------ shared steps
 
     def _pad(self, rows: list[list[int]]) -> dict:
         batch = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
@@ -190,9 +162,7 @@ class TransformersEngine(ModelEngine):
 
     def _generate(self, batch: dict, decode: Decode, seed: int, *, regex: str | None = None,
                   json_schema: str | None = None) -> list[tuple[list[int], str]]:
-        """One seeded batched generate: ``(completion ids, finish reason)`` per row.
-        Completion ids run up to and including the stop token. ``regex`` or ``json_schema``
-        (JSON text) holds every row to that grammar (``constrained``)."""
+        """``(completion ids up to and including the stop, finish reason)`` per row."""
         sampling = decode.temperature > 0
         options = dict(
             do_sample=sampling,
@@ -218,7 +188,6 @@ class TransformersEngine(ModelEngine):
             width = self.model.get_output_embeddings().weight.shape[0]
             self._grammars = Grammars(self.tokenizer, width)
         return self._grammars
-
 
 
 @contextlib.contextmanager

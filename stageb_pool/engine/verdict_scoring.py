@@ -1,13 +1,8 @@
 """Scoring the two verdict answers by teacher forcing (the judge-headroom check), shared by
-the engines: which tokens are scored, and how two log-probabilities become P(pass).
-
-A ticket's prompt is the one a rollout renders; the answer is ``Verdict: <word>`` with the
-profile's ``pass_text`` / ``fail_text``, tokenized on its own (as the model would write it
-at the start of its turn, however many tokens the word takes, Chinese included). The score
-of an answer is the sum of the log-probabilities of ALL its tokens given the prompt: the
-``Verdict:`` tokens the two answers share add the same amount to both sums and cancel in the
-softmax, and a tokenizer that merges the label's space into the word is still scored
-correctly. Pure Python (no torch): the vLLM engine imports it before torch may be imported.
+the engines. An answer, ``Verdict: <pass_text|fail_text>``, is tokenized on its own and scored
+by the sum of ALL its tokens' log-probabilities after the rollout's prompt: the shared
+``Verdict:`` tokens cancel in the softmax, and a tokenizer that merges the label's space into
+the word is still scored right. No torch: the vLLM engine imports this before torch.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ P_PASS_DECIMALS = 6
 
 
 def answer_ids(tokenizer, vocab) -> tuple[list[int], list[int]]:
-    """The token ids of ``Verdict: <pass_text>`` and of ``Verdict: <fail_text>``."""
     encode = lambda word: tokenizer(VERDICT_LABEL + word, add_special_tokens=False)["input_ids"]  # noqa: E731
     return encode(vocab.pass_text), encode(vocab.fail_text)
 

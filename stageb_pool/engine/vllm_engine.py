@@ -1,28 +1,11 @@
-"""The vLLM generation engine (``model.engine: vllm``): the same ``rollout``, ``chat`` and
-``verdict_probabilities`` as the transformers engine (both are ``model_engine.ModelEngine``),
-generated with continuous batching, paged attention and prefix caching.
-
-It runs inside the pool worker: the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-so a killed or timed-out worker leaves no grandchild holding the device, and vllm is imported
-only here, in the worker, after the fork. A worker of a GPU group (``model.gpus_per_worker``
-> 1) is the exception: vLLM shards the model with ``tensor_parallel_size`` = the group size
-and its own process executor (``mp``), whose shard processes are the worker's children
-(vLLM stops them when the worker exits; a SIGKILLed worker relies on vLLM's own watchdog).
-
-Determinism (docs/architecture.md, "Determinism contract"):
-- one ``generate`` per chunk with one request per (ticket, decode, sample), each with its own
-  seed ``stable_seed(seed_key, chunk_index, d, decode.seed, s, position)``, never a shared
-  seeded ``SamplingParams`` (every prompt would draw the same noise);
-- the prefix cache is reset before every chunk: a chunk's results never depend on what the
-  worker ran before, while the samples of one ticket still share their prompt's prefix
-  within the chunk (where the prefill saving comes from);
-- the KV cache has a pinned size (``kv_cache_gib``), never profiled from free memory (a
-  different block count changes preemption and so numerics); chunked prefill is off (on
-  CPU a seeded request whose prefill is split crashes vLLM 0.32);
-- prompts are rendered and tokenized with the same tokenizer and the same code as in the
-  transformers engine (``chat_text.ChatText``) and sent as token ids; texts are decoded and
-  cleaned by it too, so prompt lengths, drops and texts are computed the same way in both
-  engines.
+"""The vLLM engine (``model.engine: vllm``): ``model_engine.ModelEngine``'s methods generated
+with continuous batching, paged attention and prefix caching. The engine core runs in the
+worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), imported after the fork, so a
+killed worker leaves no grandchild holding the device; a GPU group's worker is the exception
+(``tensor_parallel_size`` with vLLM's ``mp`` executor, whose shard processes are its
+children). Why its results are the same on any worker count (a seed per request, the prefix
+cache reset per chunk, a pinned KV cache, chunked prefill off, prompts tokenized by
+``chat_text``): docs/architecture.md, "The vLLM engine".
 """
 
 from __future__ import annotations
@@ -49,8 +32,7 @@ AGREEMENT = (NAME,)  # vLLM's version: every worker must run the same one
 
 
 class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """The vLLM engine's settings that change bytes (the config's ``model.vllm``); all are
-    pinned, none is derived from the machine, and all are recorded in run.json."""
+    """``model.vllm``: settings that change bytes, pinned (never from the machine), in run.json."""
 
     kv_cache_gib: Annotated[float, Meta(gt=0, le=4096)] = 1.0  # KV cache per worker, fixed (never profiled from free memory)
     max_model_len: Annotated[int, Meta(ge=64, le=10_000_000)] = 8192  # longest prompt + completion of one request
@@ -62,13 +44,11 @@ class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
 
 
 def kv_cache_bytes(config) -> int:
-    """The GPU memory each worker holds besides the weights: the pinned KV cache (``check``'s
-    memory budget; ``config``: the model section)."""
+    """The GPU memory a worker holds besides the weights: the pinned KV cache."""
     return int(config.vllm.kv_cache_gib * GIB)
 
 
 def check_installed() -> None:
-    """The parent's check (``registry.check_engine``): vllm is installed in this environment."""
     if importlib.util.find_spec(NAME) is None:
         raise InputError("vllm is not installed in this environment: create the vLLM environment with "
                          "bin/setup-vllm and run .venv-vllm/bin/stageb-pool", f"model.engine: {NAME}")
@@ -99,17 +79,13 @@ def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
     if settings.block_size is not None:
         args["block_size"] = settings.block_size
     if device.group_size > 1:
-        # The worker's GPU group (its CUDA_VISIBLE_DEVICES) as vLLM's tensor-parallel group,
-        # run by vLLM's own process executor (see the module docstring); the pool itself
-        # starts no collective group of its own.
+        # The worker's GPU group (its CUDA_VISIBLE_DEVICES) as vLLM's tensor-parallel group.
         args["tensor_parallel_size"] = device.group_size
         args["distributed_executor_backend"] = "mp"
     return args
 
 
 def build_vllm_engine(device: Device, model: ModelRef, config, preloaded=None) -> VllmEngine:
-    """Load ``model`` into an in-process vLLM engine on ``device`` as the config's model section
-    ``config`` says (called in the worker)."""
     pinned = config.vllm
     threads = (pinned.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
     prepare_environment(device, threads)
@@ -135,8 +111,7 @@ def build_vllm_engine(device: Device, model: ModelRef, config, preloaded=None) -
 
 
 class VllmEngine(ModelEngine):
-    """An in-process ``vllm.LLM`` and the Hugging Face tokenizer of the same checkpoint (the
-    methods the pool calls: ``ModelEngine``)."""
+    """An in-process ``vllm.LLM`` and the Hugging Face tokenizer of the same checkpoint."""
 
     def __init__(self, llm, tokenizer, device: Device, *, stop: list[str] | None = None, model_path: str = "",
                  model_name: str = "", settings: dict | None = None):
@@ -151,8 +126,6 @@ class VllmEngine(ModelEngine):
         self._broken = ""
 
     def info(self) -> dict:
-        """Provenance that bit-identical results depend on (recorded in run.json; the shared
-        part and its order: ``provenance.engine_info``), with vLLM's version and settings."""
         import vllm
 
         return provenance.engine_info(
@@ -160,8 +133,6 @@ class VllmEngine(ModelEngine):
             model_path=self.model_path, model_name=self.model_name, stop=self.text.stop_strings,
             engine_settings={"vllm_settings": self.settings},  # holds tensor_parallel_size for a group of GPUs
             sharding="tensor_parallel")
-
-    # ------------------------------------------------------------ generation (ModelEngine's steps)
 
     def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
                 regex: str | None) -> list[Completion]:
@@ -177,9 +148,7 @@ class VllmEngine(ModelEngine):
 
     def _score_answers(self, chunk: VerdictChunk, ids: list[list[int]], kept: list[int],
                        answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
-        """As the transformers engine scores them: one ``generate`` over a request per (kept
-        ticket, answer), prompt + answer, each asking for the log-probabilities of its own
-        prompt tokens (``prompt_logprobs=0``, raw logits); the answer's tokens are summed."""
+        """One request per (kept ticket, answer): prompt + answer, asking for their log-probabilities."""
         from vllm import SamplingParams
 
         # One greedy token is generated and ignored: vLLM has no zero-token request. Prompt
@@ -196,8 +165,6 @@ class VllmEngine(ModelEngine):
         params = self._params(request.decode, stable_seed(request.seed_key), json_schema=request.json_schema)
         ((out, reason),) = self._generate([(row, params)])
         return out, reason
-
-    # ------------------------------------------------------------ shared steps
 
     def _params(self, decode: Decode, seed: int, regex: str | None = None, json_schema: str | None = None):
         from vllm import SamplingParams
@@ -223,8 +190,7 @@ class VllmEngine(ModelEngine):
         return SamplingParams(temperature=0.0, **common)
 
     def _generate(self, requests: list[tuple[list[int], object]]) -> list[tuple[list[int], str]]:
-        """One ``generate`` for all requests, in order: ``(completion ids, finish reason)``.
-        Completion ids run up to and including the stop token."""
+        """``(completion ids up to and including the stop, finish reason)`` per request."""
         return [(list(o.outputs[0].token_ids), "stop" if o.outputs[0].finish_reason == "stop" else "length")
                 for o in self._run(requests)]
 
@@ -253,9 +219,7 @@ class VllmEngine(ModelEngine):
 
 
 def _answer_logprob(prompt_logprobs, row: list[int], n: int) -> float:
-    """The summed log-probability of the last ``n`` tokens of ``row`` from vLLM's prompt
-    log-probs (one entry per prompt position, None for the first; each holds the prompt
-    token's own log-prob), added in token order as the transformers engine adds them."""
+    """The last ``n`` tokens' log-probabilities, summed in token order as transformers does."""
     if prompt_logprobs is None or len(prompt_logprobs) != len(row):
         raise RuntimeError(f"vLLM returned {len(prompt_logprobs or [])} prompt log-probs for {len(row)} tokens")
     total = 0.0

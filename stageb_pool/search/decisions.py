@@ -1,10 +1,7 @@
-"""What each iteration decided and why: the ``rule_search_iterations.jsonl`` row, the line
-the terminal shows when an iteration ends, and the summary's one sentence about the run.
-
-A user who reads "0 edits accepted" must be able to tell a gate that rejected real
-candidates from a proposer that gave nothing usable, and both from a judge that cannot tell
-the labels apart. Every count and reason here comes from the ``IterationOutcome``; nothing
-is wall clock, so the rows are the same bytes for any worker count and after a resume.
+"""What each iteration decided and why: the ``rule_search_iterations.jsonl`` row, the
+terminal line of an iteration and the summary's sentence about the run, so that "0 edits
+accepted" tells a gate that rejected real candidates from a proposer that gave nothing
+usable and from a judge that cannot separate the labels. Nothing here is wall clock.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ _SPECIFICS = re.compile(r"[:'\"]| [GS]\d")
 
 
 def reason_kind(reason: str) -> str:
-    """A rejection reason without its specifics."""
     return _SPECIFICS.split(reason, maxsplit=1)[0].strip() or reason
 
 
@@ -58,15 +54,11 @@ def iteration_row(outcome, mission: str) -> IterationRow:
 def _best(outcome):
     if outcome.applied is not None:
         return outcome.applied
-    best = None
-    for c in outcome.candidates:  # the earliest wins ties, as the gate's choice
-        if best is None or c.gate.relative_error_reduction > best.gate.relative_error_reduction:
-            best = c
-    return best
+    # max() keeps the first of equal values: the earliest wins ties, as the gate's choice.
+    return max(outcome.candidates, key=lambda c: c.gate.relative_error_reduction, default=None)
 
 
 def _verdict(c) -> str:
-    """Accepted, the gate's (or the eval veto's) reason, or why a passing one lost."""
     if c.applied:
         return "accepted"
     return c.reason or "passed the gate, but another candidate had a larger RER"
@@ -96,8 +88,7 @@ def _why_nothing(outcome) -> list[str]:
 
 
 def iteration_line(row: IterationRow) -> str:
-    """One terminal line, e.g. ``iteration 2: proposer parsed; 2 proposed, 1 rejected
-    (duplicate of existing rule), 1 evaluated: rejected (RER 0.021 < 0.050); train acc 0.425 -> 0.425``."""
+    """One terminal line, e.g. ``iteration 2: proposer answer parsed; 2 proposed, ...``."""
     if row.proposer_calls == 0:
         proposer = "no proposer call"
     else:

@@ -1,16 +1,12 @@
 """Atomic, deterministic file writes. Only the parent process calls these.
 
-JSON is written by msgspec: UTF-8 (no ASCII escaping), keys in field/insertion order,
-floats in shortest round-trip form, so equal values always give equal bytes. Non-finite
-floats become ``null`` (upstream wrote the non-standard token ``Infinity``).
+JSON is written by msgspec: UTF-8, keys in field/insertion order, shortest round-trip
+floats, so equal values give equal bytes; non-finite floats become ``null``.
 
-Nothing is written through a link: a whole file is replaced by a rename (the new file takes
-the name; a symbolic link or a hard link that had the name keeps pointing at the old
-content), and an append that finds a symbolic link or a file with other hard links first
-replaces it with a private copy of its content (a ``cp -al`` backup or a link's target
-elsewhere never changes). Every file gets mode ``0666 & ~umask``, whole or appended, like
-any Unix tool's output; a resume gives it to the files an earlier version wrote
-(``normalise_modes``: those wrote whole files 0600).
+Nothing is written through a link: a whole file is replaced by a rename, and an append
+first replaces a symbolic link or a file with other hard links by a private copy (a
+``cp -al`` backup or a link's target elsewhere never changes). Every file gets mode
+``0666 & ~umask``, like any Unix tool's output.
 """
 
 from __future__ import annotations
@@ -27,15 +23,9 @@ _encoder = msgspec.json.Encoder()
 TMP_SUFFIX = ".tmp"  # temporary files are ".<name>.<random>.tmp" next to their target
 
 
-def to_json(value, *, indent: int = 0) -> bytes:
-    data = _encoder.encode(value)
-    return msgspec.json.format(data, indent=indent) if indent else data
-
-
 class OutputError(OSError):
-    """A file of the run could not be written (disk full, a file size limit, permissions):
-    the OSError, with a message that names the file. What is on disk stays as it was (whole
-    files are replaced atomically; a torn append is cut back by ``--resume``)."""
+    """A file of the run could not be written: the OSError, with a message that names the
+    file. What is on disk stays as it was (a torn append is cut back by ``--resume``)."""
 
     def __init__(self, path, err: OSError, action: str = "write"):
         super().__init__(err.errno, f"cannot {action} {path}: {err.strerror or err}")
@@ -47,7 +37,6 @@ class OutputError(OSError):
 
 @contextmanager
 def _located(path, action: str = "write"):
-    """An OSError while writing ``path`` becomes an OutputError that names it."""
     try:
         yield
     except OutputError:
@@ -72,10 +61,8 @@ def file_mode() -> int:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` so that ``path`` holds either the old or the new content, never a mix:
-    temp file in the same directory, fsync, rename, fsync the directory. The rename replaces
-    a link at ``path`` rather than writing through it; the file gets ``file_mode()``
-    (mkstemp alone would make it 0600)."""
+    """``path`` holds either the old or the new content, never a mix: temp file, fsync,
+    rename (which replaces a link rather than writing through it), fsync the directory."""
     path = Path(path)
     with _located(path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,29 +93,23 @@ def _fsync_dir(directory: Path) -> None:
 
 def json_document(value) -> bytes:
     """The bytes ``write_json`` writes: pretty-printed (indent 2), a trailing newline."""
-    return to_json(value, indent=2) + b"\n"
+    return msgspec.json.format(_encoder.encode(value), indent=2) + b"\n"
 
 
 def write_json(path: str | os.PathLike, value) -> None:
-    """Pretty-printed (indent 2) JSON document with a trailing newline, written atomically."""
     atomic_write_bytes(path, json_document(value))
 
 
 def write_jsonl(path: str | os.PathLike, rows) -> None:
-    """A whole JSONL file, one compact row per line, written atomically."""
-    atomic_write_bytes(path, b"".join(to_json(r) + b"\n" for r in rows))
+    atomic_write_bytes(path, b"".join(_encoder.encode(r) + b"\n" for r in rows))
 
 
 def append_jsonl(path: str | os.PathLike, rows) -> None:
-    """Append rows to a JSONL file (created if missing) and fsync.
-
-    Appends are not atomic as a whole; a resumed run truncates such files back to the
-    last completed iteration (see ``search``), so a torn last line never survives. A file
-    that is a link is first made private (``make_private``); the file is opened with
-    ``O_NOFOLLOW`` and checked again once open, so the append lands in this file only.
-    """
+    """Append rows to a JSONL file (created if missing) and fsync. Not atomic: a resume cuts
+    the file back to the last committed iteration. A link is made private first and the file
+    is checked again once open (``O_NOFOLLOW``), so the append lands in this file only."""
     path = Path(path)
-    data = b"".join(to_json(r) + b"\n" for r in rows)
+    data = b"".join(_encoder.encode(r) + b"\n" for r in rows)
     with _located(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         make_private(path)
@@ -143,10 +124,9 @@ def append_jsonl(path: str | os.PathLike, rows) -> None:
 
 
 def make_private(path: str | os.PathLike) -> bool:
-    """Replace ``path``, when it is a symbolic link or a file with other hard links, by a new
-    regular file holding the same bytes (atomically), so that writing to it changes nothing
-    outside the run. Returns whether it did. A link to something that is not a regular file
-    (a folder, a FIFO, a device) is refused: there is no content to copy."""
+    """Replace ``path``, when it is a symbolic link or a file with other hard links, by a
+    regular file holding the same bytes; whether it did. A link to something that is not a
+    regular file is refused: there is no content to copy."""
     path = Path(path)
     try:
         info = path.lstat()
@@ -170,10 +150,8 @@ def make_private(path: str | os.PathLike) -> bool:
 
 def normalise_modes(root: str | os.PathLike) -> list[Path]:
     """Give every regular file under ``root`` (a run directory being resumed) ``file_mode()``,
-    as if this version had written it: versions before 0.2.0 wrote whole files 0600 (mkstemp),
-    and a resumed run only appends to some of them. Links are left alone (never followed), and
-    so is a file whose mode cannot change (another user's, a read-only file system: the run's
-    own writes say what is wrong there). Returns the files changed."""
+    as if this version had written it (a resumed run only appends to some). Links and files
+    whose mode cannot change are left alone. Returns the files changed."""
     mode, changed = file_mode(), []
     for folder, _dirs, names in os.walk(root):  # os.walk does not descend into linked folders
         for name in names:
@@ -189,14 +167,12 @@ def normalise_modes(root: str | os.PathLike) -> list[Path]:
 
 
 def remove(path: str | os.PathLike) -> None:
-    """Delete a file of the run (a pruned snapshot, a stale temporary file). ``unlink``
-    removes a link itself, never what it points to."""
+    """Delete a file of the run (``unlink``: a link itself, never what it points to)."""
     with _located(path, "delete"):
         Path(path).unlink(missing_ok=True)
 
 
 def read_prefix(path: str | os.PathLike, size: int) -> bytes:
-    """The first ``size`` bytes of a file of the run."""
     with _located(path, "read"), open(path, "rb") as f:
         return f.read(size)
 

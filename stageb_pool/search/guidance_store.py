@@ -48,7 +48,7 @@ class GuidanceStore:
     def snapshots(self) -> list[Path]:
         """Snapshot files, oldest step first: regular files with a snapshot's name only (a
         symbolic link or anything else put there is never pruned). The run refuses a
-        ``snapshots`` folder that is a link before it starts (``rundir.check_folders``)."""
+        ``snapshots`` folder that is a link before it starts (``run_owner.check_folders``)."""
         if not self.snapshot_dir.is_dir() or self.snapshot_dir.is_symlink():
             return []
         found = [(int(m.group(1)), p) for p in self.snapshot_dir.iterdir()

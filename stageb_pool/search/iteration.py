@@ -3,21 +3,17 @@
 commits. Every GPU is busy at each step:
 
 1. train baseline: the iteration's train pool under the current guidance;
-2. ONE gather: the proposer call (the ``reflect_size`` most confidently wrong tickets; with
-   ``proposer_calls: K``, K calls with their own seed keys, candidates merged in call order)
-   and the eval-pool baseline (served by the runner's cache while the guidance is unchanged);
-3. candidates: the proposer's answer (kept whole in ``proposer_answers.jsonl``; held to
-   the schema of ``stageb.proposer_schema`` with ``constrain_proposer``) extracted and
-   validated (every rejection logged), ablation ``remove`` candidates fill up to
-   ``num_candidate_rules``, each previewed; every candidate's train rollout in ONE gather;
+2. ONE gather: the ``proposer_calls`` proposer calls (the ``reflect_size`` most confidently
+   wrong tickets) and the eval-pool baseline (cached while the guidance is unchanged);
+3. candidates: the answers parsed and validated (every rejection logged), ablation
+   ``remove`` candidates fill up to ``num_candidate_rules``, each previewed; every
+   candidate's train rollout in ONE gather;
 4. the gate on the tickets common to baseline and candidate; the passing candidates' eval
    rollouts in ONE gather (optional eval veto);
 5. the choice: at most one edit, the largest RER (earliest on ties).
 
-A train pool's rollouts use a seed key that names the pool's tickets, never the guidance:
-baseline and candidates draw the same random numbers (common random numbers). The hard
-cases, the proposer's answer and its failures are appended as they are found (a resume
-cuts them back). The outcome carries what ``decisions`` needs to explain the iteration.
+A train pool's seed key names the pool's tickets, never the guidance: baseline and
+candidates draw the same random numbers (common random numbers).
 """
 
 from __future__ import annotations
@@ -86,7 +82,6 @@ class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def proposer(self) -> ProposerAnswerRow | None:
-        """The first proposer call's answer row (None: no call)."""
         return self.proposers[0] if self.proposers else None
 
     @property
@@ -100,7 +95,6 @@ def pool_seed_key(seed: int, tickets) -> str:
 
 
 def baseline_spec(inp: IterationInput, settings: SearchSettings) -> RolloutSpec:
-    """The iteration's train baseline: its pool under the guidance it starts from."""
     return rollout_spec(f"train/it{inp.iteration}/base", pool_seed_key(settings.seed, inp.pool), inp.pool,
                         inp.guidance, settings.rule_search.train_sampler)
 
@@ -117,9 +111,8 @@ def common_metrics(base_stats: dict, cand_stats: dict) -> tuple[Metrics, Metrics
 
 def run_iteration(inp: IterationInput, settings: SearchSettings, recorder, log, on_gate=None) -> IterationOutcome:
     """Compute one iteration; append its hard cases and proposer failures on the way.
-    ``on_gate(guidance)``: called once the gate has passed a candidate, with the guidance
-    the iteration will most likely end with (the best passing candidate's; certain without
-    an eval veto), before the eval rollouts (the loop speculates on it)."""
+    ``on_gate(guidance)``: called before the eval rollouts once the gate has passed a
+    candidate, with the best passing candidate's guidance (the loop speculates on it)."""
     rs, it, g, runner = settings.rule_search, inp.iteration, inp.guidance, recorder.runner
     seed_key = pool_seed_key(settings.seed, inp.pool)
     log.info("iteration %d: %d train tickets, guidance step %d (%s)", it, len(inp.pool), g.step, g.hash)
@@ -168,7 +161,6 @@ REJECTING_STAGES = ("validate", "preview")  # failure rows that are one rejected
 
 
 class Failures:
-    """The proposer failure rows of one iteration, in the order they are found."""
 
     def __init__(self, iteration: int, mission: str, examples: int):
         self.iteration, self.mission, self.examples = iteration, mission, examples
@@ -183,9 +175,8 @@ class Failures:
 
 
 def proposer_requests(inp: IterationInput, settings: SearchSettings, profile, examples) -> list[ChatRequest]:
-    """The iteration's ``rule_search.proposer_calls`` proposer requests (none without
-    examples): the same prompt, each call with its own seed key, derived from the work (run
-    seed, iteration, call), never from a worker; the first call's is upstream's."""
+    """The iteration's ``proposer_calls`` requests (none without examples): one prompt, each
+    call with its own seed key derived from the work; the first call's is upstream's."""
     if not examples:
         return []
     first = _proposer_request(inp, settings, profile, examples)
@@ -211,8 +202,7 @@ def _proposer_request(inp: IterationInput, settings: SearchSettings, profile, ex
 
 
 def _propose_and_eval_baseline(inp: IterationInput, settings: SearchSettings, recorder, requests: list[ChatRequest]):
-    """One gather: the proposer calls and the eval baseline share the workers. The chats
-    are submitted first, so they start at once on the first free workers."""
+    """One gather: the chats are submitted first, so they start on the first free workers."""
     runner = recorder.runner
     chats = [runner.submit_chat(request) for request in requests]
     ev = (runner.submit(eval_spec(f"eval/it{inp.iteration}/base", settings, inp.eval_pool, inp.guidance))
@@ -224,9 +214,8 @@ def _propose_and_eval_baseline(inp: IterationInput, settings: SearchSettings, re
 
 def _merge_proposals(inp: IterationInput, settings: SearchSettings, runner, chats: list, requests: list[ChatRequest],
                      example_keys: list[str], failures: Failures):
-    """Every call's valid candidates, in call order, a candidate an earlier call already
-    proposed (same id or rule text) rejected as a duplicate; one answer row per call (the
-    call's number only when there are several)."""
+    """Every call's valid candidates in call order (one an earlier call proposed is a
+    duplicate); one answer row per call."""
     proposed, answers = [], []
     for call, (chat, request) in enumerate(zip(chats, requests)):
         accepted, answer = _parse_proposals(inp, settings, runner, chat, example_keys,
@@ -250,8 +239,7 @@ def _merge_proposals(inp: IterationInput, settings: SearchSettings, runner, chat
 def _parse_proposals(inp: IterationInput, settings: SearchSettings, runner, chat, example_keys: list[str],
                      examples_text: str, failures: Failures) -> tuple[list[proposer.Candidate], ProposerAnswerRow]:
     """The proposer's valid candidates and its answer row; every failure and rejection
-    becomes a failure row. A proposer call that raised leaves the iteration with no proposer
-    candidates (the ablation fill still runs), as upstream."""
+    becomes a failure row."""
     rs = settings.rule_search
     answer = ProposerAnswerRow(iteration=inp.iteration, mission=settings.mission,
                                     constrained=rs.constrain_proposer, parsed=False)
@@ -285,9 +273,8 @@ def _parse_proposals(inp: IterationInput, settings: SearchSettings, runner, chat
 
 def _previews(inp: IterationInput, settings: SearchSettings, proposed: list, example_keys: list[str],
               failures: Failures) -> tuple[list[tuple], str | None]:
-    """Proposer candidates, then ablation removes up to ``num_candidate_rules``, as
-    ``(index, candidate, previewed guidance, reflection id)``; a candidate whose edit cannot
-    apply is logged and skipped. Second: why no ablation filled up, when none could."""
+    """``(index, candidate, previewed guidance, reflection id)`` of the proposer candidates,
+    then ablation removes up to ``num_candidate_rules``; and why no ablation filled up."""
     g, it = inp.guidance, inp.iteration
     taken = set(inp.rejected_ids) | {c.candidate_id for c in proposed}
     missing = settings.rule_search.num_candidate_rules - len(proposed)
@@ -308,7 +295,6 @@ def _previews(inp: IterationInput, settings: SearchSettings, proposed: list, exa
 
 
 def _no_ablation_note(g: Guidance, rejected_ids) -> str:
-    """Why no ``remove`` candidate was left to try."""
     everything = proposer.ablation_candidates(g, limit=len(g.experiences))
     if not everything:
         return "no learnable rule besides G0 to ablate"
@@ -322,8 +308,6 @@ def _no_ablation_note(g: Guidance, rejected_ids) -> str:
 
 def _evaluate(inp: IterationInput, settings: SearchSettings, recorder, seed_key: str, base: RolloutResult,
               eval_base: RolloutResult | None, previews: list[tuple], on_gate=None) -> list[Evaluated]:
-    """All candidates' train rollouts in one gather, the gate, then the passing ones' eval
-    rollouts in one gather and the optional eval veto."""
     if not previews:
         return []
     rs, it, runner = settings.rule_search, inp.iteration, recorder.runner
@@ -334,8 +318,7 @@ def _evaluate(inp: IterationInput, settings: SearchSettings, recorder, seed_key:
     evaluated = []
     with recorder.phase("gate"):
         for (index, cand, preview, rid), train in zip(previews, trains):
-            gate = gate_mod.evaluate_gate(base.stats, train.stats, op=cand.op, gate=rs.gate, iteration=it,
-                                          bootstrap_seed=rs.gate.bootstrap.seed)
+            gate = gate_mod.evaluate_gate(base.stats, train.stats, op=cand.op, gate=rs.gate, iteration=it)
             evaluated.append(Evaluated(
                 index=index, candidate=cand, guidance=preview, reflection_id=rid, gate=gate,
                 train_metrics=common_metrics(base.stats, train.stats)[1],
@@ -353,8 +336,6 @@ def _evaluate(inp: IterationInput, settings: SearchSettings, recorder, seed_key:
 
 
 def _eval_veto(c: Evaluated, eval_base: RolloutResult, result: RolloutResult, max_drop: float | None) -> Evaluated:
-    """The candidate with its eval metrics, the accuracy drop on the common eval tickets, and
-    the veto when the drop exceeds ``gate.eval_max_acc_drop``."""
     base_m, cand_m = common_metrics(eval_base.stats, result.stats)
     vetoed, drop = gate_mod.eval_veto(base_m.acc if base_m.n else None, cand_m.acc if cand_m.n else None, max_drop)
     changes = {"eval_base_metrics": base_m, "eval_metrics": cand_m, "eval_acc_drop": drop}

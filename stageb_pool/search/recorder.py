@@ -1,9 +1,7 @@
 """The rule search's writes into its run directory, and the wall time of each phase.
 
-The search decides; the Recorder writes: append-only JSONL rows (cut back on ``--resume``),
-``rollouts/<name>.jsonl`` when ``output.save_rollouts`` is on, and whole files. It also
-waits for the runner, so that every gather is timed under the phase it belongs to. The
-phase times are volatile (``summary.json`` ``timing``).
+The search decides; the Recorder writes and waits for the runner, so that every gather is
+timed under the phase it belongs to (volatile: ``summary.json`` ``timing``).
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ class Recorder:
             self.seconds[name] += time.monotonic() - t0
 
     def append(self, name: str, rows: list) -> None:
-        """Append rows to the run directory's JSONL file ``name`` (nothing for no rows)."""
         if rows:
             with self.phase("io"):
                 fileio.append_jsonl(self.run_dir / name, rows)
@@ -46,8 +43,7 @@ class Recorder:
 
     def wait(self, pendings: list, phase: str = "rollout") -> list:
         """The runner's results for ``pendings`` (one gather), timed as ``phase``; with
-        ``save_rollouts`` each rollout's texts go to ``rollouts/<name>.jsonl`` (whole files,
-        rewritten identically when a resumed run redoes an iteration)."""
+        ``save_rollouts`` each rollout's texts go to ``rollouts/<name>.jsonl`` (whole files)."""
         with self.phase(phase):
             results = self.runner.wait(pendings)
         if self.runner.save_rollouts:

@@ -1,12 +1,10 @@
-"""The rollout runner's speculative submissions (``RolloutRunner`` inherits them; the policy of
-what to speculate is ``speculation.py``).
+"""The rollout runner's speculative submissions (``RolloutRunner`` inherits them; what to
+speculate is ``speculation.py``).
 
-Work the search may need next is submitted as speculative pool tasks (``Pool.speculation``:
-only an idle worker takes one, only while nothing else is queued). A later ``submit`` (a
-chunk, by its cache key) or ``submit_chat`` (a proposer call, by its whole request) of the
-same work claims it, and counts it as generated there, as if it had been submitted then;
-``discard`` drops what turned out wrong. So a result never depends on what was speculated,
-only the wall time does.
+Speculative pool tasks (``Pool.speculation``: only an idle worker takes one, only while
+nothing else is queued) are claimed by a later ``submit`` (a chunk, by its cache key) or
+``submit_chat`` (a proposer call, by its whole request) of the same work and counted as
+generated there; ``discard`` drops what turned out wrong. Only the wall time depends on it.
 """
 
 from __future__ import annotations
@@ -18,9 +16,8 @@ from ..stageb.hashing import content_hash
 
 
 class SpeculativeSubmissions:
-    """The runner's speculative half: it uses the runner's ``pool``, ``submit``, cache
-    (``_cache``, ``_inflight``) and ``_build``, and keeps ``_speculative`` (cache key ->
-    speculative task not yet claimed) for ``submit`` to claim from."""
+    """The runner's speculative half: it uses the runner's ``pool``, ``submit``, ``_cache``,
+    ``_inflight`` and ``_build``, and keeps ``_speculative`` for ``submit`` to claim from."""
 
     def _start_speculation(self) -> None:
         self._speculative: dict[str, object] = {}  # cache key -> speculative pool task, not yet claimed
@@ -46,7 +43,7 @@ class SpeculativeSubmissions:
         return pending
 
     def speculate_chat(self, request: ChatRequest) -> str:
-        """Submit a proposer call as a speculative task; its key (for ``discard``)."""
+        """Submit a proposer call as a speculative task; returns its key (for ``discard``)."""
         key = chat_key(request)
         if key not in self._speculative:
             with self.pool.speculation():
@@ -90,9 +87,8 @@ class SpeculativeSubmissions:
             self._discarded.append(task)
 
     def speculation_summary(self) -> dict:
-        """Speculative tasks submitted, used (claimed by a submit after a worker had taken
-        them), claimed before any had, discarded, and the worker seconds the discarded ones
-        took (wall clock: volatile)."""
+        """Speculative tasks submitted, used, claimed unstarted and discarded, and the worker
+        seconds the discarded ones took (wall clock: volatile)."""
         return {"tasks": self.speculation_tasks, "used": self.speculation_used,
                 "claimed_unstarted": self.speculation_unstarted,
                 "discarded": len(self._discarded) + len(self._speculative),

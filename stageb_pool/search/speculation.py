@@ -1,17 +1,11 @@
 """The next iteration computed ahead on idle workers (``runner.speculate``).
 
-While iteration i runs, the loop knows iteration i+1's train pool (the sampler does not
-depend on what i decides) and, if i accepts nothing (the common case), its guidance: the
-current one. So while i's proposer call runs, idle workers compute i+1's train baseline;
-once that is in, i+1's proposer calls are started, while i's candidates run. When i's gate
-passes a candidate, the speculation is retargeted to the guidance that candidate makes
-(certain without an eval veto): i+1 under it, while i's eval rollouts run. All of it is
-speculative pool work (``Pool.speculation``: only a worker with nothing in flight takes it,
-only while nothing else is queued) submitted through the runner, which claims it when
-iteration i+1 submits the same work (chunks by cache key, proposer calls by their whole
-request) and counts it as generated there. A speculation whose guidance turns out not to be
-the next one is discarded; so is whatever an iteration did not claim. A result never
-depends on speculation: it decides only when work starts, never what is computed.
+While iteration i runs, iteration i+1's train pool is known (the sampler does not depend on
+what i decides) and, if i accepts nothing (the common case), so is its guidance. So idle
+workers compute i+1's train baseline, then start its proposer calls; when i's gate passes
+a candidate, the speculation is retargeted to the guidance that candidate makes. The runner
+claims speculative work when i+1 submits the same work (``rollout_speculation``); what is
+not claimed is discarded. Speculation decides only when work starts, never what is computed.
 """
 
 from __future__ import annotations
@@ -58,8 +52,7 @@ class Speculation:
 
     def _poll(self) -> None:
         """Called by the runner during its waits: once the speculated baseline is in, the
-        target's proposer calls are submitted (built exactly as the iteration will build
-        them, so the same request is the same work)."""
+        target's proposer calls are submitted, built as the iteration will build them."""
         if self._target is None or self._chats_sent:
             return
         base = self.runner.peek(self._base)

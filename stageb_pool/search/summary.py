@@ -15,7 +15,6 @@ from .settings import SearchSettings
 
 
 def brief(metrics) -> dict | None:
-    """The summary's view of a Metrics."""
     if metrics is None:
         return None
     return {"n": metrics.n, "acc": metrics.acc, "fp_rate": metrics.fp_rate, "fn_rate": metrics.fn_rate}
@@ -43,7 +42,7 @@ def final_metrics(recorder, settings: SearchSettings, guidance, *, first_pool: l
 def search_summary(state, settings: SearchSettings, guidance, *, final: dict, distillation: dict | None, n_train: int,
                    n_eval: int, runner, timing: dict, headroom: dict | None = None) -> dict:
     """``summary.json`` of the rule search (``job.write_summary`` adds the job's timing and
-    the per-worker throughput). ``headroom``: the judge-headroom check's entry (None: not run)."""
+    the per-worker throughput)."""
     return {
         "mode": "search",
         "mission": settings.mission,
@@ -68,7 +67,6 @@ def search_summary(state, settings: SearchSettings, guidance, *, final: dict, di
 
 
 def print_summary(summary: dict) -> None:
-    """A few human lines on stdout (the full record is summary.json)."""
     base, final = summary["baseline"], summary["final"]
 
     def fmt(m):

@@ -1,11 +1,5 @@
-"""Mission guidance (upstream 1.3): the rule list in the prompt, its edits and its files.
-
-File format: ``{<mission>: {"step", "updated_at", "experiences", "metadata"}}``.
-``G0`` is the mission checklist (mandatory, updatable, never removable), ``S*`` are
-read-only structural invariants, ``G1+`` are the learnable rules. Edits are pure
-(``apply_operation`` returns a new Guidance); the run directory's copy is
-``search.guidance_store.GuidanceStore``.
-"""
+"""Mission guidance (upstream 1.3; docs/formats.md section 2), its pure edits and its files.
+``G0`` is the mission checklist (never removable), ``S*`` read-only, ``G1+`` learnable."""
 
 from __future__ import annotations
 
@@ -43,9 +37,7 @@ class ExperienceMeta(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Guidance(msgspec.Struct, dict=True):
-    """One guidance value. Treated as immutable (edits make a new one, ``apply_operation``),
-    which is what lets its hash be computed once (``dict=True`` gives the struct the
-    ``__dict__`` a cached property needs; encoding still sees the four fields only)."""
+    """Treated as immutable so its hash is computed once (``dict=True`` for the cached property)."""
 
     step: int
     updated_at: str
@@ -66,8 +58,6 @@ class Operation(msgspec.Struct):
     evidence: list[str] = []
     merged_from: list[str] = []
 
-
-# --------------------------------------------------------------------------- reading
 
 def _is_iso(value) -> bool:
     if not isinstance(value, str):
@@ -108,7 +98,6 @@ def _meta_from_raw(raw, where: str) -> ExperienceMeta:
 
 
 def parse_section(raw, where: str) -> Guidance:
-    """Validate one mission's section; errors name ``where`` plus the key path."""
     if not isinstance(raw, dict):
         raise InputError("must be an object", where)
     if "version" in raw or "guidance" in raw:
@@ -155,8 +144,6 @@ def parse_section(raw, where: str) -> Guidance:
 
 
 def read_guidance_file(path: str | Path) -> dict:
-    """The whole file, strictly decoded (``inputs.load_json_file``: syntax errors at
-    ``path:line:col``, a mission or rule key given twice, deep nesting, lone surrogates)."""
     data = inputs.load_json_file(path, "guidance file")
     if not isinstance(data, dict):
         raise InputError("must be a JSON object keyed by mission", str(path))
@@ -164,7 +151,6 @@ def read_guidance_file(path: str | Path) -> dict:
 
 
 def load_guidance(path: str | Path, mission: str) -> Guidance:
-    """The mission's section of a guidance file, validated."""
     data = read_guidance_file(path)
     if mission not in data:
         have = ", ".join(repr(m) for m in data) or "none"
@@ -172,12 +158,8 @@ def load_guidance(path: str | Path, mission: str) -> Guidance:
     return parse_section(data[mission], f"{path}: {mission}")
 
 
-# --------------------------------------------------------------------------- edits
-
 def rule_text_key(text: str) -> str:
-    """The form two rule texts are compared in (upstream's duplicate lookup): spaces
-    normalised, stripped, trailing 。/. removed. Only for comparisons: a rule is stored and
-    prompted as given, outer whitespace stripped."""
+    """The form rule texts are compared in (upstream's duplicate lookup), never stored."""
     return normalize_spaces(text).strip().rstrip("。.")
 
 
@@ -200,9 +182,7 @@ def _dedupe(items: list[str]) -> list[str]:
 
 
 def _folded_meta(g: Guidance, keys: list[str], op: Operation, now: str, reflection_id: str) -> ExperienceMeta:
-    """Metadata of a key written by ``op``: hits and misses of the key and every merged key
-    folded together, plus one hit for this write; without a new rationale, the first one of
-    the target's and then the merged keys' metadata (upstream 1.3)."""
+    """The written and merged keys' hits and misses folded plus one hit (upstream 1.3)."""
     old = [g.metadata[k] for k in keys if k in g.metadata]
     hits = sum(m.hit_count for m in old) + 1
     misses = sum(m.miss_count for m in old)
@@ -239,11 +219,7 @@ def _resolve_target(g: Guidance, op: Operation, text: str) -> str:
 
 
 def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str) -> Guidance:
-    """The guidance after ``op`` (a pure preview: nothing is written). ``step + 1`` and
-    ``updated_at = now``. Writing a text that an existing rule already holds (compared by
-    ``rule_text_key``) rewrites that rule and folds its metadata, as upstream: no error.
-    Raises GuidanceError when the operation cannot apply (a refused key, a remove of a key
-    that is not there)."""
+    """Pure; a text an existing rule holds rewrites that rule, as upstream. Raises GuidanceError."""
     if op.op not in OPERATIONS:
         raise GuidanceError(f"unknown operation {op.op!r} (expected {', '.join(OPERATIONS)})")
     experiences = dict(g.experiences)
@@ -279,8 +255,6 @@ def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str)
     return Guidance(step=g.step + 1, updated_at=now, experiences=experiences, metadata=metadata)
 
 
-# --------------------------------------------------------------------------- files
-
 def section_of(g: Guidance) -> dict:
-    """The JSON section of a guidance state (what ``guidance.json`` holds per mission)."""
+    """What ``guidance.json`` holds per mission."""
     return msgspec.to_builtins(g)

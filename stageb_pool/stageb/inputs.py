@@ -1,18 +1,6 @@
-"""Reading the user's input files (tickets, exclusion list, guidance, prompt profiles): the
-checks every one of them gets, in one place.
-
-* Only regular files: a FIFO would block the run forever, a directory would fail late.
-* UTF-8, with or without a byte-order mark (accepted in every input alike); an invalid
-  byte is reported with its line and column.
-* JSON is decoded strictly: a key given twice in one object, nesting deeper than
-  ``MAX_DEPTH``, an integer of more than 4,300 digits (Python refuses to convert it) and a
-  lone surrogate escape (``"\\ud800"``, which no UTF-8 file can write back) are errors with a
-  location, never a silently kept last value or a RecursionError.
-* YAML the same way: duplicate keys and excessive nesting are located errors.
-
-Every failure is an ``InputError`` (exit code 2) or, for callers that add their own
-location (one ticket line), a ``JsonProblem``.
-"""
+"""The checks every user input file gets: a regular file (a FIFO would block the run), UTF-8,
+strict JSON and YAML (duplicate keys, deep nesting, 4,300-digit integers, lone surrogates are
+located errors). Failures are ``InputError``, or ``JsonProblem`` for callers that locate them."""
 
 from __future__ import annotations
 
@@ -36,8 +24,6 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _LONG_INT = re.compile(r"\d{4301,}")
 
 
-# --------------------------------------------------------------------------- files
-
 def regular_file(path: str | Path, what: str) -> Path:
     """``path`` if it names a regular file (symbolic links followed), else InputError."""
     path = Path(path)
@@ -53,7 +39,6 @@ def regular_file(path: str | Path, what: str) -> Path:
 
 
 def read_bytes(path: str | Path, what: str) -> bytes:
-    """The bytes of a regular file, a leading byte-order mark removed."""
     path = regular_file(path, what)
     try:
         data = path.read_bytes()
@@ -63,7 +48,6 @@ def read_bytes(path: str | Path, what: str) -> bytes:
 
 
 def line_col(text: str, pos: int) -> tuple[int, int]:
-    """1-based line and column of character ``pos``."""
     line = text.count("\n", 0, pos) + 1
     return line, pos - (text.rfind("\n", 0, pos) + 1) + 1
 
@@ -78,11 +62,8 @@ def decode_utf8(data: bytes, where: str) -> str:
 
 
 def read_text(path: str | Path, what: str) -> str:
-    """A regular UTF-8 file as text (a BOM removed, nothing else changed)."""
     return decode_utf8(read_bytes(path, what), str(path))
 
-
-# --------------------------------------------------------------------------- JSON
 
 class JsonProblem(ValueError):
     """Why a JSON text was refused; ``line``/``col`` (1-based) or ``keypath`` say where."""
@@ -92,7 +73,6 @@ class JsonProblem(ValueError):
         self.message, self.line, self.col, self.keypath = message, line, col, keypath
 
     def where(self, prefix: str) -> str:
-        """``prefix:line:col`` for syntax problems, ``prefix: key.path`` for content ones."""
         if self.line is not None:
             return f"{prefix}:{self.line}:{self.col}"
         return f"{prefix}: {self.keypath}" if self.keypath else prefix
@@ -107,16 +87,8 @@ class _Duplicate:
         self.key = key
 
 
-def _object(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        out[key] = _Duplicate(key) if key in out else value
-    return out
-
-
 def nesting_exceeds(text: str, limit: int) -> int | None:
-    """Position of the first JSON bracket nested deeper than ``limit`` (brackets inside
-    strings skipped), None when the text stays within it. Cheap for ordinary text."""
+    """Position of the first bracket nested deeper than ``limit`` (strings skipped), or None."""
     if text.count("{") + text.count("[") <= limit:
         return None
     skeleton = _JSON_STRING.sub('""', text)  # brackets inside summaries are text, not depth
@@ -135,7 +107,6 @@ def nesting_exceeds(text: str, limit: int) -> int | None:
 
 
 def _walk(value, path: tuple = ()):
-    """(key path, value) of every value, depth first, without recursion."""
     stack = [(path, value)]
     while stack:
         path, value = stack.pop()
@@ -147,9 +118,7 @@ def _walk(value, path: tuple = ()):
 
 
 def first_lone_surrogate(value) -> tuple[tuple, str] | None:
-    """The key path (keys and list positions) and the text of the first string in ``value``
-    (nested dicts and lists) holding a lone surrogate, which UTF-8 cannot encode; None when
-    there is none."""
+    """The key path and text of the first string holding a lone surrogate, or None."""
     for path, item in _walk(value):
         if isinstance(item, str) and _SURROGATE.search(item):
             return path, item
@@ -176,7 +145,6 @@ def _content_problems(value, *, duplicates: bool, surrogates: bool) -> None:
 
 
 def loads(text: str) -> object:
-    """``json.loads`` with the checks of this module; raises JsonProblem."""
     deep = nesting_exceeds(text, MAX_DEPTH)
     if deep is not None:
         line, col = line_col(text, deep)
@@ -184,9 +152,12 @@ def loads(text: str) -> object:
     seen_duplicate = []
 
     def hook(pairs):
-        obj = _object(pairs)
-        if len(obj) != len(pairs):
-            seen_duplicate.append(True)
+        obj: dict = {}
+        for key, value in pairs:
+            if key in obj:
+                seen_duplicate.append(True)
+                value = _Duplicate(key)
+            obj[key] = value
         return obj
 
     try:
@@ -205,8 +176,6 @@ def loads(text: str) -> object:
 
 
 def load_json_file(path: str | Path, what: str) -> object:
-    """A JSON file, strictly decoded; every problem located at ``path:line:col`` or
-    ``path: key.path``."""
     text = read_text(path, what)
     try:
         return loads(text)
@@ -214,12 +183,8 @@ def load_json_file(path: str | Path, what: str) -> object:
         raise InputError(err.message, err.where(str(path))) from None
 
 
-# --------------------------------------------------------------------------- YAML
-
 class StrictYaml:
-    """Mixin for a PyYAML loader: nesting deeper than ``max_depth`` and a key given twice
-    (PyYAML keeps the last value silently) are errors at their line. The config reader adds
-    its own rules on top (app/config/source.py)."""
+    """PyYAML loader mixin: deep nesting and a duplicate key (PyYAML keeps the last) are errors."""
 
     max_depth = MAX_DEPTH
     duplicate = "key {key!r} is given twice (first on line {line})"
@@ -251,11 +216,10 @@ class StrictYaml:
 
 
 class _StrictLoader(StrictYaml, yaml.SafeLoader):
-    """safe_load with the checks of StrictYaml."""
+    pass
 
 
 def load_yaml_file(path: str | Path, what: str) -> object:
-    """A YAML file, strictly loaded; problems located at ``path:line``."""
     text = read_text(path, what)
     try:
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass

@@ -1,19 +1,6 @@
-"""The rule proposer's pure parts (upstream 3.4 step 5-7 and 3.5).
-
-* :func:`select_examples` picks the most confidently wrong tickets of a baseline rollout;
-* :func:`build_proposer_prompt` turns them into a :class:`ProposerPrompt` (system text,
-  user head, examples, user tail), sent as a chat request whose examples the worker drops
-  from the end until the prompt fits its token budget;
-* :func:`extract_json` (``answer_json``) finds the first parseable JSON in the answer;
-* :func:`parse_candidates` applies every validation filter (``rule_text``) and names the
-  reason of each rejection; :func:`ablation_candidates` fills up with ``remove`` candidates.
-
-Differences from upstream, on purpose (the filters' own are in ``rule_text``):
-
-* Target resolution (update/remove/merge) happens here with a logged reason instead of
-  a silent skip during evaluation; every rejection is returned as a row.
-* Reflection ids are a hash of their inputs, not ``uuid4``.
-"""
+"""The rule proposer's pure parts (upstream 3.4 step 5-7 and 3.5): examples, prompt,
+candidates validated from the answer, ablation removes. Unlike upstream, targets resolve here
+with a logged reason (not a silent skip later), and reflection ids are hashes, not ``uuid4``."""
 
 from __future__ import annotations
 
@@ -22,20 +9,14 @@ from typing import Iterable, Mapping, Sequence
 
 import msgspec
 
-from .answer_json import extract_json, json_candidates  # noqa: F401 - the proposer's API: callers parse answers here
+from .answer_json import extract_json  # noqa: F401 - the proposer's API: callers parse answers here
 from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
 from .rule_text import copied_identifier, normalize_signature, text_problem
 from .text import CJK_CHAR
 
-# --------------------------------------------------------------------------- example selection
-
 def confidently_wrong(stats: Mapping | Iterable) -> list:
-    """The tickets whose valid majority differs from GT, most confidently wrong first.
-
-    Sorted by ``(hard_wrong, difficulty)`` descending; the sort is stable, so ties keep
-    the given (pool or run) order. The one definition behind the proposer's examples and
-    the hard-case rows of the audit and the rule search.
-    """
+    """Tickets whose majority differs from GT, by ``(hard_wrong, difficulty)`` descending, ties
+    in the given order: the proposer's examples and the audit's and search's hard cases."""
     rows = list(stats.values()) if isinstance(stats, Mapping) else list(stats)
     wrong = [s for s in rows if s.majority is not None and s.majority != s.gt_label]
     wrong.sort(key=lambda s: (s.hard_wrong, s.difficulty), reverse=True)
@@ -43,14 +24,10 @@ def confidently_wrong(stats: Mapping | Iterable) -> list:
 
 
 def select_examples(stats: Mapping | Iterable, tickets_by_key: Mapping, reflect_size: int) -> list[tuple]:
-    """The ``reflect_size`` most confidently wrong tickets (:func:`confidently_wrong`) as
-    ``(TicketStats, Ticket)`` pairs. Keys without a ticket in ``tickets_by_key`` are skipped.
-    """
+    """The ``reflect_size`` most confidently wrong tickets as ``(TicketStats, Ticket)`` pairs."""
     picked = [(s, tickets_by_key[s.key]) for s in confidently_wrong(stats) if s.key in tickets_by_key]
     return picked[:max(0, int(reflect_size))]
 
-
-# --------------------------------------------------------------------------- request
 
 _TEXTS = {
     "zh": {
@@ -69,7 +46,6 @@ _TEXTS = {
 
 
 def proposer_language(vocab) -> str:
-    """``"zh"`` when the profile's verdict words are Chinese, else ``"en"``."""
     words = f"{getattr(vocab, 'pass_text', '')}{getattr(vocab, 'fail_text', '')}"
     return "zh" if CJK_CHAR.search(words) else "en"
 
@@ -79,13 +55,12 @@ def _experiences(guidance) -> dict[str, str]:
 
 
 def _pair(example) -> tuple:
-    """(stats, ticket) from a pair in either order."""
     a, b = example
     return (b, a) if hasattr(a, "per_image") else (a, b)
 
 
 def render_example(number: int, stats, ticket, lang: str = "zh") -> str:
-    """One ``样本{n}`` block: the ticket, GT, baseline vote and raw summaries by image number."""
+    """One ``样本{n}`` block: the ticket, GT, baseline vote and raw summaries."""
     t = _TEXTS[lang]
     lines = [
         f"{t['sample']}{number}: ticket_key={ticket.key}; gt_label={ticket.label}; "
@@ -98,7 +73,6 @@ def render_example(number: int, stats, ticket, lang: str = "zh") -> str:
 
 
 def render_head(mission: str, guidance, lang: str = "zh") -> str:
-    """Mission, G0, the scaffold block, the modifiable rules with their signatures, intro."""
     t = _TEXTS[lang]
     exp = _experiences(guidance)
     lines = [f"{t['mission']}: {mission}", f"G0: {exp.get('G0', '')}"]
@@ -114,8 +88,8 @@ def render_head(mission: str, guidance, lang: str = "zh") -> str:
 
 
 class ProposerPrompt(msgspec.Struct, frozen=True):
-    """The proposer's messages: ``system``, and a user message that is ``user_head``, the
-    ``examples`` and ``user_tail`` joined with blank lines (upstream 3.5)."""
+    """The user message is ``user_head``, ``examples`` and ``user_tail`` joined by blank lines;
+    the worker drops examples from the end until it fits its token budget."""
 
     system: str
     user_head: str
@@ -125,22 +99,14 @@ class ProposerPrompt(msgspec.Struct, frozen=True):
 
 def build_proposer_prompt(system_prompt: str, mission: str, guidance, examples: Sequence, *,
                           lang: str = "zh") -> ProposerPrompt:
-    """The proposer prompt (upstream 3.5 user message), examples as separate strings.
-
-    ``examples`` are ``(TicketStats, Ticket)`` pairs from :func:`select_examples` (either
-    order). Joined with blank lines, head + examples + tail is upstream's user message.
-    ``lang="en"`` translates the labels of the user message for English profiles.
-    """
+    """``examples`` are ``(TicketStats, Ticket)`` pairs, either order."""
     blocks = [render_example(i, *_pair(ex), lang=lang) for i, ex in enumerate(examples, start=1)]
     return ProposerPrompt(system=system_prompt, user_head=render_head(mission, guidance, lang), examples=blocks,
                           user_tail=_TEXTS[lang]["close"])
 
 
-# --------------------------------------------------------------------------- candidates
-
 class Candidate(msgspec.Struct):
-    """One validated edit. ``signature`` is the rule text's signature (the target's for
-    ``remove``, as in upstream rows); ``operation`` has the resolved keys."""
+    """One validated edit; ``signature`` is the target's for ``remove``, as in upstream rows."""
 
     candidate_id: str
     op: str
@@ -165,15 +131,12 @@ def candidate_id(op: str, signature: str, target: str | None = None, targets: Se
 
 
 def reflection_id(*parts) -> str:
-    """12 hex digits of sha256 over the parts, e.g. ``(guidance_hash, iteration, candidate_id)``:
-    deterministic, unlike upstream's uuid4."""
+    """12 hex digits of sha256 over the parts, e.g. ``(guidance_hash, iteration, candidate_id)``."""
     return hashlib.sha256("/".join(str(p) for p in parts).encode()).hexdigest()[:12]
 
 
 def rejected_signatures(rejected_ids: Iterable[str]) -> set[str]:
-    """The rule-text signatures of rejected candidate ids (the last ``:``-part of an
-    upsert, update or merge id; a signature never holds ``:``, ``normalize_signature``
-    turns it into a space). A ``remove`` carries no text of its own."""
+    """The last ``:``-part of rejected upsert/update/merge ids (a signature never holds ``:``)."""
     out = set()
     for cid in rejected_ids:
         op, _, rest = str(cid).strip().partition(":")
@@ -202,7 +165,7 @@ def _clean(value) -> str:
 
 
 def _resolve(op: str, target: str, targets: list[str], lookup: dict[str, str]):
-    """(key, merged_from) or a rejection reason string."""
+    """(key, merged_from), or why not."""
     if op in ("update", "remove"):
         key = lookup.get(target)
         if key is None:
@@ -221,8 +184,7 @@ def _resolve(op: str, target: str, targets: list[str], lookup: dict[str, str]):
             return f"merge target signature not found: {sig!r}"
         if key == "G0" or not LEARNABLE_KEY.match(key):
             return f"merge target {key} cannot be merged"
-        # A merge naming a rule twice is not the merge it claims (nor one of fewer rules):
-        # refused, never silently read as the merge of the distinct ones.
+        # A merge naming a rule twice is refused, never read as the merge of the distinct ones.
         if key in keys:
             return f"merge names rule {key} twice"
         keys.append(key)
@@ -230,7 +192,7 @@ def _resolve(op: str, target: str, targets: list[str], lookup: dict[str, str]):
 
 
 def _entry_targets(op: str, entry: dict):
-    """(target_signature, target_signatures) or a rejection reason string."""
+    """(target_signature, target_signatures), or why not."""
     if op in ("update", "remove"):
         target = normalize_signature(_clean(entry.get("target_signature")))
         return (target, []) if target else "missing target_signature"
@@ -244,15 +206,13 @@ def _entry_targets(op: str, entry: dict):
 
 
 class _Seen:
-    """What earlier entries of the same response already claimed."""
-
     def __init__(self):
         self.signatures: set[str] = set()
         self.ids: set[str] = set()
 
 
 def _check_entry(entry, ctx: dict, seen: _Seen, evidence: Sequence[str]) -> Candidate | str:
-    """One proposer entry -> a Candidate, or the reason it is rejected (upstream order)."""
+    """A Candidate, or why the entry is rejected (upstream's checks in upstream's order)."""
     if not isinstance(entry, dict):
         return "entry is not an object"
     op = _clean(entry.get("op")).lower() if entry.get("op") is not None else "upsert"
@@ -286,8 +246,7 @@ def _check_entry(entry, ctx: dict, seen: _Seen, evidence: Sequence[str]) -> Cand
     cid = candidate_id(op, signature, target, target_list)
     if cid in ctx["rejected"]:
         return "previously rejected candidate"
-    # Checks of our own, after upstream's (an entry upstream rejects keeps its reason): rules
-    # that cannot win, rejected before any rollout is spent on them.
+    # Our own checks, after upstream's so an entry upstream rejects keeps its reason.
     if signature and signature in ctx["rejected_signatures"]:
         return "repeats a rule text rejected earlier in the run"
     if text:
@@ -311,21 +270,8 @@ def parse_candidates(
     obj, guidance, *, vocab=None, rejected_ids: Iterable[str] = (), limit: int = 3, evidence: Sequence[str] = (),
     examples_text: str = "",
 ) -> tuple[list[Candidate], list[dict]]:
-    """Validate the proposer's JSON (upstream 3.5) into at most ``limit`` candidates.
-
-    Returns ``(accepted, rejections)``; each rejection is ``{"index", "op", "text",
-    "reason"}`` for ``rule_search_proposer_failures.jsonl``. Entries after the limit is
-    reached are not examined. A malformed top level (not an object, both ``operations``
-    and ``rules``, not a list) raises ValueError. ``vocab`` is the profile's
-    ``VerdictVocab`` (None accepts 通过/不通过 and pass/fail); ``evidence`` (the example
-    ticket keys) goes into each operation.
-
-    Beyond upstream's filters, a rule text is rejected when its signature equals that of a
-    rule text in ``rejected_ids`` (whatever the op: ``repeats a rule text rejected earlier in
-    the run``), or when it copies a ticket key of ``evidence`` or a long digit run of
-    ``examples_text`` (the example blocks the proposer was shown;
-    ``rule_text.copied_identifier``).
-    """
+    """``(accepted, rejections)``: at most ``limit`` accepted (later entries unexamined), rejections
+    ``{"index", "op", "text", "reason"}``; a malformed top level raises ValueError."""
     entries = _operations_list(obj)
     exp = _experiences(guidance)
     ctx = {
@@ -355,9 +301,8 @@ def parse_candidates(
 
 
 def ablation_candidates(guidance, *, rejected_ids: Iterable[str] = (), limit: int = 3) -> list[Candidate]:
-    """``remove`` candidates for the learnable rules G1+ (never G0 or S*), lowest metadata
-    confidence first (no metadata = 1.0, so learned rules go before seed rules), then key;
-    ids in ``rejected_ids`` (pass the ids already proposed this iteration too) skipped."""
+    """``remove`` candidates for G1+, lowest confidence first (no metadata: 1.0, so learned
+    rules before seed rules), then key; skips ``rejected_ids`` (include this iteration's)."""
     if limit <= 0:
         return []
     exp = _experiences(guidance)
@@ -372,13 +317,7 @@ def ablation_candidates(guidance, *, rejected_ids: Iterable[str] = (), limit: in
         if not sig or cid in rejected:
             continue
         meta = metadata.get(key)
-        if meta is None:
-            confidence = 1.0
-        elif isinstance(meta, dict):
-            confidence = float(meta.get("confidence", 1.0))
-        else:
-            confidence = float(meta.confidence)
-        scored.append((confidence, key, sig, cid))
+        scored.append((1.0 if meta is None else meta.confidence, key, sig, cid))
     scored.sort(key=lambda item: (item[0], item[1]))
     return [
         Candidate(candidate_id=cid, op="remove", text=None, rationale="ablation_candidate", signature=sig,

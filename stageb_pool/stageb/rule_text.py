@@ -1,18 +1,6 @@
-"""Rule texts proposed by the proposer: their identity (the signature) and the filters a
-text must pass before it becomes a candidate (upstream 3.5, ``ReflectionEngine``'s static
-validators), in upstream's order: Stage-A leak, third-state wording, hedged negation,
-binary outcome, scaffold conflict, brand dimension.
-
-Differences from upstream, on purpose:
-
-* Traditional -> Simplified Chinese conversion is skipped (``zhconv`` is not a
-  dependency; upstream also ran without it when it was not installed).
-* The Stage-A leak filter catches ``image1``-style text (upstream's ``image\\d`` pattern
-  was a raw string matching a literal backslash) and ``复核`` in object chains; it finds a
-  summary the way the prompt's summary parser does (anywhere in the text).
-* English word lists sit next to the Chinese ones so the generic profile is filtered too;
-  the binary-outcome check uses the verdict words of the profile's vocabulary.
-"""
+"""Rule texts: their signature and the filters a candidate must pass, in upstream's order (3.5,
+``ReflectionEngine``'s static validators). On purpose: no ``zhconv`` step, a wider leak filter
+(docs/formats.md section 6), English word lists beside the Chinese, the profile's verdict words."""
 
 from __future__ import annotations
 
@@ -26,25 +14,19 @@ _SIGNATURE_PUNCT = re.compile(r"[，,。.!！？;；:：\-—_()（）\[\]{}<>�
 
 
 def normalize_signature(text: str | None) -> str:
-    """The identity of a rule text for de-duplication and targeting (upstream 3.5):
-    spaces normalised, lower-cased, 如果/当 -> 若, 就 -> 则, punctuation -> space,
-    spaces normalised again, stripped."""
+    """The identity of a rule text for de-duplication and targeting (upstream 3.5)."""
     value = normalize_spaces(text or "").lower()
     value = value.replace("如果", "若").replace("当", "若").replace("就", "则")
     value = _SIGNATURE_PUNCT.sub(" ", value)
     return normalize_spaces(value).strip()
 
 
-# A digit run this long in a rule text is an identifier (a date, a serial, a ticket number),
-# never a reusable condition; found in the proposer's examples it was copied from them.
+# A digit run this long is an identifier (a date, a serial), never a reusable condition.
 LONG_DIGIT_RUN = re.compile(r"\d{6,}")
 
 
 def copied_identifier(text: str, *, ticket_keys: Iterable[str], examples_text: str) -> str | None:
-    """Why a rule text copies an identifier out of the proposer's examples, or None: a ticket
-    key (or its group id, the part before ``::``) of an example, compared casefolded, or a
-    run of 6+ digits that also occurs in the examples' text. Such a rule names tickets, not a
-    condition, and cannot generalise: it is rejected before any rollout is spent on it."""
+    """Why a rule text copies a ticket key, group id or digit run out of the examples, or None."""
     folded = (text or "").casefold()
     for key in ticket_keys:
         for name in dict.fromkeys((key, key.split("::", 1)[0])):
@@ -57,7 +39,6 @@ def copied_identifier(text: str, *, ticket_keys: Iterable[str], examples_text: s
 
 
 def _check_form(text: str) -> str:
-    """Form used by the word-list filters: spaces normalised, lower-cased, ``_``/``-`` as spaces."""
     value = normalize_spaces(text or "").lower().replace("_", " ").replace("-", " ")
     return normalize_spaces(value)
 
@@ -98,10 +79,7 @@ def _is_json_object(text: str) -> bool:
 
 
 def is_stage_a_leak(text: str) -> bool:
-    """Pasted Stage-A summary text: a summary object anywhere in the text (a header line
-    before it, inside a sentence, on the last line, or a ``统计=[...]`` assignment: what the
-    prompt's summary parser would read as one), any JSON object, ``标签/``, an image
-    reference (``image_3``, ``image3``, ``Image 3``), or ``/``-joined object chains."""
+    """A summary object anywhere, any JSON object, ``标签/``, an image reference, object chains."""
     stripped = (text or "").strip()
     if extract_summary_json(stripped) is not None or _is_json_object(stripped):
         return True
@@ -134,7 +112,7 @@ def _verdict_words(vocab) -> tuple[list[str], list[str]]:
 
 
 def _polarity(text: str, vocab) -> tuple[bool, bool]:
-    """(concludes fail, concludes pass) of a rule text."""
+    """(concludes fail, concludes pass)."""
     form = _check_form(text)
     pass_words, fail_words = _verdict_words(vocab)
     fail_terms = [w.lower() for w in fail_words] + list(_EXTRA_FAIL)
@@ -153,8 +131,7 @@ def is_binary(text: str, vocab=None) -> bool:
 
 
 def scaffold_conflict(text: str, scaffold: Mapping[str, str], vocab=None) -> str | None:
-    """The key of a scaffold rule that shares an anchor word with ``text`` but concludes
-    only the opposite verdict (scaffold fail vs candidate pass-only, or the reverse)."""
+    """A scaffold rule sharing an anchor word with ``text`` but concluding only the opposite."""
     form = _check_form(text)
     anchors = {a for a in SCAFFOLD_ANCHORS if a in form}
     if not anchors:

@@ -9,7 +9,7 @@
 """
 
 from ...engine.records import SamplerConfig
-from .load import config_document, input_files, load_checked_config, load_config, replace_at, to_dict, with_mode
+from .load import config_document, input_files, load_checked_config, load_config, replace_at, with_mode
 from .schema import (
     LEGACY_KEYS,
     BootstrapConfig,
@@ -36,5 +36,5 @@ __all__ = [
     "LEGACY_KEYS", "BootstrapConfig", "Config", "DistillConfig", "EarlyStopConfig", "GateConfig", "GuidanceConfig",
     "IngestConfig", "ModelConfig", "OutputConfig", "PoolConfig", "PromptConfig", "RuleSearchConfig", "RunnerConfig",
     "SamplerConfig", "TicketFilterConfig", "apply_override", "input_files", "config_document", "config_keys", "join_key",
-    "load_checked_config", "load_config", "replace_at", "struct_of", "to_dict", "with_mode",
+    "load_checked_config", "load_config", "replace_at", "struct_of", "with_mode",
 ]

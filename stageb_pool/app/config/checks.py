@@ -1,10 +1,7 @@
-"""Validating a raw config mapping against the schema, and translating every problem into
-an ``InputError`` located at ``"file: key.path"``.
-
-Unknown and legacy keys are caught before msgspec sees the mapping, so the message can name
-the closest valid key; msgspec then checks types strictly (``"false"`` is not a bool) and
-the ranges declared in the schema; the few ranges msgspec cannot express (the decodes of a
-sampling grid, finite numbers) are checked last.
+"""Validating a raw config mapping against the schema, every problem an ``InputError``
+located at ``"file: key.path"``: unknown and legacy keys first (so the message can name the
+closest valid key), then msgspec's strict types and declared ranges, then the ranges
+msgspec cannot express (a sampling grid's decodes, finite numbers).
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ from .schema import (
 
 
 def validate(raw: dict, where: str) -> Config:
-    """Keys, types and ranges of the raw mapping -> Config (paths not yet resolved)."""
+    """The raw mapping as a Config (paths not yet resolved)."""
     if isinstance(raw.get("stage_a_paths"), str):
         raw["stage_a_paths"] = [raw["stage_a_paths"]]
     check_values(raw, "", where)
@@ -50,8 +47,7 @@ def validate(raw: dict, where: str) -> Config:
 
 
 def check_keys(raw: Any, struct: type, path: str, where: str) -> None:
-    """Reject unknown and legacy keys anywhere in ``raw`` before msgspec sees it, so that the
-    message can name the closest valid key. Empty sections (``model:``) become ``{}``."""
+    """Reject unknown and legacy keys anywhere in ``raw``; empty sections (``model:``) become ``{}``."""
     if not isinstance(raw, dict):
         return  # msgspec reports the wrong type with its path
     fields = fields_of(struct)
@@ -88,8 +84,7 @@ def _lookup(raw: Any, path: str) -> Any:
 
 
 def translate(err: msgspec.ValidationError, raw: Any, where: str) -> InputError:
-    """msgspec's ``Expected `int`, got `str` - at `$.runner.epochs``` as a located InputError
-    that shows the offending value."""
+    """A msgspec error as a located InputError that shows the offending value."""
     m = _MSGSPEC_AT.match(str(err))
     msg, at = m.group("msg"), m.group("path") or ""
     key = at.lstrip(".")
@@ -113,7 +108,6 @@ _YAML11 = re.compile(r"[-+]?(?:0[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+|[0-9][0-9_]*(?:
 
 
 def _hint(value: Any, text: str) -> str:
-    """Why a text value was not read as the number or boolean it may look like."""
     if not isinstance(value, str):
         return ""
     if "bool" in text and value.lower() in ("yes", "no", "on", "off", "y", "n"):
@@ -138,7 +132,6 @@ def _choices(key: str) -> str:
 
 
 def check_samplers(cfg: Config, where: str) -> None:
-    """Ranges of the samplers and their grid entries (engine.records declares them without)."""
     for sampler_name in ("train_sampler", "eval_sampler"):
         sampler = getattr(cfg.rule_search, sampler_name)
         key = f"rule_search.{sampler_name}"
@@ -150,7 +143,6 @@ def check_samplers(cfg: Config, where: str) -> None:
 
 
 def check_range(value, meta: msgspec.Meta, key: str, where: str) -> None:
-    """``value`` (None passes) within the bounds of ``meta``, else a located InputError."""
     if value is None:
         return
     low_ok = (meta.ge is None or value >= meta.ge) and (meta.gt is None or value > meta.gt)
@@ -182,14 +174,13 @@ def check_domain(cfg: Config, where: str) -> None:
 
 
 def require(ok: bool, key: str, message: str, where: str) -> None:
-    """An InputError at ``where: key`` unless ``ok``."""
     if not ok:
         raise InputError(message, f"{where}: {key}")
 
 
 def check_values(value: Any, path: str, where: str) -> None:
-    """Values no key wants, anywhere in the raw mapping: NaN and infinity (they pass msgspec's
-    float fields), and text no file or path can hold (see ``check_text``)."""
+    """Values no key wants: NaN and infinity (msgspec's float fields take them), and text no
+    file or path can hold."""
     if isinstance(value, float) and not math.isfinite(value):
         raise InputError(f"must be a finite number, got {value!r}", f"{where}: {path}")
     if isinstance(value, str):
@@ -208,8 +199,8 @@ _UNWRITABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def check_text(text: str, path: str, where: str) -> None:
-    """A NUL character (no path or name can hold one: the OS refuses it) or a lone surrogate
-    (YAML's ``"\\ud800"``: no UTF-8 file can store it, so run.json could not be written)."""
+    """Refuse a NUL character (no path can hold one) or a lone surrogate (no UTF-8 file can
+    store it, so run.json could not be written)."""
     m = _UNWRITABLE.search(text)
     if m:
         what = "a NUL character" if m.group() == "\x00" else "a lone surrogate"

@@ -1,11 +1,9 @@
 """``load_config``: a config file (plus ``--set`` overrides) -> the run's frozen, resolved Config.
 
-Resolution happens here and only here: every path is made absolute (relative to the config
+Resolution happens here and only here: every path made absolute (relative to the config
 file, or for an upstream config to the launch directory), the seeds that default to the
-top-level seed (the bootstrap's, the distillation's) are filled in, and input files are
-checked to exist, the model path among them (``load_checked_config`` also returns the
-``ModelRef`` that check resolved, so a run checks it once). Callees read plain values from the
-result and never resolve a default again.
+top-level seed filled in, input files and the model path checked. Callees read plain
+values and never resolve a default again.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import msgspec
 
 from ...engine import models
 from ...stageb.errors import InputError
-from ..upstream_config import Translation, is_upstream, translate
+from ..upstream_config import Translation, is_upstream, translate, under
 from .checks import validate
 from .schema import Config
 from .source import apply_override, read_yaml
@@ -27,8 +25,7 @@ log = logging.getLogger("stageb_pool")
 
 
 def absolute(path: str | os.PathLike, what: str) -> str:
-    """``path`` made absolute; a located InputError when it is relative and the current
-    directory was deleted (there is then nothing to resolve it against)."""
+    """``path`` made absolute; a located InputError when the current directory was deleted."""
     try:
         return os.path.abspath(os.fspath(path))
     except FileNotFoundError:
@@ -60,28 +57,21 @@ def read_config(path: str | os.PathLike, *, upstream_root: str | None = None) ->
 
 def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True,
                 upstream_root: str | None = None, announce: bool = True) -> Config:
-    """Read, validate and resolve a config file (ours, or upstream's Stage-B schema, which is
-    translated: see ``app.upstream_config``).
+    """Read, validate and resolve a config file (ours, or upstream's, translated).
 
-    ``overrides`` are ``"a.b.c=value"`` strings (the CLI's ``--set``, always in our schema),
-    applied to the mapping before validation. ``check_files=False`` skips the existence checks
-    of input files and of the model path (for validating example configs on another machine).
-    ``announce`` logs the one line that says an upstream config was translated. Raises
-    ``InputError``.
+    ``overrides`` are ``--set`` strings (``"a.b.c=value"``, our schema), applied before
+    validation. ``check_files=False`` skips the checks of input files and the model path.
+    ``announce`` logs the line that says an upstream config was translated.
     """
-    return _load(path, overrides, check_files=check_files, upstream_root=upstream_root, announce=announce)[0]
+    return load_checked_config(path, overrides, check_files=check_files, upstream_root=upstream_root,
+                               announce=announce)[0]
 
 
-def load_checked_config(path: str | os.PathLike, overrides=(), *,
-                        upstream_root: str | None = None) -> tuple[Config, models.ModelRef]:
-    """``load_config`` with its file checks, and the model path they checked: the start of a
-    run plan (``plan.plan_command``), which so checks the model path once."""
-    return _load(path, overrides, check_files=True, upstream_root=upstream_root, announce=True)
-
-
-def _load(path, overrides, *, check_files: bool, upstream_root: str | None,
-          announce: bool) -> tuple[Config, models.ModelRef | None]:
-    """The config and, with ``check_files``, its checked model (else None)."""
+def load_checked_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True,
+                        upstream_root: str | None = None,
+                        announce: bool = True) -> tuple[Config, models.ModelRef | None]:
+    """``load_config``, and the model path its file checks checked (None without them): a run
+    plan checks it once."""
     where, raw, translation = read_config(path, upstream_root=upstream_root)
     if translation is not None and announce:
         log.info("%s", translation.summary(where))
@@ -94,7 +84,7 @@ def _load(path, overrides, *, check_files: bool, upstream_root: str | None,
             model = _check_files(cfg, where)
     except InputError as e:
         key = (e.location or "").partition(": ")[2]
-        if any(_under(key, k) for k in overridden):
+        if any(under(key, k) for k in overridden):
             e.message += " (value from --set)"
         elif translation is not None:
             _locate_upstream(e, key, translation, where)
@@ -102,13 +92,9 @@ def _load(path, overrides, *, check_files: bool, upstream_root: str | None,
     return cfg, model
 
 
-def _under(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith((prefix + ".", prefix + "["))
-
-
 def _locate_upstream(err: InputError, key: str, translation: Translation, where: str) -> None:
     """An error about a translated key names the upstream key it came from."""
-    ours = max((k for k in translation.origin if _under(key, k)), key=len, default=None)
+    ours = max((k for k in translation.origin if under(key, k)), key=len, default=None)
     if ours is None or translation.origin[ours] == ours:
         return
     err.location = f"{where}: {translation.origin[ours]}{key[len(ours):]}"
@@ -116,7 +102,6 @@ def _locate_upstream(err: InputError, key: str, translation: Translation, where:
 
 
 def with_mode(cfg: Config, audit: bool) -> Config:
-    """The config with ``mode: audit`` when the ``--audit`` flag asks for it."""
     return replace_at(cfg, "mode", "audit") if audit and cfg.mode != "audit" else cfg
 
 
@@ -128,15 +113,10 @@ def replace_at(struct, dotted: str, value):
     return msgspec.structs.replace(struct, **{head: value})
 
 
-def to_dict(cfg: Config) -> dict:
-    """The config as plain JSON-ready values (for run.json and hashing)."""
-    return msgspec.to_builtins(cfg)
-
-
 def config_document(cfg: Config) -> dict:
-    """The resolved config without ``output`` (where a run is written does not change what
-    it computes), as plain data (``app/identity.py`` builds a resume's identity from it)."""
-    data = to_dict(cfg)
+    """The resolved config as plain data without ``output`` (where a run is written does not
+    change what it computes)."""
+    data = msgspec.to_builtins(cfg)
     data.pop("output", None)
     return data
 
@@ -145,9 +125,8 @@ _DISTILL_KEYS = ("distill_size", "distill_seed", "distill_temperature", "log_cha
 
 
 def _resolve_distillation(cfg: Config, where: str) -> Config:
-    """``stage_b_distillation.enabled`` as a bool: unset means on when ``distill_size`` is set
-    (upstream's default is on). No distillation setting is ignored: ``enabled: true`` needs a
-    ``distill_size``, and a setting of an export that is off is an error."""
+    """``stage_b_distillation.enabled`` as a bool (unset: on when ``distill_size`` is set, as
+    upstream). No setting is ignored: one of an export that is off is an error."""
     dist = cfg.stage_b_distillation
     if dist.enabled and dist.distill_size is None:
         raise InputError("required when stage_b_distillation.enabled is true (the number of tickets to export)",
@@ -163,7 +142,6 @@ def _resolve_distillation(cfg: Config, where: str) -> Config:
 
 
 def _resolve_seeds(cfg: Config) -> Config:
-    """The seeds documented as "null: the top-level seed", filled in once."""
     if cfg.rule_search.gate.bootstrap.seed is None:
         cfg = replace_at(cfg, "rule_search.gate.bootstrap.seed", cfg.seed)
     if cfg.stage_b_distillation.distill_seed is None:
@@ -180,7 +158,6 @@ def _looks_like_path(value: str) -> bool:
 
 
 def _resolve_paths(cfg: Config, base: str) -> Config:
-    """Every path made absolute, relative to the config file's directory."""
     paths = {
         "stage_a_paths": [_resolve(base, p) for p in cfg.stage_a_paths],
         "guidance.path": _resolve(base, cfg.guidance.path),
@@ -206,8 +183,8 @@ def _resolve_paths(cfg: Config, base: str) -> Config:
 
 
 def input_files(cfg: Config) -> list[tuple[str, str]]:
-    """``(key, path)`` of every input file the config names (the prompt profile, a folder,
-    aside): what ``check`` requires to be readable and no output may overwrite."""
+    """``(key, path)`` of every input file the config names (not the profile folder): what
+    must be readable and no output may overwrite."""
     found = [(f"stage_a_paths[{i}]", p) for i, p in enumerate(cfg.stage_a_paths)]
     found.append(("guidance.path", cfg.guidance.path))
     if cfg.rule_search.proposer_prompt_path is not None:
@@ -218,9 +195,8 @@ def input_files(cfg: Config) -> list[tuple[str, str]]:
 
 
 def _check_files(cfg: Config, where: str) -> models.ModelRef:
-    """Input files must be regular files before a run starts (nothing is created for a missing
-    input, and a FIFO is never opened: it would block the run forever); the model path is
-    checked (``check_model_path``) into the ModelRef the run loads."""
+    """Input files must be regular files (a FIFO would block the run forever); the model path
+    is checked into the ModelRef the run loads."""
     for key, path in input_files(cfg):
         problem = _not_a_regular_file(path)
         if problem:
@@ -234,7 +210,6 @@ def _check_files(cfg: Config, where: str) -> models.ModelRef:
 
 
 def _not_a_regular_file(path: str) -> str | None:
-    """Why ``path`` cannot be read as an input file (None: it can), from ``os.stat`` alone."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:

@@ -1,18 +1,11 @@
-"""Reading a config: the YAML file and the ``--set`` overrides, as a raw mapping.
+"""Reading a config: the YAML file and the ``--set`` overrides, as a raw mapping (types and
+ranges are ``checks``'). Errors are located at ``file:line`` or ``--set``.
 
-Nothing here knows about ranges or types; it turns text into the raw mapping that
-``checks.validate`` then checks against the schema. Errors are ``InputError`` located as
-``file:line`` (YAML syntax) or ``--set`` (an override).
-
-The YAML reader is PyYAML's safe loader with its traps removed:
-
-- scalars resolve by YAML 1.2's core rules, not 1.1's: ``010``, ``1:30``, ``0x1f``, ``yes`` and
-  ``on`` stay text (1.1 reads 8, 90, 31 and true), so a key that wants a number or a boolean
-  refuses them with its key path instead of running with a surprise; ``1e-3`` is a number;
-- a key given twice is an error (PyYAML keeps the last value silently);
-- nesting deeper than ``MAX_DEPTH`` and aliases that expand to more than ``MAX_VALUES``
-  values (a "billion laughs") or into themselves are errors, found on the parsed node graph
-  before anything is built; an integer past Python's 4,300-digit limit is an error too.
+The YAML reader is PyYAML's safe loader with its traps removed: scalars resolve by YAML
+1.2's core rules (``010``, ``1:30``, ``0x1f``, ``yes`` stay text, so a key that wants a
+number or a boolean refuses them instead of running with a surprise); a key given twice,
+nesting deeper than ``MAX_DEPTH``, aliases that expand past ``MAX_VALUES`` values (a
+"billion laughs") or into themselves, and an integer past 4,300 digits are errors.
 """
 
 from __future__ import annotations
@@ -51,8 +44,6 @@ for tag, pattern, first in (
 
 class _Loader(inputs.StrictYaml, yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser,
               yaml.composer.Composer, yaml.constructor.SafeConstructor, _Resolver):
-    """The safe loader with the checks of this module (see the module docstring); depth and
-    duplicate keys as every input file (``inputs.StrictYaml``)."""
 
     max_depth = MAX_DEPTH
     duplicate = "duplicate key {key!r} (first on line {line})"
@@ -123,14 +114,11 @@ def _children(node) -> list:
 
 
 def load_yaml(text: str) -> Any:
-    """One YAML document by the rules of this module (raises ``yaml.YAMLError``)."""
     return yaml.load(text, Loader=_Loader)  # a SafeConstructor loader: no Python objects
 
 
 def read_yaml(path: str) -> Any:
-    """The YAML document of the config file at ``path`` (located InputError when it cannot be
-    read). Only a regular file is opened (a FIFO would block forever); a leading byte-order
-    mark is removed, as in every input (stageb.inputs)."""
+    """The YAML document of the config file at ``path``, read as every input (``stageb.inputs``)."""
     text = inputs.decode_utf8(inputs.read_bytes(path, "config file"), path)
     try:
         return load_yaml(text)
@@ -149,8 +137,7 @@ def read_yaml(path: str) -> Any:
 
 
 def apply_override(raw: dict, assignment: str) -> str:
-    """Apply one ``--set a.b.c=value`` to the raw mapping (the value is read as YAML) and
-    return the key path it set, e.g. ``rule_search.train_sampler.grid[0].temperature``."""
+    """Apply one ``--set a.b.c=value`` (the value read as YAML); returns the key path it set."""
     if "=" not in assignment:
         raise InputError(f"{assignment!r}: expected key.path=value"[:300], "--set")
     dotted, _, text = assignment.partition("=")
