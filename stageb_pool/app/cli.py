@@ -212,7 +212,6 @@ def cmd_check(args) -> int:
 
 
 def cmd_import_config(args) -> int:
-    """Write the stageb-pool config equivalent to an upstream Stage-B config."""
     from .config import load_config
     from .config.load import read_config
     from .config_yaml import native_yaml

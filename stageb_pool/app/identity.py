@@ -18,7 +18,6 @@ NOT_IDENTITY = ("output", "pool.task_timeout", "pool.start_timeout", "pool.max_r
 
 
 def identity_document(config, *, seed_guidance, profile, proposer_system: str | None) -> dict:
-    """The config as a resume compares it."""
     doc = config_document(config)
     for dotted in NOT_IDENTITY:
         *parents, key = dotted.split(".")
@@ -38,7 +37,6 @@ def identity_document(config, *, seed_guidance, profile, proposer_system: str | 
 
 
 def run_identity(config, inputs) -> RunIdentity:
-    """The identity of a rule search on ``inputs`` (plan.load_inputs) with ``config``."""
     doc = identity_document(config, seed_guidance=inputs.seed_guidance, profile=inputs.profile,
                             proposer_system=inputs.proposer_system)
     return RunIdentity(config_hash=content_hash(doc), config=doc, tickets_hash=tickets_hash(inputs.tickets))

@@ -50,8 +50,6 @@ class DeviceRequest(msgspec.Struct, frozen=True):
 
 
 class RunInputs(msgspec.Struct):
-    """Every input of a run, read and validated (``load_inputs``)."""
-
     mission: str
     ingest: tickets_mod.IngestReport
     tickets: list[tickets_mod.Ticket]  # in the run's order

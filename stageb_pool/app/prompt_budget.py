@@ -142,8 +142,7 @@ def refuse_unusable_prompts(cfg: Config, inputs: RunInputs) -> None:
 
 
 class _Refusal(msgspec.Struct, frozen=True):
-    """An InputError crossing the process boundary."""
-
+    # an InputError crossing the process boundary
     message: str
     location: str | None
 
@@ -276,7 +275,6 @@ def prompt_lengths(tokenizer, tickets: list[TicketText], guidance: dict[str, str
 
 
 def _guidance_part(cfg: Config, inputs: RunInputs, alone: int, cap: int) -> str:
-    """What every prompt holds besides its ticket."""
     rules = inputs.seed_guidance.experiences
     verdict = "already over the cap" if alone > cap else "within the cap"
     return (f"a prompt without its ticket takes {alone} tokens ({verdict}): the prompt profile, the mission name "

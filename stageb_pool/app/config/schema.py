@@ -239,7 +239,6 @@ def first_in_union(tp, find):
 
 
 def strip_annotated(tp):
-    """The type inside ``Annotated[...]`` (constraints removed)."""
     while get_origin(tp) is Annotated:
         tp = get_args(tp)[0]
     return tp
