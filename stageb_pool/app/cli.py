@@ -1,9 +1,5 @@
 """The ``stageb-pool`` command: run, check, diff, report and import-config (``--help`` and
-docs/usage.md show their options).
-
-CONFIG is ours or an upstream Stage-B config (translated, see app/upstream_config.py); the
-flags of upstream's launcher work too: ``--config FILE``, ``--jump-reflection`` (= ``--audit``),
-``--log-level logging`` (= ``info``), ``--step all``.
+docs/usage.md show their options, upstream's launcher flags among them).
 
 Exit codes: 0 done, 1 run failed (a worker error; for diff: the runs differ), 2 bad input
 (config, tickets, guidance, arguments), 130 interrupted. Errors are one line on stderr, at
@@ -170,8 +166,7 @@ def config_path(args) -> str:
 
 
 def resume_command(argv: list[str]) -> str:
-    """The command line that continues this run: the same arguments with ``--resume``
-    (``--overwrite`` dropped: it would start the run again)."""
+    """The same arguments with ``--resume``; ``--overwrite`` dropped (it would start again)."""
     args = [a for a in argv if a != "--overwrite"]
     if "--resume" not in args:
         args.append("--resume")

@@ -68,8 +68,7 @@ def load_inputs(config: Config, model: ModelRef | None = None) -> RunInputs:
 
     ingest = tickets_mod.load_tickets(config.stage_a_paths, on_bad_line=config.ingest.on_bad_line,
                                       exclude_keys=exclude, max_line_bytes=config.ingest.max_line_bytes)
-    # The mission (from the tickets) picks the profile's domain, and the profile may ask
-    # for upstream's BBU summary clean-up (bbu_rru), applied to the tickets already loaded.
+    # the mission (from the tickets) picks the profile's domain; bbu_rru cleans the tickets up
     mission = ingest.tickets[0].mission
     profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain_for(mission))
     if profile.options.bbu_cleanup:

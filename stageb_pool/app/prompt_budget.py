@@ -3,15 +3,11 @@ engines do (``chat_text.chunk_prompts``) with the model's tokenizer, loaded with
 
 A run drops (never truncates) a ticket whose prompt exceeds its cap; ``check`` names those
 tickets beforehand (``measure_lines``). That the run could judge nothing is bad input, an
-InputError at the cap's key naming the guidance's largest rules: every ticket over its cap,
-the guidance alone over it (``guidance_verdict``), the proposer's prompt over its cap even with
-the shortest example (``proposer_verdict``). ``run`` asks the same before the run directory is
-touched or any worker starts (``refuse_unusable_prompts``). A tokenizer that cannot be loaded
-skips the measure, never fails.
-
-A token stands for at most ``max_token_chars`` characters, so a prompt longer than
-``cap * max_token_chars`` characters is over the cap without being tokenised (its length shown
-as that lower bound).
+InputError at the cap's key: every ticket over its cap, the guidance alone over it, the
+proposer's prompt over its cap even with the shortest example. ``run`` asks the same before the
+run directory is touched (``refuse_unusable_prompts``). A tokenizer that cannot be loaded skips
+the measure, never fails. A prompt longer than ``cap * max_token_chars`` characters is over the
+cap without being tokenised.
 """
 
 from __future__ import annotations
@@ -99,12 +95,10 @@ def sampler_caps(cfg: Config, tickets: list) -> list[Measured]:
 
 
 def refuse_unusable_prompts(cfg: Config, inputs: RunInputs) -> None:
-    """``run``'s copy of ``check``'s decisions, before any worker loads the model: no chat
-    template, the guidance alone over a cap, the proposer's prompt over its cap (model engines
-    only). The tokenizer is loaded in a child (``fork.call_in_child``) so that this process
-    imports no torch before it forks its workers. An engine with a ``token_counter`` (the
-    simulated one) measures the guidance with the counter its workers inherit (``preload``),
-    here, or in the child when that cannot load without threads (the tiny model's BPE)."""
+    """``run``'s copy of ``check``'s decisions. The tokenizer is loaded in a child so that this
+    process imports no torch before it forks its workers. An engine with a ``token_counter``
+    (simulated) measures the guidance here with the counter its workers inherit (``preload``),
+    or in the child when that cannot load without threads (the tiny model's BPE)."""
     from ..engine.registry import entry
     from ..pool.fork import call_in_child
 

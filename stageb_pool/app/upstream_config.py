@@ -89,8 +89,6 @@ class _Translator:
         self.raw, self.where = raw, where
         self.out = Translation(native={}, root=os.path.abspath(root))
 
-    # ------------------------------------------------------------------ helpers
-
     def error(self, key: str, message: str) -> InputError:
         return InputError(message[:500], f"{self.where}: {key}")
 
@@ -143,8 +141,6 @@ class _Translator:
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
             return value.strip().lower() in _TRUE
         raise self.error(key, f"expected true or false, got {value!r}")
-
-    # ------------------------------------------------------------------ the translation
 
     def run(self) -> Translation:
         for key in OURS_ONLY:

@@ -18,9 +18,8 @@ from ...engine.simulated_engine import SimulatedSettings
 from ...engine.vllm_engine import VllmSettings
 from ...pool.devices import MAX_THREADS_PER_WORKER
 
-# Constrained scalar types: msgspec checks these while converting and reports the key path.
-# Every number has an upper bound too: a value past it is a typo or an attack (a timeout of
-# 1e300 overflows the event loop, a billion bootstrap iterations run for hours), never a plan.
+# Every number has an upper bound: a value past it is a typo or an attack (a timeout of 1e300
+# overflows the event loop, a billion bootstrap iterations run for hours), never a plan.
 TOKENS = 1_000_000_000  # prompt budgets: upstream's production configs set 120,000,000 ("no limit")
 TICKETS = 100_000_000  # pool and export sizes
 WEEK = 7 * 24 * 3600.0  # timeouts, in seconds
