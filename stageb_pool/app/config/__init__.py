@@ -4,31 +4,9 @@ into the frozen value the run uses)."""
 
 from ...engine.records import SamplerConfig
 from .load import config_document, input_files, load_checked_config, load_config, replace_at, with_mode
-from .schema import (
-    LEGACY_KEYS,
-    BootstrapConfig,
-    Config,
-    DistillConfig,
-    EarlyStopConfig,
-    GateConfig,
-    GuidanceConfig,
-    IngestConfig,
-    ModelConfig,
-    OutputConfig,
-    PoolConfig,
-    PromptConfig,
-    RuleSearchConfig,
-    RunnerConfig,
-    TicketFilterConfig,
-    config_keys,
-    join_key,
-    struct_of,
-)
-from .source import apply_override
+from .schema import Config, ModelConfig, config_keys, join_key, struct_of
 
 __all__ = [
-    "LEGACY_KEYS", "BootstrapConfig", "Config", "DistillConfig", "EarlyStopConfig", "GateConfig", "GuidanceConfig",
-    "IngestConfig", "ModelConfig", "OutputConfig", "PoolConfig", "PromptConfig", "RuleSearchConfig", "RunnerConfig",
-    "SamplerConfig", "TicketFilterConfig", "apply_override", "input_files", "config_document", "config_keys", "join_key",
+    "Config", "ModelConfig", "SamplerConfig", "config_document", "config_keys", "input_files", "join_key",
     "load_checked_config", "load_config", "replace_at", "struct_of", "with_mode",
 ]
