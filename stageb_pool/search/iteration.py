@@ -1,19 +1,9 @@
-"""One rule-search iteration: ``run_iteration`` computes it and returns a frozen
-``IterationOutcome``; the loop (``rule_search.py``) writes its rows, applies its edit and
-commits. Every GPU is busy at each step:
-
-1. train baseline: the iteration's train pool under the current guidance;
-2. ONE gather: the ``proposer_calls`` proposer calls (the ``reflect_size`` most confidently
-   wrong tickets) and the eval-pool baseline (cached while the guidance is unchanged);
-3. candidates: the answers parsed and validated (every rejection logged), ablation
-   ``remove`` candidates fill up to ``num_candidate_rules``, each previewed; every
-   candidate's train rollout in ONE gather;
-4. the gate on the tickets common to baseline and candidate; the passing candidates' eval
-   rollouts in ONE gather (optional eval veto);
-5. the choice: at most one edit, the largest RER (earliest on ties).
-
-A train pool's seed key names the pool's tickets, never the guidance: baseline and
-candidates draw the same random numbers (common random numbers).
+"""One rule-search iteration (the steps: docs/rule_search.md, "One iteration"):
+``run_iteration`` computes it and returns a frozen ``IterationOutcome``; the loop
+(``rule_search.py``) writes its rows, applies its edit and commits. The proposer calls go
+in one gather with the eval baseline, and every candidate's rollout in one gather, so that
+every worker is busy. A train pool's seed key names its tickets, never the guidance:
+baseline and candidates draw the same random numbers.
 """
 
 from __future__ import annotations
@@ -109,9 +99,8 @@ def common_metrics(base_stats: dict, cand_stats: dict) -> tuple[Metrics, Metrics
 
 
 def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) -> IterationOutcome:
-    """Compute one iteration; append its hard cases and proposer failures on the way.
-    ``on_gate(guidance)``: called before the eval rollouts once the gate has passed a
-    candidate, with the best passing candidate's guidance (the loop speculates on it)."""
+    """Compute one iteration, appending its hard cases and proposer failures on the way.
+    ``on_gate(guidance)`` gets the best passing candidate's guidance before the eval rollouts."""
     rs, it, g, runner = settings.rule_search, inp.iteration, inp.guidance, recorder.runner
     seed_key = pool_seed_key(settings.seed, inp.pool)
     log.info("iteration %d: %d train tickets, guidance step %d (%s)", it, len(inp.pool), g.step, g.hash)
@@ -213,8 +202,7 @@ def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, requests
 
 def _merge_proposals(inp: IterationInput, settings, runner, chats: list, requests: list[ChatRequest],
                      example_keys: list[str], failures: Failures):
-    """Every call's valid candidates in call order (one an earlier call proposed is a
-    duplicate); one answer row per call."""
+    """Every call's valid candidates in call order, less duplicates; one answer row per call."""
     proposed, answers = [], []
     for call, (chat, request) in enumerate(zip(chats, requests)):
         accepted, answer = _parse_proposals(inp, settings, runner, chat, example_keys,
@@ -237,8 +225,7 @@ def _merge_proposals(inp: IterationInput, settings, runner, chats: list, request
 
 def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str], examples_text: str,
                      failures: Failures) -> tuple[list[proposer.Candidate], ProposerAnswerRow]:
-    """The proposer's valid candidates and its answer row; every failure and rejection
-    becomes a failure row."""
+    """The call's valid candidates and its answer row; each failure or rejection is a failure row."""
     rs = settings.rule_search
     answer = ProposerAnswerRow(iteration=inp.iteration, mission=settings.mission,
                                     constrained=rs.constrain_proposer, parsed=False)
