@@ -78,14 +78,13 @@ class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
         return self.applied.guidance if self.applied is not None else self.guidance
 
 
-def pool_seed_key(seed: int, tickets) -> str:
-    """A train pool's identity: run seed + the hash of its ticket keys (not the guidance)."""
-    return f"{seed}/train/{content_hash([t.key for t in tickets])}"
+def train_spec(name: str, settings, pool, guidance: Guidance) -> RolloutSpec:
+    seed_key = f"{settings.seed}/train/{content_hash([t.key for t in pool])}"  # the pool's tickets only
+    return rollout_spec(name, seed_key, pool, guidance, settings.rule_search.train_sampler)
 
 
 def baseline_spec(inp: IterationInput, settings) -> RolloutSpec:
-    return rollout_spec(f"train/it{inp.iteration}/base", pool_seed_key(settings.seed, inp.pool), inp.pool,
-                        inp.guidance, settings.rule_search.train_sampler)
+    return train_spec(f"train/it{inp.iteration}/base", settings, inp.pool, inp.guidance)
 
 
 def eval_spec(name: str, settings, eval_pool, guidance: Guidance) -> RolloutSpec:
@@ -102,7 +101,6 @@ def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) ->
     """Compute one iteration, appending its hard cases and proposer failures on the way.
     ``on_gate(guidance)`` gets the best passing candidate's guidance before the eval rollouts."""
     rs, it, g, runner = settings.rule_search, inp.iteration, inp.guidance, recorder.runner
-    seed_key = pool_seed_key(settings.seed, inp.pool)
     log.info("iteration %d: %d train tickets, guidance step %d (%s)", it, len(inp.pool), g.step, g.hash)
     base = recorder.wait([runner.submit(baseline_spec(inp, settings))])[0]
     recorder.append(artifacts.HARD_CASES.name, rows.hard_case_rows(
@@ -132,7 +130,7 @@ def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) ->
     previews, ablation_note = _previews(inp, settings, proposed, example_keys, failures)
     recorder.append(artifacts.PROPOSER_ANSWERS.name, answers)
     recorder.append(artifacts.PROPOSER_FAILURES.name, failures.rows)
-    evaluated = _evaluate(inp, settings, recorder, seed_key, base, eval_base, previews, on_gate)
+    evaluated = _evaluate(inp, settings, recorder, base, eval_base, previews, on_gate)
     evaluated, applied = _choose(evaluated)
     return msgspec.structs.replace(
         outcome, eval_base_metrics=compute_metrics(eval_base.stats) if eval_base is not None else None,
@@ -292,13 +290,12 @@ def _no_ablation_note(g: Guidance, rejected_ids) -> str:
 # ----------------------------------------------------------------------------- A/B evaluation
 
 
-def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: RolloutResult,
+def _evaluate(inp: IterationInput, settings, recorder, base: RolloutResult,
               eval_base: RolloutResult | None, previews: list[tuple], on_gate=None) -> list[Evaluated]:
     if not previews:
         return []
     rs, it, runner = settings.rule_search, inp.iteration, recorder.runner
-    pendings = [runner.submit(rollout_spec(f"train/it{it}/cand{index}", seed_key, inp.pool, preview,
-                                           rs.train_sampler))
+    pendings = [runner.submit(train_spec(f"train/it{it}/cand{index}", settings, inp.pool, preview))
                 for index, _, preview, _ in previews]
     trains = recorder.wait(pendings)
     evaluated = []
