@@ -32,7 +32,6 @@ def distill_sampler(train_sampler, temperature: float | None):
 
 
 def distill_tickets(tickets: list, size: int, seed: int) -> list:
-    """The exported tickets, in export order."""
     rng = random.Random(seed)
     if size >= len(tickets):
         tickets = list(tickets)

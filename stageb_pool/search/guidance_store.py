@@ -35,7 +35,6 @@ class GuidanceStore:
         return {self.mission: section_of(g)}
 
     def write(self, g: Guidance) -> None:
-        """Atomic: the file holds the old or the new guidance, never a mix."""
         write_json(self.path, self.document(g))
 
     def snapshots(self) -> list[Path]:
