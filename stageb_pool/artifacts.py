@@ -26,13 +26,13 @@ class Artifact(msgspec.Struct, frozen=True, kw_only=True):
 # Any JSON key with one of these names, at any depth of any JSON/JSONL artifact: wall clock.
 VOLATILE_KEYS = frozenset({"timestamp", "updated_at", "started_at", "finished_at", "elapsed_s", "elapsed_sec"})
 
-# The folders a run writes into; each must be a real folder inside the run (rundir.check_folders).
+# The folders a run writes into; each must be a real folder inside the run (run_owner.check_folders).
 SNAPSHOTS_DIR = "snapshots"
 ROLLOUTS_DIR = "rollouts"
 REFLECTION_DIR = "reflection_cache"
 RUN_FOLDERS = (SNAPSHOTS_DIR, ROLLOUTS_DIR, REFLECTION_DIR)
 
-RUN = Artifact(name="run.json", writer="app/job.py (search/rundir.run_json_document)", volatile=(
+RUN = Artifact(name="run.json", writer="search/run_owner.py (rundir.RunJson)", volatile=(
     # the invocation; where the run was written and its inputs read from (identified by content)
     "invocation", "config.output", "config.stage_a_paths", "config.guidance.path", "config.prompt.profile",
     "config.rule_search.proposer_prompt_path", "config.ticket_filter.exclude_ticket_keys_path",

@@ -124,7 +124,7 @@ def run_main(ws: Workspace, args: list[str], *, seconds: float = CHECK_SECONDS, 
 
 
 def lock_file(run_dir: str) -> str:
-    """The run directory's lock file, beside it (search/rundir_lock.py): the one file a run
+    """The run directory's lock file, beside it (search/run_owner.py): the one file a run
     keeps outside its directory."""
     parent, _, name = run_dir.rpartition("/")
     return f"{parent}/.{name}.lock"

@@ -27,7 +27,7 @@ from doubles.run_inputs import MISSION, search_inputs
 from processes import descendants
 
 from stageb_pool.app import cli, job
-from stageb_pool.search import fileio, rundir_lock
+from stageb_pool.search import fileio, run_owner
 from stageb_pool.search.guidance_store import GuidanceStore
 from stageb_pool.stageb.errors import InputError
 
@@ -159,7 +159,7 @@ def test_wait_says_whom_it_waits_for_at_every_log_level_and_a_bound_ends_it_with
     """This test process holds the run directory; the CLI with ``--wait 0.5`` under
     ``--log-level warning`` says whom it waits for, then gives up with one line."""
     cfg, run = inputs
-    with rundir_lock.acquire(run):
+    with run_owner.RunDir(run).lock():
         code, err = finished(cli_process("--gpus", "cpu:2", cfg, "--wait", "0.5", "--log-level", "warning"))
     assert code == 2, err[-2000:]
     assert err.strip().splitlines() == [
@@ -175,7 +175,7 @@ def test_a_stop_while_waiting_says_that_nothing_was_started(inputs, stop, code):
     """Plain ``--wait`` (before the config: it is not taken for SECONDS) waits without a bound
     until a signal; the signal's line says nothing was started, not how to resume."""
     cfg, run = inputs
-    with rundir_lock.acquire(run):
+    with run_owner.RunDir(run).lock():
         waiting = cli_process("--gpus", "cpu:2", "--wait", cfg, "--log-level", "error")
         watchdog = threading.Timer(120, waiting.kill)  # a wait that says nothing fails the test, never hangs it
         watchdog.start()
@@ -201,13 +201,13 @@ def test_wait_takes_a_number_of_seconds_or_nothing(tmp_path, inputs, capsys):
 
 def test_the_lock_is_refused_in_process_and_free_after_release(tmp_path):
     run = tmp_path / "m" / "r"
-    held = rundir_lock.acquire(run)
+    held = run_owner.RunDir(run).lock()
     with pytest.raises(InputError, match=f"pid {os.getpid()}") as err:
-        rundir_lock.acquire(run)  # flock is per open file: a second open is refused even here
+        run_owner.RunDir(run).lock()  # flock is per open file: a second open is refused even here
     assert err.value.location == str(run)
     held.release()
-    with rundir_lock.acquire(run) as again:
-        assert again.held
+    with run_owner.RunDir(run).lock() as again:
+        assert again.phase is run_owner.Phase.LOCKED
     assert not run.exists()  # the lock file lives beside the run directory, which it does not make
 
 
@@ -216,13 +216,13 @@ def test_a_linked_lock_file_is_refused(tmp_path):
     run.parent.mkdir(parents=True)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.write_text("precious\n")
-    rundir_lock.lock_path(run).symlink_to(elsewhere)
+    run_owner.lock_path(run).symlink_to(elsewhere)
     with pytest.raises(InputError, match="symbolic link"):
-        rundir_lock.acquire(run)
-    rundir_lock.lock_path(run).unlink()
-    os.link(elsewhere, rundir_lock.lock_path(run))
+        run_owner.acquire(run)
+    run_owner.lock_path(run).unlink()
+    os.link(elsewhere, run_owner.lock_path(run))
     with pytest.raises(InputError, match="hard link"):
-        rundir_lock.acquire(run)
+        run_owner.acquire(run)
     assert elsewhere.read_text() == "precious\n"
 
 
@@ -337,7 +337,7 @@ def test_an_overwrite_whose_start_fails_puts_the_old_run_back(finished_run, monk
     def full_disk(path, data):
         raise fileio.OutputError(path, OSError(28, "No space left on device"))
 
-    monkeypatch.setattr(job, "atomic_write_bytes", full_disk)
+    monkeypatch.setattr(run_owner, "atomic_write_bytes", full_disk)
     assert overwrite_in_process(cfg) == 1
     err = capsys.readouterr().err
     assert f"--overwrite failed: the old run is back, unchanged, in {run}" in err

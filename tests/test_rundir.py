@@ -21,11 +21,12 @@ from stageb_pool.app.job import run_job
 from stageb_pool.app.plan import load_inputs, plan_command
 from stageb_pool.pool.devices import parse_gpus
 from stageb_pool.search.fileio import read_json
+from stageb_pool.search.run_owner import RunDir
 from stageb_pool.search.rundir import (
     FORMAT_VERSION,
     NAME_MAX_BYTES,
+    RunJson,
     gpus_spec,
-    prepare_run_dir,
     rollouts_path,
     safe_name,
 )
@@ -42,6 +43,13 @@ def tree_digest(root: Path) -> dict:
             hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir", st.st_mtime_ns
         )
     return out
+
+
+def prepare_run_dir(path, **flags) -> Path:
+    """The run directory's life without a run: planned, locked, started."""
+    with RunDir(path, **flags).lock() as run:
+        run.start()
+    return run.path
 
 
 def never_called(device):
@@ -63,6 +71,17 @@ def test_existing_directory_refused_untouched(tmp_path):
         prepare_run_dir(run)
     assert "--overwrite" in str(err.value) and "--resume" in str(err.value) and str(run) in str(err.value)
     assert tree_digest(tmp_path) == before
+
+
+def test_the_run_directory_takes_its_steps_in_order_only(tmp_path):
+    run = RunDir(tmp_path / "r")
+    with pytest.raises(RuntimeError, match="planned, not locked"):
+        run.start()  # never made without its lock
+    with run.lock():
+        run.start()
+        with pytest.raises(RuntimeError, match="committed, not planned"):
+            run.lock()
+    assert run.phase.value == "committed" and (tmp_path / "r").is_dir()
 
 
 def test_overwrite_replaces_and_resume_keeps(tmp_path):
@@ -99,10 +118,8 @@ def test_refusals(tmp_path, setup, kw, message):
 
 
 def test_run_json_records_the_worker_layout_of_gpu_groups():
-    from stageb_pool.search.rundir import run_json_document
-
-    doc = run_json_document(config={}, provenance={}, devices=parse_gpus("0-3", gpu_count=4, gpus_per_worker=2),
-                            workers=2, debug=False, started_at="t", argv=[])
+    doc = RunJson(config={}, devices=parse_gpus("0-3", gpu_count=4, gpus_per_worker=2), debug=False, started_at="t",
+                  argv=[], model_path="m", chunk_size=1, profile_hash="p", tickets_hash="t").document()
     inv = doc["invocation"]
     assert inv["gpus"] == "0,1,2,3" and inv["workers"] == 2 and inv["gpus_per_worker"] == 2
     assert inv["layout"] == [{"rank": 0, "device": "cuda:0,1", "gpus": [0, 1]},

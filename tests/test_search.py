@@ -652,7 +652,7 @@ def test_save_rollouts_writes_every_rollout_once_named_by_spec(tmp_path):
     assert len(base) == 60 * 3 and all(r["text"].startswith("Verdict: ") for r in base)
 
 
-def test_preflight_resume_checks_without_touching_anything(tmp_path):
+def test_check_resume_checks_without_touching_anything(tmp_path):
     with pytest.raises(se.ScriptedCrash):
         run(tmp_path, engine={"crash_at": 2})
     run_dir = tmp_path / "out" / MISSION / "run"
@@ -663,11 +663,12 @@ def test_preflight_resume_checks_without_touching_anything(tmp_path):
     extra = dict(train_keys=[t.key for t in train], store=GuidanceStore(run_dir, MISSION),
                  start_sampler=state_mod.start_sampler(len(train), cfg.rule_search, cfg.seed))
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    state_mod.preflight_resume(run_dir, run_identity(cfg, inputs), **extra)
+    point = state_mod.check_resume(run_dir, run_identity(cfg, inputs), **extra)
+    assert point.continued and point.state.iteration == 1
     changed = run_identity(config_mod.load_config(cfg_path, ["seed=12"]), inputs)
     with pytest.raises(InputError, match=r"differs from the interrupted run's at rule_search.gate.bootstrap.seed, seed, "):
-        state_mod.preflight_resume(run_dir, changed, **extra)
-    state_mod.preflight_resume(tmp_path / "nothing-here", changed, **extra)  # no state: no check
+        state_mod.check_resume(run_dir, changed, **extra)
+    assert state_mod.check_resume(tmp_path / "nothing-here", changed, **extra) == (None, False)  # no state: no check
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
@@ -721,6 +722,8 @@ TAMPERED = {
     "length mid-line": (_length_mid_line, r"state\.json: artifacts\.rule_candidates\.jsonl"),
     "length past the file": (_length_past_the_file, r"state\.json: artifacts\.rule_candidates\.jsonl"),
     "unknown artifact": (lambda st, d: st["artifacts"].update({"x.jsonl": 0}), r"state\.json: artifacts"),
+    "an artifact's length dropped": (lambda st, d: st["artifacts"].pop("rule_candidates.jsonl"),
+                                     r"state\.json: artifacts\.rule_candidates\.jsonl"),
     "unknown ticket key in first_pool": (_first_pool_key, r"state\.json: first_pool\[0\]"),
     "another train ticket in first_pool": (lambda st, d: st["first_pool"].reverse(), r"state\.json: first_pool\[0\]"),
     "a rejected id dropped": (lambda st, d: st["rejected_ids"].pop(), r"state\.json: rejected_ids"),
@@ -766,8 +769,13 @@ def test_a_tampered_state_is_refused_before_any_worker_starts(crashed, tmp_path,
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # nothing touched
 
 
-def test_the_untampered_crashed_state_resumes_to_the_uninterrupted_run(crashed, reference, tmp_path):
-    """The table's control: the same copy, untouched, is accepted and reaches the reference."""
+def test_the_untampered_crashed_state_resumes_to_the_uninterrupted_run(crashed, reference, tmp_path, monkeypatch):
+    """The table's control: the same copy, untouched, is accepted (validated once, before the
+    run directory is touched, not again when the search starts) and reaches the reference."""
     shutil.copytree(crashed / "out", tmp_path / "out")
+    validated = []
+    real = state_mod.validate_state
+    monkeypatch.setattr(state_mod, "validate_state", lambda *a, **k: validated.append(1) or real(*a, **k))
     run_dir, _ = run(tmp_path, resume=True)
+    assert validated == [1]
     assert_same_run(reference.run_dir, run_dir)

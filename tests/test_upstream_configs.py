@@ -16,7 +16,7 @@ from stageb_pool.app import cli
 from stageb_pool.app.config import load_config
 from stageb_pool.app.diff import diff_runs
 from stageb_pool.stageb.errors import InputError
-from stageb_pool.search.rundir_lock import lock_path
+from stageb_pool.search.run_owner import lock_path
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = REPO / "tests" / "data" / "upstream"
@@ -323,7 +323,7 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
 
 def assert_only_the_run_directory_was_added(root: Path, before: dict, run_dir: Path) -> None:
     """Inputs unchanged, and nothing written outside the run directory (its parents and its
-    lock file beside it aside: search/rundir_lock.py)."""
+    lock file beside it aside: search/run_owner.py)."""
     after = snapshot(root)
     assert {k: v for k, v in after.items() if k in before} == before
     run = run_dir.relative_to(root).as_posix()

@@ -20,7 +20,7 @@ import sys
 
 from .. import __version__
 from ..search.fileio import OutputError
-from ..search.rundir_lock import WaitStopped
+from ..search.run_owner import WaitStopped
 from ..stageb.errors import InputError, UsageError, capped
 from .stop_signals import Terminated, stop_signals_raise_terminated
 

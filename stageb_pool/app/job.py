@@ -1,38 +1,34 @@
 """One run of a plan (``plan.RunPlan``: every input already validated, the devices and the
-model path resolved), start to finish: prepare the run directory, start the pool, check the
-judge's headroom, run the audit or the rule search, write the summary, close the pool.
-
-Order matters: ALL input validation (tickets, exclusions, prompt profile, model path, seed
-guidance, devices: the plan) and the run directory's refusal happen before anything on disk is
-touched or any worker is forked, so bad input costs nothing and damages nothing. The first
-touch of the disk is the run directory's lock (``search/rundir_lock.py``), held until the run
-ends: one process owns a run directory at a time.
+model path resolved), start to finish: take and start the run directory (``run_owner.RunDir``:
+its refusals before anything on disk is touched, its lock the first write), start the pool,
+check the judge's headroom, run the audit or the rule search, write the summary, close the
+pool.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import msgspec
 
 from .. import artifacts
 from ..engine.registry import engine_agreement, engine_factory_for
-from ..pool import Device, Inline, Pool, Ray
-from ..search import rundir, rundir_lock
-from ..search import state as state_mod
+from ..pool import Inline, Pool, Ray
+from ..search import rundir
 from ..search.audit import AuditSettings, run_audit
-from ..search.fileio import atomic_write_bytes, file_mode, normalise_modes, write_json, write_jsonl
+from ..search.fileio import write_json, write_jsonl
 from ..search.guidance_store import GuidanceStore
 from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
-from ..search.rule_search import run_search
+from ..search.rule_search import check_resume, run_search
+from ..search.rundir import RunJson
+from ..search.run_owner import RunDir
 from ..search.settings import RunIdentity, SearchSettings
 from ..stageb.hashing import content_hash, tickets_hash
-from ..stageb.ticket_pools import split_eval_pool
-from .outputs import check_distillation_target
+from .outputs import distillation_file
 from .progress import Progress, pool_items_per_rank
 from .report_process import ReportJob
 from .plan import DeviceRequest, RunInputs, RunPlan, plan_run
@@ -65,84 +61,39 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, wa
     the parent still writing every artifact here). ``engine_factory`` (a test seam) replaces
     the model engine; ``argv`` is recorded in run.json (default: sys.argv). Another process
     holding the run directory is an InputError naming its pid, or, with ``wait`` (``--wait
-    [SECONDS]``: True or a bound in seconds), waited for (``rundir_lock.acquire``). report.html
-    is rendered by a child process while the pool closes, and waited for before this returns;
-    with ``report_jobs`` (a list) its ``ReportJob`` is appended there instead, for the caller to
-    ``wait`` (a benchmark that times the run and the report apart)."""
+    [SECONDS]``: True or a bound in seconds), waited for. report.html is rendered by a child
+    process while the pool closes, and waited for before this returns; with ``report_jobs`` (a
+    list) its ``ReportJob`` is appended there instead, for the caller to ``wait`` (a benchmark
+    that times the run and the report apart)."""
     started = time.monotonic()
-    started_at = rundir.utc_now()
-    config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
-    devices, debug = plan.devices, isinstance(plan.backend, Inline)
+    config, inputs = plan.config, plan.inputs
+    store = GuidanceStore(plan.run_dir, inputs.mission, config.guidance.retention)
     identity = plan.identity() if config.mode == "search" else None
-    store = GuidanceStore(run_dir, inputs.mission, config.guidance.retention)
-    run_json = dict(config=config, devices=devices, debug=debug, started_at=started_at, argv=argv)
-    prov = dict(model_path=config.model.path, chunk_size=config.runner.chunk_size,
-                profile_hash=content_hash(inputs.profile),
-                tickets_hash=tickets_hash(sorted(inputs.tickets, key=lambda t: t.key)))  # the judged set
-    # Every document of the start is encoded before the run directory exists: a value that
-    # cannot be written is a located error that leaves nothing behind.
-    first_run_json = rundir.encoded(rundir.run_json_document(
-        workers=len(devices), provenance=rundir.provenance(worker_info=None, **prov), **run_json), artifacts.RUN.name)
-    seed_guidance = rundir.encoded(store.document(inputs.seed_guidance), artifacts.GUIDANCE.name)
-    rundir.check_preparable(run_dir, overwrite=overwrite, resume=resume)  # refused: no lock file is made
-    check_distillation_target(config, run_dir, overwrite=overwrite, resume=resume)
-    if resume:  # read-only checks, before the lock file is written; the search checks the state again
-        rundir.check_folders(run_dir)  # a linked folder is refused before any write
-        if identity is not None:
-            # Reads state.json, guidance.json and the committed rows, writes nothing. The train
-            # keys are the search's own split (RuleSearch makes the same call).
-            train, _ = split_eval_pool(inputs.tickets, config.rule_search.eval_pool_size, config.seed)
-            state_mod.preflight_resume(run_dir, identity, train_keys=[t.key for t in train], store=store,
-                                       start_sampler=state_mod.start_sampler(len(train), config.rule_search,
-                                                                             config.seed))
-    prepared = _Prepared(devices, store, identity, first_run_json, seed_guidance, run_json, prov, started)
-    lock = rundir_lock.acquire(run_dir, wait=wait)  # first touch of the disk; released when the run ends
-    try:
-        return _run_locked(plan, prepared, resume=resume, overwrite=overwrite, engine_factory=engine_factory,
-                           report_jobs=report_jobs)
-    finally:
-        lock.release()
+    resume_check = None if identity is None else functools.partial(
+        check_resume, tickets=inputs.tickets, settings=search_settings(config, inputs), identity=identity, store=store)
+    run = RunDir(plan.run_dir, overwrite=overwrite, resume=resume, run_json=run_json(plan, argv=argv),
+                 seed_guidance=store.document(inputs.seed_guidance), distillation_file=distillation_file(config),
+                 resume_check=resume_check)
+    with run.lock(wait=wait):
+        run.start()
+        return _run_locked(plan, run, store, identity, engine_factory=engine_factory, report_jobs=report_jobs,
+                           started=started)
 
 
-class _Prepared(NamedTuple):
-    """What ``run_plan`` made ready before taking the run directory: the workers' devices, the
-    guidance store, the resume identity, the first documents already encoded (run.json, the
-    seed guidance), run.json's fields and provenance for its rewrite, and the start time."""
-
-    devices: list[Device]
-    store: GuidanceStore
-    identity: RunIdentity | None  # a rule search's (None: an audit)
-    first_run_json: bytes
-    seed_guidance: bytes
-    run_json: dict
-    prov: dict
-    started: float
+def run_json(plan: RunPlan, *, argv: list[str] | None) -> RunJson:
+    """run.json's facts of ``plan``; the provenance hashes the judged ticket set."""
+    config, inputs = plan.config, plan.inputs
+    return RunJson(config=config, devices=plan.devices, debug=isinstance(plan.backend, Inline),
+                   started_at=rundir.utc_now(), argv=argv,
+                   model_path=config.model.path, chunk_size=config.runner.chunk_size,
+                   profile_hash=content_hash(inputs.profile),
+                   tickets_hash=tickets_hash(sorted(inputs.tickets, key=lambda t: t.key)))
 
 
-def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: bool, engine_factory,
-                report_jobs: list | None = None) -> int:
-    """``run_plan`` from the moment it owns the run directory."""
-    config, inputs, run_dir = plan.config, plan.inputs, plan.run_dir
-    devices, store, identity, first_run_json, seed_guidance, run_json, prov, started = prepared
-    start = rundir.start_run_dir(run_dir, overwrite=overwrite, resume=resume)
-    try:
-        if resume:
-            for stale in rundir.remove_temporaries(run_dir):
-                log.info("resume: removed %s (a write the interrupted run did not finish)", stale)
-            changed = normalise_modes(run_dir)
-            if changed:
-                log.info("resume: %d file(s) given mode %04o, as every file a run writes (versions before 0.2.0 "
-                         "wrote whole files 0600)", len(changed), file_mode())
-        # run.json first: it marks the directory as a stageb-pool run even if the start fails
-        # (so --overwrite may replace it); rewritten with rank 0's engine facts below.
-        atomic_write_bytes(run_dir / artifacts.RUN.name, first_run_json)
-        if not (resume and store.exists()):
-            atomic_write_bytes(store.path, seed_guidance)
-    except BaseException:
-        start.roll_back()  # after an --overwrite: the old run goes back in place
-        raise
-    start.commit()  # the new run has started: the replaced one may go
-
+def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunIdentity | None, *,
+                engine_factory, report_jobs: list | None, started: float) -> int:
+    """``run_plan`` from the moment its run directory has started."""
+    config, inputs, run_dir, devices = plan.config, plan.inputs, plan.run_dir, plan.devices
     factory = engine_factory or engine_factory_for(config.model, inputs.model)
     ray = isinstance(plan.backend, Ray)
     # The report's process, forked while this one is clean: it loads matplotlib during the run.
@@ -160,8 +111,7 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
         runner = RolloutRunner(pool, inputs.profile, chunk_size=config.runner.chunk_size,
                                progress=progress, save_rollouts=config.output.save_rollouts,
                                engine_key=content_hash(msgspec.to_builtins(info, enc_hook=str)))
-        write_json(run_dir / artifacts.RUN.name, rundir.run_json_document(
-            workers=pool.size, provenance=rundir.provenance(worker_info=info, **prov), **run_json))
+        run.record_workers(info)
         log.info("%s run of %d tickets (mission %s) on %d worker(s) -> %s",
                  config.mode, len(inputs.tickets), inputs.mission, pool.size, run_dir)
         if ray:
@@ -177,14 +127,14 @@ def _run_locked(plan: RunPlan, prepared: _Prepared, *, resume: bool, overwrite: 
         headroom_s = round(time.monotonic() - headroom_started, 3)
         if config.mode == "audit":
             # The seed guidance, just written; a resumed audit keeps the file it finds.
-            guidance = store.load() if resume else inputs.seed_guidance
+            guidance = store.load() if run.resume else inputs.seed_guidance
             summary = run_audit(runner, tickets=inputs.tickets, guidance=guidance,
                                 settings=audit_settings(config, inputs), run_dir=run_dir, log=log,
                                 headroom=headroom)
         else:
             summary = run_search(runner=runner, store=store, run_dir=run_dir, tickets=inputs.tickets,
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
-                                 identity=identity, resume=resume, log=log, headroom=headroom,
+                                 identity=identity, resume=run.resume_point, log=log, headroom=headroom,
                                  speculate=config.runner.speculate)
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)

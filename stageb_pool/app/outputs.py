@@ -12,12 +12,9 @@ resolved (symbolic links, hard links) and the run is refused, exit code 2, when
 - an input lies inside the run directory (``--overwrite`` deletes it, ``--resume`` may
   rewrite it).
 
-A run also refuses (``check_distillation_target``) to replace an existing distillation file
-that is not its own earlier output unless it was given ``--overwrite``, as it refuses an
-existing run directory. Its own earlier output is a file inside the run directory (replaced
-with the run, like every artifact there), or, on ``--resume``, the file at the path that the
-resumed run's ``run.json`` records as its ``log_chatml_path`` (the run being continued wrote
-it, and redoes its export).
+A run also refuses to replace an existing distillation file that is not its own earlier
+output unless it was given ``--overwrite``, as it refuses an existing run directory
+(``rundir.RunDir``, given ``distillation_file``).
 """
 
 from __future__ import annotations
@@ -77,32 +74,11 @@ def check_outputs(config, run_dir: Path, *, config_path: str | None = None) -> N
             raise InputError(f"{chatml} is a file the run itself writes ({relative})", where)
 
 
-def check_distillation_target(config, run_dir: Path, *, overwrite: bool, resume: bool) -> None:
-    """Refuse (InputError at ``stage_b_distillation.log_chatml_path``) a run that would replace
-    an existing distillation file that is not its own earlier output, unless ``overwrite``.
-    Reads ``run.json`` of the run being resumed; writes nothing."""
+def distillation_file(config) -> str | None:
+    """The file the distillation export writes outside the run's files, or None (no export,
+    or the default file inside the run directory)."""
     dist = config.stage_b_distillation
-    chatml = dist.log_chatml_path
-    if chatml is None or not dist.enabled or not dist.distill_size or overwrite or not os.path.lexists(chatml):
-        return
-    real = _real(chatml)
-    if _inside(real, _real(run_dir)):
-        return
-    if resume and real in _recorded_chatml(run_dir):
-        return
-    raise InputError(f"{chatml} exists and is not this run's own earlier output: pass --overwrite to replace it, "
-                     "or choose another path", "stage_b_distillation.log_chatml_path")
-
-
-def _recorded_chatml(run_dir: Path) -> set[str]:
-    """The distillation path ``run.json`` of ``run_dir`` records (resolved), if any."""
-    from ..search.fileio import read_json
-
-    try:
-        recorded = read_json(Path(run_dir) / artifacts.RUN.name)["config"]["stage_b_distillation"]["log_chatml_path"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-    return {_real(recorded)} if isinstance(recorded, str) else set()
+    return dist.log_chatml_path if dist.enabled and dist.distill_size else None
 
 
 def _real(path) -> str:

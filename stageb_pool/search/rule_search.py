@@ -26,6 +26,7 @@ from .distill import export_distillation
 from .iteration import IterationInput, IterationOutcome, run_iteration
 from .speculation import Speculation
 from .recorder import Recorder
+from .run_format import redo_warning
 from .settings import RunIdentity, SearchSettings
 from .summary import brief, final_metrics, print_summary, search_summary
 
@@ -34,12 +35,12 @@ class RuleSearch:
     """The loop and its state; :meth:`run` returns the summary.
 
     ``tickets`` are the run's tickets in run order; ``store`` is the run directory's
-    GuidanceStore; ``seed_guidance`` the guidance a run (re)starts from. The committed
-    guidance is held in memory (``self.guidance``) and only written to ``store``: the file
-    is read on resume only."""
+    GuidanceStore; ``seed_guidance`` the guidance a run (re)starts from; ``resume`` where a
+    ``--resume`` starts (``check_resume``; None: a new run). The committed guidance is held in
+    memory (``self.guidance``) and only written to ``store``: the file is read on resume only."""
 
     def __init__(self, *, runner, store, run_dir, tickets: list, seed_guidance: Guidance,
-                 settings: SearchSettings, identity: RunIdentity, resume: bool = False,
+                 settings: SearchSettings, identity: RunIdentity, resume: state_mod.ResumePoint | None = None,
                  log: logging.Logger | None = None, headroom: dict | None = None, speculate: bool = False):
         self.settings = settings
         self.identity = identity
@@ -73,19 +74,20 @@ class RuleSearch:
 
     def _start(self) -> state_mod.SearchState:
         """A fresh state; on resume the committed one, with the run dir brought back to it."""
-        committed = state_mod.state_to_continue(self.run_dir, self.identity, log=self.log) if self.resume else None
-        if committed is None:
-            # Nothing committed (a new run, or a resume of a run killed in iteration 1,
-            # whose guidance.json may already hold iteration 1's edit), or iterations of an
-            # earlier format to redo: start from the seed guidance with empty artifacts.
-            if self.resume:
+        resume = self.resume
+        if resume is not None and resume.state is not None and not resume.continued:
+            self.log.warning("%s", redo_warning(resume.state))
+        if resume is None or not resume.continued:
+            # A new run; a resume of a run killed in iteration 1 (whose guidance.json may already
+            # hold iteration 1's edit) or of iterations to redo: the run directory is brought back
+            # to a run killed before its first commit, the seed guidance and empty artifacts.
+            if resume is not None:
                 self.store.write(self.seed_guidance)
+                fileio.remove(self.run_dir / artifacts.STATE.name)
             fresh = self._fresh_state()
             state_mod.truncate_artifacts(self.run_dir, fresh.artifacts)
             return fresh
-        state_mod.validate_state(committed, self.run_dir, train_keys=[t.key for t in self.train], store=self.store,
-                                 start_sampler=state_mod.start_sampler(len(self.train), self.settings.rule_search,
-                                                                       self.settings.seed))
+        committed = resume.state
         self.recorder.runner.continue_counts(committed.chunks_used, committed.generations_done,
                                              committed.generations_saved)
         for name, n in state_mod.truncate_artifacts(self.run_dir, committed.artifacts).items():
@@ -218,7 +220,7 @@ class RuleSearch:
                   "speculation": runner.speculation_summary(),
                   "search_s": round(wall_s, 3), "iterations_this_process": self.iterations_this_run,
                   "generations_done_this_process": runner.generations_done,
-                  "generations_saved_this_process": runner.generations_saved, "resumed": bool(self.resume)}
+                  "generations_saved_this_process": runner.generations_saved, "resumed": self.resume is not None}
         summary = search_summary(st, settings, g, final=final, distillation=distillation, n_train=len(self.train),
                                  n_eval=len(self.eval), runner=self.recorder.runner, timing=timing,
                                  headroom=self.headroom)
@@ -234,3 +236,13 @@ def run_search(**kwargs) -> dict:
     """Run the rule search (the keyword arguments of :class:`RuleSearch`); returns the
     summary (also printed; ``job`` writes it to summary.json)."""
     return RuleSearch(**kwargs).run()
+
+
+def check_resume(run_dir, *, tickets: list, settings: SearchSettings, identity: RunIdentity,
+                 store) -> state_mod.ResumePoint:
+    """Where a ``--resume`` of the search of ``tickets`` starts, checked as the search will
+    continue it (the train keys and start sampler of its own split); read-only."""
+    train, _ = split_eval_pool(tickets, settings.rule_search.eval_pool_size, settings.seed)
+    return state_mod.check_resume(run_dir, identity, train_keys=[t.key for t in train], store=store,
+                                  start_sampler=state_mod.start_sampler(len(train), settings.rule_search,
+                                                                        settings.seed))

@@ -1,27 +1,31 @@
-"""The format of a run directory, and what a ``--resume`` does with a run of another format.
+"""The format of a run directory, and the one migration step of a ``--resume``: what it does
+with a committed run of another format or version.
 
 The format says what run.json, state.json and the artifacts a rule search commits hold. It
 changes, with the package version (``stageb_pool.__version__``), whenever one of them changes
 shape or content, so a resume knows whether the committed iterations are what this version
 would have written (docs/rule_search.md, "Upgrades"). run.json records it as ``tool.format``
-and state.json as ``version``, each beside the package version. A resume compares the
-committed run's config with this one's here (``config_differences``), keys added since included.
+and state.json as ``version``, each beside the package version.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
+from .. import __version__
+from ..stageb.errors import InputError
 from ..stageb.hashing import content_hash
 
-# The formats so far:
-#   1: the resume identity compared input files by path (a resume of it is refused);
-#   2: by content: every version up to 0.1.0, which recorded no package version ("before
-#      versions"; their rows changed without a new format: rule_search_iterations.jsonl and
-#      proposer_answers.jsonl came later), so a resume redoes their committed iterations;
-#   3: 0.2.0: run.json and state.json record the package version.
+from .settings import RunIdentity
+
+if TYPE_CHECKING:  # state.py imports this module
+    from .state import SearchState
+
+# The formats: 1 compared input files by path (refused); 2 by content, and recorded no package
+# version (every version up to 0.1.0; its rows changed within the format); 3 records the
+# package version in run.json and state.json.
 FORMAT_VERSION = 3
 
 # Formats whose committed iterations a resume redoes from the start instead of continuing
@@ -30,26 +34,57 @@ FORMAT_VERSION = 3
 REDONE_FORMATS = frozenset({2})
 
 # Config keys added to the resume identity since format 2, each with a test of whether its
-# value computes what the runs before it did: a run of an earlier version, whose state.json
-# has no such key, resumes when every such key holds such a value and the rest is the same.
+# value computes what the runs before it did: a committed run whose identity has no such key
+# resumes when every such key holds such a value and the rest is the same.
 ADDED_KEYS: dict[str, Callable[[Any], bool]] = {
     # what the line limit selects is in the tickets, which a resume compares by content anyway
     "ingest.max_line_bytes": lambda value: True,
-    # earlier versions never held the proposer's answer to its schema
+    # the proposer's answer was not held to its schema
     "rule_search.constrain_proposer": lambda value: value is False,
-    # earlier versions gave a worker a share of the cores: one thread on a run with as many
-    # workers as cores (cpu:2 on CI's 2 cores), and on a GPU, where the model computes on the
-    # GPU; a cpu:1 run on a larger machine had more, and its resumed iterations may differ
-    # in low bits from the ones it committed
+    # a worker had a share of the cores: one thread on a run with as many workers as cores
+    # (cpu:2 on CI's 2 cores), and on a GPU, where the model computes on the GPU; a cpu:1 run
+    # on a larger machine had more, and its resumed iterations may differ in low bits
     "pool.threads_per_worker": lambda value: value == 1,
-    # earlier versions made one proposer call per iteration
+    # one proposer call per iteration
     "rule_search.proposer_calls": lambda value: value == 1,
 }
 
 
+def migrate(state: SearchState, identity: RunIdentity, location: str) -> bool:
+    """The resume of a committed ``state`` (at ``location``) by this version: True when its
+    iterations are continued, False when they are redone from the start (a format of
+    ``REDONE_FORMATS``, whose rows may not be this version's). Refused (InputError, one line)
+    when this version cannot read its format, or when the config or the tickets differ from
+    the committed run's (``config_differences``; the keys ``ADDED_KEYS`` names aside), naming
+    the version that wrote it and the way out when that is not this one."""
+    writer = written_by(state.version, state.tool_version)
+    upgrade = state.version != FORMAT_VERSION or state.tool_version != __version__
+    way_out = (f"; state.json was written by {writer}: start the run again with --overwrite, or resume it with "
+               "that version") if upgrade else ""
+    if state.version != FORMAT_VERSION and state.version not in REDONE_FORMATS:
+        raise InputError(f"cannot resume: state.json was written by {writer}, which stageb-pool {__version__} "
+                         f"(state format {FORMAT_VERSION}) cannot continue: start the run again with --overwrite, "
+                         "or resume it with that version", location)
+    keys = config_differences(state.config_hash, state.config, identity.config)
+    if keys:
+        raise InputError("cannot resume: the config differs from the interrupted run's at " + ", ".join(keys)
+                         + " (input files are compared by content)" + way_out, location)
+    if identity.tickets_hash != state.tickets_hash:
+        raise InputError("cannot resume: the tickets differ from the interrupted run's (stage_a_paths content or "
+                         "ticket_filter changed)" + way_out, location)
+    return state.version == FORMAT_VERSION
+
+
+def redo_warning(state: SearchState) -> str:
+    """What a resume says when ``migrate`` has it redo the iterations of ``state``."""
+    return (f"resume: state.json was written by {written_by(state.version, state.tool_version)}, whose "
+            f"{state.iteration} committed iteration(s) may not hold the rows this version writes: they are redone "
+            "from the start, so the run ends as an uninterrupted run of this version would")
+
+
 def written_by(version: int, tool_version: str | None) -> str:
     """The version that wrote a state of format ``version`` and package version
-    ``tool_version`` (None: before versions), for messages."""
+    ``tool_version`` (None: format 2, which recorded none), for messages."""
     if tool_version is None:
         return f"stageb-pool 0.1.0 or earlier (before versions; state format {version})"
     return f"stageb-pool {tool_version} (state format {version})"

@@ -15,10 +15,9 @@ refusal (exit 2), never a wrong result or a traceback after the whole resumed lo
 
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -28,7 +27,7 @@ from ..stageb.errors import InputError
 from ..stageb.guidance import parse_section
 from ..stageb.ticket_pools import TrainPoolSampler
 from . import fileio
-from .run_format import FORMAT_VERSION, REDONE_FORMATS, config_differences, written_by
+from .run_format import FORMAT_VERSION, migrate
 from .settings import RunIdentity
 
 # Every append-only artifact of the search, relative to the run directory. Their byte
@@ -172,35 +171,34 @@ def start_sampler(n_train: int, rule_search, seed: int) -> TrainPoolSampler:
     return TrainPoolSampler.start(n_train, rule_search.train_pool_size, seed, fraction=rule_search.train_pool_fraction)
 
 
-def preflight_resume(run_dir: Path, identity: RunIdentity, *, train_keys: list[str],
-                     start_sampler: TrainPoolSampler, store) -> None:
-    """For ``job.run_plan``: refuse a ``--resume`` with a changed config or tickets, or a state that
-    does not hold together, before the pool starts or run.json is rewritten. The search checks
-    again when it starts (the same functions)."""
-    committed = load_state(run_dir)
-    if committed is not None and check_resumable(committed, identity, run_dir=run_dir):
-        validate_state(committed, run_dir, train_keys=train_keys, start_sampler=start_sampler, store=store)
+class ResumePoint(NamedTuple):
+    """Where a ``--resume`` of a rule search starts (``check_resume``)."""
+
+    state: SearchState | None  # the committed state (None: no iteration was committed)
+    continued: bool  # its iterations are continued; False: the run starts again from the seed
 
 
-def state_to_continue(run_dir: Path, identity: RunIdentity, *, log: logging.Logger) -> SearchState | None:
-    """For a ``--resume``: the committed state to continue from (``check_resumable``), or None
-    when there is none or when its iterations are redone (a format of ``REDONE_FORMATS``, said
-    in a warning). A state whose iterations are redone is removed: the caller empties the
-    artifacts next, and the directory is then that of a run killed before its first commit
-    (any version resumes it from the start). The caller validates the state it continues."""
+def check_resume(run_dir: Path, identity: RunIdentity, *, train_keys: list[str], start_sampler: TrainPoolSampler,
+                 store) -> ResumePoint:
+    """The committed state of ``run_dir`` and whether a resume continues it
+    (``run_format.migrate``); a state it continues is validated (``validate_state``). Read-only:
+    refuses (InputError) before anything is written."""
     committed = load_state(run_dir)
-    if committed is None or check_resumable(committed, identity, run_dir=run_dir):
-        return committed
-    log.warning("resume: state.json was written by %s, whose %d committed iteration(s) may not hold the rows this "
-                "version writes: they are redone from the start, so the run ends as an uninterrupted run of this "
-                "version would", written_by(committed.version, committed.tool_version), committed.iteration)
-    fileio.remove(Path(run_dir) / STATE.name)
-    return None
+    if committed is None:
+        return ResumePoint(None, continued=False)
+    if not migrate(committed, identity, str(Path(run_dir) / STATE.name)):
+        return ResumePoint(committed, continued=False)
+    validate_state(committed, run_dir, train_keys=train_keys, start_sampler=start_sampler, store=store)
+    return ResumePoint(committed, continued=True)
 
 
 def _check_lengths(state: SearchState, run_dir: Path, location: str) -> None:
-    """Every committed length is known, within its file and on a row boundary (0, or the byte
-    before it a newline: cutting there can never splice half a row onto the next)."""
+    """Every artifact has a committed length (a state of this format records them all), every
+    committed length is known, within its file and on a row boundary (0, or the byte before it
+    a newline: cutting there can never splice half a row onto the next)."""
+    for name in APPEND_ARTIFACTS:
+        if name not in state.artifacts:
+            raise InputError(f"cannot resume: no committed length for {name}", f"{location}: artifacts.{name}")
     for name, want in state.artifacts.items():
         if name not in APPEND_ARTIFACTS:
             raise InputError(f"cannot resume: unknown artifact {name!r} (known: {', '.join(APPEND_ARTIFACTS)})",
@@ -246,35 +244,28 @@ MAX_REPLAY_STEPS = 50_000_000
 def _check_against_rows(state: SearchState, run_dir: Path, refuse) -> None:
     """What the state says about past iterations is what their committed rows say: the
     iterations count the decision rows; edits, baseline, rejected candidates and the no-gain
-    streak are what those rows and the benchmark and candidate rows record. (A state from a
-    version without one of these files records no length for it: nothing to compare.)"""
+    streak are what those rows and the benchmark and candidate rows record."""
     lengths = state.artifacts
-    if ITERATIONS.name in lengths:
-        its = _committed_rows(run_dir, ITERATIONS, lengths[ITERATIONS.name])
-        if len(its) != state.iteration or [r.iteration for r in its] != list(range(1, len(its) + 1)):
-            refuse(f"iteration {state.iteration}, but {ITERATIONS.name} commits {len(its)} iteration rows",
-                   "iteration")
-        streak = 0
-        for r in its:
-            streak = 0 if r.decision == "accepted" else streak + 1
-        if state.no_gain != streak:
-            refuse(f"no_gain {state.no_gain}, but the committed iteration rows end {streak} without an edit",
-                   "no_gain")
-        if its and msgspec.to_builtins(state.baseline) != its[0].baseline:
-            refuse(f"not the baseline of iteration 1 in {ITERATIONS.name}", "baseline")
-    if BENCHMARKS.name in lengths:
-        bench = _committed_rows(run_dir, BENCHMARKS, lengths[BENCHMARKS.name])
-        recorded = [Edit(iteration=r.iteration, candidate_id=r.candidate_id, op=r.op,
-                         relative_error_reduction=r.relative_error_reduction, guidance_step=r.guidance_step_after,
-                         guidance_hash=r.guidance_hash) for r in bench]
-        if state.edits != recorded:
-            refuse(f"not the {len(bench)} accepted edits {BENCHMARKS.name} commits", "edits")
-    if CANDIDATES.name in lengths:
-        cands = _committed_rows(run_dir, CANDIDATES, lengths[CANDIDATES.name])
-        rejected = sorted({r.candidate_id for r in cands if r.decision != "promoted"})
-        if state.rejected_ids != rejected:
-            refuse(f"not the {len(rejected)} candidates {CANDIDATES.name} commits as not promoted",
-                   "rejected_ids")
+    its = _committed_rows(run_dir, ITERATIONS, lengths[ITERATIONS.name])
+    if len(its) != state.iteration or [r.iteration for r in its] != list(range(1, len(its) + 1)):
+        refuse(f"iteration {state.iteration}, but {ITERATIONS.name} commits {len(its)} iteration rows", "iteration")
+    streak = 0
+    for r in its:
+        streak = 0 if r.decision == "accepted" else streak + 1
+    if state.no_gain != streak:
+        refuse(f"no_gain {state.no_gain}, but the committed iteration rows end {streak} without an edit", "no_gain")
+    if its and msgspec.to_builtins(state.baseline) != its[0].baseline:
+        refuse(f"not the baseline of iteration 1 in {ITERATIONS.name}", "baseline")
+    bench = _committed_rows(run_dir, BENCHMARKS, lengths[BENCHMARKS.name])
+    recorded = [Edit(iteration=r.iteration, candidate_id=r.candidate_id, op=r.op,
+                     relative_error_reduction=r.relative_error_reduction, guidance_step=r.guidance_step_after,
+                     guidance_hash=r.guidance_hash) for r in bench]
+    if state.edits != recorded:
+        refuse(f"not the {len(bench)} accepted edits {BENCHMARKS.name} commits", "edits")
+    cands = _committed_rows(run_dir, CANDIDATES, lengths[CANDIDATES.name])
+    rejected = sorted({r.candidate_id for r in cands if r.decision != "promoted"})
+    if state.rejected_ids != rejected:
+        refuse(f"not the {len(rejected)} candidates {CANDIDATES.name} commits as not promoted", "rejected_ids")
 
 
 def _check_sampler(state: SearchState, train_keys: list[str], start: TrainPoolSampler, refuse) -> None:
@@ -346,32 +337,3 @@ def validate_state(state: SearchState, run_dir: Path, *, train_keys: list[str], 
             raise InputError(f"cannot resume: guidance.json (step {current.step}, {current.hash}) is neither the "
                              f"committed guidance (step {g.step}, {g.hash}) nor one step after it",
                              str(store.path))
-
-
-def check_resumable(state: SearchState, identity: RunIdentity, *, run_dir: Path) -> bool:
-    """Refuse (InputError, one line) a resume whose config or tickets differ from the committed
-    run, or whose state format this version cannot read. Returns whether the committed
-    iterations are continued (True) or redone from the start (False: a format of
-    ``REDONE_FORMATS``, whose rows may not be this version's)."""
-    location = str(Path(run_dir) / STATE.name)
-    writer = written_by(state.version, state.tool_version)
-    upgrade = state.version != FORMAT_VERSION or state.tool_version != __version__
-    way_out = (f"; state.json was written by {writer}: start the run again with --overwrite, or resume it with "
-               "that version") if upgrade else ""
-    if state.version != FORMAT_VERSION and state.version not in REDONE_FORMATS:
-        raise InputError(f"cannot resume: state.json was written by {writer}, which stageb-pool {__version__} "
-                         f"(state format {FORMAT_VERSION}) cannot continue: start the run again with --overwrite, "
-                         "or resume it with that version", location)
-    keys = config_differences(state.config_hash, state.config, identity.config)
-    if keys:
-        raise InputError(
-            "cannot resume: the config differs from the interrupted run's at " + ", ".join(keys)
-            + " (input files are compared by content)" + way_out, location
-        )
-    if identity.tickets_hash != state.tickets_hash:
-        raise InputError(
-            "cannot resume: the tickets differ from the interrupted run's (stage_a_paths content or "
-            "ticket_filter changed)" + way_out,
-            location,
-        )
-    return state.version == FORMAT_VERSION

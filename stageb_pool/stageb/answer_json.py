@@ -1,5 +1,4 @@
-"""Finding the JSON in a proposer's answer: upstream's candidate spans (fenced blocks,
-balanced spans, the widest braces, the whole text), the first that parses wins."""
+"""Finding the JSON in a proposer's answer: upstream's candidate spans, the first that parses wins."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ _FENCE = re.compile(r"```(?:json)?\s*([\s\S]*?)\s*```", re.IGNORECASE)
 
 
 def _balanced_span(text: str, start: int) -> str | None:
-    """The bracket-balanced span opening at ``start`` (strings and escapes respected; a
-    mismatched closer ends the search)."""
+    """The bracket-balanced span opening at ``start``; None on a mismatched closer."""
     stack: list[str] = []
     for i, ch in brackets_outside_strings(text, start):
         if ch in "{[":
@@ -32,8 +30,7 @@ def _openers(text: str, limit: int) -> list[int]:
 
 
 def json_candidates(text: str) -> list[str]:
-    """Upstream's candidate spans in order: fenced blocks, balanced spans from the first six
-    openers, the widest ``{...}`` and ``[...]`` spans, the whole text; de-duplicated."""
+    """Upstream's candidate spans in order: fenced blocks, balanced spans, widest spans, all."""
     raw = normalize_spaces(text or "").strip()
     spans: list[str] = []
     for m in _FENCE.finditer(raw):

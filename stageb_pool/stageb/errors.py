@@ -9,11 +9,7 @@ _LINE_BREAKING = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 class InputError(Exception):
-    """Bad input (config, tickets, guidance, prompt profile, arguments), with its location.
-
-    ``location`` is ``"path:line"`` for line-oriented files, ``"path: key.path"`` for
-    structured files, or just a path. ``str(err)`` is the one line the CLI prints.
-    """
+    """``location``: ``path:line``, ``path: key.path`` or a path; ``str(err)`` is the CLI's line."""
 
     def __init__(self, message: str, location: str | None = None):
         super().__init__(message)
@@ -32,9 +28,7 @@ class UsageError(InputError):
 
 
 def capped(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """``text`` as one printable line: control and line-break characters (a key or path may hold
-    them) escaped, and the middle cut out past ``limit`` characters, saying how much: the start
-    (what failed) and the end (the key or reason after a long path or value) both stay."""
+    """One printable line: control characters escaped, the middle cut past ``limit`` (both ends matter)."""
     text = _LINE_BREAKING.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
                               else f"\\u{ord(m.group()):04x}", text)
     if len(text) <= limit:

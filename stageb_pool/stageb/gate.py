@@ -1,22 +1,5 @@
-"""The A/B metric gate of the rule search (upstream 3.7, formulas exact).
-
-A candidate edit is compared with the baseline on the tickets present in both rollouts
-(``C``, sorted by key). With per-ticket correctness ``c_b(i)``, ``c_c(i)``:
-
-* ``acc = mean(c)``, ``err = max(0, 1 - acc)``,
-  ``RER = (err_b - err_c) / max(err_b, 1e-12)`` (baseline error 0 -> RER <= 0);
-* churn ``chi`` = fraction of ``C`` whose majority changed (None vs a verdict counts);
-* ``p`` = paired ticket-level bootstrap of the RER itself: ``B`` resamples of ``n``
-  indices drawn with ``random.Random(bootstrap_seed + iteration).randrange(n)``,
-  ``p = #(RER* >= tau) / B`` (0 when ``n = 0``); every candidate of an iteration sees
-  the same resamples.
-
-Pass iff ``RER >= tau`` and ``chi <= chi_max`` and ``p >= p_min``, and the FP rate does
-not rise by more than ``max_fp_rate_increase`` (+1e-12) — for every op, the documented
-business rule (upstream applied it to update/merge/remove only). ``update``, ``merge``
-and ``remove`` must in addition strictly lower the FP rate and strictly raise accuracy.
-``max_changed_fraction = 0`` means no churn at all (upstream silently used 0.05).
-"""
+"""The A/B metric gate of the rule search (upstream 3.7, formulas exact; docs/rule_search.md,
+"The gate"). Unlike upstream, the FP-rate cap applies to every op and a churn cap of 0 means 0."""
 
 from __future__ import annotations
 
@@ -34,9 +17,7 @@ LIFECYCLE_OPS = frozenset({"update", "merge", "remove"})
 
 
 class GateResult(msgspec.Struct):
-    """Everything the gate measured, over the common tickets ``C``. ``reason``: the first
-    failing condition (None when passed); ``regressions``: at most 50 of the
-    ``regression_count`` base-correct -> candidate-wrong tickets."""
+    """``reason``: the first failing condition (None when passed); at most 50 ``regressions``."""
 
     passed: bool
     reason: str | None
@@ -63,8 +44,7 @@ def relative_error_reduction(base_acc: float, cand_acc: float) -> float:
 def bootstrap_probability(
     base_correct: Sequence[int], cand_correct: Sequence[int], *, threshold: float, iterations: int, seed: int
 ) -> float:
-    """Share of paired ticket-level resamples whose RER reaches ``threshold``, drawn as
-    upstream draws them (equal seeds and inputs give upstream's probability)."""
+    """Share of paired resamples whose RER reaches ``threshold``, drawn as upstream draws them."""
     if iterations <= 0:
         raise ValueError("bootstrap iterations must be > 0")
     n = len(base_correct)
@@ -83,9 +63,7 @@ def bootstrap_probability(
 
 @functools.lru_cache(maxsize=4)
 def _resamples(seed: int, n: int, iterations: int) -> tuple[tuple[int, ...], ...]:
-    """The ``iterations`` index resamples of ``random.Random(seed)``, drawn once and shared:
-    every candidate of an iteration is gated on the same resamples, and the draws cost
-    more than the sums."""
+    """Drawn once and shared by every candidate of an iteration (the draws cost more than the sums)."""
     rng = random.Random(seed)
     # ``randrange(n)`` is ``_randbelow(n)`` after checking its argument (CPython's random.py):
     # the same draws, without the checks, 51,200 times an iteration in the bench.
@@ -109,8 +87,7 @@ def _regression_row(key: str, b, c) -> dict:
 
 
 def find_regressions(base: Mapping, cand: Mapping, keys: Sequence[str]) -> list[dict]:
-    """Base-correct -> candidate-wrong rows (upstream 5 ``regressions`` entries), sorted by
-    ``(cand_agreement, base_agreement)`` descending, then ticket key. Not capped."""
+    """Base-correct -> candidate-wrong rows by ``(cand_agreement, base_agreement)`` desc, then key."""
     rows = [_regression_row(k, base[k], cand[k]) for k in keys if base[k].correct and not cand[k].correct]
     rows.sort(key=lambda r: r["ticket_key"])
     rows.sort(key=lambda r: (r["cand_agreement"], r["base_agreement"]), reverse=True)
@@ -135,8 +112,7 @@ def _first_failure(op, rer, chi, p, d_fp, d_acc, gate) -> str | None:
 
 
 def evaluate_gate(base: Mapping, cand: Mapping, *, op: str, gate, iteration: int) -> GateResult:
-    """Gate one candidate rollout against the baseline (both: ticket key -> ``TicketStats``).
-    The resamples use ``gate.bootstrap.seed + iteration`` (the seed as the config resolved it)."""
+    """``base``, ``cand``: ticket key -> ``TicketStats``; resamples use ``bootstrap.seed + iteration``."""
     bootstrap_seed = gate.bootstrap.seed
     if bootstrap_seed is None:
         raise ValueError("bootstrap seed is unresolved: the config fills it in from the run seed")
@@ -172,16 +148,13 @@ def evaluate_gate(base: Mapping, cand: Mapping, *, op: str, gate, iteration: int
 
 
 def select_best(results: Sequence[GateResult]) -> int | None:
-    """Index of the passing result with the largest RER; the earliest wins ties (max() keeps
-    the first of equal values); None if nothing passed."""
+    """Index of the passing result with the largest RER, the earliest on ties; None if none passed."""
     passing = [index for index, result in enumerate(results) if result.passed]
     return max(passing, key=lambda index: results[index].relative_error_reduction, default=None)
 
 
 def eval_veto(base_eval_acc: float | None, cand_eval_acc: float | None, max_acc_drop: float | None) -> tuple[bool, float | None]:
-    """``(vetoed, base - cand)`` for the optional eval-pool veto: vetoed iff the drop exceeds
-    ``max_acc_drop`` (+1e-12); never with ``max_acc_drop`` None (upstream: log only) or no
-    eval numbers."""
+    """``(vetoed, base - cand)``; never vetoed with ``max_acc_drop`` None (upstream: log only)."""
     if base_eval_acc is None or cand_eval_acc is None:
         return False, None
     drop = base_eval_acc - cand_eval_acc

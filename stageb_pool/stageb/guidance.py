@@ -1,9 +1,5 @@
-"""Mission guidance (upstream 1.3): the rule list in the prompt, its edits and its files.
-
-File format: ``{<mission>: {"step", "updated_at", "experiences", "metadata"}}``. ``G0`` is
-the mission checklist (never removable), ``S*`` are read-only structural invariants, ``G1+``
-the learnable rules. Edits are pure: ``apply_operation`` returns a new Guidance.
-"""
+"""Mission guidance (upstream 1.3; docs/formats.md section 2), its pure edits and its files.
+``G0`` is the mission checklist (never removable), ``S*`` read-only, ``G1+`` learnable."""
 
 from __future__ import annotations
 
@@ -41,8 +37,7 @@ class ExperienceMeta(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Guidance(msgspec.Struct, dict=True):
-    """One guidance value, treated as immutable so that its hash is computed once
-    (``dict=True``: the ``__dict__`` a cached property needs; encoding sees the fields only)."""
+    """Treated as immutable so its hash is computed once (``dict=True`` for the cached property)."""
 
     step: int
     updated_at: str
@@ -63,8 +58,6 @@ class Operation(msgspec.Struct):
     evidence: list[str] = []
     merged_from: list[str] = []
 
-
-# --------------------------------------------------------------------------- reading
 
 def _is_iso(value) -> bool:
     if not isinstance(value, str):
@@ -151,7 +144,6 @@ def parse_section(raw, where: str) -> Guidance:
 
 
 def read_guidance_file(path: str | Path) -> dict:
-    """The whole file, strictly decoded (``inputs.load_json_file``)."""
     data = inputs.load_json_file(path, "guidance file")
     if not isinstance(data, dict):
         raise InputError("must be a JSON object keyed by mission", str(path))
@@ -166,12 +158,8 @@ def load_guidance(path: str | Path, mission: str) -> Guidance:
     return parse_section(data[mission], f"{path}: {mission}")
 
 
-# --------------------------------------------------------------------------- edits
-
 def rule_text_key(text: str) -> str:
-    """The form two rule texts are compared in (upstream's duplicate lookup): spaces
-    normalised, stripped, trailing 。/. removed. Only for comparisons: a rule is stored and
-    prompted as given, outer whitespace stripped."""
+    """The form rule texts are compared in (upstream's duplicate lookup), never stored."""
     return normalize_spaces(text).strip().rstrip("。.")
 
 
@@ -194,8 +182,7 @@ def _dedupe(items: list[str]) -> list[str]:
 
 
 def _folded_meta(g: Guidance, keys: list[str], op: Operation, now: str, reflection_id: str) -> ExperienceMeta:
-    """Metadata of a key written by ``op`` (upstream 1.3): the key's and every merged key's
-    hits and misses folded, one hit for this write; without a new rationale, the first old one."""
+    """The written and merged keys' hits and misses folded plus one hit (upstream 1.3)."""
     old = [g.metadata[k] for k in keys if k in g.metadata]
     hits = sum(m.hit_count for m in old) + 1
     misses = sum(m.miss_count for m in old)
@@ -232,9 +219,7 @@ def _resolve_target(g: Guidance, op: Operation, text: str) -> str:
 
 
 def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str) -> Guidance:
-    """The guidance after ``op`` (pure: nothing is written). Writing a text an existing rule
-    already holds (by ``rule_text_key``) rewrites that rule and folds its metadata, as
-    upstream. Raises GuidanceError when the operation cannot apply."""
+    """Pure; a text an existing rule holds rewrites that rule, as upstream. Raises GuidanceError."""
     if op.op not in OPERATIONS:
         raise GuidanceError(f"unknown operation {op.op!r} (expected {', '.join(OPERATIONS)})")
     experiences = dict(g.experiences)
@@ -269,8 +254,6 @@ def apply_operation(g: Guidance, op: Operation, *, now: str, reflection_id: str)
         metadata[target] = _folded_meta(g, [target, *merged], op, now, reflection_id)
     return Guidance(step=g.step + 1, updated_at=now, experiences=experiences, metadata=metadata)
 
-
-# --------------------------------------------------------------------------- files
 
 def section_of(g: Guidance) -> dict:
     """What ``guidance.json`` holds per mission."""

@@ -1,8 +1,5 @@
-"""Content hashes and work-derived seeds.
-
-Both are pure functions of their inputs, never of a rank, a pid or a clock: this is what
-makes a run on 8 workers byte-identical to a run on 1.
-"""
+"""Content hashes and work-derived seeds: functions of their inputs, never of a rank, a pid or
+a clock, which is what makes a run on 8 workers byte-identical to a run on 1."""
 
 from __future__ import annotations
 
@@ -14,23 +11,17 @@ _canonical = msgspec.json.Encoder(order="sorted")
 
 
 def canonical_json(value) -> bytes:
-    """JSON bytes with dict keys sorted, so equal values always give equal bytes."""
     return _canonical.encode(value)
 
 
 def content_hash(value) -> str:
-    """16 hex digits of sha256 over the canonical JSON of ``value``: equal hashes are the
-    same value everywhere (IPC de-duplication, the rollout cache, every artifact row)."""
+    """16 hex digits of sha256 over the canonical JSON: IPC de-duplication, cache, artifact rows."""
     return hashlib.sha256(canonical_json(value)).hexdigest()[:16]
 
 
 def tickets_hash(tickets) -> str:
-    """``content_hash`` of the tickets (key, label, mission, summaries) in the order given.
-
-    The order is the caller's statement of identity: ``run.json`` hashes the ticket set in
-    key order (what the run judged, whatever the file order or seed); ``state.json`` hashes
-    the run order, which a resumed search must reproduce exactly.
-    """
+    """In the order given, which is the caller's identity: ``run.json`` hashes key order (what
+    the run judged), ``state.json`` the run order (what a resume must reproduce)."""
     return content_hash([msgspec.to_builtins(t) for t in tickets])
 
 

@@ -1,12 +1,6 @@
-"""Reading the user's input files (tickets, exclusion list, guidance, prompt profiles): the
-checks every one of them gets, in one place.
-
-Only regular files (a FIFO would block the run forever); UTF-8, a byte-order mark accepted;
-JSON and YAML decoded strictly: a key given twice, nesting deeper than ``MAX_DEPTH``, an
-integer of more than 4,300 digits and a lone surrogate escape (no UTF-8 file can write it
-back) are located errors. Every failure is an ``InputError`` or, for callers that add their
-own location (one ticket line), a ``JsonProblem``.
-"""
+"""The checks every user input file gets: a regular file (a FIFO would block the run), UTF-8,
+strict JSON and YAML (duplicate keys, deep nesting, 4,300-digit integers, lone surrogates are
+located errors). Failures are ``InputError``, or ``JsonProblem`` for callers that locate them."""
 
 from __future__ import annotations
 
@@ -29,8 +23,6 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _LONG_INT = re.compile(r"\d{4301,}")
 
-
-# --------------------------------------------------------------------------- files
 
 def regular_file(path: str | Path, what: str) -> Path:
     """``path`` if it names a regular file (symbolic links followed), else InputError."""
@@ -73,8 +65,6 @@ def read_text(path: str | Path, what: str) -> str:
     return decode_utf8(read_bytes(path, what), str(path))
 
 
-# --------------------------------------------------------------------------- JSON
-
 class JsonProblem(ValueError):
     """Why a JSON text was refused; ``line``/``col`` (1-based) or ``keypath`` say where."""
 
@@ -98,8 +88,7 @@ class _Duplicate:
 
 
 def nesting_exceeds(text: str, limit: int) -> int | None:
-    """Position of the first JSON bracket nested deeper than ``limit`` (brackets inside
-    strings skipped), None when the text stays within it. Cheap for ordinary text."""
+    """Position of the first bracket nested deeper than ``limit`` (strings skipped), or None."""
     if text.count("{") + text.count("[") <= limit:
         return None
     skeleton = _JSON_STRING.sub('""', text)  # brackets inside summaries are text, not depth
@@ -129,8 +118,7 @@ def _walk(value, path: tuple = ()):
 
 
 def first_lone_surrogate(value) -> tuple[tuple, str] | None:
-    """The key path and text of the first string in ``value`` holding a lone surrogate (which
-    UTF-8 cannot encode), or None."""
+    """The key path and text of the first string holding a lone surrogate, or None."""
     for path, item in _walk(value):
         if isinstance(item, str) and _SURROGATE.search(item):
             return path, item
@@ -195,11 +183,8 @@ def load_json_file(path: str | Path, what: str) -> object:
         raise InputError(err.message, err.where(str(path))) from None
 
 
-# --------------------------------------------------------------------------- YAML
-
 class StrictYaml:
-    """Mixin for a PyYAML loader: nesting deeper than ``max_depth`` and a key given twice
-    (PyYAML keeps the last value silently) are errors at their line."""
+    """PyYAML loader mixin: deep nesting and a duplicate key (PyYAML keeps the last) are errors."""
 
     max_depth = MAX_DEPTH
     duplicate = "key {key!r} is given twice (first on line {line})"

@@ -1,14 +1,5 @@
-"""Prompt profiles: the verdict prompt as data (upstream 2.1).
-
-A profile is a directory with ``system.txt`` (or ``system_<domain>.txt``), ``user.txt``
-(the user-message layout) and ``profile.yaml``. ``load_profile`` resolves it for one
-mission into a frozen ``PromptProfile`` that the parent sends to the workers;
-``build_messages`` renders one ticket's chat messages from it.
-
-In the layout, ``{name}`` placeholders are replaced by text; a line that holds only a block
-placeholder is replaced by the block's lines, and an empty block removes its line and the
-blank line after it, so optional blocks leave no gap.
-"""
+"""Prompt profiles, the verdict prompt as data (upstream 2.1; docs/formats.md section 3): loaded
+for one mission into a ``PromptProfile``, rendered per ticket by ``build_messages``."""
 
 from __future__ import annotations
 
@@ -33,10 +24,8 @@ _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
 class VerdictVocab(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Words accepted after ``Verdict:`` (compared in upstream's form: spaces normalised,
-    ASCII spaces removed, lower-cased; see ``text.verdict_word_form``), and the two
-    words the prompt asks for. ``loose`` also ignores any whitespace and trailing 。/. (off:
-    upstream's grammar, so invalid rates compare with upstream's)."""
+    """Words accepted after ``Verdict:`` (compared by ``text.verdict_word_form``) and the two
+    the prompt asks for. ``loose`` is off by default: upstream's grammar, so invalid rates compare."""
 
     pass_words: list[str]
     fail_words: list[str]
@@ -46,8 +35,7 @@ class VerdictVocab(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ProfileLabels(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Headings of the user-message blocks. ``image_stats`` is a line template with
-    ``{items}`` (``Image1(obj=4), ...``) and ``{count}`` (number of images)."""
+    """Headings of the user-message blocks; ``image_stats`` is a template with ``{items}``, ``{count}``."""
 
     scaffold: str = "Fixed rules:"
     rules: str = "Rules:"
@@ -89,8 +77,6 @@ class PromptProfile(msgspec.Struct, frozen=True):
         return content_hash(self)
 
 
-# --------------------------------------------------------------------------- loading
-
 def _profile_dir(name_or_path: str, base_dir: str | Path | None) -> Path:
     is_name = "/" not in name_or_path and "\\" not in name_or_path and not name_or_path.startswith(".")
     directory = Path(base_dir or PROFILES_DIR) / name_or_path if is_name else Path(name_or_path)
@@ -102,8 +88,7 @@ def _profile_dir(name_or_path: str, base_dir: str | Path | None) -> Path:
 
 
 def _read_text(path: Path, *, keep_final_newline: bool = False) -> str:
-    """A profile file, CRLF read as LF. A system text keeps its final newline (upstream's
-    system messages end with one); a layout loses its trailing newlines."""
+    """CRLF read as LF; a system text keeps its final newline (upstream's end with one)."""
     text = inputs.read_text(path, "profile file").replace("\r\n", "\n")
     if not text.strip():
         raise InputError("empty profile file", str(path))
@@ -153,8 +138,7 @@ def resolve_domain(profile: ProfileFile, mission: str) -> str | None:
 def load_profile(
     name_or_path: str, *, mission: str, base_dir: str | Path | None = None, domain: str | None = None
 ) -> PromptProfile:
-    """Resolve a profile for ``mission``: a bare name under ``base_dir`` (default: the
-    built-in profiles), else a directory. ``domain`` overrides the mission prefix's."""
+    """A bare name under ``base_dir`` (default: the built-in profiles), else a directory."""
     directory = _profile_dir(str(name_or_path), base_dir)
     spec = _read_profile_yaml(directory / "profile.yaml")
     domain = domain or resolve_domain(spec, mission)
@@ -177,15 +161,13 @@ def load_profile(
 
 
 def load_proposer_prompt(profile: str, path: str | None, *, base_dir: str | Path | None = None) -> str:
-    """The proposer's system prompt: the file at ``path``, or the profile's ``proposer.txt``."""
+    """The file at ``path``, or the profile's ``proposer.txt``."""
     file = Path(path) if path is not None else _profile_dir(str(profile), base_dir) / PROPOSER_FILE
     text = inputs.read_text(file, "proposer prompt")  # verbatim, as upstream (a BOM removed)
     if not text.strip():
         raise InputError("the proposer prompt is empty", str(file))
     return text
 
-
-# --------------------------------------------------------------------------- summaries
 
 def _image_order(key: str) -> int:
     try:
@@ -195,12 +177,9 @@ def _image_order(key: str) -> int:
 
 
 def ordered_summaries(per_image: dict[str, str]) -> list[str]:
-    """Summaries sorted by the trailing integer of their key (none: 0; ties keep their
-    order), as stored (the summary block strips their headers, the other blocks do not)."""
+    """Summaries by the trailing integer of their key (none: 0; stable), as stored."""
     return [per_image[k] for k in sorted(per_image, key=_image_order)]
 
-
-# --------------------------------------------------------------------------- rendering
 
 def _natural_key(key: str) -> tuple:
     m = re.fullmatch(r"([A-Za-z]*)([0-9]{1,%d})" % MAX_INDEX_DIGITS, key)
@@ -260,8 +239,7 @@ def render_template(template: str, values: dict[str, str]) -> str:
 
 
 def build_messages(profile: PromptProfile, guidance: dict[str, str], ticket) -> list[dict]:
-    """The system and user messages for one ticket (a TicketText, Ticket or dict); the label
-    is never shown."""
+    """``ticket``: a TicketText, Ticket or dict; the label is never shown."""
     if not guidance:
         raise ValueError("guidance has no experiences: nothing to put in the prompt")
     mission = ticket["mission"] if isinstance(ticket, dict) else ticket.mission

@@ -1,11 +1,6 @@
-"""The rule proposer's pure parts (upstream 3.4 step 5-7 and 3.5): the examples, the
-prompt (whose examples the worker drops from the end until it fits its token budget), the
-candidates parsed from the answer with every filter (``rule_text``) and ablation removes.
-
-Differences from upstream, on purpose: target resolution (update/remove/merge) happens
-here with a logged reason instead of a silent skip during evaluation; reflection ids are a
-hash of their inputs, not ``uuid4``.
-"""
+"""The rule proposer's pure parts (upstream 3.4 step 5-7 and 3.5): examples, prompt,
+candidates validated from the answer, ablation removes. Unlike upstream, targets resolve here
+with a logged reason (not a silent skip later), and reflection ids are hashes, not ``uuid4``."""
 
 from __future__ import annotations
 
@@ -19,15 +14,9 @@ from .guidance import LEARNABLE_KEY, OPERATIONS, SCAFFOLD_KEY, Operation
 from .rule_text import copied_identifier, normalize_signature, text_problem
 from .text import CJK_CHAR
 
-# --------------------------------------------------------------------------- example selection
-
 def confidently_wrong(stats: Mapping | Iterable) -> list:
-    """The tickets whose valid majority differs from GT, most confidently wrong first.
-
-    Sorted by ``(hard_wrong, difficulty)`` descending; the sort is stable, so ties keep
-    the given (pool or run) order. The one definition behind the proposer's examples and
-    the hard-case rows of the audit and the rule search.
-    """
+    """Tickets whose majority differs from GT, by ``(hard_wrong, difficulty)`` descending, ties
+    in the given order: the proposer's examples and the audit's and search's hard cases."""
     rows = list(stats.values()) if isinstance(stats, Mapping) else list(stats)
     wrong = [s for s in rows if s.majority is not None and s.majority != s.gt_label]
     wrong.sort(key=lambda s: (s.hard_wrong, s.difficulty), reverse=True)
@@ -39,8 +28,6 @@ def select_examples(stats: Mapping | Iterable, tickets_by_key: Mapping, reflect_
     picked = [(s, tickets_by_key[s.key]) for s in confidently_wrong(stats) if s.key in tickets_by_key]
     return picked[:max(0, int(reflect_size))]
 
-
-# --------------------------------------------------------------------------- request
 
 _TEXTS = {
     "zh": {
@@ -73,7 +60,7 @@ def _pair(example) -> tuple:
 
 
 def render_example(number: int, stats, ticket, lang: str = "zh") -> str:
-    """One ``样本{n}`` block: the ticket, GT, baseline vote and raw summaries by image number."""
+    """One ``样本{n}`` block: the ticket, GT, baseline vote and raw summaries."""
     t = _TEXTS[lang]
     lines = [
         f"{t['sample']}{number}: ticket_key={ticket.key}; gt_label={ticket.label}; "
@@ -101,8 +88,8 @@ def render_head(mission: str, guidance, lang: str = "zh") -> str:
 
 
 class ProposerPrompt(msgspec.Struct, frozen=True):
-    """The proposer's messages: ``system``, and a user message that is ``user_head``, the
-    ``examples`` and ``user_tail`` joined with blank lines (upstream 3.5)."""
+    """The user message is ``user_head``, ``examples`` and ``user_tail`` joined by blank lines;
+    the worker drops examples from the end until it fits its token budget."""
 
     system: str
     user_head: str
@@ -112,18 +99,14 @@ class ProposerPrompt(msgspec.Struct, frozen=True):
 
 def build_proposer_prompt(system_prompt: str, mission: str, guidance, examples: Sequence, *,
                           lang: str = "zh") -> ProposerPrompt:
-    """The proposer prompt; ``examples`` are ``(TicketStats, Ticket)`` pairs (either order).
-    ``lang="en"`` translates the labels of the user message for English profiles."""
+    """``examples`` are ``(TicketStats, Ticket)`` pairs, either order."""
     blocks = [render_example(i, *_pair(ex), lang=lang) for i, ex in enumerate(examples, start=1)]
     return ProposerPrompt(system=system_prompt, user_head=render_head(mission, guidance, lang), examples=blocks,
                           user_tail=_TEXTS[lang]["close"])
 
 
-# --------------------------------------------------------------------------- candidates
-
 class Candidate(msgspec.Struct):
-    """One validated edit. ``signature`` is the rule text's signature (the target's for
-    ``remove``, as in upstream rows); ``operation`` has the resolved keys."""
+    """One validated edit; ``signature`` is the target's for ``remove``, as in upstream rows."""
 
     candidate_id: str
     op: str
@@ -148,15 +131,12 @@ def candidate_id(op: str, signature: str, target: str | None = None, targets: Se
 
 
 def reflection_id(*parts) -> str:
-    """12 hex digits of sha256 over the parts, e.g. ``(guidance_hash, iteration, candidate_id)``:
-    deterministic, unlike upstream's uuid4."""
+    """12 hex digits of sha256 over the parts, e.g. ``(guidance_hash, iteration, candidate_id)``."""
     return hashlib.sha256("/".join(str(p) for p in parts).encode()).hexdigest()[:12]
 
 
 def rejected_signatures(rejected_ids: Iterable[str]) -> set[str]:
-    """The rule-text signatures of rejected candidate ids (the last ``:``-part of an
-    upsert, update or merge id; a signature never holds ``:``, ``normalize_signature``
-    turns it into a space). A ``remove`` carries no text of its own."""
+    """The last ``:``-part of rejected upsert/update/merge ids (a signature never holds ``:``)."""
     out = set()
     for cid in rejected_ids:
         op, _, rest = str(cid).strip().partition(":")
@@ -204,8 +184,7 @@ def _resolve(op: str, target: str, targets: list[str], lookup: dict[str, str]):
             return f"merge target signature not found: {sig!r}"
         if key == "G0" or not LEARNABLE_KEY.match(key):
             return f"merge target {key} cannot be merged"
-        # A merge naming a rule twice is not the merge it claims (nor one of fewer rules):
-        # refused, never silently read as the merge of the distinct ones.
+        # A merge naming a rule twice is refused, never read as the merge of the distinct ones.
         if key in keys:
             return f"merge names rule {key} twice"
         keys.append(key)
@@ -233,7 +212,7 @@ class _Seen:
 
 
 def _check_entry(entry, ctx: dict, seen: _Seen, evidence: Sequence[str]) -> Candidate | str:
-    """One proposer entry -> a Candidate, or the reason it is rejected (upstream order)."""
+    """A Candidate, or why the entry is rejected (upstream's checks in upstream's order)."""
     if not isinstance(entry, dict):
         return "entry is not an object"
     op = _clean(entry.get("op")).lower() if entry.get("op") is not None else "upsert"
@@ -267,8 +246,7 @@ def _check_entry(entry, ctx: dict, seen: _Seen, evidence: Sequence[str]) -> Cand
     cid = candidate_id(op, signature, target, target_list)
     if cid in ctx["rejected"]:
         return "previously rejected candidate"
-    # Checks of our own, after upstream's (an entry upstream rejects keeps its reason): rules
-    # that cannot win, rejected before any rollout is spent on them.
+    # Our own checks, after upstream's so an entry upstream rejects keeps its reason.
     if signature and signature in ctx["rejected_signatures"]:
         return "repeats a rule text rejected earlier in the run"
     if text:
@@ -292,15 +270,8 @@ def parse_candidates(
     obj, guidance, *, vocab=None, rejected_ids: Iterable[str] = (), limit: int = 3, evidence: Sequence[str] = (),
     examples_text: str = "",
 ) -> tuple[list[Candidate], list[dict]]:
-    """Validate the proposer's JSON (upstream 3.5) into ``(accepted, rejections)``: at most
-    ``limit`` candidates (later entries are not examined), each rejection ``{"index", "op",
-    "text", "reason"}``. A malformed top level raises ValueError. ``vocab`` None accepts
-    通过/不通过 and pass/fail; ``evidence`` (the example ticket keys) goes into each operation.
-
-    Beyond upstream's filters, a rule text is rejected when its signature is that of a
-    rejected one, or when it copies an identifier out of the examples
-    (``rule_text.copied_identifier``).
-    """
+    """``(accepted, rejections)``: at most ``limit`` accepted (later entries unexamined), rejections
+    ``{"index", "op", "text", "reason"}``; a malformed top level raises ValueError."""
     entries = _operations_list(obj)
     exp = _experiences(guidance)
     ctx = {
@@ -330,9 +301,8 @@ def parse_candidates(
 
 
 def ablation_candidates(guidance, *, rejected_ids: Iterable[str] = (), limit: int = 3) -> list[Candidate]:
-    """``remove`` candidates for the learnable rules G1+ (never G0 or S*), lowest metadata
-    confidence first (no metadata = 1.0, so learned rules go before seed rules), then key;
-    ids in ``rejected_ids`` (pass the ids already proposed this iteration too) skipped."""
+    """``remove`` candidates for G1+, lowest confidence first (no metadata: 1.0, so learned
+    rules before seed rules), then key; skips ``rejected_ids`` (include this iteration's)."""
     if limit <= 0:
         return []
     exp = _experiences(guidance)

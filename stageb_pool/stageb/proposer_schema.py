@@ -1,14 +1,6 @@
-"""The JSON schema a constrained proposer answer is held to (``rule_search.constrain_proposer``).
-
-Built from the current guidance and the profile's verdict words, so the grammar itself rules
-out what the validation filters would reject for form alone (an unknown op, a target that is
-not an existing rule's signature, removing or merging G0, too many operations, a rule that
-does not conclude with a verdict word, an over-long string); what a rule *says* is still
-judged by ``rule_text``. A merge that names one rule twice passes the grammar (llguidance
-implements no ``uniqueItems``); the candidate validation rejects it.
-
-Without the schema, small models rarely produce a usable answer (docs/performance.md).
-"""
+"""The JSON schema a constrained proposer answer is held to: what validation would reject for
+form alone, built from the guidance and verdict words (docs/performance.md). A merge naming one
+rule twice passes (llguidance has no ``uniqueItems``); validation rejects it."""
 
 from __future__ import annotations
 
@@ -16,9 +8,8 @@ from .guidance import LEARNABLE_KEY
 from .rule_text import normalize_signature
 from .text import regex_literal
 
-# A rule is one sentence, its rationale another: long enough for any real rule (the shipped
-# seed rules are under 120 characters), short enough that two operations fit a few hundred
-# tokens even for a model that runs every string to its limit.
+# One sentence each: above the shipped seed rules (< 120 characters), yet two operations fit a
+# few hundred tokens even when a model runs every string to its limit.
 TEXT_MAX_CHARS = 160
 RATIONALE_MAX_CHARS = 120
 # Compact JSON (llguidance's option): no token is spent on indentation or line breaks.
@@ -26,22 +17,18 @@ _COMPACT = {"whitespace_flexible": False}
 
 
 def _line(max_chars: int, *, banned: str = "{}", ending: str = "") -> dict:
-    """A JSON string of one line of at most ``max_chars`` characters (``ending`` included,
-    a regex of its own length) that starts with no space and holds none of ``banned``."""
+    """One line of at most ``max_chars`` (``ending`` included), no leading space, no ``banned``."""
     free = f"[^\\n\\r{banned}]"
     return {"type": "string", "pattern": f"^[^\\s{banned}]{free}{{0,{max_chars - 1}}}{ending}$"}
 
 
-# A rule holds no braces (a pasted summary object), '=' (key=value chains), '_' (field names
-# and image_1 references) or angle brackets (markup): the prompt forbids them, the filters
-# reject most of them, and a small model copies them from the examples.
+# Braces, '=', '_' and angle brackets are what a small model copies from the examples (summary
+# objects, key=value chains, image_1, markup); the prompt forbids them.
 _RULE_BANNED = "{}=_<>"
 
 
 def verdict_ending(vocab) -> str:
-    """A rule concludes with its verdict, as the proposer prompt asks ("If <condition>, judge
-    fail."): one of the profile's verdict words as a word of its own (after a space for
-    Latin words, so never "refail"), then an optional full stop."""
+    """A verdict word of its own (after a space for Latin words: never "refail"), optional full stop."""
     words = "|".join((" " if w[:1].isascii() else "") + regex_literal(w) for w in (vocab.pass_text, vocab.fail_text))
     return f"({words})[.。]?"
 
@@ -53,9 +40,7 @@ def _operation(op: str, fields: dict) -> dict:
 
 
 def proposer_schema(guidance, vocab, *, max_operations: int) -> dict:
-    """The schema of ``{"operations": [...]}`` with 1 to ``max_operations`` entries, each one
-    of the operations the guidance allows (docs/formats.md; an operation without a possible
-    target is left out). Property order is the order the model writes them in."""
+    """1 to ``max_operations`` of the operations the guidance allows, properties in writing order."""
     experiences = dict(getattr(guidance, "experiences", guidance))
     learnable = sorted(k for k in experiences if LEARNABLE_KEY.match(k))
     signatures = {k: normalize_signature(experiences[k]) for k in learnable}

@@ -1,14 +1,6 @@
-"""Rule texts proposed by the proposer: their identity (the signature) and the filters a
-text must pass before it becomes a candidate (upstream 3.5, ``ReflectionEngine``'s static
-validators), in upstream's order: Stage-A leak, third-state wording, hedged negation,
-binary outcome, scaffold conflict, brand dimension.
-
-Differences from upstream, on purpose: no Traditional -> Simplified conversion (``zhconv``
-is not a dependency; upstream ran without it too when it was missing); the leak filter
-catches ``image1``-style text (upstream's pattern matched a literal backslash) and finds a
-summary anywhere, as the prompt's parser does; English word lists sit next to the Chinese
-ones, and the binary-outcome check uses the profile's verdict words.
-"""
+"""Rule texts: their signature and the filters a candidate must pass, in upstream's order (3.5,
+``ReflectionEngine``'s static validators). On purpose: no ``zhconv`` step, a wider leak filter
+(docs/formats.md section 6), English word lists beside the Chinese, the profile's verdict words."""
 
 from __future__ import annotations
 
@@ -22,24 +14,19 @@ _SIGNATURE_PUNCT = re.compile(r"[，,。.!！？;；:：\-—_()（）\[\]{}<>�
 
 
 def normalize_signature(text: str | None) -> str:
-    """The identity of a rule text for de-duplication and targeting (upstream 3.5):
-    spaces normalised, lower-cased, 如果/当 -> 若, 就 -> 则, punctuation -> space,
-    spaces normalised again, stripped."""
+    """The identity of a rule text for de-duplication and targeting (upstream 3.5)."""
     value = normalize_spaces(text or "").lower()
     value = value.replace("如果", "若").replace("当", "若").replace("就", "则")
     value = _SIGNATURE_PUNCT.sub(" ", value)
     return normalize_spaces(value).strip()
 
 
-# A digit run this long in a rule text is an identifier (a date, a serial, a ticket number),
-# never a reusable condition; found in the proposer's examples it was copied from them.
+# A digit run this long is an identifier (a date, a serial), never a reusable condition.
 LONG_DIGIT_RUN = re.compile(r"\d{6,}")
 
 
 def copied_identifier(text: str, *, ticket_keys: Iterable[str], examples_text: str) -> str | None:
-    """Why a rule text copies an identifier out of the proposer's examples (a ticket key or
-    group id, casefolded, or a digit run of the examples' text), or None: such a rule names
-    tickets, not a condition, and cannot generalise."""
+    """Why a rule text copies a ticket key, group id or digit run out of the examples, or None."""
     folded = (text or "").casefold()
     for key in ticket_keys:
         for name in dict.fromkeys((key, key.split("::", 1)[0])):
@@ -92,9 +79,7 @@ def _is_json_object(text: str) -> bool:
 
 
 def is_stage_a_leak(text: str) -> bool:
-    """Pasted Stage-A summary text: a summary object anywhere in the text (what the prompt's
-    summary parser would read as one), any JSON object, ``标签/``, an image reference
-    (``image_3``, ``Image 3``), or ``/``-joined object chains."""
+    """A summary object anywhere, any JSON object, ``标签/``, an image reference, object chains."""
     stripped = (text or "").strip()
     if extract_summary_json(stripped) is not None or _is_json_object(stripped):
         return True
@@ -146,8 +131,7 @@ def is_binary(text: str, vocab=None) -> bool:
 
 
 def scaffold_conflict(text: str, scaffold: Mapping[str, str], vocab=None) -> str | None:
-    """The key of a scaffold rule that shares an anchor word with ``text`` but concludes
-    only the opposite verdict (scaffold fail vs candidate pass-only, or the reverse)."""
+    """A scaffold rule sharing an anchor word with ``text`` but concluding only the opposite."""
     form = _check_form(text)
     anchors = {a for a in SCAFFOLD_ANCHORS if a in form}
     if not anchors:

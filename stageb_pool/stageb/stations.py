@@ -1,12 +1,5 @@
-"""The RRU per-station block of the user prompt (upstream's ``_aggregate_rru_*_points``).
-
-For the three RRU missions, photos of one install point share a station distance
-(``站点距离``). Each photo's facts are merged per distance and shown as one line
-``- 站点距离=35: RRU=有, 紧固件=无``. Rules are upstream's, including its details: the
-distances of the *first* 站点距离 entry, kept as the text they are written in (``035`` and
-``35`` are two points), the readable-label test of the first 标签 entry. One deliberate
-difference, a defect of upstream: in free text, ``套管/没有保护`` does not count as a sleeve.
-"""
+"""The RRU per-station block of the user prompt: each photo's facts merged per 站点距离, by
+upstream's ``_aggregate_rru_*_points`` rules (docs/formats.md section 3), one defect fixed below."""
 
 from __future__ import annotations
 
@@ -69,8 +62,7 @@ def _text_facts(mission: str, text: str) -> dict[str, bool]:
                 "紧固件": "紧固件" in text or "固定件" in text}
     if mission == "RRU位置检查":
         return {"RRU接地端": "RRU接地端" in text, "接地线(可读标签)": "接地线" in text and _text_readable_label(text)}
-    # Upstream counted any mention of 套管, so "套管/没有保护" became 套管=有 (its JSON rule
-    # excludes 没有保护/无保护, as here).
+    # Upstream counted any mention of 套管 (a defect: its own JSON rule excludes 没有保护).
     sleeve = "套管" in text and not any(w in text for w in _NO_SLEEVE)
     return {"尾纤": "尾纤" in text, "套管": sleeve, "标签文本": _text_readable_label(text)}
 
@@ -92,9 +84,7 @@ def _distance_order(distance: str) -> int:
 
 
 def station_summary_lines(mission: str, summaries: list[str]) -> list[str]:
-    """``- 站点距离=35: RRU=有, 紧固件=有`` per station distance, numerically sorted. For
-    RRU安装检查 every distance seen is listed; for the other two a photo with no fact true
-    is left out."""
+    """``- 站点距离=35: RRU=有, 紧固件=有`` per station distance, numerically sorted."""
     if mission not in STATION_MISSIONS:
         return []
     merged: dict[str, dict[str, bool]] = {}

@@ -1,12 +1,5 @@
-"""Stage-A summary text: what the prompt and the ingest clean-up read out of a photo's
-summary, with upstream's exact rules (``src/utils/summary_json.py``, the obj estimate of its
-prompt builder and the BBU clean-up of its ingest).
-
-A summary is usually one JSON line ``{"统计": [...], "备注": [...]}``, possibly after a
-``<DOMAIN=...>, <TASK=...>`` header line, sometimes free text or ``无关图片`` (an irrelevant
-photo). Parsing never raises (nesting is bounded before ``json.loads``): text that does not
-parse is free text.
-"""
+"""Stage-A summary text, read by upstream's exact rules (``summary_json.py``, the obj estimate,
+the BBU clean-up; docs/formats.md section 1). Never raises: what does not parse is free text."""
 
 from __future__ import annotations
 
@@ -46,8 +39,7 @@ def _is_header(line: str) -> bool:
 
 
 def strip_summary_headers(text: str) -> str:
-    """The summary as the prompt shows it: blank lines dropped, every line stripped, header
-    lines (``<DOMAIN=...>`` ... ``<TASK=...>``, comma or not) dropped, the whole stripped."""
+    """The summary as the prompt shows it: lines stripped, blank and header lines dropped."""
     if not text:
         return ""
     lines = (line.strip() for line in text.splitlines() if line.strip())
@@ -55,8 +47,7 @@ def strip_summary_headers(text: str) -> str:
 
 
 def _closing(text: str, start: int) -> int | None:
-    """Index of the bracket closing the ``[`` or ``{`` at ``start`` (only that kind counted,
-    as upstream), None when it never closes."""
+    """Index of the bracket closing the one at ``start`` (only its kind counted, as upstream) or None."""
     opener = text[start]
     closer = "]" if opener == "[" else "}"
     depth = 0
@@ -86,9 +77,8 @@ def _list_assignment(text: str, key: str) -> list | None:
 
 
 def extract_summary_json(text: str) -> dict | None:
-    """The summary object (a JSON object with a ``统计`` key of any type): the whole text,
-    else each line from the last one up, else the widest ``{...}`` span, else a repaired
-    ``统计=[...]`` / ``统计:[...]`` assignment. None for irrelevant photos and free text."""
+    """The JSON object with a ``统计`` key: the whole text, else each line from the last up, else
+    the widest ``{...}``, else a ``统计=[...]`` assignment; None for free text."""
     stripped = strip_summary_headers(text)
     if not stripped or stripped.startswith(IRRELEVANT):
         return None
@@ -118,8 +108,6 @@ def categories(entries: list[dict]) -> set[str]:
     """The ``类别`` names of the entries (a non-string 类别 names nothing; upstream crashed)."""
     return {e["类别"] for e in entries if isinstance(e.get("类别"), str)}
 
-
-# --------------------------------------------------------------------------- obj estimate
 
 def _count(value) -> int | None:
     if isinstance(value, bool) or value is None:
@@ -166,8 +154,6 @@ def estimate_objects(summary: str) -> int:
     return len(segments) if segments else (1 if text else 0)
 
 
-# --------------------------------------------------------------------------- BBU clean-up
-
 def canonical_summary(obj: dict) -> str:
     """One JSON line, keys 统计, 备注, 分组统计 first, separators ", " and ": "."""
     first = [k for k in (STATS, "备注", "分组统计") if k in obj]
@@ -198,8 +184,7 @@ def _drop_station_objects(text: str) -> str:
 
 
 def _drop_station_keys(text: str) -> str:
-    """Every ``"站点距离": <value>`` fragment removed with its leading comma: an object value
-    by brace matching (to the end if unclosed), any other value up to the next comma."""
+    """Every ``"站点距离": <value>`` fragment removed with its leading comma (objects brace-matched)."""
     needle = f'"{STATION_DISTANCE}"'
     while (hit := text.find(needle)) >= 0:
         start = hit
@@ -235,10 +220,8 @@ def _parse_for_cleanup(text: str):
 
 
 def bbu_clean_summary(text: str) -> str:
-    """Upstream's BBU clean-up: an irrelevant photo becomes exactly 无关图片; blank and
-    header lines go; the station distance (an RRU concept) is removed: from the parsed
-    summary object (re-serialised canonically) when there is one, else from the text
-    (objects of category 站点距离, ``"站点距离": ...`` fragments); the word itself last."""
+    """Upstream's BBU clean-up: the station distance (an RRU concept) removed from the summary
+    object (re-serialised canonically), else from the text; an irrelevant photo -> 无关图片."""
     stripped = (text or "").strip()
     if stripped.startswith(IRRELEVANT):
         return IRRELEVANT

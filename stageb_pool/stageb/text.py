@@ -1,5 +1,4 @@
-"""Text forms shared by the domain modules for comparing, ordering and scanning: nothing here
-changes what is stored or shown."""
+"""Text forms for comparing, ordering and scanning: nothing here changes what is stored or shown."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from collections.abc import Iterator
 _CJK = "\u4e00-\u9fff"
 _CJK_PUNCT = "，。；：！？、"
 CJK_CHAR = re.compile(f"[{_CJK}]")
-# Real keys carry a handful of digits; a longer run is refused before int() sees it
-# (Python refuses to convert more than 4,300 digits, and such a key is never meant).
+# Real keys carry a few digits; a longer run is refused before int() (4,300 digits raise).
 MAX_INDEX_DIGITS = 18
 _TRAILING_DIGITS = re.compile(r"(\d+)$")
 
@@ -28,9 +26,8 @@ _SPACE_RUN = re.compile(r" +")
 
 
 def normalize_spaces(text: str) -> str:
-    """Upstream's space normalisation: runs of ASCII spaces collapsed, whitespace between
-    CJK characters (and between CJK and CJK punctuation) dropped, a Latin word or a split
-    upper-case/digit token wedged between CJK characters glued on, stripped."""
+    """Upstream's space normalisation: ASCII space runs collapsed, whitespace inside CJK text
+    dropped, split tokens between CJK characters glued (the rules above), stripped."""
     if not text:
         return text
     for pattern, repl in _SPACE_RULES:
@@ -42,9 +39,7 @@ _WHITESPACE = re.compile(r"\s+")
 
 
 def verdict_word_form(value: str, *, loose: bool = False) -> str:
-    """Upstream's form of a verdict word: spaces normalised, ASCII spaces removed, lower-cased
-    (``" 不 通过 "`` -> ``"不通过"``; ``"pass."`` stays distinct from ``"pass"``). ``loose``
-    also removes every whitespace and trailing 。/."""
+    """Upstream's form of a verdict word (``"pass."`` stays distinct from ``"pass"``)."""
     if loose:
         return _WHITESPACE.sub("", value).lower().rstrip("。.")
     return normalize_spaces(value.strip()).strip().replace(" ", "").lower()
@@ -55,8 +50,7 @@ class IndexTooLong(ValueError):
 
 
 def trailing_index(key: str) -> int | None:
-    """The integer at the end of ``key`` (``图片_01`` -> 1), or None; IndexTooLong past
-    ``MAX_INDEX_DIGITS`` digits."""
+    """``图片_01`` -> 1, no digits -> None; IndexTooLong past ``MAX_INDEX_DIGITS`` digits."""
     m = _TRAILING_DIGITS.search(key)
     if m is None:
         return None
@@ -67,9 +61,7 @@ def trailing_index(key: str) -> int | None:
 
 
 def regex_literal(text: str) -> str:
-    """``text`` as a regex that both Python's re and llguidance's (Rust) syntax read as a
-    literal: only the metacharacters escaped (``re.escape`` also escapes spaces, which Rust
-    regex refuses). The grammars of constrained decoding are built with it."""
+    """A literal for Python's re and llguidance's Rust regex (``re.escape`` escapes spaces: Rust refuses)."""
     return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
 
 
@@ -79,8 +71,7 @@ def short(text: str, limit: int = 40) -> str:
 
 
 def brackets_outside_strings(text: str, start: int) -> Iterator[tuple[int, str]]:
-    """``(index, char)`` of every bracket from ``start`` on outside JSON string literals
-    (escapes respected), in text that may be cut off or malformed."""
+    """``(index, char)`` of every bracket from ``start`` outside JSON strings, in any text."""
     in_string = escape = False
     for i in range(start, len(text)):
         ch = text[i]

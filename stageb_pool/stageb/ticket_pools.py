@@ -1,12 +1,6 @@
-"""The fixed eval pool and the per-iteration train pool of the rule search.
-
-Both follow upstream Stage-B (reference 3.3) draw for draw, so a run selects the same
-tickets as upstream with the same seed, with two fixes: an empty eval pool is a normal
-state, never a crash (upstream defect 9.3.2); a train pool never holds a ticket twice (when
-the rolling window wraps, the new head skips tickets already in the pool; upstream 9.3.8),
-and wherever upstream's pool had no duplicate, ours is identical. Sampling with
-replacement is not supported: its only effect was duplicated tickets voting twice.
-"""
+"""The fixed eval pool and the per-iteration train pool of the rule search: upstream's draws
+(reference 3.3), so the same seed selects the same tickets, except that an empty eval pool is
+normal and a train pool never holds a ticket twice (docs/rule_search.md, "Pools")."""
 
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ T = TypeVar("T")
 
 
 def eval_quotas(label_counts: dict[str, int], eval_size: int) -> dict[str, int]:
-    """Eval slots per label: floors of ``E * n_l / N``, leftovers by largest fractional
-    part, ties by label name (labels in sorted order)."""
+    """Eval slots per label: floors, leftovers by largest fractional part, ties by label."""
     total = sum(label_counts.values())
     quotas: dict[str, int] = {}
     remainders: list[tuple[float, str]] = []
@@ -35,11 +28,7 @@ def eval_quotas(label_counts: dict[str, int], eval_size: int) -> dict[str, int]:
 
 
 def split_eval_pool(tickets: Sequence[T], eval_pool_size: int, seed: int) -> tuple[list[T], list[T]]:
-    """Split ``tickets`` into ``(train, eval)``: a label-stratified, seeded eval pool
-    (empty unless ``0 < eval_pool_size < len(tickets)``). Each label bucket (labels sorted,
-    bucket sorted by key) has its index list shuffled by one ``random.Random(seed)``; the
-    first ``quota`` go to eval. Both lists come out bucket by bucket, as upstream.
-    """
+    """``(train, eval)``, label-stratified and bucket by bucket, as upstream; eval may be empty."""
     tickets = list(tickets)
     if not 0 < eval_pool_size < len(tickets):
         return tickets, []
@@ -61,8 +50,7 @@ def split_eval_pool(tickets: Sequence[T], eval_pool_size: int, seed: int) -> tup
 
 
 def resolve_train_pool_size(n_train: int, size: int, fraction: float | None = None) -> int:
-    """``round(n_train * fraction)`` when a fraction is set, else ``size``; clamped to
-    ``[1, n_train]`` (0 when there are no train tickets)."""
+    """``round(n_train * fraction)`` or ``size``, clamped to ``[1, n_train]`` (0 without tickets)."""
     if n_train <= 0:
         return 0
     target = int(round(n_train * float(fraction))) if fraction is not None else int(size)
@@ -76,9 +64,8 @@ def _permutation(n: int, seed: int) -> list[int]:
 
 
 class TrainPoolSampler(msgspec.Struct, forbid_unknown_fields=True):
-    """Rolling window over seeded permutations (``random.Random(seed + wraps)``) of the train
-    indices. The whole state is these five integers, written to ``state.json`` as is, so a
-    resumed run draws exactly the pools the uninterrupted run would."""
+    """Rolling window over ``random.Random(seed + wraps)`` permutations of the train indices.
+    These five integers are the whole state (``state.json``), so a resume draws the same pools."""
 
     n_train: int
     size: int
@@ -107,8 +94,7 @@ class TrainPoolSampler(msgspec.Struct, forbid_unknown_fields=True):
         self.wraps += 1
         perm = self.permutation()
         cursor = 0
-        # Take the new head, skipping what the remainder already holds (upstream added
-        # them a second time). size <= n_train, so the loop always fills the pool.
+        # The new head skips what the remainder holds (upstream added them twice); size <= n_train.
         while len(pool) < self.size:
             index = perm[cursor]
             cursor += 1

@@ -1,10 +1,5 @@
-"""Stage-A ticket files (upstream 1.2): read, validate, normalise, filter.
-
-One JSON object per line; each becomes a ``Ticket`` keyed ``"{group_id}::{label}"``.
-Every record upstream's ingest reads is read, with the conversions counted in the
-``IngestReport``. Every problem is located at its ``path:line``; the first bad line stops
-the run unless ``on_bad_line="skip"``.
-"""
+"""Stage-A ticket files (upstream 1.2; docs/formats.md section 1): one JSON object per line,
+each a ``Ticket`` keyed ``"{group_id}::{label}"``; every problem located at ``path:line``."""
 
 from __future__ import annotations
 
@@ -52,8 +47,7 @@ class IngestReport(msgspec.Struct):
     tickets: list[Ticket]
     skipped: list[dict] = []  # {"location": "path:line", "error": "..."}
     excluded: int = 0
-    # field -> how many values were converted (group_id: integer -> text; per_image: a
-    # non-string summary -> its JSON text) or ignored for their type (label_timestamp, label_source)
+    # field -> how many values were converted to text, or ignored for their type
     converted: dict[str, int] = {}
     ignored: dict[str, int] = {}
 
@@ -70,11 +64,8 @@ def _type_name(value) -> str:
     return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
-# --------------------------------------------------------------------------- summaries
-
 def _unwrap(value: str) -> str:
-    # Some Stage-A writers JSON-encode the summary twice: '"{\"统计\": ...}"' (upstream
-    # kept the quotes and backslashes, so nothing downstream could read it).
+    # Some writers JSON-encode a summary twice (upstream kept the quotes: nothing could read it).
     if value.strip().startswith('"'):
         try:
             inner = json.loads(value)
@@ -92,15 +83,12 @@ def _bbu_cleaned(mission: str, per_image: dict[str, str]) -> dict[str, str]:
 
 
 def _summary_text(value) -> str:
-    # Upstream str()-ed any value (a Python repr nothing downstream parses); JSON text keeps
-    # an object summary readable by the prompt's summary parser.
+    # Upstream str()-ed it (a Python repr); JSON text stays readable by the summary parser.
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def normalize_per_image(per_image: dict, notes: list[str] | None = None) -> dict[str, str]:
-    """Keys -> ``image_{n}`` by trailing integer (no digits: 1-based position), sorted by n;
-    a non-string value becomes its compact JSON text; JSON-string values unwrapped; the text
-    otherwise as given (the BBU clean-up and the prompt read headers away)."""
+    """Keys -> ``image_{n}`` by trailing integer (none: 1-based position), sorted; values as text."""
     by_index: dict[int, tuple[str, str]] = {}
     for position, (key, value) in enumerate(per_image.items(), start=1):
         try:
@@ -115,8 +103,6 @@ def normalize_per_image(per_image: dict, notes: list[str] | None = None) -> dict
         by_index[n] = (key, _unwrap(_summary_text(value)))
     return {f"image_{n}": by_index[n][1] for n in sorted(by_index)}
 
-
-# --------------------------------------------------------------------------- one line
 
 def _field(record: dict, name: str):
     if name not in record:
@@ -209,16 +195,12 @@ def parse_ticket_line(line: str, *, bbu_cleanup: bool = False) -> Ticket:
     return _parse_record(_decode_record(line), bbu_cleanup)[0]
 
 
-# --------------------------------------------------------------------------- files
-
 MAX_LINE_BYTES = 1 << 20  # ingest.max_line_bytes' default: a real ticket is a few kB
 _BLOCK = 1 << 20  # the rest of an over-long line is read past in blocks of this size
 
 
 def _read_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterable[tuple[int, str | int | None]]:
-    """(line number, text) for every non-blank line; text None when not UTF-8, the line's
-    byte length (an int) when it is longer than ``max_line_bytes``, which is all the
-    memory an over-long line costs (it is read past in blocks)."""
+    """(number, text) per non-blank line; text None if not UTF-8, the byte length if over the limit."""
     path = inputs.regular_file(path, "ticket file")
     try:
         with open(path, "rb") as f:
@@ -272,12 +254,8 @@ def load_tickets(
     bbu_cleanup: bool = False,
     max_line_bytes: int = MAX_LINE_BYTES,
 ) -> IngestReport:
-    """Read Stage-A JSONL files into tickets (file order kept), drop excluded keys.
-
-    ``on_bad_line``: ``"error"`` raises at the first bad line, ``"skip"`` records it in
-    ``skipped``. ``bbu_cleanup``: upstream's BBU summary clean-up for non-RRU missions.
-    Missing files, no tickets, duplicate keys and more than one mission always raise.
-    """
+    """Tickets in file order; ``on_bad_line="skip"`` records bad lines in ``skipped``. Missing
+    files, no tickets, duplicate keys and more than one mission always raise."""
     if on_bad_line not in ("error", "skip"):
         raise InputError(f"on_bad_line must be 'error' or 'skip', got {on_bad_line!r}", "ingest.on_bad_line")
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
@@ -323,8 +301,7 @@ def _counts(notes: Counter, prefix: str) -> dict[str, int]:
 
 
 def load_exclusions(keys: Iterable[str] | None, path: str | Path | None) -> frozenset[str]:
-    """Union of the inline keys and the lines of ``path`` (blank lines and ``#`` comments
-    ignored). A missing file is an error: silently excluding nothing would hide a typo."""
+    """Inline keys plus the lines of ``path`` (``#`` comments ignored); a missing file raises."""
     result = {k.strip() for k in (keys or ()) if k.strip()}
     if path is not None:
         for line in inputs.read_text(path, "exclusion list").splitlines():

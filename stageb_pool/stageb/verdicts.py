@@ -1,9 +1,5 @@
-"""The two-line verdict protocol, the majority vote and the metrics (upstream 2.3 and 2.4).
-
-Pure functions of their inputs: the parent runs them on the candidate texts the workers
-send back. Positive class is "pass": a false release (fp) is a GT-fail ticket the model
-let through, a false block (fn) is a GT-pass ticket it stopped.
-"""
+"""The two-line verdict protocol, the majority vote and the metrics (upstream 2.3 and 2.4;
+docs/formats.md sections 4-5). Positive class is "pass": fp is a GT-fail ticket let through."""
 
 from __future__ import annotations
 
@@ -17,17 +13,14 @@ import msgspec
 from .prompts import VerdictVocab
 from .text import verdict_word_form
 
-# A chat template sometimes echoes the role before the answer: upstream's markers
-# (``assistant``, ``Assistant``, optionally with ``:``, or ``<|im_start|>assistant``), case
-# as upstream. Only *leading* markers are removed; upstream also cut at the last
-# ``assistant`` anywhere, which made any Reason using the word invalid (upstream 9.3 item 10).
+# Only *leading* role echoes are removed; upstream also cut at the last "assistant" anywhere,
+# which made any Reason using the word invalid (upstream 9.3 item 10).
 _ASSISTANT_MARKER = re.compile(r"^\s*(?:<\|?im_start\|?>)?(?:assistant|Assistant)(?:[ \t]*:)?")
 _COLON = re.compile(r"[:：]")
 
 
 class Parsed(msgspec.Struct, frozen=True):
-    """One candidate. ``verdict`` is "pass" | "fail", or None for an invalid sample;
-    ``error`` says why a sample is invalid (for logs; never part of a vote)."""
+    """One candidate: ``verdict`` "pass" | "fail", or None with ``error`` saying why (logs only)."""
 
     verdict: str | None
     reason: str | None
@@ -39,8 +32,7 @@ def _invalid(error: str) -> Parsed:
 
 
 def strip_assistant_marker(text: str) -> str:
-    """Remove leading role markers: the only place a role echo is removed (the engine
-    returns the decoded text as is)."""
+    """The one place a role echo is removed (the engine returns the decoded text as is)."""
     while True:
         m = _ASSISTANT_MARKER.match(text)
         if not m:
@@ -59,8 +51,7 @@ def _word_forms(words: tuple[str, ...], loose: bool) -> frozenset[str]:
 
 
 def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
-    """Parse ``Verdict: <word>`` / ``Reason: <text>``: exactly two non-empty lines, a word of
-    the profile's vocabulary and a non-empty reason; anything else is an invalid sample."""
+    """``Verdict: <word>`` / ``Reason: <text>`` in exactly two non-empty lines, else invalid."""
     if text is None:
         return _invalid("no text")
     body = strip_assistant_marker(text.strip()).strip()
@@ -92,9 +83,7 @@ def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
 
 
 class VerdictParser:
-    """``parse_verdict`` under one vocabulary, once per distinct text: a judge's answers repeat
-    ("Verdict: pass" with a few reasons), and parsing them is the parent's largest cost per
-    item. At most ``limit`` texts are remembered (then it starts afresh)."""
+    """``parse_verdict`` once per distinct text: answers repeat, and parsing is the parent's main cost."""
 
     def __init__(self, vocab: VerdictVocab, limit: int = 100_000):
         self.vocab, self.limit = vocab, limit
@@ -160,9 +149,7 @@ def ticket_stats(key: str, gt_label: str, parsed: list[Parsed]) -> TicketStats:
 
 
 class Metrics(msgspec.Struct):
-    """Ticket-level metrics (upstream 2.4). Rates are over all ``n`` tickets. A ratio that
-    would be infinite (``fn_over_tp`` with tp = 0 < fn) is None, JSON null; upstream wrote
-    the non-standard token ``Infinity``."""
+    """Ticket-level metrics; rates over all ``n``. An infinite ratio is None (upstream wrote ``Infinity``)."""
 
     n: int
     acc: float
@@ -189,8 +176,7 @@ def _share(num: int, den: int) -> float:
 
 
 def compute_metrics(stats: Iterable[TicketStats] | dict[str, TicketStats]) -> Metrics:
-    """Counts and rates over the given tickets. An invalid (None) majority is always an
-    error: a false release for GT fail, a false block for GT pass."""
+    """An invalid (None) majority is always an error: fp for GT fail, fn for GT pass."""
     rows = list(stats.values()) if isinstance(stats, dict) else list(stats)
     n = len(rows)
     tp = sum(1 for s in rows if s.gt_label == "pass" and s.majority == "pass")
@@ -214,8 +200,7 @@ def compute_metrics(stats: Iterable[TicketStats] | dict[str, TicketStats]) -> Me
 
 
 def _most_common(values: list[str]) -> list[tuple[str, int]]:
-    # Counter keeps first-occurrence order and sorted() is stable, so ties go to the
-    # reason seen first: deterministic for a given sample order.
+    # Ties go to the reason seen first (Counter keeps insertion order, sorted() is stable).
     return sorted(Counter(values).items(), key=lambda kv: -kv[1])
 
 
