@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import msgspec
 
@@ -128,7 +129,7 @@ class RolloutRunner(SpeculativeSubmissions):
         # as an uninterrupted one (docs/rule_search.md).
         self.run_done = self.run_saved = 0
         self.chunks_used: set[str] = set()
-        self.tickets_by_rank: dict[int, int] = {}  # tickets generated or scored, by the worker that ran them
+        self.tickets_by_rank: Counter[int] = Counter()  # tickets generated or scored, by the worker that ran them
         self.rollout_seconds = 0.0  # wall time spent gathering chunks: the rollout phase
         self._cache: dict[str, ChunkResult] = {}
         self._inflight: dict[str, TaskHandle] = {}  # cache key -> pool task, submitted, not yet gathered
@@ -296,8 +297,7 @@ class RolloutRunner(SpeculativeSubmissions):
             if keep is not None:
                 keep(index, result)
             if tickets[index]:
-                rank = tasks[index].ran_on
-                self.tickets_by_rank[rank] = self.tickets_by_rank.get(rank, 0) + tickets[index]
+                self._credit(tasks[index], tickets[index])
                 if self.progress is not None:
                     self.progress.advance(tickets[index])
 
@@ -307,6 +307,10 @@ class RolloutRunner(SpeculativeSubmissions):
             if self.progress is not None:
                 self.progress.finish()
             self.rollout_seconds += time.monotonic() - started
+
+    def _credit(self, task, tickets: int) -> None:
+        """``tickets`` of a finished ``task`` counted for the worker that ran it."""
+        self.tickets_by_rank[task.ran_on] += tickets
 
     def continue_counts(self, chunks_used, done: int, saved: int) -> None:
         """Carry on the run's counts of an interrupted run (from its state.json)."""
