@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from ..pool.devices import Device
 from ..stageb.prompts import PromptProfile
 from . import chat_text, verdict_scoring
 from .constrained import verdict_line_regex
@@ -19,10 +20,15 @@ from .records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Verdict
 
 
 class ModelEngine:
-    """An engine with a model, its ``tokenizer`` and a text layer ``text`` (module docstring)."""
+    """An engine with a model, its ``tokenizer`` and a text layer ``text`` (module docstring).
+    ``stop``: ``model.stop`` (``chat_text.ChatText``)."""
 
-    tokenizer: object
-    text: chat_text.ChatText
+    def __init__(self, tokenizer, device: Device, *, stop: list[str] | None, model_path: str, model_name: str):
+        self.tokenizer = tokenizer
+        self.device = device
+        self.model_path = model_path
+        self.model_name = model_name
+        self.text = chat_text.ChatText(tokenizer, stop)
 
     def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: PromptProfile) -> ChunkResult:
         """A chunk with no ticket kept never reaches the model."""
@@ -49,14 +55,3 @@ class ModelEngine:
         out, reason = self._complete(request, row)
         (text,) = self.text.texts([out])
         return ChatResult(text, k, len(row), len(out), reason)
-
-    def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
-                regex: str | None) -> list[chat_text.Completion]:
-        raise NotImplementedError
-
-    def _score_answers(self, chunk: VerdictChunk, ids: list[list[int]], kept: list[int],
-                       answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
-        raise NotImplementedError
-
-    def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
-        raise NotImplementedError

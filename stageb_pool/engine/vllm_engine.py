@@ -20,7 +20,7 @@ from msgspec import Meta
 from ..pool.devices import Device
 from ..stageb.errors import InputError
 from ..stageb.hashing import stable_seed
-from . import chat_text, model_cache, models, provenance
+from . import model_cache, models, provenance
 from .chat_text import Completion
 from .model_engine import ModelEngine
 from .models import ModelRef
@@ -54,7 +54,7 @@ def check_installed() -> None:
                          "bin/setup-vllm and run .venv-vllm/bin/stageb-pool", f"model.engine: {NAME}")
 
 
-def prepare_environment(device: Device, threads: int) -> None:
+def prepare_environment(threads: int) -> None:
     """What vLLM reads from the environment, set before vllm (or torch) is imported."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: no grandchild
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -88,7 +88,7 @@ def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
 def build_vllm_engine(device: Device, model: ModelRef, config, preloaded=None) -> VllmEngine:
     pinned = config.vllm
     threads = (pinned.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
-    prepare_environment(device, threads)
+    prepare_environment(threads)
     folder = models.checkpoint_dir(model)
     tokenizer = models.load_tokenizer(folder, config.trust_remote_code)
     models.require_chat_template(tokenizer, model.path)
@@ -115,14 +115,10 @@ class VllmEngine(ModelEngine):
 
     def __init__(self, llm, tokenizer, device: Device, *, stop: list[str] | None = None, model_path: str = "",
                  model_name: str = "", settings: dict | None = None):
+        super().__init__(tokenizer, device, stop=stop, model_path=model_path, model_name=model_name)
         self.llm = llm
-        self.tokenizer = tokenizer
-        self.device = device
-        self.model_path = model_path
-        self.model_name = model_name
         self.settings = dict(settings or {})
         self.max_model_len = self.settings.get("max_model_len") or llm.llm_engine.model_config.max_model_len
-        self.text = chat_text.ChatText(tokenizer, stop)
         self._broken = ""
 
     def info(self) -> dict:
