@@ -101,11 +101,7 @@ def engine_factory_for(config, model: ModelRef):
     is loaded here, once, before the fork."""
     load = entry(config.engine).preload
     preloaded = None if load is None else load(model)
-
-    def build(device: Device):
-        return build_engine(device, model, config, preloaded)
-
-    return build
+    return functools.partial(build_engine, model=model, config=config, preloaded=preloaded)
 
 
 def pin_cuda_environment() -> None:

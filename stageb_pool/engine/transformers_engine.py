@@ -54,8 +54,6 @@ def prepare_device(device: Device) -> None:
 
 
 class TransformersEngine(ModelEngine):
-    """A model and its tokenizer on one device."""
-
     def __init__(self, model, tokenizer, device: Device, *, stop: list[str] | None = None,
                  model_path: str = "", model_name: str = ""):
         from transformers import GenerationConfig

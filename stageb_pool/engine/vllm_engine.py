@@ -218,7 +218,7 @@ def _answer_logprob(prompt_logprobs, row: list[int], n: int) -> float:
     """The last ``n`` tokens' log-probabilities, summed in token order as transformers does."""
     if prompt_logprobs is None or len(prompt_logprobs) != len(row):
         raise RuntimeError(f"vLLM returned {len(prompt_logprobs or [])} prompt log-probs for {len(row)} tokens")
-    total = 0.0
+    total = 0.0  # a loop, not sum(): sum() compensates float rounding since Python 3.12
     for position in range(len(row) - n, len(row)):
         total += prompt_logprobs[position][row[position]].logprob
     return total
