@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-from ..pool.devices import Device
 from ..stageb.prompts import PromptProfile
 from . import chat_text, verdict_scoring
 from .constrained import verdict_line_regex
@@ -20,15 +19,10 @@ from .records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Verdict
 
 
 class ModelEngine:
-    """An engine with a model, its ``tokenizer`` and a text layer ``text`` (module docstring).
-    ``stop``: ``model.stop`` (``chat_text.ChatText``)."""
+    """An engine with a model, its ``tokenizer`` and a text layer ``text`` (module docstring)."""
 
-    def __init__(self, tokenizer, device: Device, *, stop: list[str] | None, model_path: str, model_name: str):
-        self.tokenizer = tokenizer
-        self.device = device
-        self.model_path = model_path
-        self.model_name = model_name
-        self.text = chat_text.ChatText(tokenizer, stop)
+    tokenizer: object
+    text: chat_text.ChatText
 
     def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: PromptProfile) -> ChunkResult:
         """A chunk with no ticket kept never reaches the model."""

@@ -13,7 +13,7 @@ import torch
 
 from ..pool.devices import Device
 from ..stageb.hashing import stable_seed
-from . import models, provenance, sharding
+from . import chat_text, models, provenance, sharding
 from .chat_text import Completion
 from .constrained import Grammars
 from .model_engine import ModelEngine
@@ -54,6 +54,8 @@ def prepare_device(device: Device) -> None:
 
 
 class TransformersEngine(ModelEngine):
+    """A model and its tokenizer on one device. ``stop``: ``model.stop`` (``chat_text.ChatText``)."""
+
     def __init__(self, model, tokenizer, device: Device, *, stop: list[str] | None = None,
                  model_path: str = "", model_name: str = ""):
         from transformers import GenerationConfig
@@ -61,9 +63,12 @@ class TransformersEngine(ModelEngine):
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        super().__init__(tokenizer, device, stop=stop, model_path=model_path,
-                         model_name=model_name or getattr(model.config, "name_or_path", "") or type(model).__name__)
         self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        self.model_path = model_path
+        self.model_name = model_name or getattr(model.config, "name_or_path", "") or type(model).__name__
+        self.text = chat_text.ChatText(tokenizer, stop)
         self.dtype = str(model.dtype).removeprefix("torch.")
         self.attn_implementation = getattr(model.config, "_attn_implementation", None)
         self.pad_id = tokenizer.pad_token_id

@@ -20,7 +20,7 @@ from msgspec import Meta
 from ..pool.devices import Device
 from ..stageb.errors import InputError
 from ..stageb.hashing import stable_seed
-from . import model_cache, models, provenance
+from . import chat_text, model_cache, models, provenance
 from .chat_text import Completion
 from .model_engine import ModelEngine
 from .models import ModelRef
@@ -115,8 +115,12 @@ class VllmEngine(ModelEngine):
 
     def __init__(self, llm, tokenizer, device: Device, *, stop: list[str] | None = None, model_path: str = "",
                  model_name: str = "", settings: dict | None = None):
-        super().__init__(tokenizer, device, stop=stop, model_path=model_path, model_name=model_name)
         self.llm = llm
+        self.tokenizer = tokenizer
+        self.device = device
+        self.model_path = model_path
+        self.model_name = model_name
+        self.text = chat_text.ChatText(tokenizer, stop)
         self.settings = dict(settings or {})
         self.max_model_len = self.settings.get("max_model_len") or llm.llm_engine.model_config.max_model_len
         self._broken = ""
