@@ -71,7 +71,6 @@ AGREEMENT = ("torch", "transformers")
 
 
 def entry(name: str) -> EngineEntry:
-    """The entry of engine ``name`` (a ValueError naming the known ones for another name)."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r} (expected one of {', '.join(ENGINES)})")
     return ENGINES[name]

@@ -145,7 +145,6 @@ class TransformersEngine(ModelEngine):
         return out
 
     def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
-        """The proposer's prompt alone in one seeded generate, held to its JSON schema if any."""
         with _located_oom(lambda: f"proposer chat {request.seed_key!r} ({len(row)} prompt tokens)"):
             ((out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key),
                                               json_schema=request.json_schema)

@@ -161,7 +161,6 @@ class VllmEngine(ModelEngine):
         return [tuple(sums[n * k:(n + 1) * k]) for n in range(len(kept))]
 
     def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
-        """The proposer's prompt as one seeded request, held to its JSON schema when it has one."""
         params = self._params(request.decode, stable_seed(request.seed_key), json_schema=request.json_schema)
         ((out, reason),) = self._generate([(row, params)])
         return out, reason
