@@ -1,7 +1,5 @@
-"""One run of a validated plan (``plan.RunPlan``), start to finish. The run directory's
-refusals come before anything on disk is touched and its lock is the first write
-(``run_owner.RunDir``).
-"""
+"""One run of a validated plan (``plan.RunPlan``), start to finish. The run directory's refusals
+come before anything on disk is touched and its lock is the first write (``run_owner.RunDir``)."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from ..search.fileio import write_json, write_jsonl
 from ..search.guidance_store import GuidanceStore
 from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
-from ..search.rule_search import check_resume, run_search
+from ..search.rule_search import RuleSearch, check_resume
 from ..search.rundir import RunJson
 from ..search.run_owner import RunDir
 from ..search.settings import RunIdentity, SearchSettings
@@ -51,7 +49,6 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, wa
              engine_factory=None, argv: list[str] | None = None, report_jobs: list | None = None) -> int:
     """Run the audit or rule search of ``plan``; return 0 on success. Exceptions propagate (the
     CLI maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
-
     ``engine_factory`` (a test seam) replaces the model engine; ``argv`` goes to run.json
     (default: sys.argv); ``wait``: ``--wait [SECONDS]``. report.html is rendered by a child
     process while the pool closes and waited for here, or, given ``report_jobs`` (a list),
@@ -123,10 +120,10 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
                                 settings=audit_settings(config, inputs), run_dir=run_dir, log=log,
                                 headroom=headroom)
         else:
-            summary = run_search(runner=runner, store=store, run_dir=run_dir, tickets=inputs.tickets,
+            summary = RuleSearch(runner=runner, store=store, run_dir=run_dir, tickets=inputs.tickets,
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
                                  identity=identity, resume=run.resume_point, log=log, headroom=headroom,
-                                 speculate=config.runner.speculate)
+                                 speculate=config.runner.speculate).run()
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
         write_jsonl(run_dir / artifacts.TIMELINE.name, timeline_rows(pool))
@@ -177,7 +174,7 @@ def audit_settings(config, inputs: RunInputs) -> AuditSettings:
                          distill=config.stage_b_distillation)
 
 
-def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> dict:
+def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> None:
     """Add the volatile ``timing`` and ``workers`` objects and write ``summary.json``."""
     summary = dict(summary)
     timing = dict(summary.get("timing") or {})
@@ -188,7 +185,6 @@ def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> di
     path = Path(run_dir) / artifacts.SUMMARY.name
     write_json(path, summary)
     log.info("summary written to %s", path)
-    return summary
 
 
 def timeline_rows(pool) -> list[dict]:

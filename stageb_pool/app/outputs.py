@@ -1,11 +1,9 @@
-"""Where a run may write, checked before anything is written: never onto an input.
-
-A run writes inside its run directory, plus the distillation file
-``stage_b_distillation.log_chatml_path`` may put elsewhere (docs/usage.md, that key). Every
-input is resolved (symbolic and hard links): one inside the run directory (which
-``--overwrite`` deletes) is refused, and so is a distillation file that is an input, a folder
-or a file the run writes itself. An existing distillation file is ``run_owner.RunDir``'s to refuse.
-"""
+"""Where a run may write, checked before anything is written: never onto an input. A run writes
+inside its run directory, plus the distillation file ``stage_b_distillation.log_chatml_path``
+may put elsewhere (docs/usage.md, that key). Every input is resolved (symbolic and hard links):
+one inside the run directory (which ``--overwrite`` deletes) is refused, and so is a
+distillation file that is an input, a folder or a file the run writes itself (an existing one
+is ``run_owner.RunDir``'s to refuse)."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ def check_outputs(config, run_dir: Path, *, config_path: str | None = None) -> N
     real = _real(chatml)
     if os.path.isdir(real):
         raise InputError(f"{chatml} is a directory, not a file", where)
-    # The run creates its directory and the folders above it: checked here, before they exist,
-    # the export is refused now, not at the end of a whole run.
+    # the run creates these: checked before they exist, so the export is refused now, not at the end
     if real == run_real:
         raise InputError(f"{chatml} is the run directory, not a file", where)
     if _inside(run_real, real):

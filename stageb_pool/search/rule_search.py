@@ -1,8 +1,6 @@
-"""The Stage-B rule search's loop and its commit (docs/rule_search.md; one iteration:
-docs/architecture.md): per iteration the rows, the edit, the decision row, then ``state.json``,
-the one point a ``--resume`` continues from; after the loop the distillation export, the final
-metrics and the summary. Only the parent decides and writes.
-"""
+"""The Stage-B rule search's loop and its commit (docs/rule_search.md): per iteration the rows,
+the edit, the decision row, then ``state.json``, the one point a ``--resume`` continues from;
+after the loop the distillation export, the final metrics and the summary."""
 
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ from .summary import brief, final_metrics, print_summary, search_summary
 
 
 class RuleSearch:
-    """The loop and its state; :meth:`run` returns the summary. ``tickets`` in run order;
-    ``resume``: where a ``--resume`` starts (``check_resume``; None: a new run). The committed
-    guidance is held in memory and only written to ``store``: the file is read on resume only."""
+    """The loop and its state; :meth:`run` returns the summary (printed). The committed guidance
+    is held in memory and only written to ``store``: the file is read on resume only."""
 
     def __init__(self, *, runner, store, run_dir, tickets: list, seed_guidance: Guidance,
                  settings: SearchSettings, identity: RunIdentity, resume: state_mod.ResumePoint | None = None,
@@ -53,9 +50,8 @@ class RuleSearch:
     # -- start / resume ---------------------------------------------------------------------
 
     def _fresh_state(self) -> state_mod.SearchState:
-        rs = self.settings.rule_search
         g = self.guidance = self.seed_guidance  # what job (or _start on resume) wrote to guidance.json
-        sampler = state_mod.start_sampler(len(self.train), rs, self.settings.seed)
+        sampler = state_mod.start_sampler(len(self.train), self.settings.rule_search, self.settings.seed)
         return state_mod.SearchState(
             iteration=0, guidance_hash=g.hash, guidance_step=g.step, guidance=msgspec.to_builtins(g),
             no_gain=0, rejected_ids=[], sampler=sampler, config_hash=self.identity.config_hash,
@@ -147,8 +143,7 @@ class RuleSearch:
                               rejected_ids=inp.rejected_ids)
 
     def _record(self, outcome: IterationOutcome) -> None:
-        """The outcome's rows; with an edit: snapshot, the new guidance.json, the benchmark row;
-        then the decision row and its terminal line."""
+        """The outcome's rows; an edit's snapshot, guidance.json and benchmark row; the decision."""
         mission = self.settings.mission
         self.recorder.append(artifacts.CANDIDATES.name, rows.candidate_rows(outcome, mission))
         self.recorder.append(artifacts.REGRESSIONS.name, rows.regression_rows(outcome, mission))
@@ -217,11 +212,6 @@ class RuleSearch:
                                                 headroom=summary.get("judge_headroom"))
         print_summary(summary)
         return summary
-
-
-def run_search(**kwargs) -> dict:
-    """Run the rule search (:class:`RuleSearch`'s arguments); returns the printed summary."""
-    return RuleSearch(**kwargs).run()
 
 
 def check_resume(run_dir, *, tickets: list, settings: SearchSettings, identity: RunIdentity,

@@ -1,7 +1,5 @@
-"""The format of a run directory (run.json ``tool.format``, state.json ``version``), and the
-one migration step of a ``--resume`` of another format or version. When the format changes and
-what a resume does with each: docs/rule_search.md, "Upgrades".
-"""
+"""The format of a run directory (run.json ``tool.format``, state.json ``version``), and the one
+migration step of a ``--resume`` of another format or version (docs/rule_search.md, "Upgrades")."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ ADDED_KEYS: dict[str, Callable[[Any], bool]] = {
     "ingest.max_line_bytes": lambda value: True,
     # the proposer's answer was not held to its schema
     "rule_search.constrain_proposer": lambda value: value is False,
-    # a worker had a share of the cores: one thread on a run with as many workers as cores
-    # (cpu:2 on CI's 2 cores), and on a GPU, where the model computes on the GPU; a cpu:1 run
-    # on a larger machine had more, and its resumed iterations may differ in low bits
+    # a worker had a share of the cores: one thread with as many workers as cores (cpu:2 on CI)
+    # and on a GPU; a cpu:1 run on a larger machine had more: its iterations may differ in low bits
     "pool.threads_per_worker": lambda value: value == 1,
     # one proposer call per iteration
     "rule_search.proposer_calls": lambda value: value == 1,
@@ -113,8 +110,7 @@ def config_differences(committed_hash: str, committed: dict, config: dict) -> li
         old, new = _at(committed, parents), _at(doc, parents)
         if isinstance(new, dict) and key in new and not (isinstance(old, dict) and key in old) and neutral(new[key]):
             del new[key]
-            # A section the committed run's identity lacks whole (``pool`` before
-            # pool.threads_per_worker) goes when the pruning leaves it empty.
+            # a section the committed identity lacks whole (``pool``) goes when pruned empty
             for depth in range(len(parents), 0, -1):
                 if _at(doc, parents[:depth]) or _at(committed, parents[:depth]) is not None:
                     break

@@ -1,10 +1,8 @@
-"""The run directory's one owner: ``RunDir``, whose states are the run's life, and the lock
-it holds for the whole run. What ``--overwrite``, ``--resume`` and the lock do, and why the
-lock file sits beside the directory: docs/artifacts.md, "The run directory itself".
-
-The lock file is never deleted: two processes could then lock two inodes of one name. The
+"""The run directory's one owner, ``RunDir`` (its states are the run's life), and the lock it
+holds for the whole run: what they do and why, docs/artifacts.md, "The run directory itself".
+The lock file is never deleted (two processes could then lock two inodes of one name). The
 pool's children are forked without exec, so ``O_CLOEXEC`` does not close the lock there:
-``pool/fork.py`` ``close_fds_except`` does, so a worker never keeps the run locked.
+``pool/fork.py`` ``close_fds_except`` does.
 """
 
 from __future__ import annotations
@@ -45,14 +43,11 @@ class Phase(enum.Enum):
 
 
 class RunDir:
-    """The run directory of one run: ``RunDir(...)`` (planned) -> ``lock`` (locked) -> ``start``
-    (started, then committed or rolled back) -> ``record_workers``; ``release``. A step out of
-    this order raises RuntimeError.
-
-    Planned means every refusal is made, reading only: the first documents encoded, the
-    directory, the ``distillation_file``, and on ``--resume`` its folders and the committed
-    state (``resume_check``, answered in ``resume_point``). A lock that waited for another run
-    makes them again: that run may have changed the directory."""
+    """The run directory of one run: ``RunDir(...)`` (planned) -> ``lock`` -> ``start`` (then
+    committed or rolled back) -> ``record_workers``; ``release``; a step out of order raises
+    RuntimeError. Planned: every refusal made, reading only (the first documents encoded, the
+    directory, ``distillation_file``, on ``--resume`` its folders and ``resume_check``, answered
+    in ``resume_point``); again after a lock that waited (the other run may have changed them)."""
 
     def __init__(self, path: str | Path, *, overwrite: bool = False, resume: bool = False,
                  run_json: RunJson | None = None, seed_guidance: dict | None = None,

@@ -1,6 +1,5 @@
-"""The run directory ``{output.root}/{mission}/{output.run_name}/``: where it is, the names
-in it, and ``run.json``. Its life (the checks, the lock, the start) is ``run_owner.RunDir``'s.
-"""
+"""The run directory ``{output.root}/{mission}/{output.run_name}/``: where it is, the names in it,
+and ``run.json``. Its life (the checks, the lock, the start) is ``run_owner.RunDir``'s."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The rule search's resume state: ``state.json``, the search's single commit point, written
-atomically at every iteration end (what a resume does: docs/rule_search.md, "Resume and stop").
-
-Nothing read back is trusted: the state is typed (a wrong shape is an error at load naming the
-key path) and :func:`validate_state` checks it against the run directory and the inputs before
-any worker starts: a damaged state is a located refusal (exit 2), never a wrong result.
-"""
+"""The rule search's resume state: ``state.json``, its single commit point, written atomically
+at every iteration end (docs/rule_search.md, "Resume and stop"). Nothing read back is trusted:
+the state is typed and :func:`validate_state` checks it against the run directory and the inputs
+before any worker starts, so a damaged state is a located refusal (exit 2), never a wrong result."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ from .settings import RunIdentity
 # Every append-only artifact of the search; their committed byte lengths go into state.json.
 APPEND_ARTIFACTS = committed_names()
 
-# A bound far above any run (runner.epochs is at most 10,000) that still keeps every counter an
-# exact integer everywhere it goes (JSON readers that use doubles included).
+# Far above any run (runner.epochs <= 10,000), and an exact integer in JSON readers using doubles.
 MAX_COUNT = 2**53
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 StopReason = Literal["epochs", "early_stop"]  # every value RuleSearch writes
@@ -80,8 +76,7 @@ class SearchState(msgspec.Struct, forbid_unknown_fields=True):
     first_pool: list[str] = []
     baseline: Baseline | None = None  # set by the first commit, so never written as null
     edits: list[Edit] = []
-    # The run's generation counts at the commit and the chunks (cache keys) they cover, so a
-    # resumed run reports what an uninterrupted one would.
+    # The run's generation counts and the chunks they cover: a resumed run reports the same.
     generations_done: Count = 0
     generations_saved: Count = 0
     chunks_used: list[str] = []
