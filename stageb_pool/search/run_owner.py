@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # state.py imports rundir, which this module imports
     from .state import ResumePoint
 
 log = logging.getLogger("stageb_pool")
+WAIT_POLL_S = 0.1  # how often a bounded wait tries the lock again
 
 
 class Phase(enum.Enum):
@@ -261,9 +262,6 @@ class WaitStopped(KeyboardInterrupt):
     def __init__(self, signum: int | None, holder: str):
         super().__init__(signum, holder)
         self.signum, self.holder = signum, holder
-
-
-WAIT_POLL_S = 0.1  # how often a bounded wait tries the lock again
 
 
 def acquire(run_dir: str | Path, *, wait: bool | float = False) -> tuple[int, bool]:

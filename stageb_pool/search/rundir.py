@@ -23,15 +23,13 @@ from .run_format import FORMAT_VERSION
 
 REPLACED = ".replaced-"  # the old run of an --overwrite, until the new one has started
 CANNOT_PREPARE = "cannot prepare the run directory (output.root)"
+NAME_MAX_BYTES = 200  # a directory name's bytes; Linux allows 255, the margin is for our own suffixes
+ESCAPE = "%"
 
 # engine.info() keys that describe one worker rather than the run (would differ between
 # worker counts or reruns); they never reach run.json's provenance.
 _WORKER_ONLY_INFO = {"rank", "pid", "index", "threads", "hostname", "load_s", "load_seconds",
                      "elapsed_s", "started_at", "visible_devices", "device_index"}
-
-
-NAME_MAX_BYTES = 200  # a directory name's bytes; Linux allows 255, the margin is for our own suffixes
-ESCAPE = "%"
 
 
 def safe_name(text: str) -> str:

@@ -27,6 +27,9 @@ APPEND_ARTIFACTS = committed_names()
 MAX_COUNT = 2**53
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 StopReason = Literal["epochs", "early_stop"]  # every value RuleSearch writes
+# Replaying the sampler costs O(n_train) per iteration; above this many steps only the ranges
+# are checked (a run that long is never hand-made for a test, and the rows still bound it).
+MAX_REPLAY_STEPS = 50_000_000
 
 
 class Brief(msgspec.Struct, forbid_unknown_fields=True):
@@ -206,11 +209,6 @@ def _committed_rows(run_dir: Path, artifact: Artifact, length: int) -> list:
             raise InputError(f"cannot resume: a committed row of {artifact.name} is not a JSON object",
                              f"{path}:{number}") from None
     return out
-
-
-# Replaying the sampler costs O(n_train) per iteration; above this many steps only the ranges
-# are checked (a run that long is never hand-made for a test, and the rows still bound it).
-MAX_REPLAY_STEPS = 50_000_000
 
 
 def _check_against_rows(state: SearchState, run_dir: Path, refuse) -> None:
