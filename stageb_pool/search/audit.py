@@ -1,11 +1,7 @@
-"""The baseline audit (upstream "jump reflection"): every ticket once under the current
-guidance with the train sampler, no learning. Writes the ``baseline_*`` artifacts, the
-hard cases (``sampler="baseline"``, iteration 1), with ``output.save_rollouts`` every
-candidate text, and, when configured, the distillation export with the same guidance (as
-upstream's jump mode). Only the parent writes; every row carries the guidance hash.
-
-Every artifact is computed from the final results in ticket order, never from arrival
-order, so it is byte-identical for any worker count (``timestamp``/``elapsed_sec`` aside).
+"""The baseline audit (upstream "jump reflection"; its files: docs/artifacts.md, "Baseline
+audit"): every ticket once under the run's guidance, no learning. Every row is computed from
+the final results in ticket order, never arrival order, so the files are byte-identical for
+any worker count (``timestamp``/``elapsed_sec`` aside).
 """
 
 from __future__ import annotations
@@ -43,9 +39,8 @@ class AuditSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_dir, log,
               headroom: dict | None = None) -> dict:
-    """Roll out every ticket (``tickets``, in run order) once under ``guidance`` and write the
-    audit artifacts. Returns the summary (what ``summary.json`` holds, timing aside);
-    ``headroom`` is the judge-headroom check's summary entry (None: not run)."""
+    """Roll out ``tickets`` (in run order) once under ``guidance`` and write the audit's files;
+    returns ``summary.json`` less timing. ``headroom``: the headroom check's entry (None: not run)."""
     spec = rollout_spec("audit", f"{settings.seed}/audit", tickets, guidance, settings.sampler)
     log.info("audit: %d tickets, guidance step %d (%s)", len(spec.tickets), guidance.step, guidance.hash)
     result = runner.run(spec)
@@ -134,10 +129,8 @@ def case_row(s: verdicts.TicketStats, ticket, mission: str, guidance_hash: str, 
 
 def step_rows(result: RolloutResult, tickets, *, logging_steps: int, chunk_size: int, label: str,
               now: str) -> list[AuditStepRow]:
-    """``baseline_metrics_steps.jsonl``: metrics over the first k tickets of the run order
-    (``n_done``), for k = logging_steps, 2*logging_steps, ..., n; ``n_total`` is n in every
-    row, as upstream. Computed from the final results, so deterministic; ``elapsed_sec``
-    (volatile) is when the chunks holding those k tickets were all in."""
+    """``baseline_metrics_steps.jsonl``: metrics over the first k = logging_steps, 2*logging_steps,
+    ..., n tickets of the run order; ``elapsed_sec`` (volatile) is when their chunks were all in."""
     n = len(tickets)
     step = max(1, logging_steps)
     bounds = list(range(step, n, step)) + [n] if n else []

@@ -1,7 +1,6 @@
-"""What each iteration decided and why: the ``rule_search_iterations.jsonl`` row, the
-terminal line of an iteration and the summary's sentence about the run, so that "0 edits
-accepted" tells a gate that rejected real candidates from a proposer that gave nothing
-usable and from a judge that cannot separate the labels. Nothing here is wall clock.
+"""What each iteration decided and why (its ``rule_search_iterations.jsonl`` row and terminal
+line) and the summary's ``why`` sentence, so that "0 edits accepted" tells a gate that rejected
+real candidates from a proposer that gave nothing usable or a judge that cannot separate the labels.
 """
 
 from __future__ import annotations
@@ -115,8 +114,7 @@ def _acc(metrics: dict | None) -> str:
 
 
 def run_sentence(rows: list[dict], *, edits: int, stop_reason: str | None, headroom: dict | None = None) -> str:
-    """The summary's one sentence: why the run accepted what it did (``rows`` are the
-    iteration rows as dicts, read back from the artifact so a resumed run counts them all)."""
+    """The summary's ``why``; ``rows`` are read back from the artifact so a resumed run counts them all."""
     n = len(rows)
     evaluated = sum(r["candidates_evaluated"] for r in rows)
     parsed = sum(r["proposer_parsed"] for r in rows)

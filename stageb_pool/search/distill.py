@@ -1,12 +1,6 @@
 """The distillation export (upstream 3.9): tickets judged once under a guidance, written as
-ChatML conversations for fine-tuning, ``distill_chatml.jsonl`` by default.
-
-The rule search exports once, after the loop, with the final guidance (upstream exported
-after every non-stopping iteration); the audit exports after its rollout, with the run's
-guidance (as upstream's jump mode). Tickets: ``random.Random(distill_seed)``;
-``distill_size >= N`` shuffles them all, else ``rng.sample``. One sample per ticket from
-the train-grid entry at ``distill_temperature``; a ticket without a valid sample is
-skipped; whether the verdict matches the label is not checked (as upstream).
+ChatML conversations for fine-tuning. When it runs, which tickets and which sample, and how
+it deviates from upstream: docs/rule_search.md, "Distillation export".
 """
 
 from __future__ import annotations
@@ -38,7 +32,6 @@ def distill_sampler(train_sampler, temperature: float | None):
 
 
 def distill_tickets(tickets: list, size: int, seed: int) -> list:
-    """The exported tickets, in export order."""
     rng = random.Random(seed)
     if size >= len(tickets):
         tickets = list(tickets)
@@ -65,8 +58,8 @@ def distill_rows(tickets: list, result, profile, guidance) -> list[DistillRow]:
 
 def export_distillation(recorder, *, tickets: list, guidance, settings, train_sampler, seed: int,
                         log) -> dict | None:
-    """Run and write the export when ``settings`` (the stage_b_distillation section) asks for
-    it; returns the summary's ``distillation`` object (None when nothing was asked)."""
+    """Run and write the export when ``settings`` (stage_b_distillation) asks for it; returns
+    the summary's ``distillation`` object (None: not asked)."""
     if not settings.enabled or not settings.distill_size:
         log.info("distillation: off (stage_b_distillation.distill_size is not set, or enabled is false)")
         return None

@@ -1,12 +1,7 @@
-"""Atomic, deterministic file writes. Only the parent process calls these.
-
-JSON is written by msgspec: UTF-8, keys in field/insertion order, shortest round-trip
-floats, so equal values give equal bytes; non-finite floats become ``null``.
-
-Nothing is written through a link: a whole file is replaced by a rename, and an append
-first replaces a symbolic link or a file with other hard links by a private copy (a
-``cp -al`` backup or a link's target elsewhere never changes). Every file gets mode
-``0666 & ~umask``, like any Unix tool's output.
+"""Atomic, deterministic file writes, by the parent process only. msgspec writes UTF-8 JSON,
+keys in field/insertion order, shortest round-trip floats (non-finite: ``null``), so equal
+values give equal bytes. Nothing is written through a link, and every file gets mode
+``0666 & ~umask`` (docs/artifacts.md, "Never through a link" and "Modes").
 """
 
 from __future__ import annotations
@@ -105,9 +100,8 @@ def write_jsonl(path: str | os.PathLike, rows) -> None:
 
 
 def append_jsonl(path: str | os.PathLike, rows) -> None:
-    """Append rows to a JSONL file (created if missing) and fsync. Not atomic: a resume cuts
-    the file back to the last committed iteration. A link is made private first and the file
-    is checked again once open (``O_NOFOLLOW``), so the append lands in this file only."""
+    """Append rows (creating the file) and fsync. Not atomic: a resume cuts the file back to the
+    last commit. A link is made private first and checked again once open (``O_NOFOLLOW``)."""
     path = Path(path)
     data = b"".join(_encoder.encode(r) + b"\n" for r in rows)
     with _located(path):
@@ -124,9 +118,8 @@ def append_jsonl(path: str | os.PathLike, rows) -> None:
 
 
 def make_private(path: str | os.PathLike) -> bool:
-    """Replace ``path``, when it is a symbolic link or a file with other hard links, by a
-    regular file holding the same bytes; whether it did. A link to something that is not a
-    regular file is refused: there is no content to copy."""
+    """Replace ``path``, when a symbolic link or a file with other hard links, by a regular file
+    of the same bytes; whether it did. A link to anything but a regular file is refused."""
     path = Path(path)
     try:
         info = path.lstat()
@@ -149,9 +142,8 @@ def make_private(path: str | os.PathLike) -> bool:
 
 
 def normalise_modes(root: str | os.PathLike) -> list[Path]:
-    """Give every regular file under ``root`` (a run directory being resumed) ``file_mode()``,
-    as if this version had written it (a resumed run only appends to some). Links and files
-    whose mode cannot change are left alone. Returns the files changed."""
+    """Give every regular file under ``root`` (a run being resumed) ``file_mode()``; links and
+    files whose mode cannot change are left alone. Returns the files changed."""
     mode, changed = file_mode(), []
     for folder, _dirs, names in os.walk(root):  # os.walk does not descend into linked folders
         for name in names:

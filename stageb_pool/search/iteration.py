@@ -1,19 +1,9 @@
-"""One rule-search iteration: ``run_iteration`` computes it and returns a frozen
-``IterationOutcome``; the loop (``rule_search.py``) writes its rows, applies its edit and
-commits. Every GPU is busy at each step:
-
-1. train baseline: the iteration's train pool under the current guidance;
-2. ONE gather: the ``proposer_calls`` proposer calls (the ``reflect_size`` most confidently
-   wrong tickets) and the eval-pool baseline (cached while the guidance is unchanged);
-3. candidates: the answers parsed and validated (every rejection logged), ablation
-   ``remove`` candidates fill up to ``num_candidate_rules``, each previewed; every
-   candidate's train rollout in ONE gather;
-4. the gate on the tickets common to baseline and candidate; the passing candidates' eval
-   rollouts in ONE gather (optional eval veto);
-5. the choice: at most one edit, the largest RER (earliest on ties).
-
-A train pool's seed key names the pool's tickets, never the guidance: baseline and
-candidates draw the same random numbers (common random numbers).
+"""One rule-search iteration (the steps: docs/rule_search.md, "One iteration"):
+``run_iteration`` computes it and returns a frozen ``IterationOutcome``; the loop
+(``rule_search.py``) writes its rows, applies its edit and commits. The proposer calls go
+in one gather with the eval baseline, and every candidate's rollout in one gather, so that
+every worker is busy. A train pool's seed key names its tickets, never the guidance:
+baseline and candidates draw the same random numbers.
 """
 
 from __future__ import annotations
@@ -88,14 +78,13 @@ class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
         return self.applied.guidance if self.applied is not None else self.guidance
 
 
-def pool_seed_key(seed: int, tickets) -> str:
-    """A train pool's identity: run seed + the hash of its ticket keys (not the guidance)."""
-    return f"{seed}/train/{content_hash([t.key for t in tickets])}"
+def train_spec(name: str, settings, pool, guidance: Guidance) -> RolloutSpec:
+    seed_key = f"{settings.seed}/train/{content_hash([t.key for t in pool])}"  # the pool's tickets only
+    return rollout_spec(name, seed_key, pool, guidance, settings.rule_search.train_sampler)
 
 
 def baseline_spec(inp: IterationInput, settings) -> RolloutSpec:
-    return rollout_spec(f"train/it{inp.iteration}/base", pool_seed_key(settings.seed, inp.pool), inp.pool,
-                        inp.guidance, settings.rule_search.train_sampler)
+    return train_spec(f"train/it{inp.iteration}/base", settings, inp.pool, inp.guidance)
 
 
 def eval_spec(name: str, settings, eval_pool, guidance: Guidance) -> RolloutSpec:
@@ -109,11 +98,9 @@ def common_metrics(base_stats: dict, cand_stats: dict) -> tuple[Metrics, Metrics
 
 
 def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) -> IterationOutcome:
-    """Compute one iteration; append its hard cases and proposer failures on the way.
-    ``on_gate(guidance)``: called before the eval rollouts once the gate has passed a
-    candidate, with the best passing candidate's guidance (the loop speculates on it)."""
+    """Compute one iteration, appending its hard cases and proposer failures on the way.
+    ``on_gate(guidance)`` gets the best passing candidate's guidance before the eval rollouts."""
     rs, it, g, runner = settings.rule_search, inp.iteration, inp.guidance, recorder.runner
-    seed_key = pool_seed_key(settings.seed, inp.pool)
     log.info("iteration %d: %d train tickets, guidance step %d (%s)", it, len(inp.pool), g.step, g.hash)
     base = recorder.wait([runner.submit(baseline_spec(inp, settings))])[0]
     recorder.append(artifacts.HARD_CASES.name, rows.hard_case_rows(
@@ -143,7 +130,7 @@ def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) ->
     previews, ablation_note = _previews(inp, settings, proposed, example_keys, failures)
     recorder.append(artifacts.PROPOSER_ANSWERS.name, answers)
     recorder.append(artifacts.PROPOSER_FAILURES.name, failures.rows)
-    evaluated = _evaluate(inp, settings, recorder, seed_key, base, eval_base, previews, on_gate)
+    evaluated = _evaluate(inp, settings, recorder, base, eval_base, previews, on_gate)
     evaluated, applied = _choose(evaluated)
     return msgspec.structs.replace(
         outcome, eval_base_metrics=compute_metrics(eval_base.stats) if eval_base is not None else None,
@@ -213,8 +200,7 @@ def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, requests
 
 def _merge_proposals(inp: IterationInput, settings, runner, chats: list, requests: list[ChatRequest],
                      example_keys: list[str], failures: Failures):
-    """Every call's valid candidates in call order (one an earlier call proposed is a
-    duplicate); one answer row per call."""
+    """Every call's valid candidates in call order, less duplicates; one answer row per call."""
     proposed, answers = [], []
     for call, (chat, request) in enumerate(zip(chats, requests)):
         accepted, answer = _parse_proposals(inp, settings, runner, chat, example_keys,
@@ -237,8 +223,7 @@ def _merge_proposals(inp: IterationInput, settings, runner, chats: list, request
 
 def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str], examples_text: str,
                      failures: Failures) -> tuple[list[proposer.Candidate], ProposerAnswerRow]:
-    """The proposer's valid candidates and its answer row; every failure and rejection
-    becomes a failure row."""
+    """The call's valid candidates and its answer row; each failure or rejection is a failure row."""
     rs = settings.rule_search
     answer = ProposerAnswerRow(iteration=inp.iteration, mission=settings.mission,
                                     constrained=rs.constrain_proposer, parsed=False)
@@ -305,13 +290,12 @@ def _no_ablation_note(g: Guidance, rejected_ids) -> str:
 # ----------------------------------------------------------------------------- A/B evaluation
 
 
-def _evaluate(inp: IterationInput, settings, recorder, seed_key: str, base: RolloutResult,
+def _evaluate(inp: IterationInput, settings, recorder, base: RolloutResult,
               eval_base: RolloutResult | None, previews: list[tuple], on_gate=None) -> list[Evaluated]:
     if not previews:
         return []
     rs, it, runner = settings.rule_search, inp.iteration, recorder.runner
-    pendings = [runner.submit(rollout_spec(f"train/it{it}/cand{index}", seed_key, inp.pool, preview,
-                                           rs.train_sampler))
+    pendings = [runner.submit(train_spec(f"train/it{it}/cand{index}", settings, inp.pool, preview))
                 for index, _, preview, _ in previews]
     trains = recorder.wait(pendings)
     evaluated = []

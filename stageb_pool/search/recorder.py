@@ -1,7 +1,5 @@
-"""The rule search's writes into its run directory, and the wall time of each phase.
-
-The search decides; the Recorder writes and waits for the runner, so that every gather is
-timed under the phase it belongs to (volatile: ``summary.json`` ``timing``).
+"""The rule search's writes into its run directory, and its waits for the runner, each timed
+under its phase (volatile: ``summary.json`` ``timing``).
 """
 
 from __future__ import annotations

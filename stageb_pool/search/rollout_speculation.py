@@ -1,10 +1,6 @@
 """The rollout runner's speculative submissions (``RolloutRunner`` inherits them; what to
-speculate is ``speculation.py``).
-
-Speculative pool tasks (``Pool.speculation``: only an idle worker takes one, only while
-nothing else is queued) are claimed by a later ``submit`` (a chunk, by its cache key) or
-``submit_chat`` (a proposer call, by its whole request) of the same work and counted as
-generated there; ``discard`` drops what turned out wrong. Only the wall time depends on it.
+speculate: ``speculation.py``). A later ``submit`` or ``submit_chat`` of the same work claims a
+speculative task and counts it as generated there, so only the wall time depends on it.
 """
 
 from __future__ import annotations
@@ -53,9 +49,8 @@ class SpeculativeSubmissions:
         return key
 
     def peek(self, pending):
-        """The result of a speculated rollout if each of its chunks is cached or a finished
-        speculative task (whose result then enters the cache, still unclaimed), else None.
-        Counts nothing and waits for nothing."""
+        """The speculated rollout's result once every chunk is cached or a finished speculative
+        task (its result enters the cache, still unclaimed), else None. Never waits or counts."""
         done = {}
         for part in pending.parts:
             if part.key in self._cache:
@@ -71,9 +66,8 @@ class SpeculativeSubmissions:
         return self._build(pending)[0]
 
     def discard(self, keys) -> None:
-        """Drop the speculative work of ``keys`` that no submit claimed: a queued task never
-        runs, a running one's result is ignored, a result that came in leaves the cache (a
-        later submit generates it as if it had never been speculated)."""
+        """Drop the unclaimed speculative work of ``keys``: a queued task never runs, a result
+        leaves the cache (a later submit generates it as if never speculated)."""
         for key in keys:
             task = self._speculative.pop(key, None)
             if task is None:  # claimed, or never speculated
@@ -87,8 +81,7 @@ class SpeculativeSubmissions:
             self._discarded.append(task)
 
     def speculation_summary(self) -> dict:
-        """Speculative tasks submitted, used, claimed unstarted and discarded, and the worker
-        seconds the discarded ones took (wall clock: volatile)."""
+        """``summary.json`` ``timing.speculation`` (docs/artifacts.md); volatile."""
         return {"tasks": self.speculation_tasks, "used": self.speculation_used,
                 "claimed_unstarted": self.speculation_unstarted,
                 "discarded": len(self._discarded) + len(self._speculative),
@@ -96,9 +89,8 @@ class SpeculativeSubmissions:
                 "wasted_worker_s": round(sum(t.busy_s for t in [*self._discarded, *self._speculative.values()]), 3)}
 
     def _claim(self, parts: list, label: str) -> list:
-        """Parts whose chunk was speculated are this rollout's own: claimed, counted as
-        generated here, as they would have been without speculation, and named after it in
-        the timeline (unless it ran before the claim)."""
+        """Claim the parts whose chunk was speculated: counted as generated here, as without
+        speculation, and named after this rollout in the timeline unless it ran already."""
         for part in parts:
             task = None if self._speculating else self._speculative.pop(part.key, None)
             if task is not None:

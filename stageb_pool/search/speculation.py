@@ -1,11 +1,6 @@
-"""The next iteration computed ahead on idle workers (``runner.speculate``).
-
-While iteration i runs, iteration i+1's train pool is known (the sampler does not depend on
-what i decides) and, if i accepts nothing (the common case), so is its guidance. So idle
-workers compute i+1's train baseline, then start its proposer calls; when i's gate passes
-a candidate, the speculation is retargeted to the guidance that candidate makes. The runner
-claims speculative work when i+1 submits the same work (``rollout_speculation``); what is
-not claimed is discarded. Speculation decides only when work starts, never what is computed.
+"""What to compute ahead for the next iteration, and when to retarget or discard it
+(``runner.speculate``; the design: docs/rule_search.md, "Speculation"; the runner's side:
+``rollout_speculation.py``). Speculation decides only when work starts, never what is computed.
 """
 
 from __future__ import annotations
@@ -33,9 +28,8 @@ class Speculation:
         self._start(target)
 
     def retarget(self, target: IterationInput | None) -> None:
-        """The running iteration's gate passed a candidate: the next iteration most likely
-        starts from its guidance; speculate that one instead (what this round speculated
-        under the old guidance is discarded)."""
+        """The running iteration's gate passed a candidate: speculate ``target``, the next
+        iteration under its guidance, instead (this round's work is discarded)."""
         self.runner.discard(self._keys)
         self._keys = []
         self._start(target)
@@ -50,8 +44,8 @@ class Speculation:
         self.runner.on_progress = self._poll
 
     def _poll(self) -> None:
-        """Called by the runner during its waits: once the speculated baseline is in, the
-        target's proposer calls are submitted, built as the iteration will build them."""
+        """During the runner's waits: once the speculated baseline is in, submit the target's
+        proposer calls."""
         if self._target is None or self._chats_sent:
             return
         base = self.runner.peek(self._base)
@@ -64,9 +58,8 @@ class Speculation:
             self._keys.append(self.runner.speculate_chat(request))
 
     def settle(self, next_input: IterationInput | None) -> None:
-        """After an iteration: the previous round's unclaimed work is discarded, and this
-        round's too unless it speculated ``next_input`` (None: the loop stops) as it is:
-        the same iteration and guidance (the pool always is)."""
+        """After an iteration: discard the previous round's unclaimed work, and this round's
+        unless it speculated ``next_input``'s iteration and guidance (None: the loop stops)."""
         self.runner.discard(self._previous)
         self._previous = []
         target = self._target

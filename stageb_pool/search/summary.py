@@ -9,8 +9,7 @@ import msgspec
 
 from ..stageb.verdicts import compute_metrics
 from .headroom import summary_line
-from .iteration import eval_spec, pool_seed_key
-from .rollout import rollout_spec
+from .iteration import eval_spec, train_spec
 
 
 def brief(metrics) -> dict | None:
@@ -25,9 +24,7 @@ def final_metrics(recorder, settings, guidance, *, first_pool: list, eval_pool: 
     out = {"train": None, "eval": None}
     runner, pendings = recorder.runner, []
     if first_pool:
-        pendings.append(("train", runner.submit(rollout_spec(
-            "final/train", pool_seed_key(settings.seed, first_pool), first_pool, guidance,
-            settings.rule_search.train_sampler))))
+        pendings.append(("train", runner.submit(train_spec("final/train", settings, first_pool, guidance))))
     if eval_pool and iterations:
         pendings.append(("eval", runner.submit(eval_spec("final/eval", settings, eval_pool, guidance))))
     if pendings:
@@ -39,8 +36,7 @@ def final_metrics(recorder, settings, guidance, *, first_pool: list, eval_pool: 
 
 def search_summary(state, settings, guidance, *, final: dict, distillation: dict | None, n_train: int,
                    n_eval: int, runner, timing: dict, headroom: dict | None = None) -> dict:
-    """``summary.json`` of the rule search (``job.write_summary`` adds the job's timing and
-    the per-worker throughput)."""
+    """``summary.json`` of the rule search (``job.write_summary`` adds timing and workers)."""
     return {
         "mode": "search",
         "mission": settings.mission,

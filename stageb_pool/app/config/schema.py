@@ -1,11 +1,6 @@
-"""The config schema: every key, type, range and default, as frozen msgspec Structs.
-
-These Struct definitions are the single place where the config's keys are defined
-(docs/usage.md mirrors them; a test keeps the two in step). Every section is frozen: a
-loaded config is a value, resolved once by ``load_config`` (paths absolute, the seeds
-that default to the top-level seed filled in) and never changed afterwards. The helpers at
-the end walk the schema (the Struct a field holds, a field's type at a key path, every
-leaf key), for the key checks, ``--set`` and the docs test.
+"""The config schema: every key, type, range and default, as frozen msgspec Structs (the one
+place the keys are defined; docs/usage.md documents each, a test keeps the two in step), the
+legacy keys, and the helpers that walk the schema for the key checks, ``--set`` and that test.
 """
 
 from __future__ import annotations
@@ -23,9 +18,8 @@ from ...engine.simulated_engine import SimulatedSettings
 from ...engine.vllm_engine import VllmSettings
 from ...pool.devices import MAX_THREADS_PER_WORKER
 
-# Constrained scalar types: msgspec checks these while converting and reports the key path.
-# Every number has an upper bound too: a value past it is a typo or an attack (a timeout of
-# 1e300 overflows the event loop, a billion bootstrap iterations run for hours), never a plan.
+# Every number has an upper bound: a value past it is a typo or an attack (a timeout of 1e300
+# overflows the event loop, a billion bootstrap iterations run for hours), never a plan.
 TOKENS = 1_000_000_000  # prompt budgets: upstream's production configs set 120,000,000 ("no limit")
 TICKETS = 100_000_000  # pool and export sizes
 WEEK = 7 * 24 * 3600.0  # timeouts, in seconds
@@ -56,8 +50,7 @@ DECODE_RANGES: dict[str, Meta] = {
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """Base of every config section: unknown keys are errors, fields are keyword-only, and a
-    loaded config is never changed (a changed copy is ``msgspec.structs.replace``)."""
+    """Unknown keys are errors; a loaded config is never changed (``msgspec.structs.replace``)."""
 
 
 class ModelConfig(_Section, kw_only=True):
@@ -66,10 +59,9 @@ class ModelConfig(_Section, kw_only=True):
     attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None: transformers' default
     trust_remote_code: bool = False  # passed to transformers when loading a checkpoint
     stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
-    # the generation engine in each worker (vllm: bin/setup-vllm; simulated: a latency model for benchmarks, not a model)
     engine: Literal[tuple(ENGINES)] = next(iter(ENGINES))  # the names of engine/registry.py
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)  # the vllm engine's pinned settings
-    gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker); the GPU count must be a multiple
+    gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker)
     simulated: SimulatedSettings = msgspec.field(default_factory=SimulatedSettings)  # the simulated engine's latency model
 
 
@@ -79,8 +71,7 @@ class PromptConfig(_Section, kw_only=True):
     domain_map: dict[str, NonEmptyStr] = {}  # mission -> domain, before `domain` (upstream's domain_map)
 
     def domain_for(self, mission: str) -> str | None:
-        """The domain a run of ``mission`` uses: ``domain_map[mission]``, else ``domain`` (None:
-        the profile derives it from the mission name)."""
+        """``domain_map[mission]``, else ``domain`` (None: the profile derives it from the mission)."""
         return self.domain_map.get(mission, self.domain)
 
 
@@ -106,23 +97,19 @@ class TicketFilterConfig(_Section, kw_only=True):
 
 
 class PoolConfig(_Section, kw_only=True):
-    task_timeout: Float(0, WEEK, open_low=True) = 600.0  # seconds a worker may spend on one request before it counts as stalled
+    task_timeout: Float(0, WEEK, open_low=True) = 600.0  # seconds per request before its worker counts as stalled
     start_timeout: Float(0, WEEK, open_low=True) = 900.0  # seconds a worker may take to start and load its model
     max_restarts: Int(0, 1000) = 0  # worker replacements (with the work retried) before the run fails
-    # torch threads of every worker, whatever the worker count and the cores: another thread count
-    # adds reductions in another order, so it is part of the result (and of the resume identity)
     threads_per_worker: Int(1, MAX_THREADS_PER_WORKER) = 1
-    # seconds a request may run without a result before a warning names its worker (then again
-    # after each further stall_warning); null: never. Long before task_timeout stops it.
-    stall_warning: Float(0, WEEK, open_low=True) | None = 120.0
+    stall_warning: Float(0, WEEK, open_low=True) | None = 120.0  # seconds without a result before a warning
     connect_timeout: Float(0, WEEK, open_low=True) = 45.0  # --ray: seconds to reach the cluster before the run fails
 
 
 class RunnerConfig(_Section, kw_only=True):
     epochs: Int(1, 10_000) = 10  # rule-search iteration budget
-    chunk_size: Int(1, 4096) = 16  # tickets per work item sent to a worker; generation seeds are per chunk, so it is part of the result
+    chunk_size: Int(1, 4096) = 16  # tickets per work item; seeds are per chunk, so part of the result
     logging_steps: Int(1, TICKETS) = 256  # audit mode: a baseline_metrics_steps.jsonl row every this many tickets
-    speculate: bool = True  # idle workers compute the next iteration's baseline and proposer calls ahead; same results either way
+    speculate: bool = True  # idle workers compute ahead; same results either way
 
 
 class BootstrapConfig(_Section, kw_only=True):
@@ -227,9 +214,6 @@ LEGACY_KEYS: dict[str, str] = {
 }
 
 
-# ----------------------------------------------------------------------------- schema walking
-
-
 def struct_of(tp) -> type | None:
     """The Struct type a field holds, looking through Annotated and ``X | None``."""
     tp = strip_annotated(tp)
@@ -254,7 +238,6 @@ def first_in_union(tp, find):
 
 
 def strip_annotated(tp):
-    """The type inside ``Annotated[...]`` (constraints removed)."""
     while get_origin(tp) is Annotated:
         tp = get_args(tp)[0]
     return tp
@@ -275,8 +258,7 @@ def legacy_name(path: str) -> str:
 
 
 def unknown_key_message(path: str, key: str, valid: list[str]) -> str:
-    """The message for a key the schema does not have: its legacy replacement, or the
-    closest valid name."""
+    """For a key the schema does not have: its legacy replacement, or the closest valid name."""
     full = join_key(path, key)
     legacy = LEGACY_KEYS.get(legacy_name(full))
     if legacy:
@@ -308,8 +290,7 @@ def type_at(path: str):
 
 
 def range_of(key: str) -> Meta | None:
-    """The bounds of a numeric key (``runner.epochs``, ``rule_search.train_sampler.grid[].seed``),
-    None for a key that is not a number. Used by the checks' messages and the docs test."""
+    """The bounds of a numeric key (``rule_search.train_sampler.grid[].seed``), else None."""
     m = re.match(r"^rule_search\.(?:train|eval)_sampler\.(grid\[\]\.)?(\w+)$", key)
     if m:
         return (DECODE_RANGES if m.group(1) else SAMPLER_RANGES).get(m.group(2))
@@ -323,9 +304,8 @@ def _meta_of(tp) -> Meta | None:
 
 
 def config_keys(struct: type = Config, prefix: str = "") -> list[tuple[str, Any]]:
-    """Every leaf key of the schema as ``(dotted.key, default)``; the default is
-    ``msgspec.NODEFAULT`` for required keys. Sampler keys appear once per sampler and the
-    grid entries as ``...grid[].field``. Used by the docs test."""
+    """Every leaf key as ``(dotted.key, default)`` (``msgspec.NODEFAULT``: required), grid entries
+    as ``...grid[].field``; for the docs test."""
     out: list[tuple[str, Any]] = []
     for f in msgspec.structs.fields(struct):
         key = join_key(prefix, f.encode_name)
