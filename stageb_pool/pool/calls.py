@@ -14,7 +14,7 @@ _ANY = msgspec.json.Decoder()
 
 
 class BadRequest(TypeError):
-    """A task's item or shared value does not decode into the declared parameter type."""
+    """A task's item or shared value does not fit the declared parameter type."""
 
 
 class _Signature:
@@ -66,7 +66,6 @@ class Calls:
         self._decoded = {k: v for k, v in self._decoded.items() if k[0] in self.values}
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
-        """``engine.<method>(item, **shared values)``, every argument decoded as declared."""
         bound = getattr(self.engine, method)
         sig = self._signatures.get(method)
         if sig is None:

@@ -51,8 +51,7 @@ class Device(msgspec.Struct, frozen=True):
         return self.group or (self.index,)
 
     @property
-    def group_size(self) -> int:
-        """GPUs per worker: 1 for an ungrouped GPU worker and for a CPU worker."""
+    def group_size(self) -> int:  # 1 for a CPU worker too
         return max(1, len(self.gpus))
 
     @property
@@ -85,8 +84,7 @@ class Device(msgspec.Struct, frozen=True):
         mask = visible_mask()
         return [str(g) if mask is None else mask[g] for g in self.gpus]
 
-    def visible_devices(self) -> str:
-        """The worker's CUDA_VISIBLE_DEVICES, relative to the parent's own mask."""
+    def visible_devices(self) -> str:  # relative to the parent's own mask
         return ",".join(self.physical_gpus())
 
 
@@ -227,7 +225,6 @@ def _refuse_mig_groups(gpus_per_worker: int, counted: bool) -> None:
 
 
 def check_gpus_per_worker(gpus_per_worker) -> int:
-    """``gpus_per_worker`` as an int in 1..``MAX_GPUS_PER_WORKER``, or a DeviceSpecError."""
     if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, int) \
             or not 1 <= gpus_per_worker <= MAX_GPUS_PER_WORKER:
         raise GroupSizeError(f"GPUs per worker must be a whole number from 1 to {MAX_GPUS_PER_WORKER}, "
@@ -252,7 +249,6 @@ def _check_multiple(count: int, gpus_per_worker: int, what: str) -> None:
 
 
 def check_threads_per_worker(value) -> int:
-    """``value`` if an int in [1, ``MAX_THREADS_PER_WORKER``], else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS_PER_WORKER:
         raise ValueError(f"threads_per_worker must be an integer from 1 to {MAX_THREADS_PER_WORKER}, got {value!r}")
     return value
@@ -275,8 +271,6 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
     GPU indices are checked against those that exist (``gpu_count``, counted when not given)."""
     gpus_per_worker = check_gpus_per_worker(gpus_per_worker)
     threads = check_threads_per_worker(threads_per_worker)
-    if isinstance(spec, int):
-        spec = str(spec)
     if isinstance(spec, list):
         spec = ",".join(str(i) for i in spec)
     spec = str(spec).strip()

@@ -29,23 +29,17 @@ KILL_REPORT_TIMEOUT = 10.0  # a killed worker whose exit is never reported means
 
 
 # -- what a transport reports ---------------------------------------------------------------
-class WorkerStarted(NamedTuple):
-    """A process exists for ``rank`` and is building its engine."""
-
+class WorkerStarted(NamedTuple):  # a process exists for rank and is building its engine
     rank: int
     pid: int | None
 
 
-class WorkerMessage(NamedTuple):
-    """A reply from the worker of ``rank``: Ready, InitFailed, Result or Failure."""
-
+class WorkerMessage(NamedTuple):  # a reply from the worker of rank
     rank: int
     message: Reply
 
 
-class WorkerClosed(NamedTuple):
-    """The channel to the worker of ``rank`` closed; its exit report should follow."""
-
+class WorkerClosed(NamedTuple):  # its channel closed; its exit report should follow
     rank: int
 
 
@@ -112,7 +106,6 @@ class Dispatcher:
         return [slot.pid for slot in self.slots]
 
     def start(self) -> None:
-        """Start every worker; return once all are ready."""
         self.slots = [Slot(rank, device, _deadline(self.start_timeout), self._earliest)
                       for rank, device in enumerate(self.devices)]
         for rank in range(len(self.devices)):
@@ -162,9 +155,8 @@ class Dispatcher:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """One task to each idle worker, lowest rank first, visiting only the ranks in ``_free``
-        (stale entries are dropped when reached) and then those that may have pinned tasks; then,
-        with ``depth`` > 1, the further rounds."""
+        """One task to each idle worker, lowest rank first (stale ``_free`` entries are dropped when
+        reached); then, with ``depth`` > 1, the further rounds."""
         free = self._free
         while free:
             slot = self.slots[free[0]]
@@ -294,7 +286,6 @@ class Dispatcher:
                 slot.trouble = Trouble(slot.state, limit)
             slot.state, slot.deadline, slot.next_warning = WorkerState.KILLED, now + KILL_REPORT_TIMEOUT, None
             self.transport.kill(slot.rank)
-        # The exact earliest time again (a busy worker's next stall warning counts).
         self._earliest.at = None
         for slot in self.slots:
             self._earliest.lower(slot.deadline)
@@ -302,7 +293,6 @@ class Dispatcher:
                 self._earliest.lower(slot.next_warning)
 
     def _on_exited(self, slot: Slot, exited: WorkerExited) -> None:
-        """The worker is gone: replace it and retry its tasks, or raise."""
         if slot.trouble is None:
             slot.trouble = Trouble(slot.state, None)
         where, tasks = slot.where(), list(slot.tasks)

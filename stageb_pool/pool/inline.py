@@ -38,10 +38,9 @@ class InlineDispatcher:
             raise self._error(exc, method="engine_factory") from exc
 
     def submit(self, task: TaskHandle) -> None:
-        pass  # run when a gather asks for it
+        pass  # run when a gather asks for it (so a speculative task never runs ahead)
 
-    def promote(self, task: TaskHandle) -> None:
-        pass  # a speculative task never runs here before a gather asks for it
+    promote = submit
 
     def advance(self, waiting) -> list[Outcome]:
         """Run the first unfinished task of ``waiting``."""

@@ -80,7 +80,6 @@ class Pool:
             raise
 
     def _dispatcher_for(self, engine_factory, backend: Backend, **limits):
-        """The inline dispatcher, or the dispatcher over the fork or the Ray transport."""
         if isinstance(backend, Inline):
             return InlineDispatcher(engine_factory, self.devices[0], self._shared, self.stats, self.max_frame)
         if isinstance(backend, Fork):
@@ -186,7 +185,6 @@ class Pool:
         return self.gather(tasks, on_result=on_result)
 
     def call(self, rank: int, method: str, item=None, *, result_type=None, **shared):
-        """One request on one worker."""
         return self.submit(method, item, rank=rank, result_type=result_type, **shared).result()
 
     def close(self) -> None:

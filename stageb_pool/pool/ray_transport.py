@@ -125,8 +125,7 @@ class RayTransport:
                                 f"{show(bundle)} free (free now: {free}); the placement group is {table['state']}")
 
     def _live_nodes(self) -> list:
-        """The GCS's live nodes, less suspects whose raylet does not answer (lost, not yet
-        declared dead)."""
+        """The GCS's live nodes, less suspects whose raylet does not answer (lost, not yet dead)."""
         nodes = live_nodes(self.ray)
         for node in nodes:
             if node.id in self.suspects and raylet_answers(node):
@@ -213,7 +212,6 @@ class RayTransport:
         self.connection.close()
 
     def _answer(self, rank: int, actor, ref):
-        """The event for one finished call of ``actor``, the worker of ``rank``."""
         ray = self.ray
         try:
             data = ray.get(ref)
@@ -241,7 +239,6 @@ class RayTransport:
                             "every worker is gone")
 
     def _node_of(self, rank: int) -> str | None:
-        """The node of the actor of ``rank``: from its Ready, else its bundle's."""
         node_id = self.placement[rank].get("node_id")
         if node_id is None:
             from ray.util.placement_group import placement_group_table
@@ -289,5 +286,4 @@ def _cause(exc: BaseException) -> str:
 
 
 def _plain(text: str) -> str:
-    """Ray's text without its colour codes."""
     return re.sub(r"\x1b\[[0-9;]*m", "", text)

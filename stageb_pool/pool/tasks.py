@@ -33,7 +33,7 @@ class PoolStats(msgspec.Struct):
         return cls(0, 0, 0, 0, [0] * size, [0.0] * size, 0, [0] * size, [], time.monotonic())
 
     def record(self, rank: int, task: "TaskHandle", start: float, end: float) -> None:
-        """Count a completed task of ``rank`` that ran from ``start`` to ``end`` (monotonic)."""
+        """A completed task of ``rank`` that ran from ``start`` to ``end`` (monotonic)."""
         self.items[rank] += 1
         self.busy_s[rank] += end - start
         task.busy_s += end - start
@@ -136,8 +136,7 @@ class TaskQueue:
             self._speculative.discard(task.id)
             self.push(task)
 
-    def retry(self, task: TaskHandle) -> None:
-        """A task whose worker died goes first."""
+    def retry(self, task: TaskHandle) -> None:  # a task whose worker died goes first
         self.push(task, retry=True)
 
     def __len__(self) -> int:

@@ -29,7 +29,6 @@ class WorkerCore:
 
     @property
     def serving(self) -> bool:
-        """Whether requests are still expected: the engine is built and no Shutdown came."""
         return self.started and not self.shut_down
 
     # -- the calls: the engine's exceptions propagate ---------------------------------------
@@ -41,7 +40,6 @@ class WorkerCore:
         return info
 
     def add_shared(self, key: str, raw: bytes, evict=()) -> None:
-        """Cache a shared value (``evict``: the keys the parent no longer counts on)."""
         self.calls.add_shared(key, raw, evict)
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
@@ -76,5 +74,4 @@ class WorkerCore:
 
 
 def exception_summary(exc: BaseException) -> str:
-    """The one-line summary of an engine exception, in every WorkerError."""
     return f"{type(exc).__name__}: {exc}"

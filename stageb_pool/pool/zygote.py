@@ -53,7 +53,6 @@ class Zygote:
             pass
 
     def death_message(self) -> str:
-        """One line naming the zygote and how it ended."""
         if self.status is None:
             try:
                 _, status = os.waitpid(self.pid, 0)
@@ -85,7 +84,10 @@ class Zygote:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not _readable(self.sock, left):
-                _kill_quietly(self.pid)  # stuck: its workers die with it (PDEATHSIG)
+                try:  # stuck: its workers die with it (PDEATHSIG)
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 break
             try:
                 msg, fds = self.receive()
@@ -104,13 +106,6 @@ def _readable(sock, timeout: float) -> bool:
     with selectors.DefaultSelector() as sel:
         sel.register(sock, selectors.EVENT_READ)
         return bool(sel.select(timeout))
-
-
-def _kill_quietly(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 class ForkServer:
