@@ -50,8 +50,7 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes, name: str):
 
 
 class Calls:
-    """Calls engine methods from task frames; holds this worker's shared values as bytes, each
-    decoded once per type it is asked as."""
+    """Calls engine methods; holds the shared values as bytes, decoded once per type asked."""
 
     def __init__(self, engine):
         self.engine = engine

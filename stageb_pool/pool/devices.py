@@ -44,8 +44,7 @@ class Device(msgspec.Struct, frozen=True):
     in_parent: bool = False  # set by in_this_process: the engine runs in the parent (inline)
 
     @property
-    def gpus(self) -> tuple[int, ...]:
-        """The GPUs this worker holds (none on CPU)."""
+    def gpus(self) -> tuple[int, ...]:  # none on CPU
         if self.kind != "cuda":
             return ()
         return self.group or (self.index,)
@@ -75,8 +74,7 @@ class Device(msgspec.Struct, frozen=True):
             return [f"cuda:{g}" for g in self.gpus]
         return [f"cuda:{self.ordinal + i}" for i in range(len(self.gpus))]
 
-    def in_this_process(self) -> Device:
-        """This device as seen by an engine in the parent (inline mode)."""
+    def in_this_process(self) -> Device:  # as an engine in the parent sees it (inline mode)
         return msgspec.structs.replace(self, ordinal=self.index if self.kind == "cuda" else 0, in_parent=True)
 
     def physical_gpus(self) -> list[str]:
@@ -123,7 +121,7 @@ def mask_text() -> str:
 
 
 def count_gpus() -> int:
-    """Number of GPUs this process may use, without initialising CUDA."""
+    """GPUs this process may use, counted without initialising CUDA."""
     mask = visible_mask()
     if mask is not None:
         return len(mask)
@@ -169,13 +167,11 @@ _TOO_BIG = 10**9  # stands for any number of 10 or more digits: never a GPU inde
 
 
 def _quote(text: str) -> str:
-    """The spec for an error message: a huge one is cut short."""
     return repr(text) if len(text) <= 40 else repr(text[:30]) + f"... ({len(text)} characters)"
 
 
 def _int(digits: str) -> int:
-    """The value of ASCII digits; ``_TOO_BIG`` for 10 or more significant digits (int() may
-    refuse 4300)."""
+    """The value of ASCII digits; ``_TOO_BIG`` for 10 or more (int() may refuse 4300)."""
     digits = digits.lstrip("0") or "0"
     return int(digits) if len(digits) < 10 else _TOO_BIG
 
@@ -254,16 +250,6 @@ def check_threads_per_worker(value) -> int:
     return value
 
 
-def _cpu_devices(spec: str, threads: int) -> list[Device]:
-    m = _CPU.fullmatch(spec)
-    n = 1 if m.group(1) is None else _int(m.group(1))
-    if n < 1:
-        raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
-    if n > MAX_CPU_WORKERS:
-        raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_CPU_WORKERS} CPU workers")
-    return [Device("cpu", i, i, threads) for i in range(n)]
-
-
 def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpus_per_worker: int = 1,
                threads_per_worker: int = 1) -> list[Device]:
     """``"0-7"``, ``"0,2,5-6"``, ``"0"``, ``[0, 1]``, ``"cpu"`` or ``"cpu:N"``: one worker per GPU,
@@ -275,10 +261,16 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
         spec = ",".join(str(i) for i in spec)
     spec = str(spec).strip()
     if spec == "cpu" or spec.startswith("cpu:"):
-        if not _CPU.fullmatch(spec):
+        m = _CPU.fullmatch(spec)
+        if m is None:
             raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
         _refuse_cpu_groups(spec, gpus_per_worker)
-        return _cpu_devices(spec, threads)
+        n = 1 if m.group(1) is None else _int(m.group(1))
+        if n < 1:
+            raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
+        if n > MAX_CPU_WORKERS:
+            raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_CPU_WORKERS} CPU workers")
+        return [Device("cpu", i, i, threads) for i in range(n)]
     ranges = _gpu_ranges(spec)
     have = count_gpus() if gpu_count is None else gpu_count
     # Check before expanding: "0-99999999" must not build a list of 10^8 indices.
@@ -294,7 +286,6 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
 
 
 def _gpu_workers(indices: list[int], gpus_per_worker: int, threads: int) -> list[Device]:
-    """One worker per run of ``gpus_per_worker`` GPUs of ``indices``, in order."""
     groups = [tuple(indices[i:i + gpus_per_worker]) for i in range(0, len(indices), gpus_per_worker)]
     return [Device("cuda", group[0], rank, threads, group=group if len(group) > 1 else ())
             for rank, group in enumerate(groups)]

@@ -1,8 +1,6 @@
-"""The dispatcher shared by every backend whose workers are other processes: the queue, one
-``Slot`` per rank (slots.py), deadlines, stall warnings, kills, replacements and retries, and
-the engine agreement. It knows nothing about processes or sockets: a ``Transport`` starts,
-feeds, kills and listens to the workers and reports events. The state machine and the fault
-rules: docs/architecture.md, "The pool's modules" and "Fault semantics".
+"""The dispatcher of every backend whose workers are other processes: the queue, one ``Slot``
+per rank, deadlines, stall warnings, kills, replacements, retries and the engine agreement; a
+``Transport`` owns the processes and sockets (docs/architecture.md, "The pool's modules", "Fault semantics").
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ class WorkerClosed(NamedTuple):  # its channel closed; its exit report should fo
 
 
 class WorkerExited(NamedTuple):
-    """The worker of ``rank`` is gone (reaped); a backend that knows no exit code or signal
-    says why in ``cause``."""
+    """The worker of ``rank`` is gone (reaped); ``cause``: why, where no exit code or signal is known."""
 
     rank: int
     exitcode: int | None
@@ -124,8 +121,7 @@ class Dispatcher:
         self.queue.promote(task)
 
     def advance(self, waiting) -> list[Outcome]:
-        """Wait for the next event (or deadline), handle it, hand out queued tasks; the tasks
-        finished meanwhile (any task, not only ``waiting``)."""
+        """One turn of the event loop; the tasks finished meanwhile (any, not only ``waiting``)."""
         self._step()
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
@@ -202,14 +198,13 @@ class Dispatcher:
 
     def _on_reply(self, slot: Slot, reply: Reply) -> None:
         match reply:
-            case Result(id=task_id) | Failure(id=task_id):
+            case Result(id=task_id, value=value):
+                self._outcomes.append(Outcome(self._task_done(slot, task_id), raw=value))
+            case Failure(id=task_id, error=error, traceback=remote):
                 task = self._task_done(slot, task_id)
-                if type(reply) is Result:
-                    self._outcomes.append(Outcome(task, raw=reply.value))
-                else:
-                    error = WorkerError(reply.error, index=task.index, method=task.method,
-                                        remote_traceback=reply.traceback, rank=slot.rank, device=slot.device.name)
-                    self._outcomes.append(Outcome(task, error=error))
+                error = WorkerError(error, index=task.index, method=task.method, remote_traceback=remote,
+                                    rank=slot.rank, device=slot.device.name)
+                self._outcomes.append(Outcome(task, error=error))
             case Ready(version=version, pid=pid, info=info):
                 if version != PROTOCOL_VERSION:
                     raise ProtocolError(f"worker {slot.rank} speaks protocol {version}, the parent {PROTOCOL_VERSION}")

@@ -1,5 +1,4 @@
-"""The parent's view of each worker of a process pool: its ``Slot``, ``WorkerState``, ``Trouble``
-and ``Earliest``. The dispatcher (dispatch.py) moves slots between states.
+"""The parent's view of each worker of a process pool; the dispatcher moves its states.
 """
 
 from __future__ import annotations

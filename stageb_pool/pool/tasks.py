@@ -12,8 +12,7 @@ from typing import NamedTuple
 import msgspec
 
 
-class PoolStats(msgspec.Struct):
-    """Counters for tests, benchmarks and the run summary."""
+class PoolStats(msgspec.Struct):  # for tests, benchmarks and the run summary
 
     bytes_sent: int
     bytes_received: int
@@ -159,7 +158,7 @@ class TaskQueue:
         return heapq.heappop(heap)[1]
 
     def _live(self, heap: list) -> list:
-        """``heap`` without the done or replaced entries at its top."""
+        """``heap`` without the done or replaced entries at its top (the rest are dropped when reached)."""
         while heap and (heap[0][1]._state is not _State.PENDING
                         or (heap[0][0][0] and heap[0][1].id not in self._speculative)):
             heapq.heappop(heap)

@@ -23,12 +23,9 @@ class Zygote:
 
     def __init__(self, devices, engine_factory, max_frame: int):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-
-        def serve():
-            ForkServer(theirs, devices, engine_factory, max_frame).run()
-
         try:
-            self.pid = fork_child(serve, keep=(theirs.fileno(),), check_safe=True)
+            self.pid = fork_child(lambda: ForkServer(theirs, devices, engine_factory, max_frame).run(),
+                                  keep=(theirs.fileno(),), check_safe=True)
         except BaseException:
             ours.close()
             raise
@@ -67,9 +64,6 @@ class Zygote:
         return (f"the pool's zygote process (pid {self.pid}, which forks the workers) died{how}; its workers "
                 "died with it and none can be replaced")
 
-    def receive(self):
-        return protocol.recv_packet(self.sock)
-
     def shutdown(self, grace: float) -> None:
         """Stop every worker, then the zygote; returns once everything is reaped."""
         if self.status is not None:  # already reaped (death_message)
@@ -90,7 +84,7 @@ class Zygote:
                     pass
                 break
             try:
-                msg, fds = self.receive()
+                msg, fds = protocol.recv_packet(self.sock)
             except (OSError, PoolError):
                 msg, fds = None, []
             for fd in fds:
