@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 from typing import NamedTuple
 
+from .cluster_probe import port_answers
 from .devices import Device, DeviceSpecError, GroupSizeError
 from .errors import PoolError
 
@@ -49,11 +49,7 @@ def live_nodes(ray) -> list[Node]:
 def raylet_answers(node: Node, timeout: float = RAYLET_PROBE_TIMEOUT) -> bool:
     """Whether the node's raylet accepts a connection now: the GCS keeps a lost node "alive" for
     about 15 s, and a replacement placed there would die too."""
-    try:
-        with socket.create_connection((node.ip, node.port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    return port_answers(node.ip, node.port, timeout)
 
 
 def bundle_shape(devices: list[Device]) -> tuple[str, int]:

@@ -238,19 +238,15 @@ class RayTransport:
             raise PoolError(f"lost the Ray cluster at {self.gcs_address}: its head (GCS) no longer answers; "
                             "every worker is gone")
 
-    def _node_of(self, rank: int) -> str | None:
-        node_id = self.placement[rank].get("node_id")
-        if node_id is None:
-            from ray.util.placement_group import placement_group_table
-
-            node_id = placement_group_table(self.group)["bundles_to_node_id"].get(rank)
-        return node_id
-
     def _where(self, rank: int) -> str:
         """"; it ran on node 10.0.0.1 (1a2b3c4d), whose raylet does not answer": the node of the dead
         actor of ``rank`` and what is known of it; the node becomes a suspect."""
         try:
-            node_id = self._node_of(rank)
+            node_id = self.placement[rank].get("node_id")  # from its Ready, else its bundle's
+            if node_id is None:
+                from ray.util.placement_group import placement_group_table
+
+                node_id = placement_group_table(self.group)["bundles_to_node_id"].get(rank)
             node = next((n for n in live_nodes(self.ray) if n.id == node_id), None)
         except Exception:  # noqa: BLE001 - the cluster itself may be gone: say what is known
             return ""
