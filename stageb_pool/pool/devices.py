@@ -24,8 +24,7 @@ class DeviceSpecError(ValueError):
 
 
 class GroupSizeError(DeviceSpecError):
-    """A GPUs-per-worker value that does not fit the spec; the CLI locates it at
-    ``--gpus-per-worker`` (or the config key)."""
+    """A GPUs-per-worker value that does not fit the spec (the CLI names ``--gpus-per-worker`` or the config key)."""
 
 
 class Device(msgspec.Struct, frozen=True):
@@ -135,8 +134,7 @@ def count_gpus() -> int:
 
 
 def gpu_memory_bytes() -> dict[int, int] | None:
-    """Total memory of each usable GPU, by its ``--gpus`` index, from ``nvidia-smi``; None when
-    it cannot be read."""
+    """Each usable GPU's total memory by its ``--gpus`` index, from ``nvidia-smi``; None if unreadable."""
     if not shutil.which("nvidia-smi"):
         return None
     try:

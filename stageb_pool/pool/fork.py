@@ -1,6 +1,5 @@
-"""Forking a child the one safe way, for the zygote and every worker (docs/architecture.md,
-"Process model"): ``fork_child`` refuses an unsafe process, forks, runs the child's first
-steps and body, and always leaves through ``os._exit``.
+"""Forking a child the one safe way, for the zygote and every worker: refuse an unsafe process,
+fork, and always leave through ``os._exit`` (docs/architecture.md, "Process model").
 """
 
 from __future__ import annotations

@@ -21,9 +21,7 @@ class WorkerState(enum.Enum):
     DEAD = "dead"  # exit reported
 
 
-class Trouble(NamedTuple):
-    """The first sign that a worker is failing: its state then, and the limit it exceeded (if any)."""
-
+class Trouble(NamedTuple):  # the first sign that a worker is failing: its state then, the limit it exceeded
     during: WorkerState
     timeout: float | None
 

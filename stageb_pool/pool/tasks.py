@@ -102,9 +102,7 @@ class TaskHandle:
         return f"<TaskHandle {self.id} {self.method}() {self._state.value}>"
 
 
-class Outcome(NamedTuple):
-    """How a task finished, as a dispatcher reports it: the encoded result, or an error."""
-
+class Outcome(NamedTuple):  # how a task finished, as a dispatcher reports it: the encoded result, or an error
     task: TaskHandle
     raw: bytes | None = None
     error: BaseException | None = None

@@ -1,7 +1,5 @@
 """The worker's side of the protocol in every host (the forked worker, the Ray actor, the
-inline dispatcher): the only code that builds an engine or answers a request. ``start``,
-``add_shared`` and ``call`` raise the engine's own exceptions (inline mode chains them, for
-``pdb.post_mortem``); ``hello`` and ``answer`` turn the same steps into frames.
+inline dispatcher): the only code that builds an engine or answers a request.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ class WorkerCore:
     def serving(self) -> bool:
         return self.started and not self.shut_down
 
-    # -- the calls: the engine's exceptions propagate ---------------------------------------
+    # -- the calls: the engine's exceptions propagate (inline mode chains them, for pdb) ----
     def start(self) -> dict:
         """Build the engine; its ``info()`` ({} for an engine without one)."""
         engine = self.engine_factory(self.device)
