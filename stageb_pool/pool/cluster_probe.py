@@ -52,8 +52,7 @@ def check_reachable(address: str, timeout: float) -> str:
 
 
 def gcs_answers(gcs: str, timeout: float = 1.0) -> bool:
-    """Whether the GCS still accepts a connection: asked before Ray's state queries, which
-    block while the GCS is gone."""
+    """Whether the GCS still accepts a connection (Ray's state queries block while it is gone)."""
     host, _, port = gcs.rpartition(":")
     return port_answers(host, port, timeout)
 

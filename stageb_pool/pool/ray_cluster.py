@@ -20,8 +20,6 @@ from .ray_reaper import Reaper
 # handler, which prints "*** SIGTERM received ... PC: @ ..." on a plain SIGTERM of the driver.
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0",
              "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"}
-
-
 GCS_LOSS_PATIENCE = 7 * 24 * 3600  # seconds this driver survives a lost head (Ray's default: 60)
 
 

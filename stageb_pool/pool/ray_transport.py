@@ -21,8 +21,7 @@ from .errors import PoolError, ProtocolError
 from .protocol import Ready
 from .ray_cluster import RayConnection
 from .backend import Ray
-from .ray_placement import (bundle_shape, describe_nodes, live_nodes, pack, place, plan_bundles, raylet_answers,
-                            remove_group, show)
+from .ray_placement import bundle_shape, describe_nodes, live_nodes, pack, place, plan_bundles, raylet_answers, show
 from .tasks import PoolStats
 from .worker import limit_threads
 from .worker_core import WorkerCore
@@ -99,15 +98,12 @@ class RayTransport:
             self._create_waiting()
 
     def _create_waiting(self) -> None:
-        """Create the replacements whose bundles are on live nodes; fail for one that no live
-        node has had room for during ``REPLACE_GRACE`` (while Ray moves a bundle, its new node shows
-        the resources taken)."""
+        """Create the replacements whose bundles are on live nodes; fail for one no live node has had
+        room for during ``REPLACE_GRACE`` (while Ray moves a bundle, its new node shows them taken)."""
         if not self.waiting:
             return
-        from ray.util.placement_group import placement_group_table
-
         self._check_cluster()
-        table = placement_group_table(self.group)
+        table = self.ray.util.placement_group_table(self.group)
         nodes = self._live_nodes()
         alive = {node.id for node in nodes}
         now = time.monotonic()
@@ -205,7 +201,7 @@ class RayTransport:
                         pass
             if self.group is not None:
                 try:
-                    remove_group(self.group)
+                    ray.util.remove_placement_group(self.group)
                 except Exception:  # noqa: BLE001 - the cluster is going away
                     pass
         self.group = None
@@ -244,9 +240,7 @@ class RayTransport:
         try:
             node_id = self.placement[rank].get("node_id")  # from its Ready, else its bundle's
             if node_id is None:
-                from ray.util.placement_group import placement_group_table
-
-                node_id = placement_group_table(self.group)["bundles_to_node_id"].get(rank)
+                node_id = self.ray.util.placement_group_table(self.group)["bundles_to_node_id"].get(rank)
             node = next((n for n in live_nodes(self.ray) if n.id == node_id), None)
         except Exception:  # noqa: BLE001 - the cluster itself may be gone: say what is known
             return ""
