@@ -28,7 +28,7 @@ from ..stageb.guidance import parse_section
 from ..stageb.ticket_pools import TrainPoolSampler
 from . import fileio
 from .run_format import FORMAT_VERSION, migrate
-from .settings import RunIdentity
+from .settings import RuleSearchConfig, RunIdentity
 
 # Every append-only artifact of the search, relative to the run directory. Their byte
 # lengths go into state.json; a resume truncates them back to those lengths.
@@ -166,8 +166,8 @@ def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]
     return removed
 
 
-def start_sampler(n_train: int, rule_search, seed: int) -> TrainPoolSampler:
-    """The train-pool sampler a fresh run starts with (``rule_search``: the config section)."""
+def start_sampler(n_train: int, rule_search: RuleSearchConfig, seed: int) -> TrainPoolSampler:
+    """The train-pool sampler a fresh run starts with."""
     return TrainPoolSampler.start(n_train, rule_search.train_pool_size, seed, fraction=rule_search.train_pool_fraction)
 
 
