@@ -39,8 +39,8 @@ Per row:
 - ``start-up s``: from the call to the pool's ready workers (plan, the guidance check, the
   fork of every worker); ``close s``: the pool's close.
 - ``search_s``: the rule search alone (``summary.json`` timing ``search_s``), ``search_speedup``.
-- ``rollout_s``: the time the search spent gathering rollouts (``summary.json`` timing
-  ``rollout_s``); ``rollout_speedup`` against the first row, ``rollout_efficiency`` = that / workers.
+- ``rollout_s``: the time the run spent gathering rollouts and the judge-headroom check's
+  scoring (``summary.json`` timing ``rollout_s``); ``rollout_speedup`` against the first row, ``rollout_efficiency`` = that / workers.
 - ``critical path s``: the run's length with infinitely many workers and the same parent:
   ``serial s`` (all the time outside the pool's gathers: start-up, the parent's work between
   gathers, the gate, the writes, the close) plus ``rounds s`` (per gather, its longest task: a

@@ -173,6 +173,25 @@ def test_the_sample_sizes(labels, n, want):
 # ---------------------------------------------------------------- end to end
 
 
+def test_the_check_is_counted_in_the_runners_rollout_time_and_per_worker_tickets(tmp_path):
+    """The sample goes through the rollout runner's chunks: its tickets are credited to the
+    worker that scored them and its gather is rollout time, like any rollout's."""
+    from stageb_pool import Pool
+    from stageb_pool.search.rollout import RolloutRunner
+    from stageb_pool.stageb.prompts import load_profile
+
+    with Pool(fake_factory(), "cpu:2") as pool:
+        runner = RolloutRunner(pool, load_profile("generic", mission=MISSION), chunk_size=4)
+        doc = hr.run_headroom(runner, tickets=tickets_of("pf" * 10), guidance={"G0": "Look for rust."},
+                              settings=hr.HeadroomSettings(seed=1, tickets=12, min_auc=0.6, max_prompt_tokens=None),
+                              run_dir=tmp_path,
+                              log=logging.getLogger("test.headroom"))
+        assert doc["tickets"] == 12
+        assert [runner.tickets_by_rank.get(rank, 0) for rank in (0, 1)] == [4 * n for n in pool.stats.items]
+        assert sum(runner.tickets_by_rank.values()) == 12 and runner.rollout_seconds > 0
+
+
+
 def audit(tmp_path, gpus, run_name, *, factory, overrides=()) -> Path:
     config_path = Path(tmp_path) / "config.yaml"
     if not config_path.exists():

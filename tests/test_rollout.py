@@ -221,6 +221,28 @@ def test_engine_answering_wrong_tickets_is_an_error(tickets, profile):
             RolloutRunner(pool, profile, chunk_size=3).run(spec(tickets))
 
 
+def test_verdict_probabilities_come_in_ticket_order_from_the_runners_chunks(tickets, profile):
+    with Pool(fake_factory(drop_keys={tickets[4].key}), "cpu:2") as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=3)
+        scored = runner.verdict_probabilities(tickets, GUIDANCE, None, label="headroom", phase="judge headroom")
+        assert sum(pool.stats.items) == 4  # 10 tickets in chunks of 3
+    assert [s.key for s in scored] == [t.key for t in tickets]
+    assert [s.dropped for s in scored] == [i == 4 for i in range(len(tickets))]
+    assert sum(runner.tickets_by_rank.values()) == len(tickets)
+
+
+def test_engine_scoring_wrong_tickets_is_an_error(tickets, profile):
+    class Shuffler(FakeEngine):
+        def verdict_probabilities(self, chunk, **kw):
+            result = super().verdict_probabilities(chunk, **kw)
+            return msgspec.structs.replace(result, tickets=result.tickets[::-1])
+
+    with Pool(lambda device: Shuffler(device), "cpu:1", backend=Inline()) as pool:
+        with pytest.raises(RuntimeError, match="verdict chunk 0 answered tickets"):
+            RolloutRunner(pool, profile, chunk_size=3).verdict_probabilities(tickets, GUIDANCE, None,
+                                                                              label="headroom", phase="h")
+
+
 def test_progress_log_lines_without_terminal(tickets, profile, caplog):
     log = logging.getLogger("test.progress")
     progress = Progress(stream=io.StringIO(), log=log, interval_s=1e9, every_chunks=2)

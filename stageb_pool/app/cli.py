@@ -1,17 +1,5 @@
-"""The ``stageb-pool`` command: run, check, diff, report and import-config.
-
-    stageb-pool [run] --gpus SPEC CONFIG [--gpus-per-worker N] [--audit] [--resume | --overwrite] [--wait [SECONDS]]
-                      [--debug | --ray ADDRESS] [--log-level LEVEL] [--upstream-root DIR] [--set key.path=value ...]
-    stageb-pool check CONFIG [--gpus SPEC] [--gpus-per-worker N] [--ray ADDRESS] [--audit] [--upstream-root DIR]
-                      [--set key.path=value ...]
-    stageb-pool diff RUN_A RUN_B [--max N]
-    stageb-pool report RUN_DIR [-o FILE]
-    stageb-pool import-config UPSTREAM_CONFIG [--upstream-root DIR] [-o FILE]
-    stageb-pool --version
-
-CONFIG is ours or an upstream Stage-B config (translated, see app/upstream_config.py); the
-flags of upstream's launcher work too: ``--config FILE``, ``--jump-reflection`` (= ``--audit``),
-``--log-level logging`` (= ``info``), ``--step all``.
+"""The ``stageb-pool`` command: run, check, diff, report and import-config (``--help`` and
+docs/usage.md show their options, upstream's launcher flags among them).
 
 Exit codes: 0 done, 1 run failed (a worker error; for diff: the runs differ), 2 bad input
 (config, tickets, guidance, arguments), 130 interrupted. Errors are one line on stderr, at
@@ -178,8 +166,7 @@ def config_path(args) -> str:
 
 
 def resume_command(argv: list[str]) -> str:
-    """The command line that continues this run: the same arguments with ``--resume``
-    (``--overwrite`` dropped: it would start the run again)."""
+    """The same arguments with ``--resume``; ``--overwrite`` dropped (it would start again)."""
     args = [a for a in argv if a != "--overwrite"]
     if "--resume" not in args:
         args.append("--resume")
@@ -197,8 +184,7 @@ def cmd_run(args) -> int:
 
 
 def device_request(args):
-    """The device options of ``run`` or ``check`` (``--gpus``, ``--gpus-per-worker``, ``--ray``,
-    ``--debug``) as the plan takes them (``plan.DeviceRequest``), None for ``check`` without ``--gpus``."""
+    """None for ``check`` without ``--gpus``."""
     from .plan import DeviceRequest
 
     if args.gpus is None:
@@ -221,7 +207,6 @@ def cmd_check(args) -> int:
 
 
 def cmd_import_config(args) -> int:
-    """Write the stageb-pool config equivalent to an upstream Stage-B config."""
     from .config import load_config
     from .config.load import read_config
     from .config_yaml import native_yaml
@@ -253,9 +238,8 @@ def cmd_diff(args) -> int:
 
 
 def cmd_report(args) -> int:
-    """Write the report of a run directory (a run of any version: what it lacks is named on the
-    page) to RUN_DIR/report.html, the -o FILE given (a new file or a previous report, checked
-    before anything is written: report/output.py), or stdout for ``-o -``."""
+    """Write a run's report to RUN_DIR/report.html, the -o FILE (checked before anything is
+    written: report/output.py) or stdout for ``-o -``."""
     from ..artifacts import REPORT
     from ..report import ReportError, check_target, render_report
 
@@ -327,8 +311,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     except BrokenPipeError as err:
-        # `stageb-pool diff a b | head`: the reader left, nobody wants a message. Anything
-        # else (a run) says what broke.
+        # `stageb-pool diff a b | head`: the reader left, nobody wants a message; a run says what broke
         if command not in ("diff", "check", "import-config", "report"):
             print(f"stageb-pool: run failed: {err}", file=sys.stderr)
         return EXIT_FAILED
@@ -340,8 +323,7 @@ def _report_failure(err: Exception, level: str) -> int:
     from ..pool import PoolError
 
     if isinstance(err, PoolError):
-        # args[0] is the one-line "worker R (device) in method(): cause"; the remote
-        # traceback of a WorkerError (its __cause__) only --log-level debug shows.
+        # args[0] is the one-line "worker R (device) in method(): cause"; the remote traceback only with debug
         first = str(err.args[0] if err.args else err).strip().splitlines()
         print(f"stageb-pool: run failed: {first[0] if first else type(err).__name__}", file=sys.stderr)
         remote = getattr(err, "remote_traceback", None)

@@ -1,7 +1,5 @@
-"""``stageb-pool import-config``: an upstream Stage-B config written out as our config file,
-with a comment on every key whose name or value differs from upstream's. Loading it gives
-the same resolved config as loading the upstream file.
-"""
+"""``stageb-pool import-config``: an upstream config as our config file (the same resolved
+config), with a comment on every key whose name or value differs from upstream's."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def native_yaml(translation: Translation, source: str, *, out_dir: str | None = None) -> str:
-    """Our config file for ``translation``; paths that were relative upstream are written
-    relative to ``out_dir`` (where the file will live), else absolute."""
+    """Paths relative upstream are written relative to ``out_dir`` (the file's), else absolute."""
     native = _in_schema_order(_with_relative_paths(translation, out_dir), Config)
     lines = _header(translation, source, out_dir)
     for key, value in native.items():
@@ -104,8 +101,7 @@ def _flow(value) -> str:
 
 
 def _scalar(value) -> str:
-    """One scalar as YAML text; strings always double-quoted, so no reader takes a path or
-    name for a number, a boolean or null."""
+    """Strings double-quoted, so no reader takes a path or name for a number, boolean or null."""
     if isinstance(value, str):
         text = yaml.safe_dump(value, default_style='"', allow_unicode=True, width=float("inf"))
     else:

@@ -1,6 +1,4 @@
-"""What ``stageb-pool check`` prints: the run's plan (``plan.plan_command``, the start-up a run
-makes: every input it reads validated, no model loaded) and what the run would do, as a
-short table."""
+"""What ``stageb-pool check`` prints: what the run of a plan would do, as a short table."""
 
 from __future__ import annotations
 
@@ -17,10 +15,8 @@ if TYPE_CHECKING:
 
 
 def describe(plan: RunPlan) -> str:
-    """What the run of ``plan`` (``plan.plan_command``) would do, as ``check`` prints it; with
-    the plan's devices (``--gpus``), the worker layout and the memory budget too (nothing
-    touches CUDA). Raises InputError where the run would (a sampler whose every ticket is over
-    its prompt cap)."""
+    """With ``--gpus``, the worker layout and memory budget too (nothing touches CUDA). Raises
+    InputError where the run would (``prompt_budget``)."""
     from ..artifacts import DISTILL
     from ..search.rundir import run_dir_exists
     from ..stageb.ticket_pools import resolve_train_pool_size, split_eval_pool
@@ -86,9 +82,8 @@ def describe(plan: RunPlan) -> str:
 
 
 def layout_lines(devices: list[Device], *, ray: bool = False) -> list[tuple[str, str]]:
-    """The workers a run would start and the GPUs each holds (what run.json's layout records).
-    Under Ray the GPUs are numbered in rank order: which ones they are is Ray's choice. Under
-    a mask that renames the GPUs, a line names it (what --gpus counts)."""
+    """The workers and the GPUs each holds (run.json's layout); a line names a mask that renames
+    the GPUs."""
     from ..pool.devices import mask_stop, mask_text, visible_mask
 
     size = devices[0].group_size
@@ -108,9 +103,8 @@ def layout_lines(devices: list[Device], *, ray: bool = False) -> list[tuple[str,
 
 
 def _worker_gpus(device, *, ray: bool = False) -> str:
-    """A worker's GPUs for ``check``: ``cuda:0,1 (GPUs 0, 1)``; under a mask that renames them
-    (CUDA_VISIBLE_DEVICES=4,5,6,7) the machine's GPUs, ``GPUs 4, 5 (visible as 0, 1)``, which is
-    what the worker gets. Under Ray the numbers are ranks: Ray chooses the GPUs."""
+    """``cuda:0,1 (GPUs 0, 1)``, or under a renaming mask ``GPUs 4, 5 (visible as 0, 1)``. Under
+    Ray the numbers are ranks: Ray chooses the GPUs."""
     own = [str(g) for g in device.gpus]
     physical = own if ray else device.physical_gpus()
     if physical != own:
@@ -120,10 +114,8 @@ def _worker_gpus(device, *, ray: bool = False) -> str:
 
 
 def memory_lines(cfg: Config, model, devices: list[Device], *, ray: bool = False) -> list[tuple[str, str]]:
-    """The memory budget check: the weight bytes of ``model`` (a ModelRef; from its file
-    headers) against one group's GPU memory (nvidia-smi); a warning when it will not fit. Only
-    for GPU workers; under Ray the GPUs are the cluster's, not this machine's, so only the
-    weights are shown."""
+    """``memory_budget`` for GPU workers; under Ray the GPUs are the cluster's, not this
+    machine's, so only the weights are shown."""
     from ..engine.models import embedded_gguf_path
     from ..engine.registry import gpu_bytes
     from ..pool.devices import gpu_memory_bytes
@@ -163,7 +155,6 @@ def _chunks(n: int, size: int) -> int:
 
 
 def _table(lines: list[tuple[str, str]]) -> str:
-    """One line per entry, each at most about ``errors.MAX_ERROR_CHARS`` (a value may quote a huge
-    key, mission or path)."""
+    """Each line capped (a value may quote a huge key, mission or path)."""
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {capped(v)}" for k, v in lines)

@@ -1,10 +1,7 @@
-"""``stageb-pool diff``: compare two run directories, ignoring the volatile fields.
-
-``artifacts.py`` names those fields and files. Both runs must hold the same files (the
-volatile ones aside); JSON and JSONL are compared structurally without the volatile fields
-(types included: ``1`` is not ``1.0``), every other file byte for byte. A directory that cannot
-be read as a run (a FIFO, JSON nested deeper than any artifact) is bad input: a located
-error, never a hang or a RecursionError.
+"""``stageb-pool diff``: compare two run directories, ignoring the volatile fields and files
+``artifacts.py`` names (docs/usage.md, "diff"). JSON is compared with its types (``1`` is not
+``1.0``). A directory that cannot be read as a run (a FIFO, JSON nested deeper than any artifact)
+is bad input: a located error, never a hang or a RecursionError.
 """
 
 from __future__ import annotations
@@ -22,13 +19,12 @@ from .config import join_key
 
 
 def is_volatile_file(name: str) -> bool:
-    """Whether diff ignores the file ``name`` (relative to the run directory) whole."""
+    """``name``: relative to the run directory."""
     entry = artifacts.by_name(name)
     return entry is not None and entry.volatile_file
 
 
-# An artifact wraps input values (nested at most MAX_DEPTH) in a few levels of its own; deeper
-# JSON was not written by a run, and would overflow msgspec's decoder or compare_values.
+# input values (at most MAX_DEPTH) plus an artifact's own levels; deeper would overflow the decoder
 MAX_NESTING = 2 * MAX_DEPTH
 
 
@@ -41,8 +37,7 @@ ABSENT = _Absent()  # the value shown for a key or file that exists on one side 
 
 
 class Difference(msgspec.Struct, frozen=True):
-    """One difference: ``file`` (relative path), ``where`` (``"line N"`` for JSONL and text,
-    ``""`` for a whole JSON document), ``key`` (dotted key path, ``""`` for the whole value)."""
+    """``where``: ``"line N"``, or ``""`` for a whole JSON document; ``key``: ``""`` for the whole value."""
 
     file: str
     where: str
@@ -61,8 +56,7 @@ def _files(root: Path) -> list[str]:
 
 
 def compare_values(a, b, *, skip: tuple[str, ...] = (), path: str = ""):
-    """Yield ``(key_path, a, b)`` for every difference between two JSON values, ignoring
-    ``artifacts.VOLATILE_KEYS`` at any depth and the dotted paths in ``skip``."""
+    """``(key_path, a, b)`` per difference, without ``VOLATILE_KEYS`` (any depth) and ``skip``."""
     if path in skip:
         return
     if isinstance(a, dict) and isinstance(b, dict):
@@ -87,8 +81,7 @@ def compare_values(a, b, *, skip: tuple[str, ...] = (), path: str = ""):
 
 
 def _decode(data: bytes, path: Path, line: int = 1):
-    """``(True, value)``, or ``(False, None)`` for bytes that are not JSON (compared as text).
-    ``line`` is the line of ``path`` that ``data`` starts on, for the location."""
+    """``(True, value)``, or ``(False, None)`` for bytes that are not JSON; ``line``: where ``data`` starts."""
     text = data.decode("utf-8", "replace")
     deep = nesting_exceeds(text, MAX_NESTING)
     if deep is not None:
@@ -118,7 +111,7 @@ def _compare_file(name: str, paths: tuple[Path, Path]):
 
 
 def _read(path: Path) -> bytes:
-    """The bytes of a run file; a FIFO would block the diff forever, so only regular files."""
+    """Regular files only: a FIFO would block the diff forever."""
     try:
         return regular_file(path, "run file").read_bytes()
     except OSError as err:
@@ -152,8 +145,7 @@ def _text(lines: list[bytes], i: int):
 
 
 def diff_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, limit: int | None = 10) -> list[Difference]:
-    """The first ``limit`` differences between two run directories (all when ``None``);
-    an empty list means identical apart from the volatile fields."""
+    """The first ``limit`` differences (all when ``None``); empty: identical."""
     root_a, root_b = Path(run_a), Path(run_b)
     for root in (root_a, root_b):
         if not root.is_dir():
@@ -181,7 +173,6 @@ def _show(value, width: int = 120) -> str:
 
 
 def format_differences(differences: list[Difference], run_a: str, run_b: str) -> str:
-    """Human-readable lines for ``stageb-pool diff``."""
     lines = [f"runs differ (first {len(differences)} difference{'s' if len(differences) != 1 else ''}):",
              f"  A = {run_a}", f"  B = {run_b}"]
     for d in differences:

@@ -1,10 +1,6 @@
-"""The memory budget check of ``stageb-pool check``: will the model's weights fit the GPU
-memory of one worker's group?
-
-The weight bytes come from the checkpoint's file headers alone, never by loading the model:
-the parameter count times the bytes of the dtype it is loaded in. The GPU memory comes from
-``nvidia-smi``: the parent never initialises CUDA. What else a worker needs is not estimated
-(apart from vLLM's pinned KV cache); hence the margin.
+"""``check``'s memory budget: will the weights (from the checkpoint's file headers, never
+loaded) fit one worker group's GPU memory (from ``nvidia-smi``: the parent never initialises
+CUDA)? What else a worker needs is not estimated (but vLLM's KV cache): hence the margin.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ from pathlib import Path
 import msgspec
 
 GIB = 2**30
-# Weights may take at most this share of a group's memory; the rest is for the CUDA
-# context, activations and (transformers) the KV cache of a chunk.
+# the rest is for the CUDA context, activations and (transformers) a chunk's KV cache
 WEIGHT_SHARE = 0.9
 MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header larger than this is not a checkpoint's
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
@@ -61,9 +56,8 @@ _GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12:
 
 
 def gguf_parameters(path: Path) -> int:
-    """The parameter count of a .gguf file, from its tensor table. Not ``gguf.GGUFReader``:
-    it parses every metadata value, the vocabulary included (2.8 s on the embedded model,
-    this 0.05 s); ``check`` should answer at once."""
+    """From the tensor table. Not ``gguf.GGUFReader``: it parses every metadata value, the
+    vocabulary included (2.8 s on the embedded model, this 0.05 s)."""
     with open(path, "rb") as f:
         def read(n: int) -> bytes:
             data = f.read(n)
@@ -110,8 +104,7 @@ def gguf_parameters(path: Path) -> int:
 
 
 def budget_lines(devices, weights: int | None, *, extra_bytes: int = 0, gpu_memory: dict[int, int] | None) -> list[tuple[str, str]]:
-    """``check``'s lines about memory: the weights (plus ``extra_bytes``, e.g. vLLM's KV
-    cache) against one group's GPU memory."""
+    """``extra_bytes``: e.g. vLLM's KV cache."""
     if not devices or devices[0].kind != "cuda":
         return []
     if weights is None:

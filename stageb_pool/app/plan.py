@@ -1,13 +1,8 @@
 """The run plan: a command's config and options turned into everything a run is about to do,
-validated, by one start-up sequence shared by ``check`` and ``run``: ``plan_command`` from the
-command line, ``plan_run`` from a config already loaded (tests, benchmarks).
-
-The plan chooses the backend (``--debug``: inline; ``--ray``: Ray; else forked workers) and
-reads the ``--gpus`` spec as it takes it, once (``pool.plan_devices``); applies the mode; reads
-and validates every input (``load_inputs``), the model path once into a ``ModelRef`` that the
-workers load without checking it again; places and checks the run directory and the outputs.
-``check`` prints the plan (``describe``), ``run`` executes it (``job.run_plan``). Nothing here
-touches the disk or forks a worker: bad input costs nothing and damages nothing.
+validated, by the one start-up sequence of ``check`` (which prints it) and ``run`` (which
+executes it, ``job.run_plan``): the backend and devices, the mode, every input (the model path
+checked once into the ``ModelRef`` the workers load), the run directory and the outputs.
+Nothing here touches the disk or forks a worker: bad input costs nothing and damages nothing.
 """
 
 from __future__ import annotations
@@ -36,10 +31,7 @@ from .prompt_budget import refuse_unusable_prompts
 
 
 class DeviceRequest(msgspec.Struct, frozen=True):
-    """A command's device options: the ``--gpus`` spec, ``--gpus-per-worker`` (None: the
-    config's ``model.gpus_per_worker``), ``--ray``'s address (None: not Ray) and ``--debug``
-    (one worker, inline); ``command`` (``stageb-pool run``) is where a usage error in them is
-    located."""
+    """A command's device options (None: not given); ``command`` locates a usage error in them."""
 
     gpus: str
     gpus_per_worker: int | None = None
@@ -48,7 +40,7 @@ class DeviceRequest(msgspec.Struct, frozen=True):
     command: str = "stageb-pool run"
 
     def backend(self, config: Config) -> Backend:
-        """Where the workers run (``--debug`` before ``--ray``); Ray's bounds are the config's."""
+        """``--debug`` wins over ``--ray``; Ray's bounds are the config's."""
         if self.debug:
             return Inline()
         if self.ray_address is not None:
@@ -58,8 +50,6 @@ class DeviceRequest(msgspec.Struct, frozen=True):
 
 
 class RunInputs(msgspec.Struct):
-    """Every input of a run, read and validated (``load_inputs``)."""
-
     mission: str
     ingest: tickets_mod.IngestReport
     tickets: list[tickets_mod.Ticket]  # in the run's order
@@ -70,17 +60,15 @@ class RunInputs(msgspec.Struct):
 
 
 def load_inputs(config: Config, model: ModelRef | None = None) -> RunInputs:
-    """Read and validate every input file; raises InputError with a location on bad input.
-    ``model``: the model path as the config's file checks resolved it (``load_checked_config``);
-    None (a config loaded without them) checks it here."""
+    """Read and validate every input file; InputError with a location on bad input. ``model``:
+    the model path ``load_checked_config`` already checked (None: checked here)."""
     exclude = tickets_mod.load_exclusions(
         config.ticket_filter.exclude_ticket_keys, config.ticket_filter.exclude_ticket_keys_path
     )
 
     ingest = tickets_mod.load_tickets(config.stage_a_paths, on_bad_line=config.ingest.on_bad_line,
                                       exclude_keys=exclude, max_line_bytes=config.ingest.max_line_bytes)
-    # The mission (from the tickets) picks the profile's domain, and the profile may ask
-    # for upstream's BBU summary clean-up (bbu_rru), applied to the tickets already loaded.
+    # the mission (from the tickets) picks the profile's domain; bbu_rru cleans the tickets up
     mission = ingest.tickets[0].mission
     profile = prompts.load_profile(config.prompt.profile, mission=mission, domain=config.prompt.domain_for(mission))
     if profile.options.bbu_cleanup:
@@ -98,10 +86,8 @@ def load_inputs(config: Config, model: ModelRef | None = None) -> RunInputs:
 
 
 class RunPlan(msgspec.Struct, frozen=True):
-    """What a run of ``config`` would do: its inputs, its run directory (not created yet), its
-    workers' devices (None: ``check`` without ``--gpus``) and where they run (``backend``).
-    ``config`` holds the mode and the group size the run uses; ``config_path`` is the file it
-    was read from (None: a config built in code)."""
+    """What a run would do. ``run_dir`` is not created yet; ``devices`` None: ``check`` without
+    ``--gpus``; ``config_path`` None: a config built in code."""
 
     config: Config
     inputs: RunInputs
@@ -111,17 +97,15 @@ class RunPlan(msgspec.Struct, frozen=True):
     config_path: str | None = None
 
     def identity(self) -> RunIdentity:
-        """What a ``--resume`` must match (a rule search's; ``check`` shows its hash in either
-        mode). Computed on request: it hashes the whole config, and an audit run does not
-        ask for it (a value no file can hold is then refused as the run writes run.json)."""
+        """What a ``--resume`` must match. Computed on request: it hashes the whole config, and
+        an audit does not ask for it (a value no file can hold is then refused at run.json)."""
         return run_identity(self.config, self.inputs)
 
 
 def plan_command(config_path: str, overrides=(), *, audit: bool = False, upstream_root: str | None = None,
                  devices: DeviceRequest | None = None, check_prompts: bool = False) -> RunPlan:
-    """The plan of a ``run`` or ``check`` command line: the config file read with its ``--set``
-    overrides (``load_checked_config``: its file checks are the run's one check of the model
-    path), then ``plan_run``."""
+    """The plan of a ``run`` or ``check`` command line (its file checks are the run's one check
+    of the model path)."""
     config, model = load_checked_config(config_path, overrides, upstream_root=upstream_root)
     return plan_run(config, audit=audit, config_path=config_path, devices=devices, model=model,
                     check_prompts=check_prompts)
@@ -130,17 +114,12 @@ def plan_command(config_path: str, overrides=(), *, audit: bool = False, upstrea
 def plan_run(config: Config, *, audit: bool, config_path: str | None, devices: DeviceRequest | None = None,
              model: ModelRef | None = None, check_prompts: bool = False) -> RunPlan:
     """Validate ``config`` (``--audit`` and the device options applied) and every input it
-    names; raises InputError with a location on bad input. ``model``: the model path already
-    checked (None: checked here). ``check_prompts``: also refuse prompts no worker could use
-    (``refuse_unusable_prompts``: a tokenizer without a chat template, a guidance over a
-    prompt cap), as ``run`` does before any worker loads the model; ``check`` measures the
-    prompts in its own table instead. ``config_path`` is one of the inputs no output may
-    overwrite."""
+    names; InputError with a location on bad input. ``check_prompts``: also refuse prompts no
+    worker could use (``run``; ``check`` measures them in its own table instead)."""
     workers, backend = None, Fork()
     if devices is not None:
         if devices.gpus_per_worker is not None and not 1 <= devices.gpus_per_worker <= 16:
-            # The same bound as the config key, checked here so that the message names the option;
-            # after the config is read, as the option's other checks are.
+            # the config key's bound, checked here so that the message names the option
             raise UsageError(f"argument --gpus-per-worker: must be from 1 to 16, got {devices.gpus_per_worker}",
                              devices.command)
         config = with_gpus_per_worker(config, devices.gpus_per_worker)
@@ -162,9 +141,8 @@ def plan_run(config: Config, *, audit: bool, config_path: str | None, devices: D
 
 def resolve_devices(spec, backend: Backend = Fork(), *, gpus_per_worker: int = 1, threads_per_worker: int = 1,
                     group_location: str = "--gpus-per-worker") -> list[Device]:
-    """The devices of a ``--gpus`` spec as ``backend`` reads it (``pool.plan_devices``), one per
-    worker; a bad spec is an InputError located at ``--gpus``, a group size that does not fit
-    it one located at ``group_location`` (the option, or the config key it came from)."""
+    """One device per worker; InputError located at ``--gpus`` for a bad spec, at
+    ``group_location`` (the option or the config key) for a group size that does not fit it."""
     try:
         return plan_devices(backend, spec, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker)
     except GroupSizeError as err:
@@ -174,8 +152,7 @@ def resolve_devices(spec, backend: Backend = Fork(), *, gpus_per_worker: int = 1
 
 
 def with_gpus_per_worker(config: Config, gpus_per_worker: int | None) -> Config:
-    """The config with ``--gpus-per-worker`` (when given) in ``model.gpus_per_worker``, so the
-    resolved config in run.json and the resume identity hold the group size the run used."""
+    """So that run.json and the resume identity hold the group size the run used."""
     if gpus_per_worker is None or gpus_per_worker == config.model.gpus_per_worker:
         return config
     model = msgspec.structs.replace(config.model, gpus_per_worker=gpus_per_worker)

@@ -1,7 +1,5 @@
 """Rollout progress on stderr: a tqdm bar on a terminal, a periodic log line otherwise.
-
-``advance`` (per finished chunk) is on the parent's hot path, so it only adds and compares
-numbers; the bar's per-worker share is rebuilt at most once a second.
+``advance`` is on the parent's hot path: it only adds and compares numbers.
 """
 
 from __future__ import annotations
@@ -12,15 +10,13 @@ import time
 
 import tqdm
 
-# tqdm's monitor is a thread; a thread in the parent would make later forks (a replaced
-# worker) unsafe, so it is never started.
+# tqdm's monitor is a thread, which would make the parent's later forks (a replaced worker) unsafe
 tqdm.tqdm.monitor_interval = 0
 
 
 class Progress:
-    """Progress of one gather at a time. ``stats_fn`` returns the pool's items-per-rank
-    counters (a list or {rank: n}); without a terminal a line is logged every ``interval_s``
-    seconds or ``every_chunks`` chunks, whichever comes first, and one at the end."""
+    """One gather at a time. ``stats_fn``: the pool's items per rank (a list or {rank: n}).
+    Without a terminal, a line every ``interval_s`` seconds or ``every_chunks`` chunks."""
 
     def __init__(self, *, stream=None, tty: bool | None = None, log: logging.Logger | None = None,
                  stats_fn=None, interval_s: float = 10.0, every_chunks: int = 200):

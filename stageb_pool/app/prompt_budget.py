@@ -1,19 +1,13 @@
-"""The prompts against each sampler's ``max_prompt_tokens``, rendered and tokenized by the
-engine's own function (``chat_text.chunk_prompts``) with the model's tokenizer, loaded without
-any weights.
+"""The prompts against each sampler's ``max_prompt_tokens``, rendered and tokenized as the
+engines do (``chat_text.chunk_prompts``) with the model's tokenizer, loaded without weights.
 
-A run drops (never truncates) a ticket whose prompt exceeds its sampler's cap; ``check`` names
-those tickets beforehand (``measure_lines``; a tokenizer that cannot be loaded skips the
-measure, never fails ``check``). The decisions that the run could judge nothing are bad input,
-an InputError at the cap's key naming the guidance and its largest rules: every ticket of a
-sampler over its cap; the guidance alone (a prompt with no ticket, measured first) over it
-(``guidance_verdict``); the proposer's prompt over its cap even with the shortest example, as it
-is never asked without one (``proposer_verdict``). ``run`` asks the same functions before the run
-directory is touched or any worker starts (``refuse_unusable_prompts``).
-
-A token stands for at most ``max_token_chars`` characters (the longest vocabulary entry), so a
-prompt of more than ``cap * max_token_chars`` characters is over the cap whatever its tokens are:
-it is counted as over without being tokenised, its length shown as that lower bound.
+A run drops (never truncates) a ticket whose prompt exceeds its cap; ``check`` names those
+tickets beforehand (``measure_lines``). That the run could judge nothing is bad input, an
+InputError at the cap's key: every ticket over its cap, the guidance alone over it, the
+proposer's prompt over its cap even with the shortest example. ``run`` asks the same before the
+run directory is touched (``refuse_unusable_prompts``). A tokenizer that cannot be loaded skips
+the measure, never fails. A prompt longer than ``cap * max_token_chars`` characters is over the
+cap without being tokenised.
 """
 
 from __future__ import annotations
@@ -35,15 +29,13 @@ if TYPE_CHECKING:  # the plan imports this module
 SHOWN = 3  # tickets and rules named per line
 BATCH = 256  # tickets rendered and tokenized per call (bounds the memory of a huge ticket file)
 PROPOSER_KEY = "rule_search.proposer_max_prompt_tokens"
-# The proposer's prompt is measured with each of the train tickets whose example is shortest in
-# characters, this many at most: tokens follow characters closely, and a prompt holds the whole
-# guidance, so measuring every ticket of a large file would cost seconds for nothing.
+# The proposer's prompt is measured with this many of the examples shortest in characters:
+# tokens follow characters closely, and measuring every ticket would cost seconds for nothing.
 PROPOSER_EXAMPLES_MEASURED = 8
 
 
 class Measured(msgspec.Struct, frozen=True):
-    """One sampler's cap and the tickets it judges: ``label`` (train, eval, audit) and the
-    config ``key`` of its cap."""
+    """One sampler's cap (at config ``key``) and the tickets it judges; ``label``: train, eval, audit."""
 
     label: str
     key: str
@@ -52,8 +44,7 @@ class Measured(msgspec.Struct, frozen=True):
 
 
 def measure_lines(cfg: Config, inputs: RunInputs, measured: list[Measured]) -> list[tuple[str, str]]:
-    """``check``'s lines about prompt lengths (raises InputError when a sampler's every
-    ticket is over its cap, or when the proposer's prompt is over its cap with any one example)."""
+    """``check``'s lines about prompt lengths (InputError for the decisions in the module docstring)."""
     train = _train_tickets(measured)
     measured = [m for m in measured if m.cap is not None and m.tickets]
     try:
@@ -63,8 +54,7 @@ def measure_lines(cfg: Config, inputs: RunInputs, measured: list[Measured]) -> l
     except Exception as err:  # noqa: BLE001 - a report, never a failure of check
         return [("prompt tokens", f"not measured: cannot load the tokenizer of {cfg.model.path} "
                                   f"({type(err).__name__}: {one_line(err)})")]
-    # Every prompt is rendered with the chat template: a model without one (a base model's
-    # GGUF) is bad input, said here as the workers would say it, not a failed render.
+    # a model without a chat template (a base model's GGUF) is bad input, not a failed render
     models.require_chat_template(tokenizer, f"{cfg.model.path}")
     if not measured:
         return [("prompt tokens", "not measured: no cap (max_prompt_tokens is null)"),
@@ -92,8 +82,7 @@ def measure_lines(cfg: Config, inputs: RunInputs, measured: list[Measured]) -> l
 
 
 def sampler_caps(cfg: Config, tickets: list) -> list[Measured]:
-    """Each sampler's cap with the tickets it judges: the audit's one rollout, or the search's
-    train and eval pools (the search's own split)."""
+    """The audit's one rollout, or the search's train and eval pools (its own split)."""
     from ..stageb.ticket_pools import split_eval_pool
 
     rs = cfg.rule_search
@@ -106,17 +95,10 @@ def sampler_caps(cfg: Config, tickets: list) -> list[Measured]:
 
 
 def refuse_unusable_prompts(cfg: Config, inputs: RunInputs) -> None:
-    """``run``'s copy of ``check``'s decisions, before any worker loads the model: InputError
-    when the tokenizer has no chat template (every prompt is rendered with it), when the
-    guidance alone is over a sampler's cap or when the proposer's prompt is over its cap with
-    one example (a model engine's only: the simulated engine's proposer is a latency model). The
-    tokenizer is loaded in a child (``fork.call_in_child``), so this process never imports its
-    libraries (torch among them) before it forks its workers; a tokenizer that cannot be loaded
-    skips the check, as in ``check``. An engine that renders no chat template (the registry
-    entry's ``token_counter``: the simulated engine's) measures a prompt in its workers with a
-    token counter: the guidance is measured with the one they inherit (the entry's ``preload``)
-    here, in milliseconds, or in the child when it cannot be loaded without threads (the tiny
-    model's BPE is trained)."""
+    """``run``'s copy of ``check``'s decisions. The tokenizer is loaded in a child so that this
+    process imports no torch before it forks its workers. An engine with a ``token_counter``
+    (simulated) measures the guidance here with the counter its workers inherit (``preload``),
+    or in the child when that cannot load without threads (the tiny model's BPE)."""
     from ..engine.registry import entry
     from ..pool.fork import call_in_child
 
@@ -154,18 +136,15 @@ def refuse_unusable_prompts(cfg: Config, inputs: RunInputs) -> None:
 
 
 class _Refusal(msgspec.Struct, frozen=True):
-    """The InputError a ``refuse_unusable_prompts`` helper found, as it crosses the process boundary."""
-
+    # an InputError crossing the process boundary
     message: str
     location: str | None
 
 
 def guidance_verdict(tokenizer, cfg: Config, inputs: RunInputs, measured: list[Measured], lengths=None) -> int:
-    """The tokens of a prompt without any ticket (the profile, the mission, the guidance);
-    InputError at the first sampler's cap key that it exceeds: every prompt holds the whole
-    guidance, so that sampler would drop every ticket and judge none. ``lengths``: how the
-    workers measure prompts (``prompt_lengths``'s signature; default: rendered with
-    ``tokenizer`` as the model engines render them)."""
+    """The tokens of a prompt without any ticket; InputError at the first cap it exceeds (every
+    prompt holds the whole guidance). ``lengths``: how the workers measure prompts (default:
+    ``prompt_lengths`` with ``tokenizer``)."""
     guidance = dict(inputs.seed_guidance.experiences)
     lengths = lengths or functools.partial(prompt_lengths, tokenizer)
     alone = lengths([TicketText("", inputs.mission, {})], guidance, inputs.profile)[""]
@@ -178,14 +157,10 @@ def guidance_verdict(tokenizer, cfg: Config, inputs: RunInputs, measured: list[M
 
 
 def proposer_verdict(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> tuple[int, str] | None:
-    """``(tokens, ticket key)`` of the proposer's prompt (its system prompt, the mission, the
-    seed guidance) with one example, the shortest in tokens of the train tickets' examples
-    that are shortest in characters (``PROPOSER_EXAMPLES_MEASURED``; the vote an example
-    shows is a stand-in of the same length: a wrong majority, agreement and difficulty 1.000);
-    None without a proposer (an audit) or train tickets. InputError at
-    ``rule_search.proposer_max_prompt_tokens`` when it is over that cap: examples are dropped
-    down to one, never to none, so every proposer call of the search would come back unusable
-    and propose nothing."""
+    """``(tokens, ticket key)`` of the proposer's prompt with its shortest example (among
+    ``PROPOSER_EXAMPLES_MEASURED``); None in an audit or without train tickets. InputError at
+    ``PROPOSER_KEY`` when it is over that cap: examples are dropped down to one, never to none,
+    so every proposer call would come back unusable."""
     if cfg.mode != "search" or not train or inputs.proposer_system is None:
         return None
     from ..engine.chat_text import PromptEncoder, chat_messages, render
@@ -202,8 +177,7 @@ def proposer_verdict(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> 
     for _, key, t in sorted((len(example(t)), t.key, t) for t in train)[:PROPOSER_EXAMPLES_MEASURED]:
         messages = chat_messages(msgspec.structs.replace(head, examples=[example(t)]), 1)
         chars = len(render(tokenizer, messages))
-        # Too long in characters to fit whatever its tokens are (as for the samplers' caps), and
-        # so is every later one, whose example is longer: its lower bound stands for it.
+        # over in characters alone, and so is every later (longer) one: the lower bound stands
         bounded = chars > cap * per_token
         tokens = -(-chars // per_token) if bounded else len(encoder.encode([messages])[0])
         shortest = min(shortest or (tokens, key), (tokens, key))
@@ -223,9 +197,8 @@ def proposer_verdict(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> 
 
 
 class _WrongVote(NamedTuple):
-    """The vote an example shows, as long as any: a ticket the judge got wrong (the only kind
-    the proposer is shown) has the other label as its majority; 1.000 is as long as any
-    agreement and difficulty."""
+    """A stand-in vote as long as any: the proposer is shown wrong tickets only, and 1.000 is as
+    long as any agreement and difficulty."""
 
     majority: str
     agreement: float = 1.0
@@ -237,12 +210,12 @@ def _wrong_vote(ticket) -> _WrongVote:
 
 
 def _train_tickets(measured: list[Measured]) -> list:
-    """The train tickets of a search (the proposer's examples come from them), else none."""
+    """The train tickets of a search (the proposer's examples), else none."""
     return next((m.tickets for m in measured if m.label == "train"), [])
 
 
 def _proposer_lines(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> list[tuple[str, str]]:
-    """``check``'s line about the proposer's prompt (``proposer_verdict`` raises when it is over)."""
+    """``check``'s line about the proposer's prompt."""
     measured = proposer_verdict(tokenizer, cfg, inputs, train)
     if measured is None:
         return []
@@ -252,8 +225,7 @@ def _proposer_lines(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> l
 
 
 def counted_lengths(counter):
-    """``prompt_lengths`` as the workers of an engine with a token counter (the simulated
-    engine's) measure prompts, with ``counter``."""
+    """``prompt_lengths`` as the workers of an engine with a token counter measure prompts."""
     from ..engine.simulated_engine import messages_tokens
     from ..stageb import prompts
 
@@ -265,16 +237,14 @@ def counted_lengths(counter):
 
 
 def max_token_chars(tokenizer) -> int:
-    """The most characters one token can stand for: the longest vocabulary entry (added and
-    special tokens included, as a text that spells one is tokenised to it)."""
+    """The longest vocabulary entry (added and special tokens too: a text spelling one becomes it)."""
     return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
 def prompt_lengths(tokenizer, tickets: list[TicketText], guidance: dict[str, str], profile,
                    cap: int | None = None) -> dict[str, int]:
-    """Ticket key -> the token count of its prompt, rendered as the engine renders it. With
-    ``cap``: a prompt too long in characters to fit it is not tokenised; its value is the
-    lower bound ``ceil(characters / max_token_chars)``, itself over the cap."""
+    """Ticket key -> the token count of its prompt. With ``cap``: a prompt too long in characters
+    gets the lower bound ``ceil(characters / max_token_chars)`` instead, itself over the cap."""
     from ..engine.chat_text import chunk_prompts, render
     from ..engine.records import RolloutChunk
     from ..stageb import prompts
@@ -299,8 +269,6 @@ def prompt_lengths(tokenizer, tickets: list[TicketText], guidance: dict[str, str
 
 
 def _guidance_part(cfg: Config, inputs: RunInputs, alone: int, cap: int) -> str:
-    """What every prompt holds besides its ticket: the profile's text, the mission name and the
-    guidance, with its largest rules (the usual culprit)."""
     rules = inputs.seed_guidance.experiences
     verdict = "already over the cap" if alone > cap else "within the cap"
     return (f"a prompt without its ticket takes {alone} tokens ({verdict}): the prompt profile, the mission name "
@@ -309,7 +277,7 @@ def _guidance_part(cfg: Config, inputs: RunInputs, alone: int, cap: int) -> str:
 
 
 def _largest_rules(rules: dict[str, str]) -> str:
-    """The ``SHOWN`` largest rules with their sizes (the usual culprits of a prompt over a cap)."""
+    """The usual culprits of a prompt over a cap."""
     largest = sorted(rules, key=lambda k: -len(rules[k]))[:SHOWN]
     return ", ".join(f"{k} ({len(rules[k])} characters)" for k in largest)
 

@@ -1,5 +1,4 @@
-"""report.html for a run, drawn by a forked process (``ReportJob``); a failure is a warning,
-never the run's failure."""
+"""report.html for a run, drawn by a forked process; a failure is a warning, not the run's."""
 
 from __future__ import annotations
 
@@ -26,10 +25,9 @@ def render_report_file(run_dir) -> str | None:
 
 
 class ReportJob:
-    """``report.html`` from a child forked at the run's start, while this process is clean: it
-    imports matplotlib (seconds) while the run goes on; ``render`` makes it draw the page
-    while this process closes its pool; ``wait`` collects the outcome; ``cancel`` ends it
-    without a page. This process never imports matplotlib (the fork rules of a later pool)."""
+    """A child forked at the run's start, while this process is clean, imports matplotlib
+    (seconds) while the run goes on, and draws the page on ``render``. This process never
+    imports matplotlib (the fork rules of a later pool)."""
 
     def __init__(self):
         child_requests, self.requests = os.pipe()

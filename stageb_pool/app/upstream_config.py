@@ -1,12 +1,8 @@
-"""Upstream Stage-B configs (``Pein2017/Qwen3-VL``, ``configs/stage_b/*.yaml``) read as written.
-
-An upstream config is recognised by ``model.model_name_or_path`` (ours is ``model.path``).
-``translate`` turns it into the equivalent raw mapping of our schema, key by key, the way
-upstream's loader and runner read it (docs/migrating.md has the table): relative paths
-against the launch directory (upstream's working directory), the ``bbu_rru`` profile with
-upstream's domain rule, its token guards and quiet defaults written out. A key with no
-counterpart that would change results is a located error; keys upstream's loader never
-reads are ignored as upstream ignores them, and listed.
+"""Upstream Stage-B configs (``Pein2017/Qwen3-VL``, ``configs/stage_b/*.yaml``) read as written,
+recognised by ``model.model_name_or_path``. ``translate`` turns one into the equivalent raw
+mapping of our schema, key by key, as upstream's loader and runner read it (docs/migrating.md
+has the table). A key with no counterpart that would change results is a located error; keys
+upstream's loader never reads are ignored as upstream ignores them, and listed.
 """
 
 from __future__ import annotations
@@ -93,8 +89,6 @@ class _Translator:
         self.raw, self.where = raw, where
         self.out = Translation(native={}, root=os.path.abspath(root))
 
-    # ------------------------------------------------------------------ helpers
-
     def error(self, key: str, message: str) -> InputError:
         return InputError(message[:500], f"{self.where}: {key}")
 
@@ -147,8 +141,6 @@ class _Translator:
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
             return value.strip().lower() in _TRUE
         raise self.error(key, f"expected true or false, got {value!r}")
-
-    # ------------------------------------------------------------------ the translation
 
     def run(self) -> Translation:
         for key in OURS_ONLY:
@@ -213,8 +205,7 @@ class _Translator:
             self.put("model.stop", stop, where, "the grid entries' stop list")
 
     def stops(self) -> tuple[list[str] | None, str | None]:
-        """The grid entries' ``stop`` lists as one ``model.stop`` (upstream's default pair is
-        ours too)."""
+        """The grid entries' ``stop`` lists as one ``model.stop`` (upstream's default pair is ours)."""
         lists: dict[tuple, str] = {}
         for name in ("train_sampler", "eval_sampler"):
             grid = _get(self.raw, f"rule_search.{name}.grid")
@@ -334,8 +325,7 @@ class _Translator:
                      f"upstream drops a ticket whose prompt exceeds {ROLLOUT_GUARD} tokens when no budget is set")
 
     def distillation(self) -> None:
-        """Upstream exports when ``enabled`` (default true) and ``distill_size`` are set;
-        otherwise every distillation key is left out (ours refuses them when the export is off)."""
+        """Off upstream, every key is left out: ours refuses them when the export is off."""
         section = self.section("stage_b_distillation")
         enabled = section.get("enabled", True)
         if enabled is not None and not isinstance(enabled, bool):

@@ -7,12 +7,12 @@ any worker count (``timestamp``/``elapsed_sec`` aside).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from .. import artifacts
 from ..artifact_rows import AuditMetricsDoc, AuditStepRow, CaseRow, TicketStatsRow
+from ..engine.records import SamplerConfig
 from ..stageb import verdicts
 from .distill import export_distillation
 from .fileio import write_json, write_jsonl
@@ -20,6 +20,7 @@ from .recorder import Recorder
 from .rollout import RolloutResult, rollout_spec
 from .rows import hard_case_rows, rollout_rows
 from .rundir import utc_timestamp
+from .settings import DistillConfig
 
 STEPS_LABEL = "jump_reflection baseline"  # upstream's label, which scripts may filter on
 
@@ -29,12 +30,12 @@ class AuditSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     seed: int
     mission: str
-    sampler: Any  # rule_search.train_sampler
+    sampler: SamplerConfig  # rule_search.train_sampler
     logging_steps: int
     hard_case_limit: int  # max(200, 8 * reflect_size), as upstream
     n_skipped_lines: int = 0  # counted by the ingest, reported as they are
     n_excluded: int = 0
-    distill: Any = None  # the config's stage_b_distillation section (None: no export)
+    distill: DistillConfig | None = None  # None: no export
 
 
 def run_audit(runner, *, tickets: list, guidance, settings: AuditSettings, run_dir, log,

@@ -12,11 +12,13 @@ import msgspec
 
 from ..artifact_rows import DistillRow
 from ..artifacts import DISTILL
+from ..engine.records import SamplerConfig
 from ..stageb.prompts import build_messages
 from .rollout import rollout_spec
+from .settings import DistillConfig
 
 
-def distill_sampler(train_sampler, temperature: float | None):
+def distill_sampler(train_sampler: SamplerConfig, temperature: float | None) -> SamplerConfig:
     """The train-grid entry at ``temperature`` (None: the lowest train temperature), else the
     closest entry with its temperature replaced; one sample."""
     grid = list(train_sampler.grid)
@@ -56,8 +58,8 @@ def distill_rows(tickets: list, result, profile, guidance) -> list[DistillRow]:
     return rows
 
 
-def export_distillation(recorder, *, tickets: list, guidance, settings, train_sampler, seed: int,
-                        log) -> dict | None:
+def export_distillation(recorder, *, tickets: list, guidance, settings: DistillConfig, train_sampler: SamplerConfig,
+                        seed: int, log) -> dict | None:
     """Run and write the export when ``settings`` (stage_b_distillation) asks for it; returns
     the summary's ``distillation`` object (None: not asked)."""
     if not settings.enabled or not settings.distill_size:

@@ -31,6 +31,7 @@ Everything written is computed from the results in key order and rounded, so
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from pathlib import Path
@@ -38,10 +39,10 @@ from pathlib import Path
 import msgspec
 
 from ..artifacts import HEADROOM
-from ..engine.records import VerdictChunk, VerdictChunkResult
 from ..stageb.hashing import content_hash, stable_seed
+from ..stageb.tickets import Ticket
 from .fileio import write_json
-from .chunk_cost import prompt_chars
+from .rollout import RolloutRunner
 
 DECIMALS = 6  # rounding of every derived number in the file (the engine rounds P(pass) too)
 SUMMARY_KEYS = ("auc", "tickets", "pass_share", "separates")  # what summary.json repeats
@@ -52,9 +53,9 @@ class HeadroomSettings(msgspec.Struct, frozen=True, kw_only=True):
     seed and the train sampler's prompt cap)."""
 
     seed: int
-    tickets: int = 48
-    min_auc: float = 0.6
-    max_prompt_tokens: int | None = None
+    tickets: int
+    min_auc: float
+    max_prompt_tokens: int | None
 
 
 # ----------------------------------------------------------------------------- pure parts
@@ -83,16 +84,12 @@ def auc(scores: list[float], labels: list[str]) -> float | None:
     n_fail = len(labels) - n_pass
     if n_pass == 0 or n_fail == 0:
         return None
-    order = sorted(range(len(scores)), key=lambda i: scores[i])
     rank_sum = 0.0  # sum of the pass tickets' ranks (1-based; tied scores share their mean rank)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and scores[order[end + 1]] == scores[order[start]]:
-            end += 1
-        mean_rank = (start + end) / 2 + 1
-        rank_sum += mean_rank * sum(1 for i in order[start:end + 1] if labels[i] == "pass")
-        start = end + 1
+    below = 0  # tickets scoring lower than the current group of ties
+    for _, group in itertools.groupby(sorted(zip(scores, labels)), key=lambda pair: pair[0]):
+        tied = [label for _, label in group]
+        rank_sum += (below + (len(tied) + 1) / 2) * tied.count("pass")
+        below += len(tied)
     u = rank_sum - n_pass * (n_pass + 1) / 2
     return u / (n_pass * n_fail)
 
@@ -167,41 +164,17 @@ def _round(value: float | None) -> float | None:
 # ----------------------------------------------------------------------------- the run
 
 
-def run_headroom(runner, *, tickets: list, guidance: dict[str, str], settings: HeadroomSettings, run_dir,
-                 log: logging.Logger) -> dict:
-    """Score the sample on the pool, write ``judge_headroom.json`` and log its message
-    (a warning when the judge cannot separate the labels). Returns the report."""
+def run_headroom(runner: RolloutRunner, *, tickets: list[Ticket], guidance: dict[str, str],
+                 settings: HeadroomSettings, run_dir: Path, log: logging.Logger) -> dict:
+    """Score the sample on the pool through ``runner`` (its chunks, progress and rollout
+    accounting), write ``judge_headroom.json`` and log its message (a warning when the judge
+    cannot separate the labels). Returns the report."""
     sample = sample_tickets(tickets, settings.tickets, settings.seed)
-    size = runner.chunk_size
-    tasks = []
-    for index, start in enumerate(range(0, len(sample), size)):
-        part = sample[start:start + size]
-        chunk = VerdictChunk(index, [t.text() for t in part], settings.max_prompt_tokens)
-        tasks.append(runner.pool.submit("verdict_probabilities", chunk, guidance=guidance, profile=runner.profile,
-                                        result_type=VerdictChunkResult, cost=prompt_chars(part, guidance),
-                                        label="headroom"))
-    progress = runner.progress
-
-    def on_result(index, result):
-        if progress is not None:
-            progress.advance(len(result.tickets))
-
-    if progress is not None:
-        progress.start("judge headroom", len(sample))
-    try:
-        results = runner.pool.gather(tasks, on_result=on_result)
-    finally:
-        if progress is not None:
-            progress.finish()
-    per_ticket, dropped = [], 0
-    for part, result in zip((sample[s:s + size] for s in range(0, len(sample), size)), results):
-        if [t.key for t in result.tickets] != [t.key for t in part]:  # a bug, never to be misattributed
-            raise RuntimeError(f"verdict chunk {result.chunk_index} answered other tickets than it was sent")
-        for ticket, scored in zip(part, result.tickets):
-            if scored.dropped:
-                dropped += 1
-            else:
-                per_ticket.append({"key": ticket.key, "label": ticket.label, "p_pass": scored.p_pass})
+    scored = runner.verdict_probabilities(sample, guidance, settings.max_prompt_tokens,
+                                          label="headroom", phase="judge headroom")
+    per_ticket = [{"key": ticket.key, "label": ticket.label, "p_pass": result.p_pass}
+                  for ticket, result in zip(sample, scored) if not result.dropped]
+    dropped = len(sample) - len(per_ticket)
     doc = report(per_ticket, min_auc=settings.min_auc, dropped=dropped, guidance_hash=content_hash(guidance))
     write_json(Path(run_dir) / HEADROOM.name, doc)
     if dropped:

@@ -26,6 +26,7 @@ from ..artifact_rows import ProposerAnswerRow, ProposerFailureRow
 from . import rows
 from .rollout import ChatFailure, RolloutResult, RolloutSpec, rollout_spec
 from .rundir import utc_timestamp
+from .settings import SearchSettings
 
 
 class IterationInput(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,16 +79,16 @@ class IterationOutcome(msgspec.Struct, frozen=True, kw_only=True):
         return self.applied.guidance if self.applied is not None else self.guidance
 
 
-def train_spec(name: str, settings, pool, guidance: Guidance) -> RolloutSpec:
+def train_spec(name: str, settings: SearchSettings, pool, guidance: Guidance) -> RolloutSpec:
     seed_key = f"{settings.seed}/train/{content_hash([t.key for t in pool])}"  # the pool's tickets only
     return rollout_spec(name, seed_key, pool, guidance, settings.rule_search.train_sampler)
 
 
-def baseline_spec(inp: IterationInput, settings) -> RolloutSpec:
+def baseline_spec(inp: IterationInput, settings: SearchSettings) -> RolloutSpec:
     return train_spec(f"train/it{inp.iteration}/base", settings, inp.pool, inp.guidance)
 
 
-def eval_spec(name: str, settings, eval_pool, guidance: Guidance) -> RolloutSpec:
+def eval_spec(name: str, settings: SearchSettings, eval_pool, guidance: Guidance) -> RolloutSpec:
     return rollout_spec(name, f"{settings.seed}/eval", eval_pool, guidance, settings.rule_search.eval_sampler)
 
 
@@ -97,7 +98,7 @@ def common_metrics(base_stats: dict, cand_stats: dict) -> tuple[Metrics, Metrics
     return compute_metrics([base_stats[k] for k in keys]), compute_metrics([cand_stats[k] for k in keys])
 
 
-def run_iteration(inp: IterationInput, settings, recorder, log, on_gate=None) -> IterationOutcome:
+def run_iteration(inp: IterationInput, settings: SearchSettings, recorder, log, on_gate=None) -> IterationOutcome:
     """Compute one iteration, appending its hard cases and proposer failures on the way.
     ``on_gate(guidance)`` gets the best passing candidate's guidance before the eval rollouts."""
     rs, it, g, runner = settings.rule_search, inp.iteration, inp.guidance, recorder.runner
@@ -160,7 +161,7 @@ class Failures:
             error=error, stage=stage, raw=raw, **entry))
 
 
-def proposer_requests(inp: IterationInput, settings, profile, examples) -> list[ChatRequest]:
+def proposer_requests(inp: IterationInput, settings: SearchSettings, profile, examples) -> list[ChatRequest]:
     """The iteration's ``proposer_calls`` requests (none without examples): one prompt, each
     call with its own seed key derived from the work; the first call's is upstream's."""
     if not examples:
@@ -170,7 +171,7 @@ def proposer_requests(inp: IterationInput, settings, profile, examples) -> list[
                      for call in range(1, settings.rule_search.proposer_calls))]
 
 
-def _proposer_request(inp: IterationInput, settings, profile, examples) -> ChatRequest:
+def _proposer_request(inp: IterationInput, settings: SearchSettings, profile, examples) -> ChatRequest:
     rs = settings.rule_search
     decode = Decode(temperature=rs.proposer_temperature, top_p=rs.proposer_top_p,
                     max_new_tokens=rs.proposer_max_new_tokens,
@@ -187,7 +188,7 @@ def _proposer_request(inp: IterationInput, settings, profile, examples) -> ChatR
                        max_prompt_tokens=rs.proposer_max_prompt_tokens, json_schema=schema)
 
 
-def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, requests: list[ChatRequest]):
+def _propose_and_eval_baseline(inp: IterationInput, settings: SearchSettings, recorder, requests: list[ChatRequest]):
     """One gather: the chats are submitted first, so they start on the first free workers."""
     runner = recorder.runner
     chats = [runner.submit_chat(request) for request in requests]
@@ -198,7 +199,7 @@ def _propose_and_eval_baseline(inp: IterationInput, settings, recorder, requests
     return results[:len(chats)], (results[-1] if ev is not None else None)
 
 
-def _merge_proposals(inp: IterationInput, settings, runner, chats: list, requests: list[ChatRequest],
+def _merge_proposals(inp: IterationInput, settings: SearchSettings, runner, chats: list, requests: list[ChatRequest],
                      example_keys: list[str], failures: Failures):
     """Every call's valid candidates in call order, less duplicates; one answer row per call."""
     proposed, answers = [], []
@@ -221,8 +222,8 @@ def _merge_proposals(inp: IterationInput, settings, runner, chats: list, request
     return proposed, answers
 
 
-def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: list[str], examples_text: str,
-                     failures: Failures) -> tuple[list[proposer.Candidate], ProposerAnswerRow]:
+def _parse_proposals(inp: IterationInput, settings: SearchSettings, runner, chat, example_keys: list[str],
+                     examples_text: str, failures: Failures) -> tuple[list[proposer.Candidate], ProposerAnswerRow]:
     """The call's valid candidates and its answer row; each failure or rejection is a failure row."""
     rs = settings.rule_search
     answer = ProposerAnswerRow(iteration=inp.iteration, mission=settings.mission,
@@ -255,7 +256,7 @@ def _parse_proposals(inp: IterationInput, settings, runner, chat, example_keys: 
     return accepted, msgspec.structs.replace(answer, parsed=True, operations=len(accepted) + len(rejections))
 
 
-def _previews(inp: IterationInput, settings, proposed: list, example_keys: list[str],
+def _previews(inp: IterationInput, settings: SearchSettings, proposed: list, example_keys: list[str],
               failures: Failures) -> tuple[list[tuple], str | None]:
     """``(index, candidate, previewed guidance, reflection id)`` of the proposer candidates,
     then ablation removes up to ``num_candidate_rules``; and why no ablation filled up."""
@@ -290,7 +291,7 @@ def _no_ablation_note(g: Guidance, rejected_ids) -> str:
 # ----------------------------------------------------------------------------- A/B evaluation
 
 
-def _evaluate(inp: IterationInput, settings, recorder, base: RolloutResult,
+def _evaluate(inp: IterationInput, settings: SearchSettings, recorder, base: RolloutResult,
               eval_base: RolloutResult | None, previews: list[tuple], on_gate=None) -> list[Evaluated]:
     if not previews:
         return []

@@ -6,7 +6,8 @@ sampler. The runner cuts the tickets, in their canonical order, into chunks of `
 ``(seed_key, chunk_index, decode, sample)``, are too) and submits every chunk to the pool.
 ``wait`` drives ONE ``pool.gather`` over all chunks of all pending rollouts and chat calls, so
 the candidates of an iteration and the proposer call share the GPUs, then assembles the results
-in ticket order.
+in ticket order. The judge-headroom check's verdict-probability chunks take the same path
+(``verdict_probabilities``); every gather counts in ``rollout_seconds`` and ``tickets_by_rank``.
 
 A chunk result is cached under the content hash of everything that determines it (ticket
 keys, guidance hash, profile hash, sampler, seed key, chunk index): within a run it is never
@@ -21,11 +22,13 @@ import time
 
 import msgspec
 
-from ..engine.records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, SamplerConfig, TicketRollout
-from ..pool import WorkerError
+from ..engine.records import (ChatRequest, ChatResult, ChunkResult, RolloutChunk, SamplerConfig, TicketRollout,
+                              TicketVerdictProbability, VerdictChunk, VerdictChunkResult)
+from ..pool import Pool, TaskHandle, WorkerError
 from ..stageb import verdicts
 from ..stageb.guidance import Guidance
 from ..stageb.hashing import content_hash
+from ..stageb.prompts import PromptProfile
 from ..stageb.text import short
 from ..stageb.tickets import Ticket
 from ..stageb.verdicts import TicketStats
@@ -60,17 +63,17 @@ class RolloutResult(msgspec.Struct):
     """Per-ticket statistics in ticket order; dropped (overlength) tickets are only in
     ``dropped`` (key -> prompt token count). ``rollouts`` holds the raw candidates of the
     kept tickets. ``generations`` were generated for this rollout, ``cached_generations``
-    came from earlier (or concurrent) identical chunks. ``chunk_done_s`` (an addition to the
-    contract; wall clock, volatile) is, per chunk, the seconds from the start of the gather
-    until that chunk's result was in (0 for cached chunks)."""
+    came from earlier (or concurrent) identical chunks. ``chunk_done_s`` (wall clock,
+    volatile) is, per chunk, the seconds from the start of the gather until that chunk's
+    result was in (0 for cached chunks)."""
 
     spec_name: str
     guidance_hash: str
     stats: dict[str, TicketStats]
     dropped: dict[str, int]
     rollouts: dict[str, TicketRollout]
-    generations: int
-    cached_generations: int
+    generations: int = 0
+    cached_generations: int = 0
     chunk_done_s: list[float] = []
 
 
@@ -90,28 +93,24 @@ class _Part(msgspec.Struct):
     owner: bool
 
 
-class Pending:
+class Pending(msgspec.Struct):
     """A submitted rollout or chat call; pass it to ``RolloutRunner.wait``."""
 
-    __slots__ = ("spec", "guidance_hash", "parts", "chat_task", "request", "done")
-
-    def __init__(self, spec=None, guidance_hash="", parts=(), chat_task=None, request=None):
-        self.spec = spec
-        self.guidance_hash = guidance_hash
-        self.parts = list(parts)
-        self.chat_task = chat_task
-        self.request = request  # a chat's ChatRequest (submitted again after a failed gather)
-        self.done = False
+    spec: RolloutSpec | None = None
+    parts: list[_Part] = []
+    chat_task: TaskHandle | None = None
+    request: ChatRequest | None = None  # a chat's request (submitted again after a failed gather)
+    done: bool = False
 
 
 class RolloutRunner(SpeculativeSubmissions):
     """Runs rollouts over ``pool`` with the prompt ``profile``.
 
-    ``save_rollouts`` (an addition to the contract) asks the engine for token ids too, for
-    ``rollouts/*.jsonl``. ``progress`` is a ``progress.Progress`` (or None)."""
+    ``save_rollouts`` asks the engine for token ids too, for ``rollouts/*.jsonl``.
+    ``progress`` is a ``progress.Progress`` (or None)."""
 
-    def __init__(self, pool, profile, *, chunk_size: int, progress=None, save_rollouts: bool = False,
-                 engine_key: str = ""):
+    def __init__(self, pool: Pool, profile: PromptProfile, *, chunk_size: int, progress=None,
+                 save_rollouts: bool = False, engine_key: str = ""):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.pool = pool
@@ -122,21 +121,19 @@ class RolloutRunner(SpeculativeSubmissions):
         self.save_rollouts = save_rollouts
         self.engine_key = engine_key  # hash of the engine's provenance (kind, versions, settings): part of every cache key
         # This process's counts: generated here, or served by this process's cache.
-        self.generations_done = 0
-        self.generations_saved = 0
+        self.generations_done = self.generations_saved = 0
         # The run's counts, which a resumed run continues from state.json: a chunk counts as
         # done the first time the run uses it and as saved every later time, whichever
         # process generated it, so an interrupted and resumed run reports the same numbers
         # as an uninterrupted one (docs/rule_search.md).
-        self.run_done = 0
-        self.run_saved = 0
+        self.run_done = self.run_saved = 0
         self.chunks_used: set[str] = set()
-        self.tickets_by_rank: dict[int, int] = {}  # tickets generated, by the worker that ran them
-        self.rollout_seconds = 0.0  # wall time spent inside wait(): the rollout phase
+        self.tickets_by_rank: dict[int, int] = {}  # tickets generated or scored, by the worker that ran them
+        self.rollout_seconds = 0.0  # wall time spent gathering chunks: the rollout phase
         self._cache: dict[str, ChunkResult] = {}
-        self._inflight: dict[str, object] = {}  # cache key -> pool task, submitted, not yet gathered
+        self._inflight: dict[str, TaskHandle] = {}  # cache key -> pool task, submitted, not yet gathered
         self._done_s: dict[str, float] = {}
-        self._profile_shared = None
+        self._profile_shared = pool.share(profile)  # encoded once per runner
         self._verdicts = verdicts.VerdictParser(profile.verdict)  # answers repeat: each distinct one parsed once
         self.on_progress = None  # called at the start of every wait and after each of its event-loop turns
         self._start_speculation()
@@ -147,45 +144,28 @@ class RolloutRunner(SpeculativeSubmissions):
         """Queue every chunk of ``spec`` that is neither cached nor already in flight. What
         all chunks share (the guidance and profile as shared values, the guidance's part of the
         cost estimate, the sampler's fields) is encoded or computed once per rollout."""
-        guidance_hash = spec.guidance_hash
-        sampler = msgspec.to_builtins(spec.sampler)
+        sampler = spec.sampler
+        sampler_fields = msgspec.to_builtins(sampler)
         rules_chars = guidance_chars(spec.guidance)
         shared = None  # the shared values, encoded at the first chunk to generate
         parts = []
-        for index, start in enumerate(range(0, len(spec.tickets), self.chunk_size)):
-            tickets = spec.tickets[start : start + self.chunk_size]
-            key = content_hash(
-                [[t.key for t in tickets], guidance_hash, self.profile_hash, sampler,
-                 spec.seed_key, index, self.save_rollouts, self.engine_key]
-            )
+        for index, tickets in self._chunks(spec.tickets):
+            key = content_hash([[t.key for t in tickets], spec.guidance_hash, self.profile_hash, sampler_fields,
+                                spec.seed_key, index, self.save_rollouts, self.engine_key])
             owner = key not in self._cache and key not in self._inflight
             if owner:
-                chunk = RolloutChunk(
-                    seed_key=spec.seed_key,
-                    chunk_index=index,
-                    tickets=[t.text() for t in tickets],
-                    grid=list(spec.sampler.grid),
-                    samples_per_decode=spec.sampler.samples_per_decode,
-                    max_prompt_tokens=spec.sampler.max_prompt_tokens,
-                    return_token_ids=self.save_rollouts,
-                    constrain_verdict=spec.sampler.constrain_verdict,
-                )
+                chunk = RolloutChunk(seed_key=spec.seed_key, chunk_index=index, tickets=[t.text() for t in tickets],
+                                     grid=list(sampler.grid), samples_per_decode=sampler.samples_per_decode,
+                                     max_prompt_tokens=sampler.max_prompt_tokens, return_token_ids=self.save_rollouts,
+                                     constrain_verdict=sampler.constrain_verdict)
                 if shared is None:
-                    shared = dict(guidance=self.pool.share(spec.guidance), profile=self._shared_profile())
+                    shared = dict(guidance=self.pool.share(spec.guidance), profile=self._profile_shared)
+                # label: the report's timeline says which rollout kept a worker busy
                 self._inflight[key] = self.pool.submit(
-                    "rollout", chunk, result_type=ChunkResult,
-                    cost=chunk_cost(tickets, rules_chars, spec.sampler),
-                    label=spec.name,  # the report's timeline: which rollout kept a worker busy
-                    **shared,
-                )
+                    "rollout", chunk, result_type=ChunkResult, label=spec.name, **shared,
+                    cost=chunk_cost(tickets, rules_chars, len(sampler.grid) * sampler.samples_per_decode))
             parts.append(_Part(key, len(tickets), owner))
-        return Pending(spec, guidance_hash, self._claim(parts, spec.name))
-
-    def _shared_profile(self):
-        """The profile as a shared value, encoded once per runner."""
-        if self._profile_shared is None:
-            self._profile_shared = self.pool.share(self.profile)
-        return self._profile_shared
+        return Pending(spec, self._claim(parts, spec.name))
 
     def submit_chat(self, request: ChatRequest) -> Pending:
         """Queue one free-form generation (the proposer); ``wait`` returns its ChatResult
@@ -242,16 +222,13 @@ class RolloutRunner(SpeculativeSubmissions):
     def _wait(self, pendings: list[Pending]) -> list:
         keys, tasks, counts = [], [], []
         seen: set[str] = set()
-        chat_slots = {}
         for pending in pendings:
             if pending.done:
                 raise ValueError("this pending rollout was already waited for")
             if pending.chat_task is not None:
-                chat_slots[id(pending)] = len(tasks)
                 keys.append(None)
                 tasks.append(pending.chat_task)
                 counts.append(0)
-                continue
             for part in pending.parts:
                 if part.key in self._inflight and part.key not in seen:
                     seen.add(part.key)
@@ -259,42 +236,77 @@ class RolloutRunner(SpeculativeSubmissions):
                     tasks.append(self._inflight[part.key])
                     counts.append(part.n_tickets)
         started = time.monotonic()
-        if self.progress is not None:
-            self.progress.start(_label(pendings), sum(counts))
-        if self.on_progress is not None:
-            self.on_progress()
 
-        def on_result(index, result):
+        def keep(index, result):
             # Cached as it arrives: chunks finished before a failure are not generated again.
-            key = keys[index]
-            if key is not None:
-                self._cache[key] = result
-                self._done_s[key] = time.monotonic() - started
-                rank = tasks[index].ran_on
-                self.tickets_by_rank[rank] = self.tickets_by_rank.get(rank, 0) + counts[index]
-            if counts[index] and self.progress is not None:
-                self.progress.advance(counts[index])
+            if keys[index] is not None:
+                self._cache[keys[index]] = result
+                self._done_s[keys[index]] = time.monotonic() - started
 
         try:
-            results = self.pool.gather(tasks, on_result=on_result, between=self.on_progress) if tasks else []
+            self._gather(_label(pendings), tasks, counts, keep)
         finally:
             # Done or cancelled (the pool cancels a failed gather's tasks): no longer in
             # flight, so a later submit of an unfinished chunk generates it again.
             for key in keys:
                 if key is not None:
                     self._inflight.pop(key, None)
+        for pending in pendings:
+            pending.done = True
+        out = [self._assemble(p) if p.chat_task is None else p.chat_task.result() for p in pendings]
+        _warn_dropped(pendings, out)
+        return out
+
+    def verdict_probabilities(self, tickets: list[Ticket], guidance: dict[str, str], max_prompt_tokens: int | None,
+                              *, label: str, phase: str) -> list[TicketVerdictProbability]:
+        """The judge's P(pass) per ticket (``Engine.verdict_probabilities``), in ticket
+        order: the tickets in the runner's chunks, each one batch, gathered like a rollout
+        (``phase`` names it in the progress line, ``label`` in the timeline). Nothing is
+        sampled and nothing cached: the headroom check scores its sample once."""
+        chunks = self._chunks(tickets)
+        shared = dict(guidance=self.pool.share(guidance), profile=self._profile_shared)
+        rules_chars = guidance_chars(guidance)
+        tasks = []
+        for index, part in chunks:
+            chunk = VerdictChunk(index, [t.text() for t in part], max_prompt_tokens)
+            tasks.append(self.pool.submit("verdict_probabilities", chunk, result_type=VerdictChunkResult,
+                                          cost=chunk_cost(part, rules_chars), label=label, **shared))
+        results = self._gather(phase, tasks, [len(part) for _, part in chunks])
+        for (_, part), result in zip(chunks, results):
+            _check_chunk(result, part, "verdict chunk")
+        return [scored for result in results for scored in result.tickets]
+
+    def _chunks(self, tickets: list[Ticket]) -> list[tuple[int, list[Ticket]]]:
+        """``tickets`` cut, in their order, into ``(chunk index, tickets)`` of ``chunk_size``."""
+        return [(index, tickets[start:start + self.chunk_size])
+                for index, start in enumerate(range(0, len(tickets), self.chunk_size))]
+
+    def _gather(self, phase: str, tasks: list, tickets: list[int], keep=None) -> list:
+        """One ``pool.gather`` of ``tasks`` (``tickets[i]``: task i's tickets, 0 for a chat
+        call) under the progress line ``phase``: its wall time is rollout time, each chunk's
+        tickets are credited to the worker that ran it, ``keep(index, result)`` sees each
+        result as it arrives."""
+        started = time.monotonic()
+        if self.progress is not None:
+            self.progress.start(phase, sum(tickets))
+        if self.on_progress is not None:
+            self.on_progress()
+
+        def on_result(index, result):
+            if keep is not None:
+                keep(index, result)
+            if tickets[index]:
+                rank = tasks[index].ran_on
+                self.tickets_by_rank[rank] = self.tickets_by_rank.get(rank, 0) + tickets[index]
+                if self.progress is not None:
+                    self.progress.advance(tickets[index])
+
+        try:
+            return self.pool.gather(tasks, on_result=on_result, between=self.on_progress) if tasks else []
+        finally:
             if self.progress is not None:
                 self.progress.finish()
             self.rollout_seconds += time.monotonic() - started
-        out = []
-        for pending in pendings:
-            pending.done = True
-            if pending.chat_task is not None:
-                out.append(results[chat_slots[id(pending)]])
-            else:
-                out.append(self._assemble(pending))
-        _warn_dropped(pendings, out)
-        return out
 
     def continue_counts(self, chunks_used, done: int, saved: int) -> None:
         """Carry on the run's counts of an interrupted run (from its state.json)."""
@@ -338,7 +350,7 @@ class RolloutRunner(SpeculativeSubmissions):
                 raise RuntimeError(f"rollout {spec.name!r}: a chunk was cancelled by a failed gather; submit it again")
             tickets = spec.tickets[position : position + part.n_tickets]
             position += part.n_tickets
-            _check_chunk(result, tickets, part.key)
+            _check_chunk(result, tickets, "chunk")
             n = 0
             for ticket, rollout in zip(tickets, result.tickets):
                 if rollout.dropped:
@@ -350,19 +362,18 @@ class RolloutRunner(SpeculativeSubmissions):
                 n += len(rollout.samples)
             samples.append(n)
             done_s.append(self._done_s.get(part.key, 0.0) if part.owner else 0.0)
-        result = RolloutResult(spec_name=spec.name, guidance_hash=pending.guidance_hash, stats=stats,
-                               dropped=dropped, rollouts=rollouts, generations=0, cached_generations=0,
-                               chunk_done_s=done_s)
+        result = RolloutResult(spec_name=spec.name, guidance_hash=spec.guidance_hash, stats=stats, dropped=dropped,
+                               rollouts=rollouts, chunk_done_s=done_s)
         return result, samples
 
 
-def _check_chunk(result: ChunkResult, tickets: list[Ticket], key: str) -> None:
+def _check_chunk(result, tickets: list[Ticket], what: str) -> None:
     """The engine must answer every ticket of the chunk, in order: anything else is a bug
     that would silently misattribute verdicts, so it stops the run."""
     got = [t.key for t in result.tickets]
     want = [t.key for t in tickets]
     if got != want:
-        raise RuntimeError(f"chunk {result.chunk_index} ({key}) answered tickets {got[:3]}... for {want[:3]}...")
+        raise RuntimeError(f"{what} {result.chunk_index} answered tickets {got[:3]}... for {want[:3]}...")
 
 
 def _warn_dropped(pendings: list[Pending], results: list) -> None:
@@ -381,12 +392,8 @@ def _warn_dropped(pendings: list[Pending], results: list) -> None:
 
 
 def _label(pendings: list[Pending]) -> str:
-    names = [p.spec.name for p in pendings if p.spec is not None]
-    if not names:
-        return "chat"
-    if len(names) == 1:
-        return names[0]
-    return f"{names[0]} +{len(names) - 1} more"
+    names = [p.spec.name for p in pendings if p.spec is not None] or ["chat"]
+    return names[0] if len(names) == 1 else f"{names[0]} +{len(names) - 1} more"
 
 
 __all__ = ["ChatFailure", "RolloutSpec", "RolloutResult", "RolloutRunner", "Pending"]

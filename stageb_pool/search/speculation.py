@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from ..stageb import proposer
 from .iteration import IterationInput, baseline_spec, proposer_requests
+from .settings import SearchSettings
 
 
 class Speculation:
     """One round of speculation at a time (the iteration after the running one), plus the
     previous round until the iteration it was for has claimed what it could."""
 
-    def __init__(self, runner, settings, *, enabled: bool):
+    def __init__(self, runner, settings: SearchSettings, *, enabled: bool):
         self.runner, self.settings, self.enabled = runner, settings, enabled
         self._target: IterationInput | None = None  # the iteration speculated
         self._base = None  # its train baseline, submitted speculatively

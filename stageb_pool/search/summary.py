@@ -10,6 +10,7 @@ import msgspec
 from ..stageb.verdicts import compute_metrics
 from .headroom import summary_line
 from .iteration import eval_spec, train_spec
+from .settings import SearchSettings
 
 
 def brief(metrics) -> dict | None:
@@ -18,7 +19,8 @@ def brief(metrics) -> dict | None:
     return {"n": metrics.n, "acc": metrics.acc, "fp_rate": metrics.fp_rate, "fn_rate": metrics.fn_rate}
 
 
-def final_metrics(recorder, settings, guidance, *, first_pool: list, eval_pool: list, iterations: int) -> dict:
+def final_metrics(recorder, settings: SearchSettings, guidance, *, first_pool: list, eval_pool: list,
+                  iterations: int) -> dict:
     """The final guidance on the first train pool (same seed key: the comparison with the
     baseline is paired) and on the eval pool; both usually come from the runner's cache."""
     out = {"train": None, "eval": None}
@@ -34,7 +36,7 @@ def final_metrics(recorder, settings, guidance, *, first_pool: list, eval_pool: 
     return out
 
 
-def search_summary(state, settings, guidance, *, final: dict, distillation: dict | None, n_train: int,
+def search_summary(state, settings: SearchSettings, guidance, *, final: dict, distillation: dict | None, n_train: int,
                    n_eval: int, runner, timing: dict, headroom: dict | None = None) -> dict:
     """``summary.json`` of the rule search (``job.write_summary`` adds timing and workers)."""
     return {

@@ -1,8 +1,6 @@
-"""Validating a raw config mapping against the schema, every problem an ``InputError``
-located at ``"file: key.path"``: unknown and legacy keys first (so the message can name the
-closest valid key), then msgspec's strict types and declared ranges, then the ranges
-msgspec cannot express (a sampling grid's decodes, finite numbers).
-"""
+"""A raw config mapping validated against the schema, every problem an InputError located at
+``"file: key.path"``: unknown keys first (so the message can name the closest valid key), then
+msgspec's types and ranges, then what msgspec cannot express."""
 
 from __future__ import annotations
 
@@ -165,8 +163,7 @@ def _number(x) -> str:
 
 
 def check_domain(cfg: Config, where: str) -> None:
-    """A domain needs a profile that has domains: the generic profile would silently use its
-    one English prompt for a BBU mission."""
+    """The generic profile would silently use its one English prompt for a BBU mission."""
     if cfg.prompt.profile == "generic" and (cfg.prompt.domain is not None or cfg.prompt.domain_map):
         key = "prompt.domain" if cfg.prompt.domain is not None else "prompt.domain_map"
         raise InputError("the generic profile has no domains: set prompt.profile: bbu_rru (upstream's BBU/RRU "
@@ -179,8 +176,7 @@ def require(ok: bool, key: str, message: str, where: str) -> None:
 
 
 def check_values(value: Any, path: str, where: str) -> None:
-    """Values no key wants: NaN and infinity (msgspec's float fields take them), and text no
-    file or path can hold."""
+    """NaN and infinity (msgspec's float fields take them), and text no file or path can hold."""
     if isinstance(value, float) and not math.isfinite(value):
         raise InputError(f"must be a finite number, got {value!r}", f"{where}: {path}")
     if isinstance(value, str):
@@ -199,8 +195,7 @@ _UNWRITABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def check_text(text: str, path: str, where: str) -> None:
-    """Refuse a NUL character (no path can hold one) or a lone surrogate (no UTF-8 file can
-    store it, so run.json could not be written)."""
+    """No path holds a NUL, no UTF-8 file (run.json) a lone surrogate."""
     m = _UNWRITABLE.search(text)
     if m:
         what = "a NUL character" if m.group() == "\x00" else "a lone surrogate"

@@ -1,9 +1,7 @@
 """``load_config``: a config file (plus ``--set`` overrides) -> the run's frozen, resolved Config.
 
-Resolution happens here and only here: every path made absolute (relative to the config
-file, or for an upstream config to the launch directory), the seeds that default to the
-top-level seed filled in, input files and the model path checked. Callees read plain
-values and never resolve a default again.
+Resolution happens here and only here (paths absolute, default seeds filled in, input files and
+the model path checked): callees read plain values and never resolve a default again.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ def absolute(path: str | os.PathLike, what: str) -> str:
 
 
 def read_config(path: str | os.PathLike, *, upstream_root: str | None = None) -> tuple[str, dict, Translation | None]:
-    """The config file as ``(absolute path, raw mapping in our schema, translation)``; an
-    upstream Stage-B config is translated (``translation`` says how), with its relative paths
-    resolved against ``upstream_root`` (default: the current directory, as upstream)."""
+    """``(absolute path, raw mapping in our schema, translation)``; an upstream config's relative
+    paths are resolved against ``upstream_root`` (default: the current directory, as upstream)."""
     where = absolute(path, "the config")
     raw = read_yaml(where)
     if raw is None:
@@ -57,12 +54,8 @@ def read_config(path: str | os.PathLike, *, upstream_root: str | None = None) ->
 
 def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True,
                 upstream_root: str | None = None, announce: bool = True) -> Config:
-    """Read, validate and resolve a config file (ours, or upstream's, translated).
-
-    ``overrides`` are ``--set`` strings (``"a.b.c=value"``, our schema), applied before
-    validation. ``check_files=False`` skips the checks of input files and the model path.
-    ``announce`` logs the line that says an upstream config was translated.
-    """
+    """Read, validate and resolve a config file. ``overrides``: ``--set`` strings, applied before
+    validation; ``announce`` logs that an upstream config was translated."""
     return load_checked_config(path, overrides, check_files=check_files, upstream_root=upstream_root,
                                announce=announce)[0]
 
@@ -70,8 +63,7 @@ def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = Tr
 def load_checked_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True,
                         upstream_root: str | None = None,
                         announce: bool = True) -> tuple[Config, models.ModelRef | None]:
-    """``load_config``, and the model path its file checks checked (None without them): a run
-    plan checks it once."""
+    """``load_config``, and the model path its file checks checked (None without them)."""
     where, raw, translation = read_config(path, upstream_root=upstream_root)
     if translation is not None and announce:
         log.info("%s", translation.summary(where))
@@ -114,8 +106,7 @@ def replace_at(struct, dotted: str, value):
 
 
 def config_document(cfg: Config) -> dict:
-    """The resolved config as plain data without ``output`` (where a run is written does not
-    change what it computes)."""
+    """The resolved config as plain data without ``output`` (which changes nothing computed)."""
     data = msgspec.to_builtins(cfg)
     data.pop("output", None)
     return data
@@ -125,8 +116,8 @@ _DISTILL_KEYS = ("distill_size", "distill_seed", "distill_temperature", "log_cha
 
 
 def _resolve_distillation(cfg: Config, where: str) -> Config:
-    """``stage_b_distillation.enabled`` as a bool (unset: on when ``distill_size`` is set, as
-    upstream). No setting is ignored: one of an export that is off is an error."""
+    """``enabled`` as a bool (unset: on when ``distill_size`` is set, as upstream); a setting of
+    an export that is off is an error, never ignored."""
     dist = cfg.stage_b_distillation
     if dist.enabled and dist.distill_size is None:
         raise InputError("required when stage_b_distillation.enabled is true (the number of tickets to export)",
@@ -183,8 +174,7 @@ def _resolve_paths(cfg: Config, base: str) -> Config:
 
 
 def input_files(cfg: Config) -> list[tuple[str, str]]:
-    """``(key, path)`` of every input file the config names (not the profile folder): what
-    must be readable and no output may overwrite."""
+    """``(key, path)`` of every input file (not the profile folder): readable, never overwritten."""
     found = [(f"stage_a_paths[{i}]", p) for i, p in enumerate(cfg.stage_a_paths)]
     found.append(("guidance.path", cfg.guidance.path))
     if cfg.rule_search.proposer_prompt_path is not None:
@@ -195,8 +185,7 @@ def input_files(cfg: Config) -> list[tuple[str, str]]:
 
 
 def _check_files(cfg: Config, where: str) -> models.ModelRef:
-    """Input files must be regular files (a FIFO would block the run forever); the model path
-    is checked into the ModelRef the run loads."""
+    """Input files must be regular files (a FIFO would block the run forever)."""
     for key, path in input_files(cfg):
         problem = _not_a_regular_file(path)
         if problem:

@@ -1,11 +1,8 @@
-"""The config schema: every key, type, range and default, as frozen msgspec Structs.
-
-These Struct definitions are the single place where the config's keys are defined
-(docs/usage.md mirrors them; a test keeps the two in step). Every section is frozen: a
-loaded config is a value, resolved once by ``load_config`` (paths absolute, the seeds
-that default to the top-level seed filled in) and never changed afterwards. The helpers at
-the end walk the schema (the Struct a field holds, a field's type at a key path, every
-leaf key), for the key checks, ``--set`` and the docs test.
+"""The config schema: every key, type, range and default, as frozen msgspec Structs (the one
+place the keys are defined, the sections the search and the engines read declared beside
+that code: search/settings.py, engine.records, each engine's module; docs/usage.md documents
+each, a test keeps the two in step), the legacy keys, and the helpers that walk the schema
+for the key checks, ``--set`` and that test.
 """
 
 from __future__ import annotations
@@ -22,29 +19,10 @@ from ...engine.registry import ENGINES
 from ...engine.simulated_engine import SimulatedSettings
 from ...engine.vllm_engine import VllmSettings
 from ...pool.devices import MAX_THREADS_PER_WORKER
+from ...search.settings import BootstrapConfig, DistillConfig, EarlyStopConfig, GateConfig, RuleSearchConfig
+from ...stageb.config_types import TICKETS, TOKENS, Float, Int, NonEmptyStr, Section, Seed
 
-# Constrained scalar types: msgspec checks these while converting and reports the key path.
-# Every number has an upper bound too: a value past it is a typo or an attack (a timeout of
-# 1e300 overflows the event loop, a billion bootstrap iterations run for hours), never a plan.
-TOKENS = 1_000_000_000  # prompt budgets: upstream's production configs set 120,000,000 ("no limit")
-TICKETS = 100_000_000  # pool and export sizes
 WEEK = 7 * 24 * 3600.0  # timeouts, in seconds
-
-
-def Int(lo: int, hi: int):
-    return Annotated[int, Meta(ge=lo, le=hi)]
-
-
-def Float(lo: float, hi: float, *, open_low: bool = False):
-    return Annotated[float, Meta(gt=lo, le=hi)] if open_low else Annotated[float, Meta(ge=lo, le=hi)]
-
-
-Seed = Int(-(2**63), 2**63 - 1)  # any 64-bit integer
-Probability = Float(0, 1)
-Temperature = Float(0, 100)
-Penalty = Float(0, 100, open_low=True)
-TopP = Float(0, 1, open_low=True)
-NonEmptyStr = Annotated[str, Meta(min_length=1)]
 
 # The sampler's fields are declared in engine.records (the wire schema, without ranges); their
 # config ranges are here, checked by checks.check_samplers and documented like the others.
@@ -55,129 +33,72 @@ DECODE_RANGES: dict[str, Meta] = {
 }
 
 
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """Base of every config section: unknown keys are errors, fields are keyword-only, and a
-    loaded config is never changed (a changed copy is ``msgspec.structs.replace``)."""
-
-
-class ModelConfig(_Section, kw_only=True):
+class ModelConfig(Section, kw_only=True):
     path: NonEmptyStr = "embedded"  # "embedded" (SmolLM2-135M), "tiny" (test model), an HF checkpoint dir or a .gguf file
     dtype: str | None = None  # torch dtype name, e.g. "bfloat16"; None: the engine's default for the device
     attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None: transformers' default
     trust_remote_code: bool = False  # passed to transformers when loading a checkpoint
     stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
-    # the generation engine in each worker (vllm: bin/setup-vllm; simulated: a latency model for benchmarks, not a model)
     engine: Literal[tuple(ENGINES)] = next(iter(ENGINES))  # the names of engine/registry.py
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)  # the vllm engine's pinned settings
-    gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker); the GPU count must be a multiple
+    gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker)
     simulated: SimulatedSettings = msgspec.field(default_factory=SimulatedSettings)  # the simulated engine's latency model
 
 
-class PromptConfig(_Section, kw_only=True):
+class PromptConfig(Section, kw_only=True):
     profile: NonEmptyStr = "generic"  # a profile name under configs/prompts/ or a profile directory path
     domain: str | None = None  # domain hint for profiles that have one (bbu_rru: "bbu" | "rru"); None: from the mission
     domain_map: dict[str, NonEmptyStr] = {}  # mission -> domain, before `domain` (upstream's domain_map)
 
     def domain_for(self, mission: str) -> str | None:
-        """The domain a run of ``mission`` uses: ``domain_map[mission]``, else ``domain`` (None:
-        the profile derives it from the mission name)."""
+        """``domain_map[mission]``, else ``domain`` (None: the profile derives it from the mission)."""
         return self.domain_map.get(mission, self.domain)
 
 
-class GuidanceConfig(_Section, kw_only=True):
+class GuidanceConfig(Section, kw_only=True):
     path: NonEmptyStr  # seed guidance JSON (mission-keyed); copied into the run directory at start
     retention: Int(1, 1000) = 5  # guidance snapshots kept in the run directory
 
 
-class OutputConfig(_Section, kw_only=True):
+class OutputConfig(Section, kw_only=True):
     root: NonEmptyStr  # artifacts go to {root}/{mission}/{run_name}/
     run_name: NonEmptyStr  # name of the run directory (no path separators)
     save_rollouts: bool = False  # also write every generated text to rollouts/<rollout>.jsonl
 
 
-class IngestConfig(_Section, kw_only=True):
+class IngestConfig(Section, kw_only=True):
     on_bad_line: Literal["error", "skip"] = "error"  # a malformed ticket line stops the run, or is skipped and counted
     max_line_bytes: Int(1, 1 << 30) = 1 << 20  # a longer ticket line is a bad line (read past, never held whole)
 
 
-class TicketFilterConfig(_Section, kw_only=True):
+class TicketFilterConfig(Section, kw_only=True):
     exclude_ticket_keys: list[str] = []  # ticket keys ("group_id::label") removed right after ingest
     exclude_ticket_keys_path: str | None = None  # file with one key per line (blank lines and # comments ignored)
 
 
-class PoolConfig(_Section, kw_only=True):
-    task_timeout: Float(0, WEEK, open_low=True) = 600.0  # seconds a worker may spend on one request before it counts as stalled
+class PoolConfig(Section, kw_only=True):
+    task_timeout: Float(0, WEEK, open_low=True) = 600.0  # seconds per request before its worker counts as stalled
     start_timeout: Float(0, WEEK, open_low=True) = 900.0  # seconds a worker may take to start and load its model
     max_restarts: Int(0, 1000) = 0  # worker replacements (with the work retried) before the run fails
-    # torch threads of every worker, whatever the worker count and the cores: another thread count
-    # adds reductions in another order, so it is part of the result (and of the resume identity)
     threads_per_worker: Int(1, MAX_THREADS_PER_WORKER) = 1
-    # seconds a request may run without a result before a warning names its worker (then again
-    # after each further stall_warning); null: never. Long before task_timeout stops it.
-    stall_warning: Float(0, WEEK, open_low=True) | None = 120.0
+    stall_warning: Float(0, WEEK, open_low=True) | None = 120.0  # seconds without a result before a warning
     connect_timeout: Float(0, WEEK, open_low=True) = 45.0  # --ray: seconds to reach the cluster before the run fails
 
 
-class RunnerConfig(_Section, kw_only=True):
+class RunnerConfig(Section, kw_only=True):
     epochs: Int(1, 10_000) = 10  # rule-search iteration budget
-    chunk_size: Int(1, 4096) = 16  # tickets per work item sent to a worker; generation seeds are per chunk, so it is part of the result
+    chunk_size: Int(1, 4096) = 16  # tickets per work item; seeds are per chunk, so part of the result
     logging_steps: Int(1, TICKETS) = 256  # audit mode: a baseline_metrics_steps.jsonl row every this many tickets
-    speculate: bool = True  # idle workers compute the next iteration's baseline and proposer calls ahead; same results either way
+    speculate: bool = True  # idle workers compute ahead; same results either way
 
 
-class BootstrapConfig(_Section, kw_only=True):
-    iterations: Int(1, 10_000) = 200  # paired ticket-level bootstrap resamples
-    min_prob: Probability = 0.8  # required P(RER* >= min_relative_error_reduction)
-    seed: Seed | None = None  # bootstrap RNG base (plus the iteration); None: the top-level seed
-
-
-class GateConfig(_Section, kw_only=True):
-    min_relative_error_reduction: Probability = 0.1  # tau: required relative error reduction on the train pool
-    max_changed_fraction: Probability = 0.05  # churn cap: fraction of tickets whose majority may change (0 means 0)
-    max_fp_rate_increase: Probability = 0.01  # largest allowed rise of the false-release rate, for every op
-    bootstrap: BootstrapConfig = msgspec.field(default_factory=BootstrapConfig)
-    eval_max_acc_drop: Probability | None = None  # veto when eval accuracy drops by more; None: log only
-
-
-class EarlyStopConfig(_Section, kw_only=True):
-    patience: Int(1, 10_000) = 3  # stop after this many consecutive iterations without an accepted edit
-
-
-class RuleSearchConfig(_Section, kw_only=True):
-    proposer_prompt_path: NonEmptyStr | None = None  # proposer system prompt file; None: the prompt profile's proposer.txt
-    proposer_temperature: Temperature = 0.4
-    proposer_top_p: TopP = 0.9
-    proposer_repetition_penalty: Penalty = 1.05
-    proposer_max_new_tokens: Int(1, 1_000_000) = 2048
-    proposer_max_prompt_tokens: Int(1, TOKENS) = 4096  # examples are dropped from the end until the prompt fits
-    constrain_proposer: bool = False  # hold the answer to its JSON schema (stageb/proposer_schema.py); off: upstream
-    reflect_size: Int(1, 10_000) = 16  # confidently wrong tickets shown to the proposer
-    num_candidate_rules: Int(1, 100) = 3  # candidates per iteration (proposer, then ablation fill)
-    proposer_calls: Int(1, 64) = 1  # proposer calls per iteration, each with its own seed, candidates merged (1: upstream)
-    train_pool_size: Int(1, TICKETS) = 512  # tickets per iteration's train pool
-    train_pool_fraction: Float(0, 1, open_low=True) | None = None  # overrides the size: round(N_train * f)
-    eval_pool_size: Int(0, TICKETS) = 128  # fixed stratified eval pool (0: no eval pool)
-    gate: GateConfig = msgspec.field(default_factory=GateConfig)
-    early_stop: EarlyStopConfig = msgspec.field(default_factory=EarlyStopConfig)
-    train_sampler: SamplerConfig  # train baseline and candidate rollouts; also the audit rollout
-    eval_sampler: SamplerConfig  # eval pool rollouts
-
-
-class DistillConfig(_Section, kw_only=True):
-    enabled: bool | None = None  # None: on when distill_size is set (upstream's default true); resolved to a bool
-    log_chatml_path: str | None = None  # None: {run_dir}/distill_chatml.jsonl
-    distill_size: Int(1, TICKETS) | None = None  # tickets to export; None: nothing is exported
-    distill_seed: Seed | None = None  # ticket sampling seed; None: the top-level seed
-    distill_temperature: Temperature | None = None  # None: the lowest train-grid temperature
-
-
-class HeadroomConfig(_Section, kw_only=True):
+class HeadroomConfig(Section, kw_only=True):
     enabled: bool = True  # score the judge's P(pass) on a ticket sample before the audit or the search
     tickets: Int(2, 100_000) = 48  # tickets sampled (half of each label where possible)
     min_auc: Float(0.5, 1) = 0.6  # the judge separates the labels when the AUC of its P(pass) is at least this
 
 
-class Config(_Section, kw_only=True):
+class Config(Section, kw_only=True):
     seed: Seed  # the run seed: pools, generation seeds and the bootstrap derive from it
     stage_a_paths: Annotated[list[NonEmptyStr], Meta(min_length=1)]  # Stage-A JSONL ticket files (a single string is accepted)
     mode: Literal["search", "audit"] = "search"  # rule search, or the baseline audit (also: --audit)
@@ -227,9 +148,6 @@ LEGACY_KEYS: dict[str, str] = {
 }
 
 
-# ----------------------------------------------------------------------------- schema walking
-
-
 def struct_of(tp) -> type | None:
     """The Struct type a field holds, looking through Annotated and ``X | None``."""
     tp = strip_annotated(tp)
@@ -254,7 +172,6 @@ def first_in_union(tp, find):
 
 
 def strip_annotated(tp):
-    """The type inside ``Annotated[...]`` (constraints removed)."""
     while get_origin(tp) is Annotated:
         tp = get_args(tp)[0]
     return tp
@@ -275,8 +192,7 @@ def legacy_name(path: str) -> str:
 
 
 def unknown_key_message(path: str, key: str, valid: list[str]) -> str:
-    """The message for a key the schema does not have: its legacy replacement, or the
-    closest valid name."""
+    """For a key the schema does not have: its legacy replacement, or the closest valid name."""
     full = join_key(path, key)
     legacy = LEGACY_KEYS.get(legacy_name(full))
     if legacy:
@@ -308,8 +224,7 @@ def type_at(path: str):
 
 
 def range_of(key: str) -> Meta | None:
-    """The bounds of a numeric key (``runner.epochs``, ``rule_search.train_sampler.grid[].seed``),
-    None for a key that is not a number. Used by the checks' messages and the docs test."""
+    """The bounds of a numeric key (``rule_search.train_sampler.grid[].seed``), else None."""
     m = re.match(r"^rule_search\.(?:train|eval)_sampler\.(grid\[\]\.)?(\w+)$", key)
     if m:
         return (DECODE_RANGES if m.group(1) else SAMPLER_RANGES).get(m.group(2))
@@ -323,9 +238,8 @@ def _meta_of(tp) -> Meta | None:
 
 
 def config_keys(struct: type = Config, prefix: str = "") -> list[tuple[str, Any]]:
-    """Every leaf key of the schema as ``(dotted.key, default)``; the default is
-    ``msgspec.NODEFAULT`` for required keys. Sampler keys appear once per sampler and the
-    grid entries as ``...grid[].field``. Used by the docs test."""
+    """Every leaf key as ``(dotted.key, default)`` (``msgspec.NODEFAULT``: required), grid entries
+    as ``...grid[].field``; for the docs test."""
     out: list[tuple[str, Any]] = []
     for f in msgspec.structs.fields(struct):
         key = join_key(prefix, f.encode_name)

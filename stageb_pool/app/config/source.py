@@ -1,11 +1,8 @@
-"""Reading a config: the YAML file and the ``--set`` overrides, as a raw mapping (types and
-ranges are ``checks``'). Errors are located at ``file:line`` or ``--set``.
-
-The YAML reader is PyYAML's safe loader with its traps removed: scalars resolve by YAML
-1.2's core rules (``010``, ``1:30``, ``0x1f``, ``yes`` stay text, so a key that wants a
-number or a boolean refuses them instead of running with a surprise); a key given twice,
-nesting deeper than ``MAX_DEPTH``, aliases that expand past ``MAX_VALUES`` values (a
-"billion laughs") or into themselves, and an integer past 4,300 digits are errors.
+"""The YAML file and the ``--set`` overrides as a raw mapping, errors located at ``file:line``
+or ``--set``. PyYAML's safe loader with its traps removed: YAML 1.2 scalars (``010``, ``1:30``,
+``yes`` stay text, so a key that wants a number refuses them), and a key given twice, nesting
+past ``MAX_DEPTH``, aliases past ``MAX_VALUES`` values or into themselves and an integer past
+4,300 digits are errors.
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ MAX_VALUES = 100_000  # a config holds a few hundred values, aliases expanded
 
 
 class _Resolver(yaml.resolver.BaseResolver):
-    """YAML 1.2 core schema resolution of plain scalars (no octal, sexagesimal, yes/no, dates),
-    except that an integer with a leading zero stays text: 1.1 would read ``010`` as 8, 1.2 as
-    10, and nobody can tell which the author meant."""
+    """YAML 1.2 core scalars, but an integer with a leading zero stays text: 1.1 reads ``010``
+    as 8, 1.2 as 10, and nobody can tell which the author meant."""
 
     yaml_implicit_resolvers: dict = {}
 
@@ -75,8 +71,7 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.
 
 
 def _check_expansion(root) -> None:
-    """Refuse a node graph whose aliases loop or expand past MAX_VALUES values or MAX_DEPTH
-    levels. Sizes are computed once per node, so a billion laughs costs a few steps."""
+    """Sizes are computed once per node, so a billion laughs costs a few steps."""
     if root is None:
         return
     size: dict[int, tuple[int, int]] = {}  # id(node) -> (values, depth) once done
