@@ -278,7 +278,6 @@ class RolloutRunner(SpeculativeSubmissions):
         return [scored for result in results for scored in result.tickets]
 
     def _chunks(self, tickets: list[Ticket]) -> list[tuple[int, list[Ticket]]]:
-        """``tickets`` cut, in their order, into ``(chunk index, tickets)`` of ``chunk_size``."""
         return [(index, tickets[start:start + self.chunk_size])
                 for index, start in enumerate(range(0, len(tickets), self.chunk_size))]
 
@@ -309,7 +308,6 @@ class RolloutRunner(SpeculativeSubmissions):
             self.rollout_seconds += time.monotonic() - started
 
     def _credit(self, task, tickets: int) -> None:
-        """``tickets`` of a finished ``task`` counted for the worker that ran it."""
         self.tickets_by_rank[task.ran_on] += tickets
 
     def continue_counts(self, chunks_used, done: int, saved: int) -> None:
@@ -318,7 +316,6 @@ class RolloutRunner(SpeculativeSubmissions):
         self.run_done, self.run_saved = int(done), int(saved)
 
     def run(self, spec: RolloutSpec) -> RolloutResult:
-        """Submit and wait for one rollout."""
         return self.wait([self.submit(spec)])[0]
 
     def _assemble(self, pending: Pending) -> RolloutResult:
