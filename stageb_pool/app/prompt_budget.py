@@ -170,7 +170,9 @@ def proposer_verdict(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> 
     lang = proposer.proposer_language(inputs.profile.verdict)
     head = proposer.build_proposer_prompt(inputs.proposer_system, inputs.mission,
                                           dict(inputs.seed_guidance.experiences), [], lang=lang)
-    example = lambda t: proposer.render_example(1, _wrong_vote(t), t, lang=lang)  # noqa: E731
+    def example(t):
+        return proposer.render_example(1, _WrongVote("fail" if t.label == "pass" else "pass"), t, lang=lang)
+
     per_token = max_token_chars(tokenizer)
     encoder = PromptEncoder(tokenizer)
     shortest = None
@@ -203,10 +205,6 @@ class _WrongVote(NamedTuple):
     majority: str
     agreement: float = 1.0
     difficulty: float = 1.0
-
-
-def _wrong_vote(ticket) -> _WrongVote:
-    return _WrongVote("fail" if ticket.label == "pass" else "pass")
 
 
 def _train_tickets(measured: list[Measured]) -> list:

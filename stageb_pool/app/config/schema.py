@@ -186,15 +186,10 @@ def join_key(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def legacy_name(path: str) -> str:
-    """The LEGACY_KEYS spelling of a key path: list indices become ``[]``."""
-    return re.sub(r"\[\d+\]", "[]", path)
-
-
 def unknown_key_message(path: str, key: str, valid: list[str]) -> str:
     """For a key the schema does not have: its legacy replacement, or the closest valid name."""
     full = join_key(path, key)
-    legacy = LEGACY_KEYS.get(legacy_name(full))
+    legacy = LEGACY_KEYS.get(re.sub(r"\[\d+\]", "[]", full))  # LEGACY_KEYS writes list indices as []
     if legacy:
         return f"legacy key {full!r}: {legacy}"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5) if len(key) <= 100 else []
