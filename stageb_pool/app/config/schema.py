@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from ...engine.records import SamplerConfig
-from ...engine.registry import ENGINES
+from ...engine.registry import DEFAULT_ENGINE, ENGINES
 from ...engine.simulated_engine import SimulatedSettings
 from ...engine.vllm_engine import VllmSettings
 from ...pool.devices import MAX_THREADS_PER_WORKER
@@ -39,7 +39,7 @@ class ModelConfig(Section, kw_only=True):
     attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None: transformers' default
     trust_remote_code: bool = False  # passed to transformers when loading a checkpoint
     stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
-    engine: Literal[tuple(ENGINES)] = next(iter(ENGINES))  # the names of engine/registry.py
+    engine: Literal[tuple(ENGINES)] = DEFAULT_ENGINE  # the names of engine/registry.py
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)  # the vllm engine's pinned settings
     gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker)
     simulated: SimulatedSettings = msgspec.field(default_factory=SimulatedSettings)  # the simulated engine's latency model
