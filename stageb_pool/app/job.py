@@ -1,9 +1,5 @@
-"""One run of a plan (``plan.RunPlan``: every input already validated, the devices and the
-model path resolved), start to finish: take and start the run directory (``run_owner.RunDir``:
-its refusals before anything on disk is touched, its lock the first write), start the pool,
-check the judge's headroom, run the audit or the rule search, write the summary, close the
-pool.
-"""
+"""One run of a validated plan (``plan.RunPlan``), start to finish. The run directory's refusals
+come before anything on disk is touched and its lock is the first write (``run_owner.RunDir``)."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ from ..search.fileio import write_json, write_jsonl
 from ..search.guidance_store import GuidanceStore
 from ..search.headroom import HeadroomSettings, run_headroom, summary_entry
 from ..search.rollout import RolloutRunner
-from ..search.rule_search import check_resume, run_search
+from ..search.rule_search import RuleSearch, check_resume
 from ..search.rundir import RunJson
 from ..search.run_owner import RunDir
 from ..search.settings import RunIdentity, SearchSettings
@@ -40,11 +36,8 @@ def run_job(config, gpus: str, *, audit: bool = False, resume: bool = False, ove
             debug: bool = False, engine_factory=None, argv: list[str] | None = None,
             config_path: str | None = None, ray_address: str | None = None, wait: bool | float = False,
             report_jobs: list | None = None) -> int:
-    """``run_plan`` of a config already loaded (tests, benchmarks): planned with the ``--gpus``
-    spec ``gpus`` and ``ray_address`` (``--ray``) as the CLI plans it. ``engine_factory`` (a
-    test seam) replaces the model engine, and then the prompts are not measured with the
-    model's tokenizer beforehand; ``config_path`` (the config file) is one of the inputs no
-    output may overwrite."""
+    """``run_plan`` of a loaded config (tests, benchmarks), planned as the CLI plans it.
+    ``config_path`` is one of the inputs no output may overwrite."""
     plan = plan_run(config, audit=audit, config_path=config_path,
                     devices=DeviceRequest(gpus, ray_address=ray_address, debug=debug),
                     check_prompts=engine_factory is None)  # the model's own tokenizer renders the prompts
@@ -56,15 +49,10 @@ def run_plan(plan: RunPlan, *, resume: bool = False, overwrite: bool = False, wa
              engine_factory=None, argv: list[str] | None = None, report_jobs: list | None = None) -> int:
     """Run the audit or rule search of ``plan``; return 0 on success. Exceptions propagate (the
     CLI maps InputError -> 2, PoolError -> 1, KeyboardInterrupt -> 130).
-
-    The workers run where the plan's backend says (``Inline``: ``--debug``; ``Ray``: ``--ray``,
-    the parent still writing every artifact here). ``engine_factory`` (a test seam) replaces
-    the model engine; ``argv`` is recorded in run.json (default: sys.argv). Another process
-    holding the run directory is an InputError naming its pid, or, with ``wait`` (``--wait
-    [SECONDS]``: True or a bound in seconds), waited for. report.html is rendered by a child
-    process while the pool closes, and waited for before this returns; with ``report_jobs`` (a
-    list) its ``ReportJob`` is appended there instead, for the caller to ``wait`` (a benchmark
-    that times the run and the report apart)."""
+    ``engine_factory`` (a test seam) replaces the model engine; ``argv`` goes to run.json
+    (default: sys.argv); ``wait``: ``--wait [SECONDS]``. report.html is rendered by a child
+    process while the pool closes and waited for here, or, given ``report_jobs`` (a list),
+    its ``ReportJob`` is appended there for the caller to wait for (a benchmark)."""
     started = time.monotonic()
     config, inputs = plan.config, plan.inputs
     store = GuidanceStore(plan.run_dir, inputs.mission, config.guidance.retention)
@@ -92,7 +80,7 @@ def run_json(plan: RunPlan, *, argv: list[str] | None) -> RunJson:
 
 def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunIdentity | None, *,
                 engine_factory, report_jobs: list | None, started: float) -> int:
-    """``run_plan`` from the moment its run directory has started."""
+    """``run_plan`` once its run directory has started."""
     config, inputs, run_dir, devices = plan.config, plan.inputs, plan.run_dir, plan.devices
     factory = engine_factory or engine_factory_for(config.model, inputs.model)
     ray = isinstance(plan.backend, Ray)
@@ -132,10 +120,10 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
                                 settings=audit_settings(config, inputs), run_dir=run_dir, log=log,
                                 headroom=headroom)
         else:
-            summary = run_search(runner=runner, store=store, run_dir=run_dir, tickets=inputs.tickets,
+            summary = RuleSearch(runner=runner, store=store, run_dir=run_dir, tickets=inputs.tickets,
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
                                  identity=identity, resume=run.resume_point, log=log, headroom=headroom,
-                                 speculate=config.runner.speculate)
+                                 speculate=config.runner.speculate).run()
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
         write_jsonl(run_dir / artifacts.TIMELINE.name, timeline_rows(pool))
@@ -156,9 +144,8 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
 
 
 def close_after_failure(pool) -> None:
-    """Close the pool on the way out of a failed run. The error that ended the run is the
-    one to report: a second one from the close (the zygote died with the workers) is only
-    logged, never raised in its place."""
+    """Close the pool after a failed run: an error of the close (the zygote died with the
+    workers) is only logged, never raised in place of the run's own."""
     try:
         pool.close()
     except Exception as err:  # noqa: BLE001 - reported, and the run's own error goes on
@@ -173,8 +160,7 @@ def search_settings(config, inputs: RunInputs) -> SearchSettings:
 
 
 def headroom_settings(config) -> HeadroomSettings:
-    """The judge-headroom check's values: its config section, the run seed, and the train
-    sampler's prompt cap (the prompts are the train rollouts' prompts)."""
+    """The judge-headroom check's values (its prompts are the train rollouts': their cap)."""
     return HeadroomSettings(seed=config.seed, tickets=config.headroom.tickets, min_auc=config.headroom.min_auc,
                             max_prompt_tokens=config.rule_search.train_sampler.max_prompt_tokens)
 
@@ -188,7 +174,7 @@ def audit_settings(config, inputs: RunInputs) -> AuditSettings:
                          distill=config.stage_b_distillation)
 
 
-def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> dict:
+def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> None:
     """Add the volatile ``timing`` and ``workers`` objects and write ``summary.json``."""
     summary = dict(summary)
     timing = dict(summary.get("timing") or {})
@@ -199,12 +185,10 @@ def write_summary(run_dir, summary: dict, *, runner, pool, started: float) -> di
     path = Path(run_dir) / artifacts.SUMMARY.name
     write_json(path, summary)
     log.info("summary written to %s", path)
-    return summary
 
 
 def timeline_rows(pool) -> list[dict]:
-    """``pool_timeline.jsonl``: every completed task (rank, device, method, label, start and
-    end in seconds since the pool started, to the millisecond), in start order."""
+    """``pool_timeline.jsonl``'s rows: every completed task, in start order."""
     rows = [{"rank": rank, "device": pool.devices[rank].name, "method": method, "label": label,
              "start_s": round(start, 3), "end_s": round(end, 3)}
             for rank, method, label, start, end in pool.stats.intervals]
@@ -212,8 +196,7 @@ def timeline_rows(pool) -> list[dict]:
 
 
 def worker_throughput(pool, tickets_by_rank: dict[int, int] | None = None) -> dict:
-    """Per worker: items done, busy seconds (from pool.stats), rollout tickets, tickets/s and
-    how many times it was replaced (restarts: they depend on faults, not on the inputs)."""
+    """``summary.json``'s volatile ``workers``: per worker, its work, speed and restarts."""
     items, busy = pool.stats.items, pool.stats.busy_s  # per rank
     out = {}
     for rank, device in enumerate(pool.devices):

@@ -1,21 +1,9 @@
-"""Where a run may write, checked before anything is written: never onto an input.
-
-A run writes inside its run directory, plus the distillation file when
-``stage_b_distillation.log_chatml_path`` puts it elsewhere (the one key documented to write
-outside). Before the run directory is touched, every input (tickets, guidance, the
-exclusion list, the proposer prompt, the prompt profile's folder, the config file) is
-resolved (symbolic links, hard links) and the run is refused, exit code 2, when
-
-- the distillation file would be one of those inputs, a directory (also one the run creates:
-  the run directory or a folder above it), a file of the run directory that the run writes
-  itself, or inside the prompt profile's folder;
-- an input lies inside the run directory (``--overwrite`` deletes it, ``--resume`` may
-  rewrite it).
-
-A run also refuses to replace an existing distillation file that is not its own earlier
-output unless it was given ``--overwrite``, as it refuses an existing run directory
-(``rundir.RunDir``, given ``distillation_file``).
-"""
+"""Where a run may write, checked before anything is written: never onto an input. A run writes
+inside its run directory, plus the distillation file ``stage_b_distillation.log_chatml_path``
+may put elsewhere (docs/usage.md, that key). Every input is resolved (symbolic and hard links):
+one inside the run directory (which ``--overwrite`` deletes) is refused, and so is a
+distillation file that is an input, a folder or a file the run writes itself (an existing one
+is ``run_owner.RunDir``'s to refuse)."""
 
 from __future__ import annotations
 
@@ -58,8 +46,7 @@ def check_outputs(config, run_dir: Path, *, config_path: str | None = None) -> N
     real = _real(chatml)
     if os.path.isdir(real):
         raise InputError(f"{chatml} is a directory, not a file", where)
-    # The run creates its directory and the folders above it: checked here, before they exist,
-    # the export is refused now, not at the end of a whole run.
+    # the run creates these: checked before they exist, so the export is refused now, not at the end
     if real == run_real:
         raise InputError(f"{chatml} is the run directory, not a file", where)
     if _inside(run_real, real):

@@ -1,9 +1,6 @@
-"""Text in and out of a chat model, shared by the engines (``ChatText`` for one tokenizer):
-chat-template rendering, prompt ids with every message content tokenized as text
-(``PromptEncoder``: a control token's spelling in data never becomes that token, or a ticket
-could close the user turn; docs/formats.md), the stop strings (the end-of-turn ones always,
-``model.stop`` added, as upstream), a completion's clean-up, the over-length drop and a
-chunk's result.
+"""Text in and out of a chat model, shared by the engines (``ChatText`` for one tokenizer).
+Every message content is tokenized as text (``PromptEncoder``): a control token's spelling in
+data never becomes that token, or a ticket could close the user turn (docs/formats.md).
 """
 
 from __future__ import annotations
@@ -28,7 +25,8 @@ def render(tokenizer, messages: list[dict]) -> str:
 
 
 def stop_strings(tokenizer, extra: list[str] | None = None) -> list[str]:
-    """The tokenizer's eos and the ``END_OF_TURN`` tokens it has, then ``extra``, no repeats."""
+    """The tokenizer's eos and the ``END_OF_TURN`` tokens it has (always, as upstream), then
+    ``extra`` (``model.stop``), no repeats."""
     vocab = tokenizer.get_vocab()
     defaults = [t for t in (tokenizer.eos_token, *END_OF_TURN) if t and t in vocab]
     return list(dict.fromkeys([*defaults, *(extra or [])]))
@@ -178,7 +176,6 @@ class ChatText:
 
     def rollout_result(self, chunk, ids: list[list[int]], kept: list[int], completions: list[Completion],
                        started: float) -> ChunkResult:
-        """``rollout_result`` with the samples of ``completions``, in their order."""
         samples: list[list[Sample]] = [[] for _ in chunk.tickets]
         for c, text in zip(completions, self.texts([c.ids for c in completions])):
             samples[c.ticket].append(Sample(c.decode, c.sample, text, len(c.ids), c.finish_reason,

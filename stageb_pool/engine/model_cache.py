@@ -111,12 +111,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-TINY_CHECKPOINT_NAME = "tiny-qwen2-h32"  # the tiny model as ensure_tiny_checkpoint saves it (head size 32)
+TINY_CHECKPOINT_NAME = "tiny-qwen2-h32"  # the tiny model as ensure_tiny_checkpoint saves it
 
 
-def ensure_tiny_checkpoint(heads: int = 2) -> Path:
-    """The tiny test model as a checkpoint directory in the user cache. ``heads=2``: head size
-    32 (``TINY_CHECKPOINT_NAME``), which vLLM's CPU attention accepts (the in-code 16 it does not)."""
+def ensure_tiny_checkpoint() -> Path:
+    """The tiny test model as a checkpoint directory in the user cache, with 2 heads: head size
+    32, which vLLM's CPU attention accepts (the in-code 16 it does not)."""
     quiet_transformers()
     import tokenizers
 
@@ -124,10 +124,10 @@ def ensure_tiny_checkpoint(heads: int = 2) -> Path:
         from . import tiny
 
         tokenizer = tiny.build_tokenizer()
-        tiny.build_model(tokenizer, heads=heads).save_pretrained(out)
+        tiny.build_model(tokenizer, heads=2).save_pretrained(out)
         tokenizer.save_pretrained(out)
 
-    return _cached_build(cache_root() / f"tiny-qwen2-h{64 // heads}-tokenizers{tokenizers.__version__}", build)
+    return _cached_build(cache_root() / f"{TINY_CHECKPOINT_NAME}-tokenizers{tokenizers.__version__}", build)
 
 
 def quiet_transformers() -> None:

@@ -49,14 +49,3 @@ class ModelEngine:
         out, reason = self._complete(request, row)
         (text,) = self.text.texts([out])
         return ChatResult(text, k, len(row), len(out), reason)
-
-    def _sample(self, chunk: RolloutChunk, ids: list[list[int]], kept: list[int],
-                regex: str | None) -> list[chat_text.Completion]:
-        raise NotImplementedError
-
-    def _score_answers(self, chunk: VerdictChunk, ids: list[list[int]], kept: list[int],
-                       answers: tuple[list[int], ...]) -> list[tuple[float, ...]]:
-        raise NotImplementedError
-
-    def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
-        raise NotImplementedError

@@ -11,7 +11,6 @@ from msgspec import Meta
 
 from ..stageb.tickets import TicketText  # what a worker needs of a ticket (no label)
 
-
 DEFAULT_MAX_PROMPT_TOKENS = 4096
 
 

@@ -71,7 +71,6 @@ AGREEMENT = ("torch", "transformers")
 
 
 def entry(name: str) -> EngineEntry:
-    """The entry of engine ``name`` (a ValueError naming the known ones for another name)."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r} (expected one of {', '.join(ENGINES)})")
     return ENGINES[name]
@@ -101,11 +100,7 @@ def engine_factory_for(config, model: ModelRef):
     is loaded here, once, before the fork."""
     load = entry(config.engine).preload
     preloaded = None if load is None else load(model)
-
-    def build(device: Device):
-        return build_engine(device, model, config, preloaded)
-
-    return build
+    return functools.partial(build_engine, model=model, config=config, preloaded=preloaded)
 
 
 def pin_cuda_environment() -> None:

@@ -87,12 +87,9 @@ class TokenCounter:
         self.encoded = 0  # pieces encoded so far (the rest came from the memo)
 
     def __call__(self, texts) -> list[int]:
-        return [self.count(text) for text in texts]
-
-    def count(self, text: str) -> int:
         if not self.split_lines:
-            return self._piece(text)
-        return sum(self._piece(piece) for piece in _LINE_BOUNDARY.split(text))
+            return [self._piece(text) for text in texts]
+        return [sum(self._piece(piece) for piece in _LINE_BOUNDARY.split(text)) for text in texts]
 
     def _piece(self, text: str) -> int:
         n = self.memo.get(text)
@@ -139,10 +136,10 @@ def token_counter(model: ModelRef) -> TokenCounter:
 
     if model.kind == "tiny":
         return fast_counter(tiny.build_bpe())
+    if model.kind == "embedded":
+        model_cache.ensure_embedded()  # converted once, in the user cache
     path = tokenizer_file(model)
-    if path is None and model.kind == "embedded":
-        path = model_cache.ensure_embedded() / "tokenizer.json"
-    if path is not None and path.is_file():
+    if path is not None:
         return fast_counter(Tokenizer.from_file(str(path)))
     slow = models.tokenizer_only(model)
     return TokenCounter(lambda text: len(slow(text, add_special_tokens=False)["input_ids"]), split_lines=False)
@@ -188,8 +185,10 @@ class SimulatedEngine:
         return {"engine": NAME, "model": "none: the simulated engine (a latency model, not a model)",
                 "model_path": self.model_path, NAME: msgspec.to_builtins(self.settings)}
 
-    def _prompt_tokens(self, tickets, guidance: dict[str, str], profile) -> list[int]:
-        return messages_tokens(self.count, [prompts.build_messages(profile, guidance, t) for t in tickets])
+    def _prompt_tokens(self, chunk, guidance: dict[str, str], profile) -> tuple[list[int], list[int]]:
+        """The prompt tokens of every ticket of ``chunk``, and the positions kept."""
+        lengths = messages_tokens(self.count, [prompts.build_messages(profile, guidance, t) for t in chunk.tickets])
+        return lengths, chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
 
     def _sleep(self, seconds: float) -> None:
         self.modelled_s += seconds
@@ -198,8 +197,7 @@ class SimulatedEngine:
 
     def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: prompts.PromptProfile) -> ChunkResult:
         start = time.perf_counter()
-        lengths = self._prompt_tokens(chunk.tickets, guidance, profile)
-        kept = chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
+        lengths, kept = self._prompt_tokens(chunk, guidance, profile)
         conditions = rule_judge.fail_conditions(guidance)
         samples: list[list[Sample]] = [[] for _ in chunk.tickets]
         for i in kept:
@@ -218,8 +216,7 @@ class SimulatedEngine:
                               profile: prompts.PromptProfile) -> VerdictChunkResult:
         """P(pass) 0.8 or 0.2 by the rule judge's verdict, jittered by the ticket key."""
         start = time.perf_counter()
-        lengths = self._prompt_tokens(chunk.tickets, guidance, profile)
-        kept = chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
+        lengths, kept = self._prompt_tokens(chunk, guidance, profile)
         conditions = rule_judge.fail_conditions(guidance)
         p_pass = {}
         for i in kept:

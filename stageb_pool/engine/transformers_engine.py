@@ -58,32 +58,27 @@ class TransformersEngine(ModelEngine):
 
     def __init__(self, model, tokenizer, device: Device, *, stop: list[str] | None = None,
                  model_path: str = "", model_name: str = ""):
+        from transformers import GenerationConfig
+
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = device
         self.model_path = model_path
         self.model_name = model_name or getattr(model.config, "name_or_path", "") or type(model).__name__
+        self.text = chat_text.ChatText(tokenizer, stop)
         self.dtype = str(model.dtype).removeprefix("torch.")
         self.attn_implementation = getattr(model.config, "_attn_implementation", None)
-        self._setup_tokens(stop)
+        self.pad_id = tokenizer.pad_token_id
+        # Start from transformers' defaults, not the checkpoint's generation_config (which
+        # may carry top_k, min_p, ...): every sampling knob comes from the Decode. One-token
+        # stops end generation through eos_token_id; longer ones go to generate's stop_strings.
+        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.text.stop_ids or None)
         self._grammars: Grammars | None = None
         # transformers 5.x renamed forward's past_key_values to cache (the old name warns).
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-    def _setup_tokens(self, stop) -> None:
-        from transformers import GenerationConfig
-
-        tok = self.tokenizer
-        tok.padding_side = "left"
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        # One-token stops end generation through eos_token_id; longer ones go to generate's
-        # stop_strings and the decoded text is cut at them.
-        self.text = chat_text.ChatText(tok, stop)
-        self.pad_id = tok.pad_token_id
-        # Start from transformers' defaults, not the checkpoint's generation_config (which
-        # may carry top_k, min_p, ...): every sampling knob comes from the Decode.
-        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.text.stop_ids or None)
 
     def info(self) -> dict:
         return provenance.engine_info(
@@ -150,7 +145,6 @@ class TransformersEngine(ModelEngine):
         return out
 
     def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
-        """The proposer's prompt alone in one seeded generate, held to its JSON schema if any."""
         with _located_oom(lambda: f"proposer chat {request.seed_key!r} ({len(row)} prompt tokens)"):
             ((out, reason),) = self._generate(self._pad([row]), request.decode, stable_seed(request.seed_key),
                                               json_schema=request.json_schema)

@@ -54,7 +54,7 @@ def check_installed() -> None:
                          "bin/setup-vllm and run .venv-vllm/bin/stageb-pool", f"model.engine: {NAME}")
 
 
-def prepare_environment(device: Device, threads: int) -> None:
+def prepare_environment(threads: int) -> None:
     """What vLLM reads from the environment, set before vllm (or torch) is imported."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: no grandchild
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -88,7 +88,7 @@ def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
 def build_vllm_engine(device: Device, model: ModelRef, config, preloaded=None) -> VllmEngine:
     pinned = config.vllm
     threads = (pinned.cpu_threads or device.threads) if device.kind == "cpu" else device.threads
-    prepare_environment(device, threads)
+    prepare_environment(threads)
     folder = models.checkpoint_dir(model)
     tokenizer = models.load_tokenizer(folder, config.trust_remote_code)
     models.require_chat_template(tokenizer, model.path)
@@ -120,9 +120,9 @@ class VllmEngine(ModelEngine):
         self.device = device
         self.model_path = model_path
         self.model_name = model_name
+        self.text = chat_text.ChatText(tokenizer, stop)
         self.settings = dict(settings or {})
         self.max_model_len = self.settings.get("max_model_len") or llm.llm_engine.model_config.max_model_len
-        self.text = chat_text.ChatText(tokenizer, stop)
         self._broken = ""
 
     def info(self) -> dict:
@@ -161,7 +161,6 @@ class VllmEngine(ModelEngine):
         return [tuple(sums[n * k:(n + 1) * k]) for n in range(len(kept))]
 
     def _complete(self, request: ChatRequest, row: list[int]) -> tuple[list[int], str]:
-        """The proposer's prompt as one seeded request, held to its JSON schema when it has one."""
         params = self._params(request.decode, stable_seed(request.seed_key), json_schema=request.json_schema)
         ((out, reason),) = self._generate([(row, params)])
         return out, reason
@@ -222,7 +221,7 @@ def _answer_logprob(prompt_logprobs, row: list[int], n: int) -> float:
     """The last ``n`` tokens' log-probabilities, summed in token order as transformers does."""
     if prompt_logprobs is None or len(prompt_logprobs) != len(row):
         raise RuntimeError(f"vLLM returned {len(prompt_logprobs or [])} prompt log-probs for {len(row)} tokens")
-    total = 0.0
+    total = 0.0  # a loop, not sum(): sum() compensates float rounding since Python 3.12
     for position in range(len(row) - n, len(row)):
         total += prompt_logprobs[position][row[position]].logprob
     return total

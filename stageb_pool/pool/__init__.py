@@ -7,16 +7,8 @@ here imports from the rest of the package (tests/test_layout.py checks it).
 from .backend import Backend, Fork, Inline, Ray, plan_devices
 from .devices import Device, DeviceSpecError, parse_gpus
 from .engine_agreement import ACCEPT_ANY, REFUSE_ANY_DIFFERENCE, EngineAgreement
-from .errors import (
-    FrameTooLarge,
-    PoolError,
-    ProtocolError,
-    RemoteTraceback,
-    TaskCancelled,
-    WorkerDied,
-    WorkerError,
-    WorkerTimeout,
-)
+from .errors import (FrameTooLarge, PoolError, ProtocolError, RemoteTraceback, TaskCancelled, WorkerDied,
+                     WorkerError, WorkerTimeout)
 from .pool import Pool
 from .tasks import PoolStats, TaskHandle
 

@@ -14,7 +14,7 @@ _ANY = msgspec.json.Decoder()
 
 
 class BadRequest(TypeError):
-    """A task's item or shared value does not decode into the declared parameter type."""
+    """A task's item or shared value does not fit the declared parameter type."""
 
 
 class _Signature:
@@ -50,8 +50,7 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes, name: str):
 
 
 class Calls:
-    """Calls engine methods from task frames; holds this worker's shared values as bytes, each
-    decoded once per type it is asked as."""
+    """Calls engine methods; holds the shared values as bytes, decoded once per type asked."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -66,7 +65,6 @@ class Calls:
         self._decoded = {k: v for k, v in self._decoded.items() if k[0] in self.values}
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
-        """``engine.<method>(item, **shared values)``, every argument decoded as declared."""
         bound = getattr(self.engine, method)
         sig = self._signatures.get(method)
         if sig is None:

@@ -27,7 +27,7 @@ def check_reachable(address: str, timeout: float) -> str:
             pass
     except ConnectionRefusedError:
         raise PoolError(f"cannot connect to the Ray cluster at {named}: nothing is listening there "
-                        f"(connection refused){_hint(address)}") from None
+                        f"(connection refused){start_hint(address)}") from None
     except (socket.timeout, TimeoutError):
         raise PoolError(f"cannot connect to the Ray cluster at {named}: no answer within {timeout:g} s "
                         "(connect_timeout)") from None
@@ -52,9 +52,13 @@ def check_reachable(address: str, timeout: float) -> str:
 
 
 def gcs_answers(gcs: str, timeout: float = 1.0) -> bool:
-    """Whether the GCS still accepts a connection: asked before Ray's state queries, which
-    block while the GCS is gone."""
+    """Whether the GCS still accepts a connection (Ray's state queries block while it is gone)."""
     host, _, port = gcs.rpartition(":")
+    return port_answers(host, port, timeout)
+
+
+def port_answers(host: str, port, timeout: float) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout`` seconds."""
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
             return True
@@ -74,7 +78,7 @@ def resolve(address: str) -> tuple[str, str]:
         gcs = services.canonicalize_bootstrap_address(address)
     except (ConnectionError, ValueError) as exc:
         raise PoolError(f"cannot connect to the Ray cluster at {address!r}: {_first_sentence(exc)}"
-                        f"{_hint(address)}") from None
+                        f"{start_hint(address)}") from None
     if gcs is None:  # only "local" resolves to nothing, and it is never probed
         raise PoolError(f"no Ray cluster address in {address!r}")
     return gcs, source
@@ -108,5 +112,5 @@ def _first_sentence(exc: BaseException) -> str:
     return head + dot.strip() if head else type(exc).__name__
 
 
-def _hint(address: str) -> str:
+def start_hint(address: str) -> str:
     return " (start one with `ray start --head`, or use address 'local')" if address == "auto" else ""

@@ -24,8 +24,7 @@ class DeviceSpecError(ValueError):
 
 
 class GroupSizeError(DeviceSpecError):
-    """A GPUs-per-worker value that does not fit the spec; the CLI locates it at
-    ``--gpus-per-worker`` (or the config key)."""
+    """A GPUs-per-worker value that does not fit the spec (the CLI names ``--gpus-per-worker`` or the config key)."""
 
 
 class Device(msgspec.Struct, frozen=True):
@@ -44,15 +43,13 @@ class Device(msgspec.Struct, frozen=True):
     in_parent: bool = False  # set by in_this_process: the engine runs in the parent (inline)
 
     @property
-    def gpus(self) -> tuple[int, ...]:
-        """The GPUs this worker holds (none on CPU)."""
+    def gpus(self) -> tuple[int, ...]:  # none on CPU
         if self.kind != "cuda":
             return ()
         return self.group or (self.index,)
 
     @property
-    def group_size(self) -> int:
-        """GPUs per worker: 1 for an ungrouped GPU worker and for a CPU worker."""
+    def group_size(self) -> int:  # 1 for a CPU worker too
         return max(1, len(self.gpus))
 
     @property
@@ -76,8 +73,7 @@ class Device(msgspec.Struct, frozen=True):
             return [f"cuda:{g}" for g in self.gpus]
         return [f"cuda:{self.ordinal + i}" for i in range(len(self.gpus))]
 
-    def in_this_process(self) -> Device:
-        """This device as seen by an engine in the parent (inline mode)."""
+    def in_this_process(self) -> Device:  # as an engine in the parent sees it (inline mode)
         return msgspec.structs.replace(self, ordinal=self.index if self.kind == "cuda" else 0, in_parent=True)
 
     def physical_gpus(self) -> list[str]:
@@ -85,8 +81,7 @@ class Device(msgspec.Struct, frozen=True):
         mask = visible_mask()
         return [str(g) if mask is None else mask[g] for g in self.gpus]
 
-    def visible_devices(self) -> str:
-        """The worker's CUDA_VISIBLE_DEVICES, relative to the parent's own mask."""
+    def visible_devices(self) -> str:  # relative to the parent's own mask
         return ",".join(self.physical_gpus())
 
 
@@ -125,7 +120,7 @@ def mask_text() -> str:
 
 
 def count_gpus() -> int:
-    """Number of GPUs this process may use, without initialising CUDA."""
+    """GPUs this process may use, counted without initialising CUDA."""
     mask = visible_mask()
     if mask is not None:
         return len(mask)
@@ -139,8 +134,7 @@ def count_gpus() -> int:
 
 
 def gpu_memory_bytes() -> dict[int, int] | None:
-    """Total memory of each usable GPU, by its ``--gpus`` index, from ``nvidia-smi``; None when
-    it cannot be read."""
+    """Each usable GPU's total memory by its ``--gpus`` index, from ``nvidia-smi``; None if unreadable."""
     if not shutil.which("nvidia-smi"):
         return None
     try:
@@ -171,13 +165,11 @@ _TOO_BIG = 10**9  # stands for any number of 10 or more digits: never a GPU inde
 
 
 def _quote(text: str) -> str:
-    """The spec for an error message: a huge one is cut short."""
     return repr(text) if len(text) <= 40 else repr(text[:30]) + f"... ({len(text)} characters)"
 
 
 def _int(digits: str) -> int:
-    """The value of ASCII digits; ``_TOO_BIG`` for 10 or more significant digits (int() may
-    refuse 4300)."""
+    """The value of ASCII digits; ``_TOO_BIG`` for 10 or more (int() may refuse 4300)."""
     digits = digits.lstrip("0") or "0"
     return int(digits) if len(digits) < 10 else _TOO_BIG
 
@@ -227,7 +219,6 @@ def _refuse_mig_groups(gpus_per_worker: int, counted: bool) -> None:
 
 
 def check_gpus_per_worker(gpus_per_worker) -> int:
-    """``gpus_per_worker`` as an int in 1..``MAX_GPUS_PER_WORKER``, or a DeviceSpecError."""
     if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, int) \
             or not 1 <= gpus_per_worker <= MAX_GPUS_PER_WORKER:
         raise GroupSizeError(f"GPUs per worker must be a whole number from 1 to {MAX_GPUS_PER_WORKER}, "
@@ -252,20 +243,9 @@ def _check_multiple(count: int, gpus_per_worker: int, what: str) -> None:
 
 
 def check_threads_per_worker(value) -> int:
-    """``value`` if an int in [1, ``MAX_THREADS_PER_WORKER``], else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS_PER_WORKER:
         raise ValueError(f"threads_per_worker must be an integer from 1 to {MAX_THREADS_PER_WORKER}, got {value!r}")
     return value
-
-
-def _cpu_devices(spec: str, threads: int) -> list[Device]:
-    m = _CPU.fullmatch(spec)
-    n = 1 if m.group(1) is None else _int(m.group(1))
-    if n < 1:
-        raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
-    if n > MAX_CPU_WORKERS:
-        raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_CPU_WORKERS} CPU workers")
-    return [Device("cpu", i, i, threads) for i in range(n)]
 
 
 def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpus_per_worker: int = 1,
@@ -275,16 +255,20 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
     GPU indices are checked against those that exist (``gpu_count``, counted when not given)."""
     gpus_per_worker = check_gpus_per_worker(gpus_per_worker)
     threads = check_threads_per_worker(threads_per_worker)
-    if isinstance(spec, int):
-        spec = str(spec)
     if isinstance(spec, list):
         spec = ",".join(str(i) for i in spec)
     spec = str(spec).strip()
     if spec == "cpu" or spec.startswith("cpu:"):
-        if not _CPU.fullmatch(spec):
+        m = _CPU.fullmatch(spec)
+        if m is None:
             raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
         _refuse_cpu_groups(spec, gpus_per_worker)
-        return _cpu_devices(spec, threads)
+        n = 1 if m.group(1) is None else _int(m.group(1))
+        if n < 1:
+            raise DeviceSpecError(f"{_quote(spec)}: cpu:N needs a worker count N >= 1")
+        if n > MAX_CPU_WORKERS:
+            raise DeviceSpecError(f"{_quote(spec)}: at most {MAX_CPU_WORKERS} CPU workers")
+        return [Device("cpu", i, i, threads) for i in range(n)]
     ranges = _gpu_ranges(spec)
     have = count_gpus() if gpu_count is None else gpu_count
     # Check before expanding: "0-99999999" must not build a list of 10^8 indices.
@@ -300,7 +284,6 @@ def parse_gpus(spec: str | int | list[int], *, gpu_count: int | None = None, gpu
 
 
 def _gpu_workers(indices: list[int], gpus_per_worker: int, threads: int) -> list[Device]:
-    """One worker per run of ``gpus_per_worker`` GPUs of ``indices``, in order."""
     groups = [tuple(indices[i:i + gpus_per_worker]) for i in range(0, len(indices), gpus_per_worker)]
     return [Device("cuda", group[0], rank, threads, group=group if len(group) > 1 else ())
             for rank, group in enumerate(groups)]

@@ -1,8 +1,6 @@
-"""The dispatcher shared by every backend whose workers are other processes: the queue, one
-``Slot`` per rank (slots.py), deadlines, stall warnings, kills, replacements and retries, and
-the engine agreement. It knows nothing about processes or sockets: a ``Transport`` starts,
-feeds, kills and listens to the workers and reports events. The state machine and the fault
-rules: docs/architecture.md, "The pool's modules" and "Fault semantics".
+"""The dispatcher of every backend whose workers are other processes: the queue, one ``Slot``
+per rank, deadlines, stall warnings, kills, replacements, retries and the engine agreement; a
+``Transport`` owns the processes and sockets (docs/architecture.md, "The pool's modules", "Fault semantics").
 """
 
 from __future__ import annotations
@@ -29,29 +27,22 @@ KILL_REPORT_TIMEOUT = 10.0  # a killed worker whose exit is never reported means
 
 
 # -- what a transport reports ---------------------------------------------------------------
-class WorkerStarted(NamedTuple):
-    """A process exists for ``rank`` and is building its engine."""
-
+class WorkerStarted(NamedTuple):  # a process exists for rank and is building its engine
     rank: int
     pid: int | None
 
 
-class WorkerMessage(NamedTuple):
-    """A reply from the worker of ``rank``: Ready, InitFailed, Result or Failure."""
-
+class WorkerMessage(NamedTuple):  # a reply from the worker of rank
     rank: int
     message: Reply
 
 
-class WorkerClosed(NamedTuple):
-    """The channel to the worker of ``rank`` closed; its exit report should follow."""
-
+class WorkerClosed(NamedTuple):  # its channel closed; its exit report should follow
     rank: int
 
 
 class WorkerExited(NamedTuple):
-    """The worker of ``rank`` is gone (reaped); a backend that knows no exit code or signal
-    says why in ``cause``."""
+    """The worker of ``rank`` is gone (reaped); ``cause``: why, where no exit code or signal is known."""
 
     rank: int
     exitcode: int | None
@@ -112,7 +103,6 @@ class Dispatcher:
         return [slot.pid for slot in self.slots]
 
     def start(self) -> None:
-        """Start every worker; return once all are ready."""
         self.slots = [Slot(rank, device, _deadline(self.start_timeout), self._earliest)
                       for rank, device in enumerate(self.devices)]
         for rank in range(len(self.devices)):
@@ -131,8 +121,7 @@ class Dispatcher:
         self.queue.promote(task)
 
     def advance(self, waiting) -> list[Outcome]:
-        """Wait for the next event (or deadline), handle it, hand out queued tasks; the tasks
-        finished meanwhile (any task, not only ``waiting``)."""
+        """One turn of the event loop; the tasks finished meanwhile (any, not only ``waiting``)."""
         self._step()
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
@@ -162,9 +151,8 @@ class Dispatcher:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """One task to each idle worker, lowest rank first, visiting only the ranks in ``_free``
-        (stale entries are dropped when reached) and then those that may have pinned tasks; then,
-        with ``depth`` > 1, the further rounds."""
+        """One task to each idle worker, lowest rank first (stale ``_free`` entries are dropped when
+        reached); then, with ``depth`` > 1, the further rounds."""
         free = self._free
         while free:
             slot = self.slots[free[0]]
@@ -210,14 +198,13 @@ class Dispatcher:
 
     def _on_reply(self, slot: Slot, reply: Reply) -> None:
         match reply:
-            case Result(id=task_id) | Failure(id=task_id):
+            case Result(id=task_id, value=value):
+                self._outcomes.append(Outcome(self._task_done(slot, task_id), raw=value))
+            case Failure(id=task_id, error=error, traceback=remote):
                 task = self._task_done(slot, task_id)
-                if type(reply) is Result:
-                    self._outcomes.append(Outcome(task, raw=reply.value))
-                else:
-                    error = WorkerError(reply.error, index=task.index, method=task.method,
-                                        remote_traceback=reply.traceback, rank=slot.rank, device=slot.device.name)
-                    self._outcomes.append(Outcome(task, error=error))
+                error = WorkerError(error, index=task.index, method=task.method, remote_traceback=remote,
+                                    rank=slot.rank, device=slot.device.name)
+                self._outcomes.append(Outcome(task, error=error))
             case Ready(version=version, pid=pid, info=info):
                 if version != PROTOCOL_VERSION:
                     raise ProtocolError(f"worker {slot.rank} speaks protocol {version}, the parent {PROTOCOL_VERSION}")
@@ -294,7 +281,6 @@ class Dispatcher:
                 slot.trouble = Trouble(slot.state, limit)
             slot.state, slot.deadline, slot.next_warning = WorkerState.KILLED, now + KILL_REPORT_TIMEOUT, None
             self.transport.kill(slot.rank)
-        # The exact earliest time again (a busy worker's next stall warning counts).
         self._earliest.at = None
         for slot in self.slots:
             self._earliest.lower(slot.deadline)
@@ -302,7 +288,6 @@ class Dispatcher:
                 self._earliest.lower(slot.next_warning)
 
     def _on_exited(self, slot: Slot, exited: WorkerExited) -> None:
-        """The worker is gone: replace it and retry its tasks, or raise."""
         if slot.trouble is None:
             slot.trouble = Trouble(slot.state, None)
         where, tasks = slot.where(), list(slot.tasks)

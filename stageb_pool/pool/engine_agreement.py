@@ -1,7 +1,6 @@
 """Whether the workers run the same engine: byte-identical results need the same GPU model
-and software on every worker. One policy, ``EngineAgreement``, applied by the dispatcher once
-every worker is ready and to each replacement; the defaults per backend and the CLI's
-policy: docs/architecture.md, "The Ray backend" (Same engine everywhere).
+and software on every worker. The defaults per backend and the CLI's policy:
+docs/architecture.md, "The Ray backend" (Same engine everywhere).
 """
 
 from __future__ import annotations

@@ -33,8 +33,7 @@ class TaskCancelled(PoolError, concurrent.futures.CancelledError):
 
 
 class RemoteTraceback(Exception):
-    """A worker's traceback as text, set as a ``WorkerError``'s ``__cause__`` (as
-    ``concurrent.futures`` does) so Python prints it above the parent's frames."""
+    """A worker's traceback: a ``WorkerError``'s ``__cause__``, printed above the parent's frames."""
 
     def __init__(self, text: str):
         super().__init__(text)
@@ -45,8 +44,6 @@ class RemoteTraceback(Exception):
 
 
 class _WorkerFault(PoolError):
-    """A fault of one worker; says which worker, device, item and method."""
-
     def __init__(self, summary: str, *, rank: int, device: str, index: int | None = None,
                  method: str | None = None):
         where = f"worker {rank} ({device})"
@@ -60,8 +57,7 @@ class _WorkerFault(PoolError):
 
 
 class WorkerError(_WorkerFault):
-    """An exception in an engine method or in the engine's construction; the worker's
-    traceback (text) is ``remote_traceback`` and, when given, the ``__cause__``."""
+    """An exception in an engine method or in the engine's construction (``remote_traceback``)."""
 
     def __init__(self, summary: str, *, remote_traceback: str = "", **where):
         super().__init__(summary, **where)

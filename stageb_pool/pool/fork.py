@@ -1,6 +1,5 @@
-"""Forking a child the one safe way, for the zygote and every worker (docs/architecture.md,
-"Process model"): ``fork_child`` refuses an unsafe process, forks, runs the child's first
-steps and body, and always leaves through ``os._exit``.
+"""Forking a child the one safe way, for the zygote and every worker: refuse an unsafe process,
+fork, and always leave through ``os._exit`` (docs/architecture.md, "Process model").
 """
 
 from __future__ import annotations
@@ -24,12 +23,10 @@ PR_SET_PDEATHSIG = 1
 
 
 def fork_child(body, *, keep: tuple[int, ...] = (), setup=None, check_safe: bool = False) -> int:
-    """Fork a child that runs ``body()`` and exits; return its pid (in the parent).
-
-    In the child: ``after_fork_in_child``, ``die_with_parent``, ``setup()``, closing every fd
-    above 2 but ``keep``, then ``body()``. The exit code is what ``body`` returns, or 1 with the
-    traceback on stderr; a child whose channel to its parent broke exits quietly with 0 (after a
-    Ctrl-C a traceback would only land on the user's terminal)."""
+    """Fork a child that runs ``body()`` (fds above 2 but ``keep`` closed) and exits; return its
+    pid. The exit code is what ``body`` returns, or 1 with the traceback on stderr; a child whose
+    channel to its parent broke exits quietly with 0 (after a Ctrl-C a traceback would only land
+    on the user's terminal)."""
     if check_safe:
         check_fork_safe()
     parent_pid = os.getpid()
@@ -117,7 +114,6 @@ def blas_threads(numpy_imported: bool, cpus: int, environ) -> int:
 
 
 def after_fork_in_child() -> None:
-    """The first steps of the zygote and of every worker, right after fork."""
     # A parent's file object finalised here could close *our* socket reusing its fd number.
     gc.freeze()
     signal.set_wakeup_fd(-1)
@@ -147,8 +143,7 @@ def close_fds_except(*keep: int) -> None:
 
 
 def flush_stdio() -> None:
-    """Flush stdio before a fork (a child would print the buffers again) and before
-    ``os._exit`` (which skips the flush)."""
+    """Before a fork (a child would print the buffers again) and ``os._exit`` (which skips it)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -101,7 +101,7 @@ class ForkedTransport:
         events.extend(WorkerMessage(rank, msg) for msg in messages)
 
     def _on_zygote(self, events: list) -> None:
-        msg, fds = self.zygote.receive()
+        msg, fds = protocol.recv_packet(self.zygote.sock)
         if msg is None:
             raise PoolError(self.zygote.death_message())
         if isinstance(msg, Spawned):

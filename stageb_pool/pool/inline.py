@@ -1,6 +1,5 @@
-"""Inline mode: the engine runs in the calling process around a ``WorkerCore``, with the same
-codec and shared-value cache as a worker process (so the same results), and ``breakpoint()``
-or ``pdb.post_mortem`` work inside the engine.
+"""Inline mode: the engine runs in the calling process around a ``WorkerCore`` (so the same
+results as a worker process), and ``breakpoint()`` or ``pdb.post_mortem`` work inside it.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ class InlineDispatcher:
         self.shared, self.stats = shared, stats
         self.max_frame = max_frame
         self.worker_info: list[dict] = [{}]
-        self.cache = SharedCache()  # the mirror of the core's shared values, as the dispatcher keeps one per worker
+        self.cache = SharedCache()  # the mirror of the core's shared values, as a Slot's
 
     @property
     def pids(self) -> list[int]:
@@ -38,10 +37,9 @@ class InlineDispatcher:
             raise self._error(exc, method="engine_factory") from exc
 
     def submit(self, task: TaskHandle) -> None:
-        pass  # run when a gather asks for it
+        pass  # run when a gather asks for it (so a speculative task never runs ahead)
 
-    def promote(self, task: TaskHandle) -> None:
-        pass  # a speculative task never runs here before a gather asks for it
+    promote = submit
 
     def advance(self, waiting) -> list[Outcome]:
         """Run the first unfinished task of ``waiting``."""

@@ -3,8 +3,7 @@
     with Pool(Engine, gpus="cpu:2") as pool:
         out = pool.map("square", items, guidance=guidance)   # results in input order
 
-A facade over the dispatcher its backend names (``InlineDispatcher``, or a ``Dispatcher``
-over the fork or Ray transport): it encodes items and shared values at submit, gathers
+A facade over its backend's dispatcher: it encodes items and shared values at submit, gathers
 results in the order given, decodes them and owns the tasks' life cycle.
 """
 
@@ -80,7 +79,6 @@ class Pool:
             raise
 
     def _dispatcher_for(self, engine_factory, backend: Backend, **limits):
-        """The inline dispatcher, or the dispatcher over the fork or the Ray transport."""
         if isinstance(backend, Inline):
             return InlineDispatcher(engine_factory, self.devices[0], self._shared, self.stats, self.max_frame)
         if isinstance(backend, Fork):
@@ -126,8 +124,7 @@ class Pool:
         return self._submit(method, item, rank, result_type, self._shared.keys(shared), cost, label)
 
     def share(self, value) -> SharedValue:
-        """``value`` encoded once, to pass as a shared keyword of many ``submit`` calls without
-        encoding and hashing it again for each task."""
+        """``value`` encoded and hashed once, for a shared keyword of many ``submit`` calls."""
         return self._shared.encode(value)
 
     @contextmanager
@@ -186,7 +183,6 @@ class Pool:
         return self.gather(tasks, on_result=on_result)
 
     def call(self, rank: int, method: str, item=None, *, result_type=None, **shared):
-        """One request on one worker."""
         return self.submit(method, item, rank=rank, result_type=result_type, **shared).result()
 
     def close(self) -> None:
@@ -250,7 +246,6 @@ class Pool:
             on_result(task.index, result)
 
     def _cancel(self, tasks, why: str) -> None:
-        """Forget tasks that will not be gathered; a late result of one is discarded."""
         for task in tasks:
             if not task.done():
                 error = TaskCancelled(f"task {task.index} {task.method}() was cancelled: {why}")
@@ -261,7 +256,6 @@ _decoders: dict = {}  # result_type -> its decoder, made once
 
 
 def _decode(task: TaskHandle, raw) -> tuple:
-    """(result, error): the result decoded as the caller's result_type, if any."""
     decoder = _decoders.get(task.result_type)
     if decoder is None:
         decoder = _decoders[task.result_type] = msgspec.json.Decoder(task.result_type or typing.Any)

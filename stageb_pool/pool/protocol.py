@@ -121,16 +121,15 @@ def decode(body: bytes) -> Message:
 
 
 def decode_request(body: bytes) -> Request:
-    """One parent -> worker message; any other is a ProtocolError naming what came."""
     return _decode_as(_requests, body, "worker")
 
 
 def decode_reply(body: bytes) -> Reply:
-    """One worker -> parent message; any other is a ProtocolError naming what came."""
     return _decode_as(_replies, body, "parent")
 
 
 def _decode_as(decoder: msgspec.json.Decoder, body: bytes, receiver: str):
+    """One message of ``decoder``'s union; any other is a ProtocolError naming what came."""
     try:
         return decoder.decode(body)
     except msgspec.DecodeError:

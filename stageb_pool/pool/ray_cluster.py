@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from .cluster_probe import check_reachable
+from .cluster_probe import check_reachable, start_hint
 from .errors import PoolError
 from .ray_logs import ray_logs_to_stderr
 from .ray_reaper import Reaper
@@ -20,8 +20,6 @@ from .ray_reaper import Reaper
 # handler, which prints "*** SIGTERM received ... PC: @ ..." on a plain SIGTERM of the driver.
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0",
              "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"}
-
-
 GCS_LOSS_PATIENCE = 7 * 24 * 3600  # seconds this driver survives a lost head (Ray's default: 60)
 
 
@@ -86,8 +84,7 @@ class RayConnection:
             self.close()
             if not isinstance(exc, (ConnectionError, RuntimeError, ValueError)):
                 raise
-            hint = " (start one with `ray start --head`, or use address 'local')" if address == "auto" else ""
-            raise PoolError(f"cannot connect to the Ray cluster at {address!r}{hint}: {exc}") from None
+            raise PoolError(f"cannot connect to the Ray cluster at {address!r}{start_hint(address)}: {exc}") from None
         if callable(self._saved_sigterm):
             # The caller's own handler (the CLI's) goes on handling SIGTERM while Ray is up.
             signal.signal(signal.SIGTERM, self._saved_sigterm)

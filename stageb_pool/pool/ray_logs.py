@@ -1,7 +1,6 @@
 """Ray's forwarded log lines go to stderr, never to stdout (the CLI's summary stream), and its
-``[state-dump]`` lines are dropped. Both of Ray's printing paths end in
-``ray._private.worker.print_worker_logs`` (a private name: the pinned ray version), which
-this replaces.
+``[state-dump]`` lines are dropped: this replaces ``ray._private.worker.print_worker_logs``, where
+both of Ray's printing paths end (a private name: the pinned ray version).
 """
 
 from __future__ import annotations

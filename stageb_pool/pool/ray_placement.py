@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 from typing import NamedTuple
 
+from .cluster_probe import port_answers
 from .devices import Device, DeviceSpecError, GroupSizeError
 from .errors import PoolError
 
@@ -19,13 +19,10 @@ MAX_THREADS = 8  # CPUs a GPU worker's bundle reserves at most (its torch thread
 RESOURCE_UNIT = 10_000  # Ray keeps resources in units of 1/10000: shares are rounded down to one
 EPS = 1e-9
 RAYLET_PROBE_TIMEOUT = 1.0  # seconds; a raylet on a live node answers in milliseconds
-# seconds a request that fits may take to be placed before the wait is reported (place)
-PLACEMENT_SETTLE = 3.0
+PLACEMENT_SETTLE = 3.0  # seconds a request that fits may take to be placed before the wait is reported
 
 
-class Node(NamedTuple):
-    """A live node as the GCS sees it."""
-
+class Node(NamedTuple):  # a live node as the GCS sees it
     id: str
     ip: str
     port: int
@@ -49,11 +46,7 @@ def live_nodes(ray) -> list[Node]:
 def raylet_answers(node: Node, timeout: float = RAYLET_PROBE_TIMEOUT) -> bool:
     """Whether the node's raylet accepts a connection now: the GCS keeps a lost node "alive" for
     about 15 s, and a replacement placed there would die too."""
-    try:
-        with socket.create_connection((node.ip, node.port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    return port_answers(node.ip, node.port, timeout)
 
 
 def bundle_shape(devices: list[Device]) -> tuple[str, int]:
@@ -135,10 +128,8 @@ def place(ray, bundles: list[dict], timeout: float, name: str):
     An impossible request fails at once. One not placed within ``PLACEMENT_SETTLE`` seconds (the
     time Ray takes to return a just-removed group's resources) is logged as blocked by other jobs
     and waited for at most ``timeout`` seconds in all, then fails naming what is free per node."""
-    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-
     refuse_impossible(ray, bundles)
-    group = placement_group(bundles, strategy="PACK", name=name)
+    group = ray.util.placement_group(bundles, strategy="PACK", name=name)
     settle = min(timeout, PLACEMENT_SETTLE)
     ready, _ = ray.wait([group.ready()], timeout=settle)
     if not ready and timeout > settle:
@@ -148,18 +139,12 @@ def place(ray, bundles: list[dict], timeout: float, name: str):
         ready, _ = ray.wait([group.ready()], timeout=timeout - settle)
     if ready:
         return group
-    state = placement_group_table(group)
-    remove_placement_group(group)
+    state = ray.util.placement_group_table(group)
+    ray.util.remove_placement_group(group)
     nodes = live_nodes(ray)
     raise PoolError(f"could not reserve {_request(bundles)} within {timeout:g} s (placement group "
                     f"{state['state']}, {state['stats']['scheduling_state']}): the cluster can hold them, but other "
                     f"jobs hold the resources (free now: {describe_nodes(nodes, _keys(bundles), free=True)})")
-
-
-def remove_group(group) -> None:
-    from ray.util.placement_group import remove_placement_group
-
-    remove_placement_group(group)
 
 
 def show(bundle: dict) -> str:
@@ -183,9 +168,8 @@ def describe_nodes(nodes: list[Node], keys: list[str], *, free: bool) -> str:
         return "no live node"
 
     def amounts(node: Node) -> str:
-        have = node.free if free else node.total
         if free:
-            return ", ".join(f"{have.get(k, 0.0):g} of {node.total.get(k, 0.0):g} {k}" for k in keys)
-        return ", ".join(f"{have.get(k, 0.0):g} {k}" for k in keys)
+            return ", ".join(f"{node.free.get(k, 0.0):g} of {node.total.get(k, 0.0):g} {k}" for k in keys)
+        return ", ".join(f"{node.total.get(k, 0.0):g} {k}" for k in keys)
 
     return "; ".join(f"{node.label()}: {amounts(node)}" for node in nodes)

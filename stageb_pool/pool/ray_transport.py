@@ -21,8 +21,7 @@ from .errors import PoolError, ProtocolError
 from .protocol import Ready
 from .ray_cluster import RayConnection
 from .backend import Ray
-from .ray_placement import (bundle_shape, describe_nodes, live_nodes, pack, place, plan_bundles, raylet_answers,
-                            remove_group, show)
+from .ray_placement import bundle_shape, describe_nodes, live_nodes, pack, place, plan_bundles, raylet_answers, show
 from .tasks import PoolStats
 from .worker import limit_threads
 from .worker_core import WorkerCore
@@ -99,15 +98,12 @@ class RayTransport:
             self._create_waiting()
 
     def _create_waiting(self) -> None:
-        """Create the replacements whose bundles are on live nodes; fail for one that no live
-        node has had room for during ``REPLACE_GRACE`` (while Ray moves a bundle, its new node shows
-        the resources taken)."""
+        """Create the replacements whose bundles are on live nodes; fail for one no live node has had
+        room for during ``REPLACE_GRACE`` (while Ray moves a bundle, its new node shows them taken)."""
         if not self.waiting:
             return
-        from ray.util.placement_group import placement_group_table
-
         self._check_cluster()
-        table = placement_group_table(self.group)
+        table = self.ray.util.placement_group_table(self.group)
         nodes = self._live_nodes()
         alive = {node.id for node in nodes}
         now = time.monotonic()
@@ -125,8 +121,7 @@ class RayTransport:
                                 f"{show(bundle)} free (free now: {free}); the placement group is {table['state']}")
 
     def _live_nodes(self) -> list:
-        """The GCS's live nodes, less suspects whose raylet does not answer (lost, not yet
-        declared dead)."""
+        """The GCS's live nodes, less suspects whose raylet does not answer (lost, not yet dead)."""
         nodes = live_nodes(self.ray)
         for node in nodes:
             if node.id in self.suspects and raylet_answers(node):
@@ -206,14 +201,13 @@ class RayTransport:
                         pass
             if self.group is not None:
                 try:
-                    remove_group(self.group)
+                    ray.util.remove_placement_group(self.group)
                 except Exception:  # noqa: BLE001 - the cluster is going away
                     pass
         self.group = None
         self.connection.close()
 
     def _answer(self, rank: int, actor, ref):
-        """The event for one finished call of ``actor``, the worker of ``rank``."""
         ray = self.ray
         try:
             data = ray.get(ref)
@@ -240,20 +234,13 @@ class RayTransport:
             raise PoolError(f"lost the Ray cluster at {self.gcs_address}: its head (GCS) no longer answers; "
                             "every worker is gone")
 
-    def _node_of(self, rank: int) -> str | None:
-        """The node of the actor of ``rank``: from its Ready, else its bundle's."""
-        node_id = self.placement[rank].get("node_id")
-        if node_id is None:
-            from ray.util.placement_group import placement_group_table
-
-            node_id = placement_group_table(self.group)["bundles_to_node_id"].get(rank)
-        return node_id
-
     def _where(self, rank: int) -> str:
         """"; it ran on node 10.0.0.1 (1a2b3c4d), whose raylet does not answer": the node of the dead
         actor of ``rank`` and what is known of it; the node becomes a suspect."""
         try:
-            node_id = self._node_of(rank)
+            node_id = self.placement[rank].get("node_id")  # from its Ready, else its bundle's
+            if node_id is None:
+                node_id = self.ray.util.placement_group_table(self.group)["bundles_to_node_id"].get(rank)
             node = next((n for n in live_nodes(self.ray) if n.id == node_id), None)
         except Exception:  # noqa: BLE001 - the cluster itself may be gone: say what is known
             return ""
@@ -289,5 +276,4 @@ def _cause(exc: BaseException) -> str:
 
 
 def _plain(text: str) -> str:
-    """Ray's text without its colour codes."""
     return re.sub(r"\x1b\[[0-9;]*m", "", text)

@@ -34,7 +34,7 @@ class SharedStore:
         return SharedValue(hashlib.sha256(data).hexdigest()[:16], data)
 
     def keys(self, shared: dict) -> dict[str, str]:
-        """The keys (name -> key) of shared values, each distinct value encoded once."""
+        """name -> key of shared values, each distinct value encoded once."""
         keys = {}
         for name, value in shared.items():
             key, data = value if isinstance(value, SharedValue) else self.encode(value)
@@ -68,13 +68,9 @@ class SharedCache:
         self.capacity = capacity
         self._keys: OrderedDict[str, None] = OrderedDict()
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._keys
-
     def admit(self, needed: dict[str, str]) -> list[tuple[str, list[str]]]:
-        """Mark the keys a task needs as used; ``(key, evict)`` for each key the worker must be
-        sent, with the keys it must drop first. A key the task needs is never evicted (the cache grows
-        instead)."""
+        """``(key, evict)`` for each key of ``needed`` the worker must be sent, with the keys it must
+        drop first; a key the task needs is never evicted (the cache grows instead)."""
         sends = []
         for key in needed.values():
             if key in self._keys:

@@ -1,5 +1,4 @@
-"""The parent's view of each worker of a process pool: its ``Slot``, ``WorkerState``, ``Trouble``
-and ``Earliest``. The dispatcher (dispatch.py) moves slots between states.
+"""The parent's view of each worker of a process pool; the dispatcher moves its states.
 """
 
 from __future__ import annotations
@@ -22,9 +21,7 @@ class WorkerState(enum.Enum):
     DEAD = "dead"  # exit reported
 
 
-class Trouble(NamedTuple):
-    """The first sign that a worker is failing: its state then, and the limit it exceeded (if any)."""
-
+class Trouble(NamedTuple):  # the first sign that a worker is failing: its state then, the limit it exceeded
     during: WorkerState
     timeout: float | None
 

@@ -12,8 +12,7 @@ from typing import NamedTuple
 import msgspec
 
 
-class PoolStats(msgspec.Struct):
-    """Counters for tests, benchmarks and the run summary."""
+class PoolStats(msgspec.Struct):  # for tests, benchmarks and the run summary
 
     bytes_sent: int
     bytes_received: int
@@ -33,7 +32,7 @@ class PoolStats(msgspec.Struct):
         return cls(0, 0, 0, 0, [0] * size, [0.0] * size, 0, [0] * size, [], time.monotonic())
 
     def record(self, rank: int, task: "TaskHandle", start: float, end: float) -> None:
-        """Count a completed task of ``rank`` that ran from ``start`` to ``end`` (monotonic)."""
+        """A completed task of ``rank`` that ran from ``start`` to ``end`` (monotonic)."""
         self.items[rank] += 1
         self.busy_s[rank] += end - start
         task.busy_s += end - start
@@ -103,9 +102,7 @@ class TaskHandle:
         return f"<TaskHandle {self.id} {self.method}() {self._state.value}>"
 
 
-class Outcome(NamedTuple):
-    """How a task finished, as a dispatcher reports it: the encoded result, or an error."""
-
+class Outcome(NamedTuple):  # how a task finished, as a dispatcher reports it: the encoded result, or an error
     task: TaskHandle
     raw: bytes | None = None
     error: BaseException | None = None
@@ -136,8 +133,7 @@ class TaskQueue:
             self._speculative.discard(task.id)
             self.push(task)
 
-    def retry(self, task: TaskHandle) -> None:
-        """A task whose worker died goes first."""
+    def retry(self, task: TaskHandle) -> None:  # a task whose worker died goes first
         self.push(task, retry=True)
 
     def __len__(self) -> int:
@@ -160,7 +156,7 @@ class TaskQueue:
         return heapq.heappop(heap)[1]
 
     def _live(self, heap: list) -> list:
-        """``heap`` without the done or replaced entries at its top."""
+        """``heap`` without the done or replaced entries at its top (the rest are dropped when reached)."""
         while heap and (heap[0][1]._state is not _State.PENDING
                         or (heap[0][0][0] and heap[0][1].id not in self._speculative)):
             heapq.heappop(heap)

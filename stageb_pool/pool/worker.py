@@ -1,6 +1,5 @@
-"""The forked worker: the process around a ``WorkerCore`` (line-buffered stdio for the zygote's
-relay, the thread limits, also the Ray actor's, and the socket loop). It runs in a child of
-the zygote, forked by ``fork.fork_child``.
+"""The forked worker, a child of the zygote: the process around a ``WorkerCore`` (line-buffered
+stdio for the zygote's relay, the thread limits, also the Ray actor's, and the socket loop).
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ def _line_buffered_stdio() -> None:
 
 
 def worker_main(sock, device, engine_factory, max_frame: int) -> int:
-    """Body of a forked worker: start the engine, then answer requests until Shutdown or EOF;
-    the exit code (1: the engine did not start)."""
+    """Start the engine, then answer requests until Shutdown or EOF; 1 if the engine did not start."""
     _line_buffered_stdio()
     limit_threads(device)
     core = WorkerCore(engine_factory, device, max_frame)

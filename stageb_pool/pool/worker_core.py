@@ -1,7 +1,5 @@
 """The worker's side of the protocol in every host (the forked worker, the Ray actor, the
-inline dispatcher): the only code that builds an engine or answers a request. ``start``,
-``add_shared`` and ``call`` raise the engine's own exceptions (inline mode chains them, for
-``pdb.post_mortem``); ``hello`` and ``answer`` turn the same steps into frames.
+inline dispatcher): the only code that builds an engine or answers a request.
 """
 
 from __future__ import annotations
@@ -29,10 +27,9 @@ class WorkerCore:
 
     @property
     def serving(self) -> bool:
-        """Whether requests are still expected: the engine is built and no Shutdown came."""
         return self.started and not self.shut_down
 
-    # -- the calls: the engine's exceptions propagate ---------------------------------------
+    # -- the calls: the engine's exceptions propagate (inline mode chains them, for pdb) ----
     def start(self) -> dict:
         """Build the engine; its ``info()`` ({} for an engine without one)."""
         engine = self.engine_factory(self.device)
@@ -41,7 +38,6 @@ class WorkerCore:
         return info
 
     def add_shared(self, key: str, raw: bytes, evict=()) -> None:
-        """Cache a shared value (``evict``: the keys the parent no longer counts on)."""
         self.calls.add_shared(key, raw, evict)
 
     def call(self, method: str, item: bytes, shared: dict[str, str]):
@@ -76,5 +72,4 @@ class WorkerCore:
 
 
 def exception_summary(exc: BaseException) -> str:
-    """The one-line summary of an engine exception, in every WorkerError."""
     return f"{type(exc).__name__}: {exc}"

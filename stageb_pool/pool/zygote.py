@@ -23,12 +23,9 @@ class Zygote:
 
     def __init__(self, devices, engine_factory, max_frame: int):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-
-        def serve():
-            ForkServer(theirs, devices, engine_factory, max_frame).run()
-
         try:
-            self.pid = fork_child(serve, keep=(theirs.fileno(),), check_safe=True)
+            self.pid = fork_child(lambda: ForkServer(theirs, devices, engine_factory, max_frame).run(),
+                                  keep=(theirs.fileno(),), check_safe=True)
         except BaseException:
             ours.close()
             raise
@@ -53,7 +50,6 @@ class Zygote:
             pass
 
     def death_message(self) -> str:
-        """One line naming the zygote and how it ended."""
         if self.status is None:
             try:
                 _, status = os.waitpid(self.pid, 0)
@@ -67,9 +63,6 @@ class Zygote:
             how = f" (exit code {self.status})"
         return (f"the pool's zygote process (pid {self.pid}, which forks the workers) died{how}; its workers "
                 "died with it and none can be replaced")
-
-    def receive(self):
-        return protocol.recv_packet(self.sock)
 
     def shutdown(self, grace: float) -> None:
         """Stop every worker, then the zygote; returns once everything is reaped."""
@@ -85,10 +78,13 @@ class Zygote:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not _readable(self.sock, left):
-                _kill_quietly(self.pid)  # stuck: its workers die with it (PDEATHSIG)
+                try:  # stuck: its workers die with it (PDEATHSIG)
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 break
             try:
-                msg, fds = self.receive()
+                msg, fds = protocol.recv_packet(self.sock)
             except (OSError, PoolError):
                 msg, fds = None, []
             for fd in fds:
@@ -104,13 +100,6 @@ def _readable(sock, timeout: float) -> bool:
     with selectors.DefaultSelector() as sel:
         sel.register(sock, selectors.EVENT_READ)
         return bool(sel.select(timeout))
-
-
-def _kill_quietly(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 class ForkServer:

@@ -1,14 +1,6 @@
-"""The Stage-B rule search on the pool (upstream 3.3-3.9, its defects fixed; docs/rule_search.md):
-the loop and the commit.
-
-Each iteration draws the next train pool, runs ``iteration.run_iteration`` (which returns a
-frozen outcome), appends the outcome's candidate rows, applies its edit (snapshot, atomic
-``guidance.json``, ``benchmarks.jsonl`` row), appends the iteration's decision row
-(``decisions``; one line on the terminal) and commits ``state.json``, the single point a
-``--resume`` continues from. After the loop: the distillation export, the final metrics and
-the summary. Only the parent decides and writes; rows are appended in a canonical order
-and carry no wall-clock value outside the volatile ``timestamp`` key.
-"""
+"""The Stage-B rule search's loop and its commit (docs/rule_search.md): per iteration the rows,
+the edit, the decision row, then ``state.json``, the one point a ``--resume`` continues from;
+after the loop the distillation export, the final metrics and the summary."""
 
 from __future__ import annotations
 
@@ -32,12 +24,8 @@ from .summary import brief, final_metrics, print_summary, search_summary
 
 
 class RuleSearch:
-    """The loop and its state; :meth:`run` returns the summary.
-
-    ``tickets`` are the run's tickets in run order; ``store`` is the run directory's
-    GuidanceStore; ``seed_guidance`` the guidance a run (re)starts from; ``resume`` where a
-    ``--resume`` starts (``check_resume``; None: a new run). The committed guidance is held in
-    memory (``self.guidance``) and only written to ``store``: the file is read on resume only."""
+    """The loop and its state; :meth:`run` returns the summary (printed). The committed guidance
+    is held in memory and only written to ``store``: the file is read on resume only."""
 
     def __init__(self, *, runner, store, run_dir, tickets: list, seed_guidance: Guidance,
                  settings: SearchSettings, identity: RunIdentity, resume: state_mod.ResumePoint | None = None,
@@ -62,9 +50,8 @@ class RuleSearch:
     # -- start / resume ---------------------------------------------------------------------
 
     def _fresh_state(self) -> state_mod.SearchState:
-        rs = self.settings.rule_search
         g = self.guidance = self.seed_guidance  # what job (or _start on resume) wrote to guidance.json
-        sampler = state_mod.start_sampler(len(self.train), rs, self.settings.seed)
+        sampler = state_mod.start_sampler(len(self.train), self.settings.rule_search, self.settings.seed)
         return state_mod.SearchState(
             iteration=0, guidance_hash=g.hash, guidance_step=g.step, guidance=msgspec.to_builtins(g),
             no_gain=0, rejected_ids=[], sampler=sampler, config_hash=self.identity.config_hash,
@@ -104,10 +91,8 @@ class RuleSearch:
 
     def _restore_guidance(self, st: state_mod.SearchState) -> None:
         """guidance.json is written before state.json, so a kill between the two leaves it one
-        step ahead of the commit. The state's copy is the committed truth: put it back (the
-        redone iteration rewrites the same snapshot file). validate_state has refused every
-        other mismatch, and a state whose guidance does not match its own hash. Either way
-        ``self.guidance`` becomes what the file now holds (the one read of it in a run)."""
+        step ahead: the state's copy is the committed truth, put back (validate_state refused
+        any other mismatch). ``self.guidance`` becomes what the file holds (its one read)."""
         current = self.store.load() if self.store.exists() else None
         if current is not None and current.hash == st.guidance_hash and current.step == st.guidance_step:
             self.guidance = current
@@ -144,10 +129,9 @@ class RuleSearch:
 
     def _speculated_input(self, st: state_mod.SearchState, inp: IterationInput, guidance: Guidance, *,
                           decided: bool = False) -> IterationInput | None:
-        """The iteration after ``inp`` if ``inp`` ends with ``guidance``: the next pool
-        (from a copy of the sampler: pools never depend on decisions) under that guidance;
-        None when no iteration would follow (the budget, early stop). ``decided``: ``inp``
-        is committed (``st`` is after it), else it is running."""
+        """The iteration after ``inp`` if ``inp`` ends with ``guidance`` (the next pool, from a
+        copy of the sampler: pools never depend on decisions), or None when none would follow.
+        ``decided``: ``inp`` is committed (``st`` is after it), else it is running."""
         if decided:
             if st.stop_reason is not None or st.iteration >= self.settings.epochs:
                 return None
@@ -159,8 +143,7 @@ class RuleSearch:
                               rejected_ids=inp.rejected_ids)
 
     def _record(self, outcome: IterationOutcome) -> None:
-        """The outcome's rows; with an edit: snapshot, the new guidance.json, the benchmark row;
-        then the decision row and its terminal line."""
+        """The outcome's rows; an edit's snapshot, guidance.json and benchmark row; the decision."""
         mission = self.settings.mission
         self.recorder.append(artifacts.CANDIDATES.name, rows.candidate_rows(outcome, mission))
         self.recorder.append(artifacts.REGRESSIONS.name, rows.regression_rows(outcome, mission))
@@ -174,8 +157,7 @@ class RuleSearch:
         self.log.info("%s", decisions.iteration_line(decision))
 
     def _commit(self, outcome: IterationOutcome) -> None:
-        """End of iteration: the state.json commit (guidance.json was written before it).
-        Rejected ids are remembered for the rest of the run (upstream forgot them)."""
+        """The state.json commit; rejected ids are remembered for the rest of the run."""
         st, c = self.state, outcome.applied
         if not st.first_pool:
             st.first_pool = list(outcome.pool_keys)
@@ -232,16 +214,10 @@ class RuleSearch:
         return summary
 
 
-def run_search(**kwargs) -> dict:
-    """Run the rule search (the keyword arguments of :class:`RuleSearch`); returns the
-    summary (also printed; ``job`` writes it to summary.json)."""
-    return RuleSearch(**kwargs).run()
-
-
 def check_resume(run_dir, *, tickets: list, settings: SearchSettings, identity: RunIdentity,
                  store) -> state_mod.ResumePoint:
-    """Where a ``--resume`` of the search of ``tickets`` starts, checked as the search will
-    continue it (the train keys and start sampler of its own split); read-only."""
+    """Where a ``--resume`` of the search of ``tickets`` starts, checked against the train keys
+    and start sampler of its own split; read-only."""
     train, _ = split_eval_pool(tickets, settings.rule_search.eval_pool_size, settings.seed)
     return state_mod.check_resume(run_dir, identity, train_keys=[t.key for t in train], store=store,
                                   start_sampler=state_mod.start_sampler(len(train), settings.rule_search,

@@ -1,12 +1,5 @@
-"""The format of a run directory, and the one migration step of a ``--resume``: what it does
-with a committed run of another format or version.
-
-The format says what run.json, state.json and the artifacts a rule search commits hold. It
-changes, with the package version (``stageb_pool.__version__``), whenever one of them changes
-shape or content, so a resume knows whether the committed iterations are what this version
-would have written (docs/rule_search.md, "Upgrades"). run.json records it as ``tool.format``
-and state.json as ``version``, each beside the package version.
-"""
+"""The format of a run directory (run.json ``tool.format``, state.json ``version``), and the one
+migration step of a ``--resume`` of another format or version (docs/rule_search.md, "Upgrades")."""
 
 from __future__ import annotations
 
@@ -23,27 +16,23 @@ from .settings import RunIdentity
 if TYPE_CHECKING:  # state.py imports this module
     from .state import SearchState
 
-# The formats: 1 compared input files by path (refused); 2 by content, and recorded no package
-# version (every version up to 0.1.0; its rows changed within the format); 3 records the
-# package version in run.json and state.json.
+# 1: inputs compared by path (refused); 2: by content, no package version recorded (up to
+# 0.1.0; its rows changed within the format); 3: the package version recorded.
 FORMAT_VERSION = 3
 
-# Formats whose committed iterations a resume redoes from the start instead of continuing
-# them: their rows may not be the rows this version writes. Any other format but this one's is
-# refused.
+# Formats whose committed iterations a resume redoes (their rows may not be this version's);
+# any other format but this one's is refused.
 REDONE_FORMATS = frozenset({2})
 
 # Config keys added to the resume identity since format 2, each with a test of whether its
-# value computes what the runs before it did: a committed run whose identity has no such key
-# resumes when every such key holds such a value and the rest is the same.
+# value computes what the runs before it did (a committed identity may lack such a key).
 ADDED_KEYS: dict[str, Callable[[Any], bool]] = {
     # what the line limit selects is in the tickets, which a resume compares by content anyway
     "ingest.max_line_bytes": lambda value: True,
     # the proposer's answer was not held to its schema
     "rule_search.constrain_proposer": lambda value: value is False,
-    # a worker had a share of the cores: one thread on a run with as many workers as cores
-    # (cpu:2 on CI's 2 cores), and on a GPU, where the model computes on the GPU; a cpu:1 run
-    # on a larger machine had more, and its resumed iterations may differ in low bits
+    # a worker had a share of the cores: one thread with as many workers as cores (cpu:2 on CI)
+    # and on a GPU; a cpu:1 run on a larger machine had more: its iterations may differ in low bits
     "pool.threads_per_worker": lambda value: value == 1,
     # one proposer call per iteration
     "rule_search.proposer_calls": lambda value: value == 1,
@@ -51,12 +40,9 @@ ADDED_KEYS: dict[str, Callable[[Any], bool]] = {
 
 
 def migrate(state: SearchState, identity: RunIdentity, location: str) -> bool:
-    """The resume of a committed ``state`` (at ``location``) by this version: True when its
-    iterations are continued, False when they are redone from the start (a format of
-    ``REDONE_FORMATS``, whose rows may not be this version's). Refused (InputError, one line)
-    when this version cannot read its format, or when the config or the tickets differ from
-    the committed run's (``config_differences``; the keys ``ADDED_KEYS`` names aside), naming
-    the version that wrote it and the way out when that is not this one."""
+    """Whether a resume continues the committed ``state`` (at ``location``): True, or False when
+    its iterations are redone (``REDONE_FORMATS``). An unreadable format, another config
+    (``config_differences``) or other tickets are refused in one line naming the writer."""
     writer = written_by(state.version, state.tool_version)
     upgrade = state.version != FORMAT_VERSION or state.tool_version != __version__
     way_out = (f"; state.json was written by {writer}: start the run again with --overwrite, or resume it with "
@@ -83,8 +69,7 @@ def redo_warning(state: SearchState) -> str:
 
 
 def written_by(version: int, tool_version: str | None) -> str:
-    """The version that wrote a state of format ``version`` and package version
-    ``tool_version`` (None: format 2, which recorded none), for messages."""
+    """The version that wrote a state, for messages (``tool_version`` None: format 2)."""
     if tool_version is None:
         return f"stageb-pool 0.1.0 or earlier (before versions; state format {version})"
     return f"stageb-pool {tool_version} (state format {version})"
@@ -115,10 +100,8 @@ def _at(doc: Any, path: list[str]) -> Any:
 
 
 def config_differences(committed_hash: str, committed: dict, config: dict) -> list[str]:
-    """The keys where the identity document ``config`` differs from the committed run's
-    (``committed``, whose hash is ``committed_hash``); [] when it is the same config. A key
-    ``committed`` does not have that ``ADDED_KEYS`` says computes what the runs before it did
-    is the same config."""
+    """The keys where the identity ``config`` differs from the committed one (whose hash is
+    ``committed_hash``), a key of ``ADDED_KEYS`` the committed one lacks aside; [] if none."""
     if content_hash(config) == committed_hash:
         return []
     doc = msgspec.json.decode(msgspec.json.encode(config))  # a copy to prune
@@ -127,8 +110,7 @@ def config_differences(committed_hash: str, committed: dict, config: dict) -> li
         old, new = _at(committed, parents), _at(doc, parents)
         if isinstance(new, dict) and key in new and not (isinstance(old, dict) and key in old) and neutral(new[key]):
             del new[key]
-            # A section the committed run's identity lacks whole (``pool`` before
-            # pool.threads_per_worker) goes when the pruning leaves it empty.
+            # a section the committed identity lacks whole (``pool``) goes when pruned empty
             for depth in range(len(parents), 0, -1):
                 if _at(doc, parents[:depth]) or _at(committed, parents[:depth]) is not None:
                     break

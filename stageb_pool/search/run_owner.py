@@ -1,17 +1,8 @@
-"""The run directory's one owner: ``RunDir``, whose states are the run's life, and the lock
-it holds for the whole run (docs/artifacts.md, "The run directory itself").
-
-``--overwrite`` is all or nothing: the old directory is renamed aside to a hidden sibling
-(``.{run_name}.replaced-XXXXXXXX``, same folder, so the rename is atomic) and deleted only
-once the new run's first files are written; a start that fails before is rolled back.
-
-The lock file is ``.{run_name}.lock`` beside the run directory, not inside it, where it would
-leave with a directory ``--overwrite`` moves aside and let a third process in. It is never
-deleted (two processes could then lock two inodes of one name) and holds the owner's pid, read
-only to name the holder in a refusal. The lock is the kernel's ``flock``: it dies with the
-process, even on SIGKILL, so it never goes stale. The pool's children are forked without exec
-(``O_CLOEXEC`` does not close it there): ``pool/fork.py`` ``close_fds_except`` does, so a
-worker never keeps the run locked after the parent died.
+"""The run directory's one owner, ``RunDir`` (its states are the run's life), and the lock it
+holds for the whole run: what they do and why, docs/artifacts.md, "The run directory itself".
+The lock file is never deleted (two processes could then lock two inodes of one name). The
+pool's children are forked without exec, so ``O_CLOEXEC`` does not close the lock there:
+``pool/fork.py`` ``close_fds_except`` does.
 """
 
 from __future__ import annotations
@@ -39,6 +30,7 @@ if TYPE_CHECKING:  # state.py imports rundir, which this module imports
     from .state import ResumePoint
 
 log = logging.getLogger("stageb_pool")
+WAIT_POLL_S = 0.1  # how often a bounded wait tries the lock again
 
 
 class Phase(enum.Enum):
@@ -52,17 +44,11 @@ class Phase(enum.Enum):
 
 
 class RunDir:
-    """The run directory of one run, from its plan to its end: ``RunDir(...)`` (planned) ->
-    ``lock`` (locked) -> ``start`` (started, then committed or rolled back) ->
-    ``record_workers``; ``release``. A step out of this order raises RuntimeError.
-
-    Planned: the first documents (``run_json``, ``seed_guidance``) are encoded (a value no file
-    can hold is refused, naming it) and every refusal is made, reading only: an existing
-    directory without ``--overwrite``/``--resume`` (or a foreign one to overwrite, or none to
-    resume), an existing ``distillation_file`` that is not this run's own earlier output without
-    ``--overwrite``, and on ``--resume`` a linked folder and the committed state
-    (``resume_check``, whose answer is ``resume_point``). A lock that waited for another run
-    makes them again: that run may have changed the directory."""
+    """The run directory of one run: ``RunDir(...)`` (planned) -> ``lock`` -> ``start`` (then
+    committed or rolled back) -> ``record_workers``; ``release``; a step out of order raises
+    RuntimeError. Planned: every refusal made, reading only (the first documents encoded, the
+    directory, ``distillation_file``, on ``--resume`` its folders and ``resume_check``, answered
+    in ``resume_point``); again after a lock that waited (the other run may have changed them)."""
 
     def __init__(self, path: str | Path, *, overwrite: bool = False, resume: bool = False,
                  run_json: RunJson | None = None, seed_guidance: dict | None = None,
@@ -135,8 +121,7 @@ class RunDir:
         return os.path.realpath(recorded) if isinstance(recorded, str) else None
 
     def lock(self, *, wait: bool | float = False) -> RunDir:
-        """Take the directory's lock (``acquire``: another holder is refused, or
-        waited for with ``wait``); ``with`` the result releases it."""
+        """Take the directory's lock (``acquire``); ``with`` the result releases it."""
         self._expect(Phase.PLANNED)
         self._lock_fd, waited = acquire(self.path, wait=wait)
         self.phase = Phase.LOCKED
@@ -161,12 +146,10 @@ class RunDir:
         self.release()
 
     def start(self) -> None:
-        """Make the directory (a new one, the old run of an ``--overwrite`` moved aside, or the
-        one being resumed, cleaned of what the interrupted run left: ``clean_up``), write the
-        first files (run.json first, which marks the directory as a run that ``--overwrite``
-        may replace even if the start fails later; the seed guidance, unless a resumed run has
-        one), then commit: the old run is deleted. A failure before the commit puts the old run
-        back (rolled back) and is raised."""
+        """Make (or, on resume, ``clean_up``) the directory, write the first files (run.json
+        first: it marks a run ``--overwrite`` may replace even if the start fails later; the
+        seed guidance unless a resumed run has one), then commit. A failure before the commit
+        rolls back (the old run put back) and is raised."""
         self._expect(Phase.LOCKED)
         self._aside = self._make()
         self.phase = Phase.STARTED
@@ -212,10 +195,8 @@ class RunDir:
         return aside
 
     def clean_up(self) -> None:
-        """A resumed directory as this version would have left it: the temporary files
-        (``.<name>.<random>.tmp``) of atomic writes the interrupted run did not finish deleted,
-        so the resumed run is file for file an uninterrupted one, and every file given the mode
-        a run writes (``fileio.normalise_modes``)."""
+        """A resumed directory as this version would have left it: unfinished atomic writes'
+        temporary files deleted, every file given the mode a run writes."""
         for stale in sorted(p for p in self.path.rglob(f".*{TMP_SUFFIX}") if p.is_file()):
             remove(stale)
             log.info("resume: removed %s (a write the interrupted run did not finish)", stale)
@@ -225,8 +206,7 @@ class RunDir:
                      "wrote whole files 0600)", len(changed), file_mode())
 
     def _commit(self) -> None:
-        """The new run has started: delete the old run (a leftover the deletion cannot remove
-        is named in a warning; the new run goes on, the leftover is the user's to delete)."""
+        """Delete the old run; a leftover is named in a warning and the new run goes on."""
         aside, self._aside = self._aside, None
         self.phase = Phase.COMMITTED
         if aside is None:
@@ -259,10 +239,8 @@ class RunDir:
 
 
 def check_folders(run_dir: Path) -> None:
-    """Refuse (InputError, located at the folder) a folder the run writes into (``snapshots``,
-    ``rollouts``, ``reflection_cache``) that is a symbolic link or not a folder: its files
-    would be written, and snapshots pruned, outside the run. Refused rather than replaced:
-    what the link points to may be someone's data, and the user knows where it should go."""
+    """Refuse a folder the run writes into that is a symbolic link or not a folder: its files
+    would be written, and snapshots pruned, outside the run (docs/artifacts.md)."""
     for name in RUN_FOLDERS:
         folder = Path(run_dir) / name
         if folder.is_symlink() or (os.path.lexists(folder) and not folder.is_dir()):
@@ -278,28 +256,19 @@ def lock_path(run_dir: str | Path) -> Path:
 
 
 class WaitStopped(KeyboardInterrupt):
-    """Ctrl-C or a stop signal (``signum``; None for Ctrl-C) while ``--wait`` waited for
-    another run (``holder``, its pid) to release the run directory: nothing was started and
-    nothing on disk changed. A KeyboardInterrupt, as the stop it stands for."""
+    """Ctrl-C (``signum`` None) or a stop signal while ``--wait`` waited for ``holder`` (a pid):
+    nothing was started or changed. A KeyboardInterrupt, as the stop it stands for."""
 
     def __init__(self, signum: int | None, holder: str):
         super().__init__(signum, holder)
         self.signum, self.holder = signum, holder
 
 
-WAIT_POLL_S = 0.1  # how often a bounded wait tries the lock again
-
-
 def acquire(run_dir: str | Path, *, wait: bool | float = False) -> tuple[int, bool]:
-    """Lock ``run_dir`` for this process, creating its mission folder and lock file if needed;
-    returns the lock's descriptor and whether it waited for another holder.
-
-    Another holder: an InputError located at the run directory naming its pid, at once. With
-    ``wait`` (True or ``math.inf``: without a bound; a number: at most that many seconds) it
-    says on stderr, at every log level, which pid it waits for and waits until the holder is
-    gone; past the bound, an InputError says so. A stop while waiting is a ``WaitStopped``.
-    A lock file that is a symbolic link, a hard link or not a regular file is refused (its pid
-    would be written elsewhere)."""
+    """Lock ``run_dir`` for this process (making its mission folder and lock file); returns the
+    lock's descriptor and whether it waited. Another holder is an InputError naming its pid,
+    or with ``wait`` (True: no bound; a number: seconds) waited for (``_wait``). A lock file
+    that is a link or not a regular file is refused: its pid would be written elsewhere."""
     run_dir = Path(run_dir)
     path = lock_path(run_dir)
     try:
@@ -308,8 +277,7 @@ def acquire(run_dir: str | Path, *, wait: bool | float = False) -> tuple[int, bo
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise InputError(f"cannot lock the run directory: {path} is a symbolic link", str(run_dir)) from None
-        # The mission folder or the lock file could not be made: the same message as any other
-        # output.root the file system refuses (RunDir.start).
+        # the same message as any other output.root the file system refuses
         raise InputError(f"{CANNOT_PREPARE}: cannot make its lock file {path}: {err.strerror or err}",
                          str(run_dir)) from None
     waited = False

@@ -1,6 +1,5 @@
-"""The run directory ``{output.root}/{mission}/{output.run_name}/``: where it is, the names
-in it, and ``run.json``. Its life (the checks, the lock, the start) is ``run_owner.RunDir``'s.
-"""
+"""The run directory ``{output.root}/{mission}/{output.run_name}/``: where it is, the names in it,
+and ``run.json``. Its life (the checks, the lock, the start) is ``run_owner.RunDir``'s."""
 
 from __future__ import annotations
 
@@ -24,6 +23,8 @@ from .run_format import FORMAT_VERSION
 
 REPLACED = ".replaced-"  # the old run of an --overwrite, until the new one has started
 CANNOT_PREPARE = "cannot prepare the run directory (output.root)"
+NAME_MAX_BYTES = 200  # a directory name's bytes; Linux allows 255, the margin is for our own suffixes
+ESCAPE = "%"
 
 # engine.info() keys that describe one worker rather than the run (would differ between
 # worker counts or reruns); they never reach run.json's provenance.
@@ -31,19 +32,9 @@ _WORKER_ONLY_INFO = {"rank", "pid", "index", "threads", "hostname", "load_s", "l
                      "elapsed_s", "started_at", "visible_devices", "device_index"}
 
 
-NAME_MAX_BYTES = 200  # a directory name's bytes; Linux allows 255, the margin is for our own suffixes
-ESCAPE = "%"
-
-
 def safe_name(text: str) -> str:
-    """``text`` as one directory name that stays where it is put (docs/usage.md).
-
-    The mission comes from ticket data, so it may hold anything: ``/``, ``\\``, ``%``,
-    control characters and every other non-printable character are escaped as ``%XX`` per
-    UTF-8 byte; ``.`` and ``..`` become ``%2E`` and ``%2E%2E``; a name over
-    ``NAME_MAX_BYTES`` bytes is cut at a character boundary and ends in ``~`` plus 12 hex
-    digits of the sha256 of ``text``, so two long missions never share a directory.
-    Printable text (Chinese included) is kept as it is; an empty text is ``%``."""
+    """The mission (ticket data, so anything) as one directory name that stays where it is put:
+    escaped as ``%XX``, cut with a hash suffix (docs/usage.md, "Run directory names")."""
     if not text:
         return ESCAPE
     pieces = [ch if ch.isprintable() and ch not in "/\\" + ESCAPE else _escaped(ch) for ch in text]
@@ -67,8 +58,7 @@ def _escaped(ch: str) -> str:
 
 
 def run_name_problem(name: str) -> str | None:
-    """Why ``output.run_name`` (chosen by the user, so refused rather than escaped) is not a
-    plain directory name, or None."""
+    """Why ``output.run_name`` (the user's, so refused, not escaped) is not a plain name, or None."""
     if name in (".", "..") or "/" in name or "\\" in name:
         return "must be a plain directory name (no '/', '\\', '.' or '..')"
     if not name.isprintable():
@@ -92,8 +82,7 @@ def check_inside(path: Path, root: str | Path) -> None:
 
 
 def run_dir_exists(path: Path) -> bool:
-    """For ``check``: whether the run directory exists, after making sure it could be made
-    (InputError, located at the path, when the file system would refuse it)."""
+    """For ``check``: whether the run directory exists; InputError if it could not be made."""
     try:
         existing = path
         while not existing.exists():
@@ -108,8 +97,7 @@ def run_dir_exists(path: Path) -> bool:
 
 
 class RunJson(NamedTuple):
-    """``run.json``'s facts known before the workers start: the resolved config, the planned
-    devices, the invocation, and what the provenance records of the inputs."""
+    """``run.json``'s facts known before the workers start (docs/artifacts.md, ``run.json``)."""
 
     config: Any
     devices: list
@@ -123,8 +111,7 @@ class RunJson(NamedTuple):
 
     def document(self, worker_info: dict | None = None) -> dict:
         """run.json's content with rank 0's ``engine.info()`` (None: before the workers start).
-        ``invocation`` is volatile (differs between worker counts and reruns); undecodable
-        bytes of ``argv`` (Python keeps them as lone surrogates) are shown as U+FFFD."""
+        Undecodable bytes of ``argv`` (lone surrogates to Python) are shown as U+FFFD."""
         devices = self.devices
         argv = [arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
                 for arg in (sys.argv if self.argv is None else self.argv)]
@@ -145,9 +132,7 @@ class RunJson(NamedTuple):
         }
 
     def provenance(self, worker_info: dict | None) -> dict:
-        """What produced the results: library versions, the model, the device kind and dtype
-        (from rank 0's ``engine.info()``), chunk size and input hashes. Nothing in it depends
-        on the worker count."""
+        """What produced the results; nothing in it depends on the worker count."""
         # enc_hook=str: plain JSON values even for str subclasses such as torch's TorchVersion
         info = msgspec.to_builtins(worker_info or {}, enc_hook=str)
         info = {k: v for k, v in info.items() if k not in _WORKER_ONLY_INFO}
@@ -169,8 +154,8 @@ def utc_now() -> str:
 
 
 def utc_timestamp() -> str:
-    """Fixed-width UTC time with microseconds for artifact rows' ``timestamp`` (the same
-    format as the rule search's rows; a row's byte length never depends on the clock)."""
+    """Fixed-width UTC time with microseconds for rows' ``timestamp``: a row's byte length never
+    depends on the clock."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
@@ -184,18 +169,15 @@ def _package_version(name: str) -> str | None:
 
 
 def gpus_spec(devices) -> str:
-    """The ``--gpus`` spec that gives these devices, e.g. ``"cpu:3"`` or ``"0,2,5"`` (every
-    GPU of every group: ``"0,1,2,3"`` for two workers of two GPUs)."""
+    """The ``--gpus`` spec of these devices: ``"cpu:3"``, or every GPU of every group (``"0,1,2,3"``)."""
     if devices and devices[0].kind == "cpu":
         return f"cpu:{len(devices)}"
     return ",".join(str(gpu) for d in devices for gpu in d.gpus)
 
 
-
 def encoded(doc, name: str) -> bytes:
-    """The bytes of a JSON document the run is about to write, or an InputError naming it when
-    a value cannot be written (text with a lone surrogate is not UTF-8): encoded before the
-    run directory is created, so bad input never leaves a half-made directory behind."""
+    """The bytes of a JSON document the run will write, or an InputError naming the value that is
+    not UTF-8: encoded before the run directory is made, so bad input never leaves half of one."""
     try:
         return json_document(doc)
     except (UnicodeEncodeError, msgspec.EncodeError) as err:
@@ -209,5 +191,5 @@ def encoded(doc, name: str) -> bytes:
 
 
 def rollouts_path(run_dir: str | Path, rollout_id: str) -> Path:
-    """``rollouts/<rollout_id>.jsonl`` (``artifacts.rollouts_name``) in the run directory."""
+    """``rollouts/<rollout_id>.jsonl`` in the run directory."""
     return Path(run_dir) / rollouts_name(rollout_id)

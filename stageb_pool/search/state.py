@@ -1,17 +1,7 @@
-"""The rule search's resume state: ``state.json``, written atomically at every iteration end.
-
-``state.json`` is the single commit point of the search. An iteration appends rows to the
-JSONL artifacts as it goes, then writes ``guidance.json``, then ``state.json``. A run killed
-anywhere in between resumes from the last ``state.json``: every append-only artifact is cut
-back to the byte length recorded there (so no partial iteration survives), and
-``guidance.json`` is restored from the copy kept in the state if it ran ahead of it.
-
-Nothing read back is trusted: the state is typed (a wrong shape or an out-of-range counter is
-an error at load naming the key path) and :func:`validate_state` checks it against the run
-directory and the inputs (row boundaries, the rows the counters count, ticket keys, the
-guidance and its hash) before any worker starts. A hand-edited or damaged state is a located
-refusal (exit 2), never a wrong result or a traceback after the whole resumed loop.
-"""
+"""The rule search's resume state: ``state.json``, its single commit point, written atomically
+at every iteration end (docs/rule_search.md, "Resume and stop"). Nothing read back is trusted:
+the state is typed and :func:`validate_state` checks it against the run directory and the inputs
+before any worker starts, so a damaged state is a located refusal (exit 2), never a wrong result."""
 
 from __future__ import annotations
 
@@ -30,16 +20,16 @@ from . import fileio
 from .run_format import FORMAT_VERSION, migrate
 from .settings import RuleSearchConfig, RunIdentity
 
-# Every append-only artifact of the search, relative to the run directory. Their byte
-# lengths go into state.json; a resume truncates them back to those lengths.
+# Every append-only artifact of the search; their committed byte lengths go into state.json.
 APPEND_ARTIFACTS = committed_names()
 
-
-# A bound far above any run (runner.epochs is at most 10,000) that still keeps every counter an
-# exact integer everywhere it goes (JSON readers that use doubles included).
+# Far above any run (runner.epochs <= 10,000), and an exact integer in JSON readers using doubles.
 MAX_COUNT = 2**53
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 StopReason = Literal["epochs", "early_stop"]  # every value RuleSearch writes
+# Replaying the sampler costs O(n_train) per iteration; above this many steps only the ranges
+# are checked (a run that long is never hand-made for a test, and the rows still bound it).
+MAX_REPLAY_STEPS = 50_000_000
 
 
 class Brief(msgspec.Struct, forbid_unknown_fields=True):
@@ -70,12 +60,8 @@ class Edit(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class SearchState(msgspec.Struct, forbid_unknown_fields=True):
-    """Everything a resumed run needs to continue exactly where the killed one committed.
-
-    ``iteration`` counts completed iterations. ``guidance`` is the full guidance document
-    at that point (restored if ``guidance.json`` ran ahead). ``config`` is the resolved
-    config without its ``output`` section, kept to name the keys that changed.
-    """
+    """Everything a resumed run needs to continue exactly where the killed one committed
+    (``iteration``: completed iterations; ``config``: the identity, to name changed keys)."""
 
     iteration: Count
     guidance_hash: str
@@ -93,8 +79,7 @@ class SearchState(msgspec.Struct, forbid_unknown_fields=True):
     first_pool: list[str] = []
     baseline: Baseline | None = None  # set by the first commit, so never written as null
     edits: list[Edit] = []
-    # The run's generation counts at the commit and the chunks (cache keys) they cover, so a
-    # resumed run reports what an uninterrupted one would.
+    # The run's generation counts and the chunks they cover: a resumed run reports the same.
     generations_done: Count = 0
     generations_saved: Count = 0
     chunks_used: list[str] = []
@@ -120,8 +105,7 @@ def load_state(run_dir: Path) -> SearchState | None:
 
 
 def _split_key_path(message: str) -> tuple[str, str]:
-    """msgspec's ``Expected `int`, got `str` - at `$.baseline.train``` as the message and the
-    dotted key path (``baseline.train``; list items as ``edits[0]``)."""
+    """msgspec's ``Expected `int`, got `str` - at `$.baseline.train``` as message and key path."""
     m = re.match(r"^(.*) - at `\$(.*)`$", message, re.S)
     if not m:
         return message, ""
@@ -129,7 +113,7 @@ def _split_key_path(message: str) -> tuple[str, str]:
 
 
 def write_state(run_dir: Path, state: SearchState) -> None:
-    """Commit ``state``, marked with this version's format and package version (the writer)."""
+    """Commit ``state``, marked with this version's format and package version."""
     state.version, state.tool_version = FORMAT_VERSION, __version__
     fileio.write_json(Path(run_dir) / STATE.name, state)
 
@@ -144,20 +128,13 @@ def artifact_lengths(run_dir: Path) -> dict[str, int]:
 
 
 def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]:
-    """Cut every append-only artifact back to its committed length (missing names: 0).
-
-    Returns the number of bytes removed per file. A file shorter than its committed length
-    was damaged outside the program: that is refused rather than silently continued.
-    """
+    """Cut every append-only artifact back to its committed length (missing names: 0); returns
+    the bytes removed per file. A resumed state's lengths are within their files (``check_resume``)."""
     removed = {}
     for name in APPEND_ARTIFACTS:
         path = Path(run_dir) / name
-        want = int(lengths.get(name, 0))
+        want = lengths.get(name, 0)
         have = path.stat().st_size if path.exists() else 0
-        if have < want:
-            raise InputError(
-                f"cannot resume: {name} has {have} bytes but state.json committed {want}", str(path)
-            )
         if have > want:
             # Rewritten through a temporary file and a rename, never truncated in place: a
             # crash here leaves the old or the cut file, and nothing a hard link shares changes.
@@ -180,9 +157,8 @@ class ResumePoint(NamedTuple):
 
 def check_resume(run_dir: Path, identity: RunIdentity, *, train_keys: list[str], start_sampler: TrainPoolSampler,
                  store) -> ResumePoint:
-    """The committed state of ``run_dir`` and whether a resume continues it
-    (``run_format.migrate``); a state it continues is validated (``validate_state``). Read-only:
-    refuses (InputError) before anything is written."""
+    """The committed state of ``run_dir`` and whether a resume continues it (``migrate``); one it
+    continues is validated. Read-only: refuses (InputError) before anything is written."""
     committed = load_state(run_dir)
     if committed is None:
         return ResumePoint(None, continued=False)
@@ -193,9 +169,8 @@ def check_resume(run_dir: Path, identity: RunIdentity, *, train_keys: list[str],
 
 
 def _check_lengths(state: SearchState, run_dir: Path, location: str) -> None:
-    """Every artifact has a committed length (a state of this format records them all), every
-    committed length is known, within its file and on a row boundary (0, or the byte before it
-    a newline: cutting there can never splice half a row onto the next)."""
+    """Every artifact has a committed length, every length is known, within its file and on a
+    row boundary (0, or after a newline: cutting there never splices half a row onto the next)."""
     for name in APPEND_ARTIFACTS:
         if name not in state.artifacts:
             raise InputError(f"cannot resume: no committed length for {name}", f"{location}: artifacts.{name}")
@@ -218,7 +193,7 @@ def _check_lengths(state: SearchState, run_dir: Path, location: str) -> None:
 
 def _committed_rows(run_dir: Path, artifact: Artifact, length: int) -> list:
     """The rows in the first ``length`` bytes of an artifact, decoded as its record (a row that
-    does not decode was damaged outside the program: refused, naming the file, line and key)."""
+    does not decode is refused, naming the file, line and key)."""
     path = Path(run_dir) / artifact.name
     decoder = msgspec.json.Decoder(artifact.record)
     out = []
@@ -236,15 +211,9 @@ def _committed_rows(run_dir: Path, artifact: Artifact, length: int) -> list:
     return out
 
 
-# Replaying the sampler costs O(n_train) per iteration; above this many steps only the ranges
-# are checked (a run that long is never hand-made for a test, and the rows still bound it).
-MAX_REPLAY_STEPS = 50_000_000
-
-
 def _check_against_rows(state: SearchState, run_dir: Path, refuse) -> None:
-    """What the state says about past iterations is what their committed rows say: the
-    iterations count the decision rows; edits, baseline, rejected candidates and the no-gain
-    streak are what those rows and the benchmark and candidate rows record."""
+    """What the state says about past iterations (their count, the no-gain streak, baseline,
+    edits, rejected candidates) is what their committed rows say."""
     lengths = state.artifacts
     its = _committed_rows(run_dir, ITERATIONS, lengths[ITERATIONS.name])
     if len(its) != state.iteration or [r.iteration for r in its] != list(range(1, len(its) + 1)):
@@ -269,8 +238,8 @@ def _check_against_rows(state: SearchState, run_dir: Path, refuse) -> None:
 
 
 def _check_sampler(state: SearchState, train_keys: list[str], start: TrainPoolSampler, refuse) -> None:
-    """The sampler is the start sampler advanced once per completed iteration, and the first
-    pool is the first one it drew (so a resumed run draws the pools the uninterrupted one would)."""
+    """The sampler is the start sampler advanced once per iteration, and the first pool the
+    first it drew: a resumed run draws the pools the uninterrupted one would."""
     s = state.sampler
     if s.n_train != len(train_keys):
         refuse(f"n_train {s.n_train}, but the run has {len(train_keys)} train tickets", "sampler.n_train")
@@ -295,12 +264,9 @@ def _check_sampler(state: SearchState, train_keys: list[str], start: TrainPoolSa
 
 def validate_state(state: SearchState, run_dir: Path, *, train_keys: list[str], start_sampler: TrainPoolSampler,
                    store) -> None:
-    """Refuse (located InputError) a committed state that does not hold together: what its
-    counters count, where its lengths fall, which tickets it names, the guidance it carries
-    against its own hash and step and against ``guidance.json`` (``store``) when present.
-
-    ``train_keys``: the run's train tickets in train order (the sampler indexes them);
-    ``start_sampler``: the sampler a fresh run starts with (``TrainPoolSampler.start``)."""
+    """Refuse (located InputError) a committed state that does not hold together: its counters,
+    lengths, ticket keys and guidance (against its hash and step, and ``guidance.json``).
+    ``train_keys``: the run's train tickets in train order (the sampler indexes them)."""
     location = str(Path(run_dir) / STATE.name)
 
     def refuse(message: str, key: str):
