@@ -184,7 +184,6 @@ def cmd_run(args) -> int:
 
 
 def device_request(args):
-    """None for ``check`` without ``--gpus``."""
     from .plan import DeviceRequest
 
     if args.gpus is None:

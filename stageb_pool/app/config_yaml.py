@@ -58,23 +58,18 @@ def _with_relative_paths(t: Translation, out_dir: str | None) -> dict:
     if out_dir is None:
         return native
     for key in t.relative:
-        parent, name, index = _locate(native, key)
-        value = parent[name] if index is None else parent[name][index]
-        value = os.path.relpath(value, out_dir)
-        if index is None:
-            parent[name] = value
-        else:
-            parent[name][index] = value
+        node, slot = _locate(native, key)
+        node[slot] = os.path.relpath(node[slot], out_dir)
     return native
 
 
 def _locate(native: dict, key: str):
+    """``(container, slot)`` of a dotted key, ``name[i]`` naming a list item."""
     m = re.match(r"^(.*?)(?:\[(\d+)\])?$", key)
-    *parents, name = m.group(1).split(".")
     node = native
-    for part in parents:
-        node = node[part]
-    return node, name, None if m.group(2) is None else int(m.group(2))
+    for part in m.group(1).split("."):
+        parent, node = node, node[part]
+    return (parent, part) if m.group(2) is None else (node, int(m.group(2)))
 
 
 def _entry(name: str, value, path: str, notes: dict[str, str], depth: int) -> list[str]:

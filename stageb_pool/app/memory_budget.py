@@ -104,9 +104,7 @@ def gguf_parameters(path: Path) -> int:
 
 
 def budget_lines(devices, weights: int | None, *, extra_bytes: int = 0, gpu_memory: dict[int, int] | None) -> list[tuple[str, str]]:
-    """``extra_bytes``: e.g. vLLM's KV cache."""
-    if not devices or devices[0].kind != "cuda":
-        return []
+    """``devices``: CUDA workers (``describe.memory_lines`` asks); ``extra_bytes``: e.g. vLLM's KV cache."""
     if weights is None:
         return [("memory", "no estimate: the model has no safetensors or GGUF file to read the size from")]
     need = weights + extra_bytes

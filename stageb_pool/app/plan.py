@@ -24,7 +24,7 @@ from ..stageb import guidance as guidance_mod
 from ..stageb import prompts
 from ..stageb import tickets as tickets_mod
 from ..stageb.errors import InputError, UsageError
-from .config import Config, load_checked_config, with_mode
+from .config import Config, load_checked_config, replace_at, with_mode
 from .identity import run_identity
 from .outputs import check_outputs
 from .prompt_budget import refuse_unusable_prompts
@@ -122,7 +122,8 @@ def plan_run(config: Config, *, audit: bool, config_path: str | None, devices: D
             # the config key's bound, checked here so that the message names the option
             raise UsageError(f"argument --gpus-per-worker: must be from 1 to 16, got {devices.gpus_per_worker}",
                              devices.command)
-        config = with_gpus_per_worker(config, devices.gpus_per_worker)
+        if devices.gpus_per_worker is not None:  # so that run.json and the resume identity hold it
+            config = replace_at(config, "model.gpus_per_worker", devices.gpus_per_worker)
         given = devices.gpus_per_worker is not None
         key = f"{os.path.abspath(config_path)}: model.gpus_per_worker" if config_path else "model.gpus_per_worker"
         backend = devices.backend(config)
@@ -150,10 +151,3 @@ def resolve_devices(spec, backend: Backend = Fork(), *, gpus_per_worker: int = 1
     except DeviceSpecError as err:
         raise InputError(str(err), "--gpus") from None
 
-
-def with_gpus_per_worker(config: Config, gpus_per_worker: int | None) -> Config:
-    """So that run.json and the resume identity hold the group size the run used."""
-    if gpus_per_worker is None or gpus_per_worker == config.model.gpus_per_worker:
-        return config
-    model = msgspec.structs.replace(config.model, gpus_per_worker=gpus_per_worker)
-    return msgspec.structs.replace(config, model=model)

@@ -45,8 +45,7 @@ class Measured(msgspec.Struct, frozen=True):
 
 def measure_lines(cfg: Config, inputs: RunInputs, measured: list[Measured]) -> list[tuple[str, str]]:
     """``check``'s lines about prompt lengths (InputError for the decisions in the module docstring)."""
-    train = _train_tickets(measured)
-    measured = [m for m in measured if m.cap is not None and m.tickets]
+    train, measured = _capped(measured)
     try:
         from ..engine import models
 
@@ -102,9 +101,7 @@ def refuse_unusable_prompts(cfg: Config, inputs: RunInputs) -> None:
     from ..engine.registry import entry
     from ..pool.fork import call_in_child
 
-    everyone = sampler_caps(cfg, inputs.tickets)
-    train = _train_tickets(everyone)
-    measured = [m for m in everyone if m.cap is not None and m.tickets]
+    train, measured = _capped(sampler_caps(cfg, inputs.tickets))
     engine = entry(cfg.model.engine)
     token_counter = engine.token_counter
     if token_counter is not None and engine.preload is not None:
@@ -170,7 +167,9 @@ def proposer_verdict(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> 
     lang = proposer.proposer_language(inputs.profile.verdict)
     head = proposer.build_proposer_prompt(inputs.proposer_system, inputs.mission,
                                           dict(inputs.seed_guidance.experiences), [], lang=lang)
-    example = lambda t: proposer.render_example(1, _wrong_vote(t), t, lang=lang)  # noqa: E731
+    def example(t):
+        return proposer.render_example(1, _WrongVote("fail" if t.label == "pass" else "pass"), t, lang=lang)
+
     per_token = max_token_chars(tokenizer)
     encoder = PromptEncoder(tokenizer)
     shortest = None
@@ -205,13 +204,10 @@ class _WrongVote(NamedTuple):
     difficulty: float = 1.0
 
 
-def _wrong_vote(ticket) -> _WrongVote:
-    return _WrongVote("fail" if ticket.label == "pass" else "pass")
-
-
-def _train_tickets(measured: list[Measured]) -> list:
-    """The train tickets of a search (the proposer's examples), else none."""
-    return next((m.tickets for m in measured if m.label == "train"), [])
+def _capped(measured: list[Measured]) -> tuple[list, list[Measured]]:
+    """The train tickets of a search (the proposer's examples, else none), and the samplers to measure."""
+    train = next((m.tickets for m in measured if m.label == "train"), [])
+    return train, [m for m in measured if m.cap is not None and m.tickets]
 
 
 def _proposer_lines(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> list[tuple[str, str]]:

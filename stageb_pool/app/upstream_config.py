@@ -181,7 +181,6 @@ class _Translator:
                  "number of GPUs")
 
     def model(self) -> None:
-        self.section("model", required=True)
         name = self.get("model.model_name_or_path", required=True)
         if not isinstance(name, str) or not name:
             raise self.error("model.model_name_or_path", f"expected a non-empty string, got {name!r}")
@@ -248,9 +247,7 @@ class _Translator:
         return text
 
     def files(self) -> None:
-        self.section("guidance", required=True)
         self.path("guidance.path", required=True)
-        self.section("output", required=True)
         self.path("output.root", required=True)
         name = self.get("output.run_name", required=True)
         self.put("output.run_name", str(name) if type(name) is int else name, "output.run_name")
@@ -258,7 +255,6 @@ class _Translator:
         self.path("ticket_filter.exclude_ticket_keys_path")
 
     def rule_search(self) -> None:
-        self.section("rule_search", required=True)
         for key in REFUSED_BY_UPSTREAM:
             if self.get(f"rule_search.{key}") is not _MISSING:
                 raise self.error(f"rule_search.{key}", "upstream's own loader refuses this key ('rule_search legacy "

@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from ...engine.records import SamplerConfig
-from ...engine.registry import ENGINES
+from ...engine.registry import DEFAULT_ENGINE, ENGINES
 from ...engine.simulated_engine import SimulatedSettings
 from ...engine.vllm_engine import VllmSettings
 from ...pool.devices import MAX_THREADS_PER_WORKER
@@ -39,7 +39,7 @@ class ModelConfig(Section, kw_only=True):
     attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None: transformers' default
     trust_remote_code: bool = False  # passed to transformers when loading a checkpoint
     stop: list[str] | None = None  # extra stop strings, added to the tokenizer's end-of-turn tokens (which always stop)
-    engine: Literal[tuple(ENGINES)] = next(iter(ENGINES))  # the names of engine/registry.py
+    engine: Literal[tuple(ENGINES)] = DEFAULT_ENGINE  # the names of engine/registry.py
     vllm: VllmSettings = msgspec.field(default_factory=VllmSettings)  # the vllm engine's pinned settings
     gpus_per_worker: Int(1, 16) = 1  # GPUs each worker shards its model over (--gpus-per-worker)
     simulated: SimulatedSettings = msgspec.field(default_factory=SimulatedSettings)  # the simulated engine's latency model
@@ -186,15 +186,10 @@ def join_key(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def legacy_name(path: str) -> str:
-    """The LEGACY_KEYS spelling of a key path: list indices become ``[]``."""
-    return re.sub(r"\[\d+\]", "[]", path)
-
-
 def unknown_key_message(path: str, key: str, valid: list[str]) -> str:
     """For a key the schema does not have: its legacy replacement, or the closest valid name."""
     full = join_key(path, key)
-    legacy = LEGACY_KEYS.get(legacy_name(full))
+    legacy = LEGACY_KEYS.get(re.sub(r"\[\d+\]", "[]", full))  # LEGACY_KEYS writes list indices as []
     if legacy:
         return f"legacy key {full!r}: {legacy}"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5) if len(key) <= 100 else []

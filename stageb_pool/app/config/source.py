@@ -133,12 +133,10 @@ def read_yaml(path: str) -> Any:
 
 def apply_override(raw: dict, assignment: str) -> str:
     """Apply one ``--set a.b.c=value`` (the value read as YAML); returns the key path it set."""
-    if "=" not in assignment:
-        raise InputError(f"{assignment!r}: expected key.path=value"[:300], "--set")
-    dotted, _, text = assignment.partition("=")
+    dotted, equals, text = assignment.partition("=")
     dotted = dotted.strip()
     parts = dotted.split(".")
-    if not dotted or any(not p for p in parts):
+    if not equals or not all(parts):
         raise InputError(f"{assignment!r}: expected key.path=value"[:300], "--set")
     try:
         value = load_yaml(text) if text.strip() else None
