@@ -121,7 +121,7 @@ def request(examples, g=None, **kw):
 def test_request_layout_matches_upstream_user_message():
     per_image = {f"image_{n}": f"summary {n}" for n in (10, 2, 1)}
     ex = [(stats("k1::fail", "fail", "pass", 1.0), ticket("k1::fail", "fail", per_image)),
-          (ticket("k2::pass", "pass"), stats("k2::pass", "pass", "fail", 2 / 3))]  # either order
+          (stats("k2::pass", "pass", "fail", 2 / 3), ticket("k2::pass", "pass"))]
     req = request(ex)
     assert req.system == "SYSTEM"
     head = req.user_head.split("\n")

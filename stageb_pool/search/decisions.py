@@ -58,9 +58,7 @@ def _best(outcome):
 
 
 def _verdict(c) -> str:
-    if c.applied:
-        return "accepted"
-    return c.reason or "passed the gate, but another candidate had a larger RER"
+    return "accepted" if c.applied else c.reason or "passed the gate, but another candidate had a larger RER"
 
 
 def _name(c) -> str:

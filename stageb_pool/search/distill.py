@@ -51,8 +51,8 @@ def distill_rows(tickets: list, result, profile, guidance) -> list[DistillRow]:
         if s is None or not s.verdicts or s.verdicts[0] is None:
             continue
         word = profile.verdict.pass_text if s.verdicts[0] == "pass" else profile.verdict.fail_text
-        messages = build_messages(profile, guidance.experiences, t.text())
-        messages = [*messages, {"role": "assistant", "content": f"Verdict: {word}\nReason: {s.reasons[0]}"}]
+        messages = [*build_messages(profile, guidance.experiences, t.text()),
+                    {"role": "assistant", "content": f"Verdict: {word}\nReason: {s.reasons[0]}"}]
         rows.append(DistillRow(ticket_key=t.key, group_id=t.group_id, mission=t.mission, label=t.label,
                                messages=messages))
     return rows

@@ -70,10 +70,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            Path(tmp).unlink(missing_ok=True)
             raise
         _fsync_dir(path.parent)
 
@@ -96,14 +93,14 @@ def write_json(path: str | os.PathLike, value) -> None:
 
 
 def write_jsonl(path: str | os.PathLike, rows) -> None:
-    atomic_write_bytes(path, b"".join(_encoder.encode(r) + b"\n" for r in rows))
+    atomic_write_bytes(path, _encoder.encode_lines(rows))
 
 
 def append_jsonl(path: str | os.PathLike, rows) -> None:
     """Append rows (creating the file) and fsync. Not atomic: a resume cuts the file back to the
     last commit. A link is made private first and checked again once open (``O_NOFOLLOW``)."""
     path = Path(path)
-    data = b"".join(_encoder.encode(r) + b"\n" for r in rows)
+    data = _encoder.encode_lines(rows)
     with _located(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         make_private(path)

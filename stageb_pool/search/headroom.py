@@ -101,9 +101,7 @@ def pass_share(scores: list[float]) -> float | None:
 
 def separates(value: float | None, min_auc: float) -> bool | None:
     """Whether an AUC shows separation a rule search can use (see the module docstring)."""
-    if value is None:
-        return None
-    return value >= min_auc
+    return None if value is None else value >= min_auc
 
 
 def message(*, auc_value: float | None, tickets: int, share: float | None, labels: dict[str, int],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import msgspec
 
@@ -128,7 +129,7 @@ class RolloutRunner(SpeculativeSubmissions):
         # as an uninterrupted one (docs/rule_search.md).
         self.run_done = self.run_saved = 0
         self.chunks_used: set[str] = set()
-        self.tickets_by_rank: dict[int, int] = {}  # tickets generated or scored, by the worker that ran them
+        self.tickets_by_rank: Counter[int] = Counter()  # tickets generated or scored, by the worker that ran them
         self.rollout_seconds = 0.0  # wall time spent gathering chunks: the rollout phase
         self._cache: dict[str, ChunkResult] = {}
         self._inflight: dict[str, TaskHandle] = {}  # cache key -> pool task, submitted, not yet gathered
@@ -277,7 +278,6 @@ class RolloutRunner(SpeculativeSubmissions):
         return [scored for result in results for scored in result.tickets]
 
     def _chunks(self, tickets: list[Ticket]) -> list[tuple[int, list[Ticket]]]:
-        """``tickets`` cut, in their order, into ``(chunk index, tickets)`` of ``chunk_size``."""
         return [(index, tickets[start:start + self.chunk_size])
                 for index, start in enumerate(range(0, len(tickets), self.chunk_size))]
 
@@ -296,8 +296,7 @@ class RolloutRunner(SpeculativeSubmissions):
             if keep is not None:
                 keep(index, result)
             if tickets[index]:
-                rank = tasks[index].ran_on
-                self.tickets_by_rank[rank] = self.tickets_by_rank.get(rank, 0) + tickets[index]
+                self._credit(tasks[index], tickets[index])
                 if self.progress is not None:
                     self.progress.advance(tickets[index])
 
@@ -308,13 +307,15 @@ class RolloutRunner(SpeculativeSubmissions):
                 self.progress.finish()
             self.rollout_seconds += time.monotonic() - started
 
+    def _credit(self, task, tickets: int) -> None:
+        self.tickets_by_rank[task.ran_on] += tickets
+
     def continue_counts(self, chunks_used, done: int, saved: int) -> None:
         """Carry on the run's counts of an interrupted run (from its state.json)."""
         self.chunks_used = set(chunks_used)
         self.run_done, self.run_saved = int(done), int(saved)
 
     def run(self, spec: RolloutSpec) -> RolloutResult:
-        """Submit and wait for one rollout."""
         return self.wait([self.submit(spec)])[0]
 
     def _assemble(self, pending: Pending) -> RolloutResult:

@@ -13,7 +13,7 @@ from ..stageb.hashing import content_hash
 
 class SpeculativeSubmissions:
     """The runner's speculative half: it uses the runner's ``pool``, ``submit``, ``_cache``,
-    ``_inflight`` and ``_build``, and keeps ``_speculative`` for ``submit`` to claim from."""
+    ``_inflight``, ``_credit`` and ``_build``, and keeps ``_speculative`` for ``submit`` to claim from."""
 
     def _start_speculation(self) -> None:
         self._speculative: dict[str, object] = {}  # cache key -> speculative pool task, not yet claimed
@@ -62,7 +62,7 @@ class SpeculativeSubmissions:
         for key, task in done.items():
             self._cache[key] = task.result()
             self._inflight.pop(key, None)
-            self.tickets_by_rank[task.ran_on] = self.tickets_by_rank.get(task.ran_on, 0) + len(task.result().tickets)
+            self._credit(task, len(task.result().tickets))
         return self._build(pending)[0]
 
     def discard(self, keys) -> None:

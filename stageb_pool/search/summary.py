@@ -14,9 +14,8 @@ from .settings import SearchSettings
 
 
 def brief(metrics) -> dict | None:
-    if metrics is None:
-        return None
-    return {"n": metrics.n, "acc": metrics.acc, "fp_rate": metrics.fp_rate, "fn_rate": metrics.fn_rate}
+    return None if metrics is None else {"n": metrics.n, "acc": metrics.acc, "fp_rate": metrics.fp_rate,
+                                         "fn_rate": metrics.fn_rate}
 
 
 def final_metrics(recorder, settings: SearchSettings, guidance, *, first_pool: list, eval_pool: list,

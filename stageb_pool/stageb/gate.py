@@ -158,6 +158,4 @@ def eval_veto(base_eval_acc: float | None, cand_eval_acc: float | None, max_acc_
     if base_eval_acc is None or cand_eval_acc is None:
         return False, None
     drop = base_eval_acc - cand_eval_acc
-    if max_acc_drop is None:
-        return False, drop
-    return drop > max_acc_drop + EPS, drop
+    return max_acc_drop is not None and drop > max_acc_drop + EPS, drop

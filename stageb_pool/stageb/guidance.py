@@ -143,15 +143,10 @@ def parse_section(raw, where: str) -> Guidance:
     return Guidance(step=step, updated_at=raw["updated_at"], experiences=clean, metadata=metadata)
 
 
-def read_guidance_file(path: str | Path) -> dict:
+def load_guidance(path: str | Path, mission: str) -> Guidance:
     data = inputs.load_json_file(path, "guidance file")
     if not isinstance(data, dict):
         raise InputError("must be a JSON object keyed by mission", str(path))
-    return data
-
-
-def load_guidance(path: str | Path, mission: str) -> Guidance:
-    data = read_guidance_file(path)
     if mission not in data:
         have = ", ".join(repr(m) for m in data) or "none"
         raise InputError(f"mission {mission!r} not in the guidance file; missions there: {have}", str(path))

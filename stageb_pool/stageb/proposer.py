@@ -54,11 +54,6 @@ def _experiences(guidance) -> dict[str, str]:
     return dict(getattr(guidance, "experiences", guidance))
 
 
-def _pair(example) -> tuple:
-    a, b = example
-    return (b, a) if hasattr(a, "per_image") else (a, b)
-
-
 def render_example(number: int, stats, ticket, lang: str = "zh") -> str:
     """One ``样本{n}`` block: the ticket, GT, baseline vote and raw summaries."""
     t = _TEXTS[lang]
@@ -99,8 +94,8 @@ class ProposerPrompt(msgspec.Struct, frozen=True):
 
 def build_proposer_prompt(system_prompt: str, mission: str, guidance, examples: Sequence, *,
                           lang: str = "zh") -> ProposerPrompt:
-    """``examples`` are ``(TicketStats, Ticket)`` pairs, either order."""
-    blocks = [render_example(i, *_pair(ex), lang=lang) for i, ex in enumerate(examples, start=1)]
+    """``examples`` are ``(TicketStats, Ticket)`` pairs (``select_examples``)."""
+    blocks = [render_example(i, stats, ticket, lang=lang) for i, (stats, ticket) in enumerate(examples, start=1)]
     return ProposerPrompt(system=system_prompt, user_head=render_head(mission, guidance, lang), examples=blocks,
                           user_tail=_TEXTS[lang]["close"])
 

@@ -57,12 +57,6 @@ def resolve_train_pool_size(n_train: int, size: int, fraction: float | None = No
     return min(max(1, target), n_train)
 
 
-def _permutation(n: int, seed: int) -> list[int]:
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    return order
-
-
 class TrainPoolSampler(msgspec.Struct, forbid_unknown_fields=True):
     """Rolling window over ``random.Random(seed + wraps)`` permutations of the train indices.
     These five integers are the whole state (``state.json``), so a resume draws the same pools."""
@@ -78,7 +72,9 @@ class TrainPoolSampler(msgspec.Struct, forbid_unknown_fields=True):
         return cls(n_train=n_train, size=resolve_train_pool_size(n_train, size, fraction), seed=int(seed))
 
     def permutation(self) -> list[int]:
-        return _permutation(self.n_train, self.seed + self.wraps)
+        order = list(range(self.n_train))
+        random.Random(self.seed + self.wraps).shuffle(order)
+        return order
 
     def next_pool(self) -> list[int]:
         """The next pool's train indices (never a duplicate); advances the state."""
