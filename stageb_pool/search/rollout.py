@@ -1,18 +1,11 @@
 """The parent-side rollout runner: tickets -> chunks -> pool -> per-ticket verdict statistics.
 
-A rollout (``RolloutSpec``) is a list of tickets judged under one guidance snapshot with one
-sampler. The runner cuts the tickets, in their canonical order, into chunks of ``chunk_size``
-(independent of the worker count, so the generation seeds, which come from
-``(seed_key, chunk_index, decode, sample)``, are too) and submits every chunk to the pool.
-``wait`` drives ONE ``pool.gather`` over all chunks of all pending rollouts and chat calls, so
-the candidates of an iteration and the proposer call share the GPUs, then assembles the results
-in ticket order. The judge-headroom check's verdict-probability chunks take the same path
-(``verdict_probabilities``); every gather counts in ``rollout_seconds`` and ``tickets_by_rank``.
-
-A chunk result is cached under the content hash of everything that determines it (ticket
-keys, guidance hash, profile hash, sampler, seed key, chunk index): within a run it is never
-generated twice, e.g. the eval baseline while the guidance is unchanged. Work submitted
-speculatively ahead (``rollout_speculation``) is claimed by the submit of the same work.
+See docs/architecture.md and docs/rule_search.md ("The rollout runner caches..."). Contracts:
+chunks of ``chunk_size`` in canonical ticket order, independent of the worker count, so the
+generation seeds ``(seed_key, chunk_index, decode, sample)`` are too; ``wait`` drives ONE
+``pool.gather`` over all pending rollouts, chat and verdict-probability chunks (so they share
+the GPUs) and assembles results in ticket order; a chunk result is cached by content hash and
+never generated twice within a run; speculative work is claimed by the submit of the same work.
 """
 
 from __future__ import annotations
