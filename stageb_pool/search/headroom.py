@@ -1,32 +1,11 @@
-"""The judge-headroom check: can the judge tell the labels apart at all?
+"""The judge-headroom check: can the judge tell the labels apart at all? (docs/rule_search.md)
 
-A rule search only moves the verdicts of a judge whose verdicts depend on the tickets. The
-embedded 135M model, for one, answers ``fail`` to every demo ticket whatever the guidance
-says, and no rule can help it. This check says so before the search spends GPU hours: it
-scores, for a sample of tickets, the judge's probability of answering ``Verdict: <pass>``
-rather than ``Verdict: <fail>`` under the run's starting guidance (teacher forcing, nothing
-sampled: ``Engine.verdict_probabilities``), and measures how well that probability ranks
-the reviewers' labels (the AUC).
-
-- The sample: ``settings.tickets`` tickets, drawn with a seed from the run seed and the
-  word ``"headroom"`` (never a rank), stratified by label: half pass and half fail, the
-  other label topping up when one runs short (balanced classes give the AUC its smallest
-  variance for a given number of tickets). It is kept in key order, cut into chunks of the
-  runner's ``chunk_size``, and each chunk is one batch on whichever worker takes it, so
-  the result is the same for any worker count.
-- The verdict: ``separates`` when ``auc >= min_auc``. An AUC near 0.5 means the judge's
-  answer does not depend on the labels. An AUC at or below ``1 - min_auc`` (the judge
-  favours pass on the fail tickets) is reported as inverted but does NOT count as
-  separation: a guidance rule mostly shifts the judge towards pass or fail for every
-  ticket, and shifting an inverted ranking towards pass passes the fail tickets first, so
-  the gate would reject every such edit. (The embedded model on the demo: AUC 0.34 with
-  P(pass) between 0.005 and 0.013, fail to every ticket.) ``separates`` is None when the
-  AUC cannot be measured (no judged ticket of one label). With 48 tickets, the AUC of a
-  judge that cannot tell the labels apart has a standard deviation of about 0.08: raise
-  ``tickets`` for a sharper answer.
-
-Everything written is computed from the results in key order and rounded, so
-``judge_headroom.json`` is byte-identical for any worker count (no timestamps inside).
+Contracts kept here: the sample is seeded by the run seed and ``"headroom"`` (never a rank),
+stratified by label (balanced classes give the AUC its smallest variance), in key order, in
+chunks of the runner's ``chunk_size``, one batch each; an inverted AUC does NOT count as
+separation; ``separates`` is None when the AUC cannot be measured (no judged ticket of one
+label). Everything written is computed in key order and rounded, with no timestamps, so
+``judge_headroom.json`` is byte-identical for any worker count.
 """
 
 from __future__ import annotations

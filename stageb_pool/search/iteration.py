@@ -1,9 +1,6 @@
-"""One rule-search iteration (the steps: docs/rule_search.md, "One iteration"):
-``run_iteration`` computes it and returns a frozen ``IterationOutcome``; the loop
-(``rule_search.py``) writes its rows, applies its edit and commits. The proposer calls go
-in one gather with the eval baseline, and every candidate's rollout in one gather, so that
-every worker is busy. A train pool's seed key names its tickets, never the guidance:
-baseline and candidates draw the same random numbers.
+"""One rule-search iteration (docs/rule_search.md, "One iteration"): ``run_iteration`` returns a frozen
+``IterationOutcome``; the loop writes its rows, applies its edit and commits. A train pool's seed key
+names its tickets, never the guidance: baseline and candidates draw the same random numbers.
 """
 
 from __future__ import annotations

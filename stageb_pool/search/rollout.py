@@ -1,18 +1,11 @@
 """The parent-side rollout runner: tickets -> chunks -> pool -> per-ticket verdict statistics.
 
-A rollout (``RolloutSpec``) is a list of tickets judged under one guidance snapshot with one
-sampler. The runner cuts the tickets, in their canonical order, into chunks of ``chunk_size``
-(independent of the worker count, so the generation seeds, which come from
-``(seed_key, chunk_index, decode, sample)``, are too) and submits every chunk to the pool.
-``wait`` drives ONE ``pool.gather`` over all chunks of all pending rollouts and chat calls, so
-the candidates of an iteration and the proposer call share the GPUs, then assembles the results
-in ticket order. The judge-headroom check's verdict-probability chunks take the same path
-(``verdict_probabilities``); every gather counts in ``rollout_seconds`` and ``tickets_by_rank``.
-
-A chunk result is cached under the content hash of everything that determines it (ticket
-keys, guidance hash, profile hash, sampler, seed key, chunk index): within a run it is never
-generated twice, e.g. the eval baseline while the guidance is unchanged. Work submitted
-speculatively ahead (``rollout_speculation``) is claimed by the submit of the same work.
+See docs/architecture.md and docs/rule_search.md ("The rollout runner caches..."). Contracts:
+chunks of ``chunk_size`` in canonical ticket order, independent of the worker count, so the
+generation seeds ``(seed_key, chunk_index, decode, sample)`` are too; ``wait`` drives ONE
+``pool.gather`` over all pending rollouts, chat and verdict-probability chunks (so they share
+the GPUs) and assembles results in ticket order; a chunk result is cached by content hash and
+never generated twice within a run; speculative work is claimed by the submit of the same work.
 """
 
 from __future__ import annotations
@@ -61,12 +54,8 @@ def rollout_spec(name: str, seed_key: str, tickets, guidance: Guidance, sampler:
 
 
 class RolloutResult(msgspec.Struct):
-    """Per-ticket statistics in ticket order; dropped (overlength) tickets are only in
-    ``dropped`` (key -> prompt token count). ``rollouts`` holds the raw candidates of the
-    kept tickets. ``generations`` were generated for this rollout, ``cached_generations``
-    came from earlier (or concurrent) identical chunks. ``chunk_done_s`` (wall clock,
-    volatile) is, per chunk, the seconds from the start of the gather until that chunk's
-    result was in (0 for cached chunks)."""
+    """Per-ticket statistics in ticket order; overlength tickets only in ``dropped`` (key -> prompt
+    tokens). ``chunk_done_s`` (volatile): per chunk, seconds from the gather's start to its result (0: cached)."""
 
     spec_name: str
     guidance_hash: str
@@ -123,10 +112,8 @@ class RolloutRunner(SpeculativeSubmissions):
         self.engine_key = engine_key  # hash of the engine's provenance (kind, versions, settings): part of every cache key
         # This process's counts: generated here, or served by this process's cache.
         self.generations_done = self.generations_saved = 0
-        # The run's counts, which a resumed run continues from state.json: a chunk counts as
-        # done the first time the run uses it and as saved every later time, whichever
-        # process generated it, so an interrupted and resumed run reports the same numbers
-        # as an uninterrupted one (docs/rule_search.md).
+        # The run's counts, continued from state.json on resume (docs/rule_search.md): done on a chunk's
+        # first use in the run, saved on every later one, so a resumed run reports what an uninterrupted one does.
         self.run_done = self.run_saved = 0
         self.chunks_used: set[str] = set()
         self.tickets_by_rank: Counter[int] = Counter()  # tickets generated or scored, by the worker that ran them
@@ -138,8 +125,6 @@ class RolloutRunner(SpeculativeSubmissions):
         self._verdicts = verdicts.VerdictParser(profile.verdict)  # answers repeat: each distinct one parsed once
         self.on_progress = None  # called at the start of every wait and after each of its event-loop turns
         self._start_speculation()
-
-    # -- submission ---------------------------------------------------------------------------
 
     def submit(self, spec: RolloutSpec) -> Pending:
         """Queue every chunk of ``spec`` that is neither cached nor already in flight. What
@@ -178,17 +163,12 @@ class RolloutRunner(SpeculativeSubmissions):
             task = self.pool.submit("chat", request, result_type=ChatResult, label="proposer")
         return Pending(chat_task=task, request=request)
 
-    # -- completion -------------------------------------------------------------------------
-
     def wait(self, pendings: list[Pending]) -> list:
-        """Gather everything the pendings still need in one ``pool.gather``; return, per
-        pending, a RolloutResult (rollout) or a ChatResult (chat), in the given order.
+        """One ``pool.gather`` for all pendings; per pending, in order, a RolloutResult or a ChatResult.
 
-        A chat call whose engine method raises (``WorkerError``) gives a ``ChatFailure``
-        instead: the gather cancelled the other tasks, so they are submitted again (chunks
-        that finished before the error come from the cache, a finished chat keeps its
-        result) and gathered once more. A worker's death or timeout, and an error in a
-        rollout, still end the wait."""
+        A chat whose engine method raises gives a ``ChatFailure``; the cancelled rest is resubmitted
+        (finished chunks come from the cache) and gathered again. A worker's death or timeout, or an
+        error in a rollout, still ends the wait."""
         current = list(pendings)  # per given pending, what is waited for (resubmitted after a failure)
         failed: dict[int, ChatFailure] = {}
         while True:
@@ -247,8 +227,7 @@ class RolloutRunner(SpeculativeSubmissions):
         try:
             self._gather(_label(pendings), tasks, counts, keep)
         finally:
-            # Done or cancelled (the pool cancels a failed gather's tasks): no longer in
-            # flight, so a later submit of an unfinished chunk generates it again.
+            # Done or cancelled: no longer in flight, so a later submit of an unfinished chunk regenerates it.
             for key in keys:
                 if key is not None:
                     self._inflight.pop(key, None)

@@ -47,8 +47,6 @@ class RuleSearch:
         # One worker is never idle while the loop waits: speculation could only delay it.
         self.speculation = Speculation(runner, settings, enabled=speculate and runner.pool.size > 1)
 
-    # -- start / resume ---------------------------------------------------------------------
-
     def _fresh_state(self) -> state_mod.SearchState:
         g = self.guidance = self.seed_guidance  # what job (or _start on resume) wrote to guidance.json
         sampler = state_mod.start_sampler(len(self.train), self.settings.rule_search, self.settings.seed)
@@ -65,9 +63,8 @@ class RuleSearch:
         if resume is not None and resume.state is not None and not resume.continued:
             self.log.warning("%s", redo_warning(resume.state))
         if resume is None or not resume.continued:
-            # A new run; a resume of a run killed in iteration 1 (whose guidance.json may already
-            # hold iteration 1's edit) or of iterations to redo: the run directory is brought back
-            # to a run killed before its first commit, the seed guidance and empty artifacts.
+            # A new run, or a resume killed in iteration 1 (guidance.json may hold its edit) or with
+            # iterations to redo: back to the seed guidance and empty artifacts.
             if resume is not None:
                 self.store.write(self.seed_guidance)
                 fileio.remove(self.run_dir / artifacts.STATE.name)
@@ -100,8 +97,6 @@ class RuleSearch:
         self.log.warning("resume: guidance.json is not the committed step %d; restoring it", st.guidance_step)
         self.guidance = msgspec.convert(st.guidance, Guidance)
         self.store.write(self.guidance)
-
-    # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> dict:
         started = time.monotonic()
@@ -183,8 +178,6 @@ class RuleSearch:
             st.artifacts = state_mod.artifact_lengths(self.run_dir)
             state_mod.write_state(self.run_dir, st)
         self.iterations_this_run += 1
-
-    # -- after the loop ---------------------------------------------------------------------
 
     def _finish(self, wall_s: float) -> dict:
         """Distillation (once, with the final guidance), final metrics, the summary."""

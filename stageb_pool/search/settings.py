@@ -1,11 +1,6 @@
-"""The config sections the rule search and the audit read, and the plain, frozen values taken
-once from the resolved config.
-
-The ``rule_search`` and ``stage_b_distillation`` sections are declared here, beside their
-reader, and the app's schema (app/config/schema.py) holds them like its own sections: one
-place for each key's type, range and default (documented in docs/usage.md). ``app/job.py``
-builds a ``SearchSettings`` from the frozen config and the loaded inputs; the search never
-sees the config file, its paths or its defaults.
+"""The config sections the rule search and the audit read (``rule_search``, ``stage_b_distillation``:
+declared beside their reader, held by app/config/schema.py, keys in docs/usage.md), and the frozen
+``SearchSettings`` app/job.py builds: the search never sees the config file, its paths or defaults.
 """
 
 from __future__ import annotations
