@@ -237,8 +237,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_report(args) -> int:
-    """Write a run's report to RUN_DIR/report.html, the -o FILE (checked before anything is
-    written: report/output.py) or stdout for ``-o -``."""
+    """To RUN_DIR/report.html, the -o FILE (checked before anything is written: report/output.py) or stdout."""
     from ..artifacts import REPORT
     from ..report import ReportError, check_target, render_report
 

@@ -82,8 +82,7 @@ def describe(plan: RunPlan) -> str:
 
 
 def layout_lines(devices: list[Device], *, ray: bool = False) -> list[tuple[str, str]]:
-    """The workers and the GPUs each holds (run.json's layout); a line names a mask that renames
-    the GPUs."""
+    """The workers and the GPUs each holds (run.json's layout); a line names a mask that renames the GPUs."""
     from ..pool.devices import mask_stop, mask_text, visible_mask
 
     size = devices[0].group_size
@@ -114,8 +113,7 @@ def _worker_gpus(device, *, ray: bool = False) -> str:
 
 
 def memory_lines(cfg: Config, model, devices: list[Device], *, ray: bool = False) -> list[tuple[str, str]]:
-    """``memory_budget`` for GPU workers; under Ray the GPUs are the cluster's, not this
-    machine's, so only the weights are shown."""
+    """``memory_budget`` for GPU workers; under Ray only the weights (the GPUs are the cluster's, not this host's)."""
     from ..engine.models import embedded_gguf_path
     from ..engine.registry import gpu_bytes
     from ..pool.devices import gpu_memory_bytes

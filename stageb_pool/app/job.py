@@ -144,8 +144,7 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
 
 
 def close_after_failure(pool) -> None:
-    """Close the pool after a failed run: an error of the close (the zygote died with the
-    workers) is only logged, never raised in place of the run's own."""
+    """An error of the close (the zygote died with the workers) is only logged, never raised in place of the run's."""
     try:
         pool.close()
     except Exception as err:  # noqa: BLE001 - reported, and the run's own error goes on

@@ -15,8 +15,7 @@ from ..stageb.errors import InputError
 from ..stageb.prompts import PROFILES_DIR
 from .config import input_files
 
-# What a run writes inside its run directory besides the distillation file: files by name,
-# folders by name (anything below them).
+# What a run writes inside its run directory besides the distillation file: files, and folders (all below them).
 RUN_FILES = tuple(a.name for a in artifacts.ARTIFACTS if a is not artifacts.DISTILL)
 
 
@@ -62,8 +61,7 @@ def check_outputs(config, run_dir: Path, *, config_path: str | None = None) -> N
 
 
 def distillation_file(config) -> str | None:
-    """The file the distillation export writes outside the run's files, or None (no export,
-    or the default file inside the run directory)."""
+    """The export's file outside the run directory, or None (no export, or its default file inside)."""
     dist = config.stage_b_distillation
     return dist.log_chatml_path if dist.enabled and dist.distill_size else None
 

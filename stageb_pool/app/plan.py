@@ -104,8 +104,7 @@ class RunPlan(msgspec.Struct, frozen=True):
 
 def plan_command(config_path: str, overrides=(), *, audit: bool = False, upstream_root: str | None = None,
                  devices: DeviceRequest | None = None, check_prompts: bool = False) -> RunPlan:
-    """The plan of a ``run`` or ``check`` command line (its file checks are the run's one check
-    of the model path)."""
+    """A ``run`` or ``check`` command line's plan (its file checks are the run's one check of the model path)."""
     config, model = load_checked_config(config_path, overrides, upstream_root=upstream_root)
     return plan_run(config, audit=audit, config_path=config_path, devices=devices, model=model,
                     check_prompts=check_prompts)

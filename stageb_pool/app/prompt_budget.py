@@ -211,7 +211,6 @@ def _capped(measured: list[Measured]) -> tuple[list, list[Measured]]:
 
 
 def _proposer_lines(tokenizer, cfg: Config, inputs: RunInputs, train: list) -> list[tuple[str, str]]:
-    """``check``'s line about the proposer's prompt."""
     measured = proposer_verdict(tokenizer, cfg, inputs, train)
     if measured is None:
         return []

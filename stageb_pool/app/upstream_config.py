@@ -368,5 +368,4 @@ def _leaf_keys(raw: dict, prefix: str = "") -> list[str]:
 
 
 def under(key: str, prefix: str) -> bool:
-    """Whether ``key`` is ``prefix`` or a key inside it."""
     return key == prefix or key.startswith((prefix + ".", prefix + "["))

@@ -51,7 +51,6 @@ def _svg(fig: Figure, name: str, label: str) -> str:
 
 
 def _figure(width: float, height: float, columns: int = 1):
-    """A figure and its axes (``columns`` of them side by side)."""
     fig = Figure(figsize=(width, height), dpi=100)
     fig.set_layout_engine("constrained")
     return fig, fig.subplots(1, columns)

@@ -41,8 +41,7 @@ class Unreadable(Exception):
 
 
 class RunFiles:
-    """A run directory's files, read leniently: a missing or unreadable file is read as None
-    and noted in ``missing`` with what the report would have drawn from it."""
+    """A missing or unreadable file reads as None, noted in ``missing`` with what the report would draw from it."""
 
     def __init__(self, run_dir):
         self.root = Path(run_dir)

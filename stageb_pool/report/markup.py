@@ -30,7 +30,6 @@ def esc(value) -> str:
 
 
 def given(value, default):
-    """``value``, or ``default`` where a file left it out (None)."""
     return default if value is None else value
 
 

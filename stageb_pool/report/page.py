@@ -47,9 +47,8 @@ CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
 def render_report(run_dir) -> str:
-    """The report of ``run_dir`` as one HTML document. Raises ReportError when the directory
-    is not a run; anything a run of another version lacks, or a file that cannot be read as
-    what it should hold, is named on the page instead."""
+    """Raises ReportError when the directory is not a run; anything a run of another version lacks, or a file that
+    cannot be read as what it should hold, is named on the page instead."""
     files = RunFiles(run_dir)
     charts = load_chart_libraries()
     run = files.json(artifacts.RUN.name, RunInfo, None) or RunInfo()

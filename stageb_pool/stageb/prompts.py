@@ -161,7 +161,6 @@ def load_profile(
 
 
 def load_proposer_prompt(profile: str, path: str | None, *, base_dir: str | Path | None = None) -> str:
-    """The file at ``path``, or the profile's ``proposer.txt``."""
     file = Path(path) if path is not None else _profile_dir(str(profile), base_dir) / PROPOSER_FILE
     text = inputs.read_text(file, "proposer prompt")  # verbatim, as upstream (a BOM removed)
     if not text.strip():

@@ -54,8 +54,7 @@ def read_config(path: str | os.PathLike, *, upstream_root: str | None = None) ->
 
 def load_config(path: str | os.PathLike, overrides=(), *, check_files: bool = True,
                 upstream_root: str | None = None, announce: bool = True) -> Config:
-    """Read, validate and resolve a config file. ``overrides``: ``--set`` strings, applied before
-    validation; ``announce`` logs that an upstream config was translated."""
+    """``overrides``: ``--set`` strings, applied before validation; ``announce`` logs a translated upstream config."""
     return load_checked_config(path, overrides, check_files=check_files, upstream_root=upstream_root,
                                announce=announce)[0]
 
