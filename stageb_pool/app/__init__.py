@@ -1,3 +1,1 @@
-"""The application: the ``stageb-pool`` command, the config schema, one run from start to
-finish (``job``), run comparison (``diff``) and progress reporting.
-"""
+"""The application: the ``stageb-pool`` command, the config schema, one run (``job``), ``diff`` and progress."""

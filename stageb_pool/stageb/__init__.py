@@ -1,2 +1,1 @@
-"""Stage-B's pure domain: tickets, guidance, prompts, verdicts and metrics, the gate, the
-proposer's text parts, the ticket pools. No processes, no torch, no run directory."""
+"""Stage-B's pure domain, from tickets to the gate and the proposer's text: no processes, torch or run directory."""
