@@ -152,7 +152,6 @@ def close_after_failure(pool) -> None:
 
 
 def search_settings(config, inputs: RunInputs) -> SearchSettings:
-    """The plain values the rule search reads, from the resolved config."""
     return SearchSettings(seed=config.seed, mission=inputs.mission, epochs=config.runner.epochs,
                           rule_search=config.rule_search, distill=config.stage_b_distillation,
                           proposer_system=inputs.proposer_system)

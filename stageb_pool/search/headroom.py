@@ -156,5 +156,4 @@ def run_headroom(runner: RolloutRunner, *, tickets: list[Ticket], guidance: dict
 
 
 def summary_entry(doc: dict) -> dict:
-    """What summary.json repeats of the report."""
     return {key: doc[key] for key in SUMMARY_KEYS}

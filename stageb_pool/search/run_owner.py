@@ -34,8 +34,6 @@ WAIT_POLL_S = 0.1  # how often a bounded wait tries the lock again
 
 
 class Phase(enum.Enum):
-    """Where a ``RunDir`` is in the run's life."""
-
     PLANNED = "planned"  # every refusal made, nothing written
     LOCKED = "locked"  # this process owns the directory (the lock file, its first write)
     STARTED = "started"  # the directory made, replaced or kept; its first files being written
@@ -250,7 +248,6 @@ def check_folders(run_dir: Path) -> None:
 
 
 def lock_path(run_dir: str | Path) -> Path:
-    """``{mission folder}/.{run_name}.lock``"""
     run_dir = Path(run_dir)
     return run_dir.parent / f".{run_dir.name}.lock"
 

@@ -144,7 +144,6 @@ def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]
 
 
 def start_sampler(n_train: int, rule_search: RuleSearchConfig, seed: int) -> TrainPoolSampler:
-    """The train-pool sampler a fresh run starts with."""
     return TrainPoolSampler.start(n_train, rule_search.train_pool_size, seed, fraction=rule_search.train_pool_fraction)
 
 
