@@ -282,7 +282,6 @@ def validate_state(state: SearchState, run_dir: Path, *, train_keys: list[str], 
             refuse(f"ticket key {key!r} is not one of the run's train tickets", f"first_pool[{i}]")
     _check_against_rows(state, run_dir, refuse)
     _check_sampler(state, train_keys, start_sampler, refuse)
-    # The guidance: valid, its own hash and step, the last edit's, and guidance.json's.
     try:
         g = parse_section(state.guidance, f"{location}: guidance")
     except InputError as err:
