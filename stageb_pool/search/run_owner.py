@@ -111,7 +111,6 @@ class RunDir:
                          "or choose another path", "stage_b_distillation.log_chatml_path")
 
     def _recorded_distillation_file(self) -> str | None:
-        """The distillation path the run.json being resumed records (resolved), if any."""
         try:
             recorded = read_json(self.path / RUN.name)["config"]["stage_b_distillation"]["log_chatml_path"]
         except (OSError, ValueError, KeyError, TypeError):

@@ -20,7 +20,6 @@ from . import fileio
 from .run_format import FORMAT_VERSION, migrate
 from .settings import RuleSearchConfig, RunIdentity
 
-# Every append-only artifact of the search; their committed byte lengths go into state.json.
 APPEND_ARTIFACTS = committed_names()
 
 # Far above any run (runner.epochs <= 10,000), and an exact integer in JSON readers using doubles.
@@ -119,7 +118,6 @@ def write_state(run_dir: Path, state: SearchState) -> None:
 
 
 def artifact_lengths(run_dir: Path) -> dict[str, int]:
-    """Current byte length of every append-only artifact (0 when absent)."""
     lengths = {}
     for name in APPEND_ARTIFACTS:
         path = Path(run_dir) / name
