@@ -1,9 +1,8 @@
 """Every file a run directory holds, named once: ``ARTIFACTS``.
 
-An entry gives the file's name, row record (``artifact_rows``), shape (JSONL rows or one
-document), what ``stageb-pool diff`` ignores in it, and its writer. The run directory, the
-resume state, ``diff`` and the report read this list, so a new artifact is one entry plus its
-writer (docs/artifacts.md describes each file). Imports nothing of the package but its rows.
+The run directory, the resume state, ``diff`` and the report read this list, so a new
+artifact is one entry plus its writer (docs/artifacts.md describes each file). Imports
+nothing of the package but its rows.
 """
 
 from __future__ import annotations

@@ -84,7 +84,6 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
     config, inputs, run_dir, devices = plan.config, plan.inputs, plan.run_dir, plan.devices
     factory = engine_factory or engine_factory_for(config.model, inputs.model)
     ray = isinstance(plan.backend, Ray)
-    # The report's process, forked while this one is clean: it loads matplotlib during the run.
     report = ReportJob()
     try:
         pool = Pool(factory, devices, backend=plan.backend, task_timeout=config.pool.task_timeout,
@@ -131,7 +130,6 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
         report.cancel()
         close_after_failure(pool)
         raise
-    # The page is drawn by its process while this one closes the pool.
     report.render(run_dir)
     try:
         pool.close()
@@ -152,7 +150,6 @@ def close_after_failure(pool) -> None:
 
 
 def search_settings(config, inputs: RunInputs) -> SearchSettings:
-    """The plain values the rule search reads, from the resolved config."""
     return SearchSettings(seed=config.seed, mission=inputs.mission, epochs=config.runner.epochs,
                           rule_search=config.rule_search, distill=config.stage_b_distillation,
                           proposer_system=inputs.proposer_system)

@@ -1,9 +1,6 @@
 """The run report: ``report.html``, one self-contained page drawn from a run directory's
 files alone (it imports nothing of the pool, the engines or the search).
 
-    html = render_report(run_dir)     # raises ReportError when run_dir is not a run
-    check_target(path, run_dir)       # raises ReportError unless the page may be written there
-
 matplotlib is imported only by ``render_report`` and ``load_chart_libraries`` (charts.py says why).
 """
 

@@ -26,8 +26,6 @@ STEPS_LABEL = "jump_reflection baseline"  # upstream's label, which scripts may 
 
 
 class AuditSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """The plain values the audit reads (taken from the resolved config by ``app/job.py``)."""
-
     seed: int
     mission: str
     sampler: SamplerConfig  # rule_search.train_sampler

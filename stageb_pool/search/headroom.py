@@ -37,9 +37,6 @@ class HeadroomSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_prompt_tokens: int | None
 
 
-# ----------------------------------------------------------------------------- pure parts
-
-
 def sample_tickets(tickets: list, n: int, seed: int) -> list:
     """``n`` tickets (all when there are fewer), half of each label where possible, in key
     order. Depends on the ticket set and the seed only, not on the order given."""
@@ -138,9 +135,6 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, DECIMALS)
 
 
-# ----------------------------------------------------------------------------- the run
-
-
 def run_headroom(runner: RolloutRunner, *, tickets: list[Ticket], guidance: dict[str, str],
                  settings: HeadroomSettings, run_dir: Path, log: logging.Logger) -> dict:
     """Score the sample on the pool through ``runner`` (its chunks, progress and rollout
@@ -162,5 +156,4 @@ def run_headroom(runner: RolloutRunner, *, tickets: list[Ticket], guidance: dict
 
 
 def summary_entry(doc: dict) -> dict:
-    """What summary.json repeats of the report."""
     return {key: doc[key] for key in SUMMARY_KEYS}

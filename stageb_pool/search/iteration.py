@@ -138,9 +138,6 @@ def run_iteration(inp: IterationInput, settings: SearchSettings, recorder, log, 
         ablation_note=ablation_note)
 
 
-# ----------------------------------------------------------------------------- proposer
-
-
 REJECTING_STAGES = ("validate", "preview")  # failure rows that are one rejected candidate each
 
 
@@ -283,9 +280,6 @@ def _no_ablation_note(g: Guidance, rejected_ids) -> str:
     keys = ", ".join(sorted((c.operation.key for c in everything if c.candidate_id in rejected_ids),
                             key=lambda key: (len(key), key)))  # G2 before G10
     return f"ablation of {keys} already rejected earlier in the run" if keys else "ablation candidates proposed already"
-
-
-# ----------------------------------------------------------------------------- A/B evaluation
 
 
 def _evaluate(inp: IterationInput, settings: SearchSettings, recorder, base: RolloutResult,

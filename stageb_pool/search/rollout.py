@@ -94,9 +94,7 @@ class Pending(msgspec.Struct):
 
 
 class RolloutRunner(SpeculativeSubmissions):
-    """Runs rollouts over ``pool`` with the prompt ``profile``.
-
-    ``save_rollouts`` asks the engine for token ids too, for ``rollouts/*.jsonl``.
+    """``save_rollouts`` asks the engine for token ids too, for ``rollouts/*.jsonl``.
     ``progress`` is a ``progress.Progress`` (or None)."""
 
     def __init__(self, pool: Pool, profile: PromptProfile, *, chunk_size: int, progress=None,

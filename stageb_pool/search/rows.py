@@ -89,7 +89,6 @@ def candidate_rows(outcome, mission: str) -> list[CandidateRow]:
 
 
 def regression_rows(outcome, mission: str) -> list[RegressionRow]:
-    """A row for each evaluated candidate with at least one regression."""
     return [
         RegressionRow(
             timestamp=utc_timestamp(), iteration=outcome.iteration, candidate_index=c.index, mission=mission,

@@ -62,7 +62,6 @@ def migrate(state: SearchState, identity: RunIdentity, location: str) -> bool:
 
 
 def redo_warning(state: SearchState) -> str:
-    """What a resume says when ``migrate`` has it redo the iterations of ``state``."""
     return (f"resume: state.json was written by {written_by(state.version, state.tool_version)}, whose "
             f"{state.iteration} committed iteration(s) may not hold the rows this version writes: they are redone "
             "from the start, so the run ends as an uninterrupted run of this version would")
@@ -93,7 +92,6 @@ def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 
 def _at(doc: Any, path: list[str]) -> Any:
-    """The value at the key path ``path`` of ``doc`` (None where there is none)."""
     for name in path:
         doc = doc.get(name) if isinstance(doc, dict) else None
     return doc

@@ -34,8 +34,6 @@ WAIT_POLL_S = 0.1  # how often a bounded wait tries the lock again
 
 
 class Phase(enum.Enum):
-    """Where a ``RunDir`` is in the run's life."""
-
     PLANNED = "planned"  # every refusal made, nothing written
     LOCKED = "locked"  # this process owns the directory (the lock file, its first write)
     STARTED = "started"  # the directory made, replaced or kept; its first files being written
@@ -113,7 +111,6 @@ class RunDir:
                          "or choose another path", "stage_b_distillation.log_chatml_path")
 
     def _recorded_distillation_file(self) -> str | None:
-        """The distillation path the run.json being resumed records (resolved), if any."""
         try:
             recorded = read_json(self.path / RUN.name)["config"]["stage_b_distillation"]["log_chatml_path"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -250,7 +247,6 @@ def check_folders(run_dir: Path) -> None:
 
 
 def lock_path(run_dir: str | Path) -> Path:
-    """``{mission folder}/.{run_name}.lock``"""
     run_dir = Path(run_dir)
     return run_dir.parent / f".{run_dir.name}.lock"
 

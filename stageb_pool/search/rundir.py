@@ -69,7 +69,6 @@ def run_name_problem(name: str) -> str | None:
 
 
 def run_dir_path(config, mission: str) -> Path:
-    """``{output.root}/{safe_name(mission)}/{output.run_name}``"""
     return Path(config.output.root) / safe_name(mission) / config.output.run_name
 
 
@@ -191,5 +190,4 @@ def encoded(doc, name: str) -> bytes:
 
 
 def rollouts_path(run_dir: str | Path, rollout_id: str) -> Path:
-    """``rollouts/<rollout_id>.jsonl`` in the run directory."""
     return Path(run_dir) / rollouts_name(rollout_id)

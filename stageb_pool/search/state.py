@@ -20,7 +20,6 @@ from . import fileio
 from .run_format import FORMAT_VERSION, migrate
 from .settings import RuleSearchConfig, RunIdentity
 
-# Every append-only artifact of the search; their committed byte lengths go into state.json.
 APPEND_ARTIFACTS = committed_names()
 
 # Far above any run (runner.epochs <= 10,000), and an exact integer in JSON readers using doubles.
@@ -119,7 +118,6 @@ def write_state(run_dir: Path, state: SearchState) -> None:
 
 
 def artifact_lengths(run_dir: Path) -> dict[str, int]:
-    """Current byte length of every append-only artifact (0 when absent)."""
     lengths = {}
     for name in APPEND_ARTIFACTS:
         path = Path(run_dir) / name
@@ -144,7 +142,6 @@ def truncate_artifacts(run_dir: Path, lengths: dict[str, int]) -> dict[str, int]
 
 
 def start_sampler(n_train: int, rule_search: RuleSearchConfig, seed: int) -> TrainPoolSampler:
-    """The train-pool sampler a fresh run starts with."""
     return TrainPoolSampler.start(n_train, rule_search.train_pool_size, seed, fraction=rule_search.train_pool_fraction)
 
 
@@ -283,7 +280,6 @@ def validate_state(state: SearchState, run_dir: Path, *, train_keys: list[str], 
             refuse(f"ticket key {key!r} is not one of the run's train tickets", f"first_pool[{i}]")
     _check_against_rows(state, run_dir, refuse)
     _check_sampler(state, train_keys, start_sampler, refuse)
-    # The guidance: valid, its own hash and step, the last edit's, and guidance.json's.
     try:
         g = parse_section(state.guidance, f"{location}: guidance")
     except InputError as err:

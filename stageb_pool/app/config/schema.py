@@ -182,7 +182,6 @@ def fields_of(struct: type) -> dict[str, msgspec.structs.FieldInfo]:
 
 
 def join_key(prefix: str, key: str) -> str:
-    """``prefix.key``, or ``key`` at the top level (dotted key paths in messages and diffs)."""
     return f"{prefix}.{key}" if prefix else key
 
 
