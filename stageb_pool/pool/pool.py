@@ -91,7 +91,6 @@ class Pool:
         return Dispatcher(transport, self.devices, self._shared, self.stats, max_frame=self.max_frame,
                           depth=depth, **limits)
 
-    # -- public API ---------------------------------------------------------------------
     @property
     def pids(self) -> list[int | None]:
         """The process id of each rank's worker (None while one is being replaced)."""
@@ -199,7 +198,6 @@ class Pool:
     def __exit__(self, *exc):
         self.close()
 
-    # -- the tasks' life cycle ----------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise PoolError("the pool is closed")

@@ -38,7 +38,6 @@ class Reaper:
                 self.proc.wait()
 
 
-# -- the watcher process -----------------------------------------------------------------------
 def _stat(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:

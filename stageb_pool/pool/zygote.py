@@ -138,7 +138,6 @@ class ForkServer:
         for fd in list(self.outputs):  # flush what the dead workers printed last
             self.relay(fd, final=True)
 
-    # -- control messages from the parent --------------------------------------------
     def on_control(self) -> None:
         try:
             msg, _ = protocol.recv_packet(self.ctl)
@@ -179,7 +178,6 @@ class ForkServer:
         except OSError:
             pass  # the parent is gone; we are stopping anyway
 
-    # -- workers ---------------------------------------------------------------------
     def spawn(self, rank: int) -> None:
         device = self.devices[rank]
         ours, theirs = socket.socketpair()
