@@ -134,7 +134,6 @@ class PromptEncoder:
 
 
 def _alternatives(spellings) -> re.Pattern | None:
-    """A pattern of any of ``spellings``, longest first (None for none)."""
     ordered = sorted(spellings, key=lambda s: (-len(s), s))
     return re.compile("|".join(map(re.escape, ordered))) if ordered else None
 

@@ -27,7 +27,6 @@ from .models import ModelRef
 from .records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, VerdictChunk, VerdictChunkResult
 
 NAME = "simulated"  # model.engine, and the section of its latency model
-# What ``check`` says of it on the model line.
 DESCRIBE = "a latency model for benchmarks, not a model; only its tokenizer counts the prompt tokens"
 
 # ChatML's tokens around each message and of the generation prompt, counted rather than

@@ -1,5 +1,4 @@
-"""A submitted task (``TaskHandle``), the queue it waits in (``TaskQueue``), how a dispatcher
-reports it finished (``Outcome``), and the pool's counters (``PoolStats``).
+"""A submitted task, the queue it waits in, how a dispatcher reports it finished, the counters.
 """
 
 from __future__ import annotations
