@@ -78,7 +78,6 @@ def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
     if settings.block_size is not None:
         args["block_size"] = settings.block_size
     if device.group_size > 1:
-        # The worker's GPU group (its CUDA_VISIBLE_DEVICES) as vLLM's tensor-parallel group.
         args["tensor_parallel_size"] = device.group_size
         args["distributed_executor_backend"] = "mp"
     return args

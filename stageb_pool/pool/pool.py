@@ -33,8 +33,7 @@ class Pool:
     """One worker per device, each holding ``engine_factory(device)``, run by ``backend``
     (``Fork()``, the default; ``Inline()``; ``Ray(address)``).
 
-    ``gpus``: a spec (``"0-7"``, ``"0,2,5-6"``, a list of ints, ``"cpu"``, ``"cpu:N"``; under Ray a
-    GPU count), or a list of ``Device`` already planned (``backend.plan_devices``).
+    ``gpus``: a spec (``parse_gpus``; under Ray a GPU count) or ``Device``s (``backend.plan_devices``).
     ``task_timeout``/``start_timeout``: seconds, None for no limit; outside (0, ``MAX_TIMEOUT``] a
     ValueError. ``max_restarts``: dead or timed-out workers that may be replaced, pool-wide; their
     tasks are retried. ``stall_warning``: seconds a task may run silent before a warning names its
