@@ -2,9 +2,6 @@
 
     with Pool(Engine, gpus="cpu:2") as pool:
         out = pool.map("square", items, guidance=guidance)   # results in input order
-
-A facade over its backend's dispatcher: it encodes items and shared values at submit, gathers
-results in the order given, decodes them and owns the tasks' life cycle.
 """
 
 from __future__ import annotations
