@@ -185,7 +185,6 @@ class SimulatedEngine:
                 "model_path": self.model_path, NAME: msgspec.to_builtins(self.settings)}
 
     def _prompt_tokens(self, chunk, guidance: dict[str, str], profile) -> tuple[list[int], list[int]]:
-        """The prompt tokens of every ticket of ``chunk``, and the positions kept."""
         lengths = messages_tokens(self.count, [prompts.build_messages(profile, guidance, t) for t in chunk.tickets])
         return lengths, chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
 

@@ -17,8 +17,6 @@ SCAN_INTERVAL = 0.5  # seconds between listings of the driver's descendants
 
 
 class Reaper:
-    """The driver's handle on its watcher."""
-
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid())],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)

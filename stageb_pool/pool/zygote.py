@@ -19,8 +19,6 @@ from .worker import worker_main
 
 
 class Zygote:
-    """The parent's handle on the fork server."""
-
     def __init__(self, devices, engine_factory, max_frame: int):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
