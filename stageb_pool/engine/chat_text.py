@@ -95,7 +95,6 @@ class PromptEncoder:
     def encode(self, conversations: list[list[dict]]) -> list[list[int]]:
         spelled = {i for i, messages in enumerate(conversations) if self._spells_a_control_token(messages)}
         clean = [render(self.tokenizer, m) for i, m in enumerate(conversations) if i not in spelled]
-        # The usual case, in one batched call.
         out = self.tokenizer(clean, add_special_tokens=False)["input_ids"] if clean else []
         for i in sorted(spelled):  # ascending: every earlier conversation is in place
             out.insert(i, self._encode_spelled(conversations[i]))
@@ -134,7 +133,6 @@ class PromptEncoder:
 
 
 def _alternatives(spellings) -> re.Pattern | None:
-    """A pattern of any of ``spellings``, longest first (None for none)."""
     ordered = sorted(spellings, key=lambda s: (-len(s), s))
     return re.compile("|".join(map(re.escape, ordered))) if ordered else None
 

@@ -1,7 +1,5 @@
-"""Constrained decoding: a rollout's verdict protocol (``<sampler>.constrain_verdict``: the
-first line exactly ``Verdict: <pass_text|fail_text>``, the second ``Reason: `` and one line,
-then only the end-of-turn token, since a small model writes on after its reason otherwise:
-docs/performance.md) and the proposer's JSON schema (``rule_search.constrain_proposer``: once
+"""Constrained decoding: a rollout's verdict protocol (``<sampler>.constrain_verdict``, as
+docs/usage.md states it) and the proposer's JSON schema (``rule_search.constrain_proposer``: once
 the grammar is complete, only the end-of-turn token).
 
 The masks come from llguidance (vLLM's backend too, so both engines hold the same grammars),

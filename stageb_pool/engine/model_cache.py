@@ -1,7 +1,6 @@
 """The models kept in the user cache, made once (``_cached_build``): the embedded GGUF
 dequantized into a safetensors directory, and the tiny model saved as a checkpoint directory
-(for engines that load from disk, such as vLLM). torch and transformers are imported inside
-the functions.
+(for engines that load from disk, such as vLLM).
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ def embedded_missing() -> InputError:
 
 
 def cache_root() -> Path:
-    """``$STAGEB_POOL_CACHE``, else ``$XDG_CACHE_HOME/stageb_pool``, else ``~/.cache/stageb_pool``."""
     if os.environ.get("STAGEB_POOL_CACHE"):
         return Path(os.environ["STAGEB_POOL_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

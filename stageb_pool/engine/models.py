@@ -117,7 +117,6 @@ def one_line(err: BaseException) -> str:
 
 
 def checkpoint_dir(model: ModelRef) -> Path:
-    """The checkpoint directory of a model, for engines that load from disk."""
     if model.kind == "embedded":
         return ensure_embedded()
     if model.kind == "tiny":

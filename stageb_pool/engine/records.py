@@ -32,8 +32,6 @@ class SamplerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Tickets whose prompt is longer are dropped (never truncated). 4096 as upstream's rollout
     # fallback: without a cap one long ticket can exhaust GPU memory. None: no limit.
     max_prompt_tokens: Annotated[int, Meta(ge=1)] | None = DEFAULT_MAX_PROMPT_TOKENS
-    # Hold each sample's first line to "Verdict: <pass_text|fail_text>" of the prompt profile
-    # (constrained decoding); the reason stays free. Off: upstream's unconstrained protocol.
     constrain_verdict: bool = False
 
 

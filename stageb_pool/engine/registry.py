@@ -53,7 +53,6 @@ class EngineEntry:
 
 
 ENGINES: dict[str, EngineEntry] = {
-    # The first entry is the default engine (``model.engine``'s default).
     "transformers": EngineEntry(build=".transformers_engine:build_transformers_engine"),
     "vllm": EngineEntry(build=".vllm_engine:build_vllm_engine", settings=vllm_engine.VllmSettings,
                         in_every_identity=True, agreement=vllm_engine.AGREEMENT,
@@ -110,7 +109,6 @@ def pin_cuda_environment() -> None:
 
 
 def gpu_bytes(config) -> int:
-    """``EngineEntry.gpu_bytes`` of the engine the model section ``config`` names (0: none)."""
     hook = entry(config.engine).gpu_bytes
     return 0 if hook is None else hook(config)
 

@@ -34,7 +34,6 @@ def fail_conditions(guidance: dict[str, str]) -> list[FailCondition]:
 
 
 def ticket_text(ticket) -> str:
-    """What the judge reads of a ticket: its summaries joined, in lower case."""
     return " ".join(ticket.per_image.values()).lower()
 
 

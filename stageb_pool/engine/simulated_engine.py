@@ -27,7 +27,6 @@ from .models import ModelRef
 from .records import ChatRequest, ChatResult, ChunkResult, RolloutChunk, Sample, VerdictChunk, VerdictChunkResult
 
 NAME = "simulated"  # model.engine, and the section of its latency model
-# What ``check`` says of it on the model line.
 DESCRIBE = "a latency model for benchmarks, not a model; only its tokenizer counts the prompt tokens"
 
 # ChatML's tokens around each message and of the generation prompt, counted rather than
@@ -186,7 +185,6 @@ class SimulatedEngine:
                 "model_path": self.model_path, NAME: msgspec.to_builtins(self.settings)}
 
     def _prompt_tokens(self, chunk, guidance: dict[str, str], profile) -> tuple[list[int], list[int]]:
-        """The prompt tokens of every ticket of ``chunk``, and the positions kept."""
         lengths = messages_tokens(self.count, [prompts.build_messages(profile, guidance, t) for t in chunk.tickets])
         return lengths, chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
 

@@ -29,7 +29,6 @@ def build_transformers_engine(device: Device, model: ModelRef, config, preloaded
     prepare_device(device)
     dtype = config.dtype or models.default_dtype(device.kind)
     attn = config.attn_implementation or models.default_attn_implementation(device.kind, dtype)
-    # A worker of more than one GPU shards its model over them; one GPU loads it whole.
     shard_over = device.torch_devices if device.group_size > 1 else None
     loaded, tokenizer = models.load(model, dtype=dtype, attn_implementation=attn,
                                     trust_remote_code=config.trust_remote_code, device=device.torch_device,

@@ -3,9 +3,8 @@ with continuous batching, paged attention and prefix caching. The engine core ru
 worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), imported after the fork, so a
 killed worker leaves no grandchild holding the device; a GPU group's worker is the exception
 (``tensor_parallel_size`` with vLLM's ``mp`` executor, whose shard processes are its
-children). Why its results are the same on any worker count (a seed per request, the prefix
-cache reset per chunk, a pinned KV cache, chunked prefill off, prompts tokenized by
-``chat_text``): docs/architecture.md, "The vLLM engine".
+children). Why its results are the same on any worker count:
+docs/architecture.md, "The vLLM engine".
 """
 
 from __future__ import annotations
@@ -79,7 +78,6 @@ def llm_args(device: Device, settings: VllmSettings, dtype: str) -> dict:
     if settings.block_size is not None:
         args["block_size"] = settings.block_size
     if device.group_size > 1:
-        # The worker's GPU group (its CUDA_VISIBLE_DEVICES) as vLLM's tensor-parallel group.
         args["tensor_parallel_size"] = device.group_size
         args["distributed_executor_backend"] = "mp"
     return args

@@ -113,7 +113,6 @@ def mask_stop() -> str | None:
 
 
 def mask_text() -> str:
-    """The mask for a message, and where CUDA stops reading it."""
     stop = mask_stop()
     where = f" (CUDA stops at its invalid entry {_quote(stop)})" if stop is not None else ""
     return f"CUDA_VISIBLE_DEVICES={_quote(os.environ.get('CUDA_VISIBLE_DEVICES', ''))}{where}"

@@ -26,7 +26,6 @@ EXIT_REPORT_GRACE = 0.5  # a worker that closed its channel must be reported exi
 KILL_REPORT_TIMEOUT = 10.0  # a killed worker whose exit is never reported means the pool is broken
 
 
-# -- what a transport reports ---------------------------------------------------------------
 class WorkerStarted(NamedTuple):  # a process exists for rank and is building its engine
     rank: int
     pid: int | None
@@ -71,7 +70,6 @@ class Transport(Protocol):
         """Stop every worker (``busy`` ones at once) and release everything."""
 
 
-# -- the dispatcher ---------------------------------------------------------------------------
 class Dispatcher:
     """Runs tasks on the workers of ``transport``; ``advance`` is one turn of the event loop."""
 
@@ -129,7 +127,6 @@ class Dispatcher:
     def close(self) -> None:
         self.transport.close([s.rank for s in self.slots if s.state is WorkerState.BUSY])
 
-    # -- the event loop ---------------------------------------------------------------------
     def _step(self) -> None:
         self._dispatch()
         # a busy worker's next stall warning wakes the loop too, also when its task has no deadline

@@ -80,7 +80,6 @@ class ForkedTransport:
         self.zygote.shutdown(CLOSE_GRACE)  # returns once all workers and the zygote are reaped
         self.sel.close()
 
-    # -- events ---------------------------------------------------------------------------
     def _read(self, rank: int, events: list, *, final: bool = False) -> None:
         try:
             reader = self.readers[rank]

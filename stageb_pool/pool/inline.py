@@ -42,7 +42,6 @@ class InlineDispatcher:
     promote = submit
 
     def advance(self, waiting) -> list[Outcome]:
-        """Run the first unfinished task of ``waiting``."""
         task = next(t for t in waiting if not t.done())
         started = time.monotonic()
         try:

@@ -2,9 +2,6 @@
 
     with Pool(Engine, gpus="cpu:2") as pool:
         out = pool.map("square", items, guidance=guidance)   # results in input order
-
-A facade over its backend's dispatcher: it encodes items and shared values at submit, gathers
-results in the order given, decodes them and owns the tasks' life cycle.
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ class Pool:
     """One worker per device, each holding ``engine_factory(device)``, run by ``backend``
     (``Fork()``, the default; ``Inline()``; ``Ray(address)``).
 
-    ``gpus``: a spec (``"0-7"``, ``"0,2,5-6"``, a list of ints, ``"cpu"``, ``"cpu:N"``; under Ray a
-    GPU count), or a list of ``Device`` already planned (``backend.plan_devices``).
+    ``gpus``: a spec (``parse_gpus``; under Ray a GPU count) or ``Device``s (``backend.plan_devices``).
     ``task_timeout``/``start_timeout``: seconds, None for no limit; outside (0, ``MAX_TIMEOUT``] a
     ValueError. ``max_restarts``: dead or timed-out workers that may be replaced, pool-wide; their
     tasks are retried. ``stall_warning``: seconds a task may run silent before a warning names its
@@ -91,7 +87,6 @@ class Pool:
         return Dispatcher(transport, self.devices, self._shared, self.stats, max_frame=self.max_frame,
                           depth=depth, **limits)
 
-    # -- public API ---------------------------------------------------------------------
     @property
     def pids(self) -> list[int | None]:
         """The process id of each rank's worker (None while one is being replaced)."""
@@ -199,7 +194,6 @@ class Pool:
     def __exit__(self, *exc):
         self.close()
 
-    # -- the tasks' life cycle ----------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise PoolError("the pool is closed")

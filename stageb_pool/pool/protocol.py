@@ -101,7 +101,6 @@ _replies = msgspec.json.Decoder(Reply)
 
 
 def encode(value) -> bytes:
-    """JSON bytes of any msgspec-encodable value (also used for items and results)."""
     return _encoder.encode(value)
 
 

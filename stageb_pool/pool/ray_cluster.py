@@ -1,6 +1,5 @@
 """The Ray backend's connection: connecting to a cluster (bounded: ``cluster_probe``) or
-starting a local one, and undoing what ``ray.init`` changes in this process. Imports ray
-lazily (tests/test_layout.py and tests/test_ray.py check it).
+starting a local one, and undoing what ``ray.init`` changes in this process.
 """
 
 from __future__ import annotations

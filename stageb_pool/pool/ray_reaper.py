@@ -17,8 +17,6 @@ SCAN_INTERVAL = 0.5  # seconds between listings of the driver's descendants
 
 
 class Reaper:
-    """The driver's handle on its watcher."""
-
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid())],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
@@ -38,7 +36,6 @@ class Reaper:
                 self.proc.wait()
 
 
-# -- the watcher process -----------------------------------------------------------------------
 def _stat(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -75,7 +75,6 @@ class Slot:
 
     @property
     def task(self) -> TaskHandle | None:
-        """The task the worker is running (the first in flight), if any."""
         return self.tasks[0] if self.tasks else None
 
     def where(self) -> dict:

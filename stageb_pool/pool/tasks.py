@@ -1,5 +1,4 @@
-"""A submitted task (``TaskHandle``), the queue it waits in (``TaskQueue``), how a dispatcher
-reports it finished (``Outcome``), and the pool's counters (``PoolStats``).
+"""A submitted task, the queue it waits in, how a dispatcher reports it finished, the counters.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ class TaskHandle:
     ``result``/``exception``, which drive the pool until it is finished), but not one: only the
     caller's thread drives this pool, so ``wait``/``as_completed`` would wait forever (and a driver
     thread would take Ctrl-C away from the event loop). ``ran_on``: the rank that computed it;
-    ``label``: the submitter's name for it; ``speculative``: see ``Pool.speculation``; ``busy_s``:
-    the worker time it took."""
+    ``busy_s``: the worker time it took."""
 
     __slots__ = ("id", "method", "item", "shared", "rank", "result_type", "cost", "label", "index", "owner",
                  "ran_on", "speculative", "busy_s", "_pool", "_state", "_result", "_error")

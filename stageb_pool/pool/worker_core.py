@@ -13,8 +13,6 @@ from .protocol import Failure, InitFailed, Ready, Result, Share, Shutdown, Task
 
 
 class WorkerCore:
-    """One engine for ``device`` and the answers to the parent's requests."""
-
     def __init__(self, engine_factory, device, max_frame: int):
         self.engine_factory, self.device = engine_factory, device
         self.max_frame = max_frame

@@ -19,8 +19,6 @@ from .worker import worker_main
 
 
 class Zygote:
-    """The parent's handle on the fork server."""
-
     def __init__(self, devices, engine_factory, max_frame: int):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -138,7 +136,6 @@ class ForkServer:
         for fd in list(self.outputs):  # flush what the dead workers printed last
             self.relay(fd, final=True)
 
-    # -- control messages from the parent --------------------------------------------
     def on_control(self) -> None:
         try:
             msg, _ = protocol.recv_packet(self.ctl)
@@ -179,7 +176,6 @@ class ForkServer:
         except OSError:
             pass  # the parent is gone; we are stopping anyway
 
-    # -- workers ---------------------------------------------------------------------
     def spawn(self, rank: int) -> None:
         device = self.devices[rank]
         ours, theirs = socket.socketpair()
