@@ -136,7 +136,7 @@ def test_a_failed_write_names_the_file_exits_1_and_the_run_resumes_to_the_same_r
 
 @pytest.mark.parametrize("root", ["long", "under_a_file"])
 def test_an_unusable_output_root_is_a_located_input_error(tmp_path, root):
-    from doubles.run_inputs import MISSION, search_inputs
+    from doubles.run_inputs import search_inputs
 
     cfg = search_inputs(tmp_path / "in", out=str(tmp_path / "out"))
     (tmp_path / "a_file").write_text("not a folder")

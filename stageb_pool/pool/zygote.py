@@ -14,7 +14,8 @@ import time
 
 from . import protocol
 from .fork import fork_child
-from .protocol import Exited, Kill, PoolError, Shutdown, Spawn, Spawned
+from .errors import PoolError
+from .protocol import Exited, Kill, Shutdown, Spawn, Spawned
 from .worker import worker_main
 
 

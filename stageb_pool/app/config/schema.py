@@ -14,12 +14,11 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
-from ...engine.records import SamplerConfig
 from ...engine.registry import DEFAULT_ENGINE, ENGINES
 from ...engine.simulated_engine import SimulatedSettings
 from ...engine.vllm_engine import VllmSettings
 from ...pool.devices import MAX_THREADS_PER_WORKER
-from ...search.settings import BootstrapConfig, DistillConfig, EarlyStopConfig, GateConfig, RuleSearchConfig
+from ...search.settings import DistillConfig, RuleSearchConfig
 from ...stageb.config_types import TICKETS, TOKENS, Float, Int, NonEmptyStr, Section, Seed
 
 WEEK = 7 * 24 * 3600.0  # timeouts, in seconds
