@@ -29,7 +29,8 @@ lower bound of those at time scale 1).
 Each row runs in a fresh Python process (``--row``: no row pays another's imports, e.g.
 matplotlib's or Ray's, or inherits its caches), the same search (``app.job.run_job``, as the
 CLI does) into its own run directory; the Ray rows start their own local Ray cluster (2 CPUs,
-the row's declared GPUs: the actors sleep, no GPU is used) before the row's clock starts.
+the row's declared GPUs: the actors sleep, no GPU is used) before the row's clock starts
+(``ray_cluster_s``, apart from every other column).
 Per row:
 
 - ``wall_s``: ``run_job``, start to end (the guidance check, the workers' start, the search,
@@ -37,7 +38,8 @@ Per row:
   drawn by its own process while the pool closes and is waited for apart: ``report_s``
   (from the request for the page to its end).
 - ``start-up s``: from the call to the pool's ready workers (plan, the guidance check, the
-  fork of every worker); ``close s``: the pool's close.
+  fork of every worker; under Ray the creation of every actor, each in a new process that
+  imports Ray and unpickles the engine factory); ``close s``: the pool's close.
 - ``search_s``: the rule search alone (``summary.json`` timing ``search_s``), ``search_speedup``.
 - ``rollout_s``: the time the run spent gathering rollouts and the judge-headroom check's
   scoring (``summary.json`` timing ``rollout_s``); ``rollout_speedup`` against the first row, ``rollout_efficiency`` = that / workers.
@@ -57,6 +59,8 @@ Per row:
 - ``parent_us_per_item``: the parent's CPU time inside the rollout runner's submit and wait
   (building chunks, dispatching, decoding and assembling results) per pool task: its dispatch
   cost; ``parent_total_us_per_item``: all of the parent's CPU over the run per pool task.
+  Both are the process's CPU (``time.process_time``): under Ray they include the threads of
+  Ray's client library in the parent (gRPC, the replies' handling), which a forked pool has not.
 - speculation: its hit rate and the worker-seconds of discarded speculative tasks (columns shown when any row speculated).
 - ``identical``: ``stageb-pool diff`` (``app.diff.diff_runs``) of this run against the
   workload's first row finds no difference.
@@ -375,8 +379,12 @@ def row_in_fresh_process(root: Path, workload: str, backend: str, workers: int, 
 def one_row(args) -> None:
     """``--row``: one row, written as JSON to ``--json`` (the child side of ``row_in_fresh_process``)."""
     backend, workers = args.row.split(":")
+    started = time.perf_counter()
     address = start_ray(int(workers)) if backend == "ray" else None  # before the timing: Ray's own start
+    cluster_s = time.perf_counter() - started
     row = run_row(Path(args.keep), args.workload, backend, int(workers), args.time_scale, address)
+    if address is not None:
+        row["ray_cluster_s"] = round(cluster_s, 3)
     Path(args.json).write_text(json.dumps(row) + "\n")
 
 
@@ -402,7 +410,7 @@ COLUMNS = [("backend", "backend"), ("workers", "workers"), ("wall_s", "wall s"),
            ("rollout_s", "rollout s"), ("rollout_speedup", "rollout speedup"),
            ("rollout_efficiency", "rollout eff."), ("critical_path_s", "critical path s"),
            ("serial_s", "serial s"), ("rounds_s", "rounds s"), ("bound", "bound"),
-           ("startup_s", "start-up s"), ("pool_close_s", "close s"),
+           ("ray_cluster_s", "Ray cluster s"), ("startup_s", "start-up s"), ("pool_close_s", "close s"),
            ("report_s", "report s"),
            ("headroom_s", "headroom s"), ("train_base_s", "train base s"),
            ("proposer_s", "proposer s"), ("candidates_s", "candidates s"), ("eval_s", "eval s"),

@@ -34,7 +34,7 @@ REPLACE_GRACE = 2.0  # seconds a replacement may find no node with room before t
 class RayWorker:
     """The actor: a ``WorkerCore`` whose engine is built in ``__init__``, answering frames."""
 
-    def __init__(self, device_json: bytes, engine_factory, max_frame: int):
+    def __init__(self, device_json: bytes, factory_pickle: bytes, max_frame: int):
         import ray
 
         self.device = msgspec.json.decode(device_json, type=Device)
@@ -42,7 +42,9 @@ class RayWorker:
         limit_threads(self.device, pin_gpu=False)  # Ray chose the GPU: CUDA_VISIBLE_DEVICES is set
         where = {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                  "gpu_ids": [str(i) for i in ray.get_gpu_ids()], "pid": os.getpid()}
-        self.core = WorkerCore(engine_factory, self.device, max_frame)
+        # Unpickled here, after the thread limits (Ray unpickles its arguments before __init__); a
+        # module missing on this node fails the actor's creation as it did there.
+        self.core = WorkerCore(ray.cloudpickle.loads(factory_pickle), self.device, max_frame)
         # The placement rides along under "ray"; the transport takes it out of worker_info again.
         self.hello = self.core.hello(ray=where)
 
@@ -75,10 +77,12 @@ class RayTransport:
             self.group = place(ray, self.bundles, backend.placement_timeout,
                                name=f"stageb_pool-{os.getpid()}-{id(self):x}")
             self.actor_class = ray.remote(RayWorker)
-            # Passed to each actor as an argument, never ray.put: an object this process owns in
-            # the object store makes Ray end the process when the cluster dies. (Ray puts a factory
-            # over 100 KiB there anyway: keep factories small.)
-            self.factory = engine_factory
+            # Pickled once, not by Ray for each actor (the simulated engine's factory carries its
+            # 1.5 MB tokenizer: 30-70 ms a pickle, 64 of them were 2-4 s of the driver's start at 64
+            # actors). Passed to each actor as an argument, never ray.put: an object this process owns
+            # in the object store makes Ray end the process when the cluster dies. (Ray puts an
+            # argument over 100 KiB there anyway: keep factories small.)
+            self.factory = ray.cloudpickle.dumps(engine_factory)
             self.gcs_address = ray.get_runtime_context().gcs_address
         except BaseException:
             self.close([])
