@@ -118,14 +118,36 @@ def test_overlength_tickets_are_dropped_and_cost_nothing(count, profile):
     assert e.modelled_s == pytest.approx(SETTINGS.request_overhead_s)
 
 
-def test_it_sleeps_the_modelled_time_times_the_scale(count, profile, monkeypatch):
-    slept = []
-    monkeypatch.setattr(sim.time, "sleep", slept.append)
+class Clock:
+    """The engine module's ``time``: ``perf_counter`` moves ``step`` seconds a call; ``sleep`` records."""
+
+    def __init__(self, step: float):
+        self.now, self.step, self.slept = 100.0, step, []
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
+def test_a_request_takes_the_modelled_time_times_the_scale_its_own_work_included(count, profile, monkeypatch):
+    # The request's start and its end of work are one step apart: only the rest is slept.
+    clock = Clock(step=0.05)
+    monkeypatch.setattr(sim, "time", clock)
     e = engine(count, msgspec.structs.replace(SETTINGS, time_scale=0.25))
     e.rollout(chunk(), guidance={"G0": "Check."}, profile=profile)
-    assert slept == [pytest.approx(e.modelled_s * 0.25, rel=1e-12)]
+    assert clock.slept == [pytest.approx(e.modelled_s * 0.25 - 0.05, rel=1e-12)]
+    e.chat(ChatRequest("Propose.", "Rules:", ["Example 1"], "Answer.", Decode(0.7, max_new_tokens=50), "s"))
+    assert len(clock.slept) == 2
+    # Work that took longer than the modelled time: no sleep at all, the request is late.
+    late = Clock(step=1e6)
+    monkeypatch.setattr(sim, "time", late)
+    e.rollout(chunk(), guidance={"G0": "Check."}, profile=profile)
+    assert late.slept == []
     engine(count).rollout(chunk(), guidance={"G0": "Check."}, profile=profile)  # time_scale 0: no sleep
-    assert len(slept) == 1
+    assert late.slept == [] and len(clock.slept) == 2
 
 
 def test_the_proposer_proposes_rules_on_the_falsely_passed_examples(count):

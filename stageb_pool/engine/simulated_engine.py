@@ -1,7 +1,7 @@
 """The simulated engine (``model.engine: simulated``): a benchmarking tool, a latency model
 and not a model. It answers every request a real engine answers, with verdicts from
-``rule_judge``, and sleeps (``seconds x time_scale``) what a GPU serving a 7-8B model would
-take, so the rule search runs at the pace of N GPUs on a machine that has none (a sleeping
+``rule_judge``, and takes (``seconds x time_scale``, its own work included: it sleeps the rest)
+what a GPU serving a 7-8B model would take, so the rule search runs at the pace of N GPUs on a machine that has none (a sleeping
 worker uses no CPU). Its proposer suggests rules on the rarest words of the falsely passed
 examples (``proposed_rules``): some pass the gate, others do not. The latency model, its
 defaults and the token counting: docs/performance.md ("The latency model").
@@ -188,10 +188,16 @@ class SimulatedEngine:
         lengths = messages_tokens(self.count, [prompts.build_messages(profile, guidance, t) for t in chunk.tickets])
         return lengths, chat_text.kept_positions(lengths, chunk.max_prompt_tokens)
 
-    def _sleep(self, seconds: float) -> None:
+    def _sleep(self, seconds: float, started: float) -> None:
+        """Until ``seconds`` (modelled) x ``time_scale`` after ``started`` (``perf_counter`` when
+        the request began): the request's own CPU work (rendering, counting, judging) is part
+        of its modelled time, not added to it, so workers that share a few cores are not slowed
+        by each other's simulation work. ``modelled_s`` counts the whole modelled time."""
         self.modelled_s += seconds
         if self.settings.time_scale > 0:
-            time.sleep(seconds * self.settings.time_scale)
+            remaining = seconds * self.settings.time_scale - (time.perf_counter() - started)
+            if remaining > 0:
+                time.sleep(remaining)
 
     def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: prompts.PromptProfile) -> ChunkResult:
         start = time.perf_counter()
@@ -207,7 +213,7 @@ class SimulatedEngine:
                      for d, decode in enumerate(chunk.grid) for s in range(chunk.samples_per_decode)]
             samples[i] = [Sample(n // chunk.samples_per_decode, n % chunk.samples_per_decode, text, tokens, "stop")
                           for n, (text, tokens) in enumerate(zip(texts, self.count(texts)))]
-        self._sleep(rollout_seconds(self.settings, chunk, [lengths[i] for i in kept]))
+        self._sleep(rollout_seconds(self.settings, chunk, [lengths[i] for i in kept]), start)
         return chat_text.rollout_result(chunk, lengths, kept, samples, start)
 
     def verdict_probabilities(self, chunk: VerdictChunk, *, guidance: dict[str, str],
@@ -221,10 +227,11 @@ class SimulatedEngine:
             verdict, _ = rule_judge.judge(conditions, rule_judge.ticket_text(chunk.tickets[i]))
             jitter = random.Random(stable_seed("simulated p_pass", chunk.tickets[i].key)).random() * 0.1
             p_pass[i] = round((0.8 if verdict == "pass" else 0.2) + jitter - 0.05, 6)
-        self._sleep(self.settings.request_overhead_s + batch_seconds(self.settings, [lengths[i] for i in kept], 0))
+        self._sleep(self.settings.request_overhead_s + batch_seconds(self.settings, [lengths[i] for i in kept], 0), start)
         return chat_text.verdict_result(chunk, lengths, p_pass, start)
 
     def chat(self, request: ChatRequest) -> ChatResult:
+        start = time.perf_counter()
         # fit_examples wants the prompt's ids; only their number matters here.
         k, row, fits = chat_text.fit_examples(request, lambda messages: range(messages_tokens(self.count, [messages])[0]))
         if not fits:
@@ -232,7 +239,7 @@ class SimulatedEngine:
         text = proposed_rules(request.examples[:k], request.seed_key)
         # The answer's own tokens (a real engine stops at its end), at most the budget.
         completion = self.count([text])[0]
-        self._sleep(chat_seconds(self.settings, len(row), min(completion, request.decode.max_new_tokens)))
+        self._sleep(chat_seconds(self.settings, len(row), min(completion, request.decode.max_new_tokens)), start)
         return ChatResult(text, k, len(row), completion, "stop")
 
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 from ..stageb.tickets import Ticket
 
 
-def chunk_cost(tickets: list[Ticket], rules_chars: int, samples: int = 1) -> float:
-    """A chunk's expected work: its prompt characters (each ticket's summaries plus the
-    guidance's ``rules_chars``, counted once per rollout by ``guidance_chars``) times the
-    samples it generates per ticket (1 for a verdict chunk, a prefill only)."""
-    return float(sum(sum(len(text) for text in t.per_image.values()) + rules_chars for t in tickets)) * samples
+def chunk_cost(ticket_chars: list[int], rules_chars: int, samples: int = 1) -> float:
+    """A chunk's expected work: its prompt characters (each ticket's ``summary_chars`` plus the
+    guidance's ``rules_chars``, both counted once, not per chunk) times the samples it generates
+    per ticket (1 for a verdict chunk, a prefill only)."""
+    return float(sum(chars + rules_chars for chars in ticket_chars)) * samples
+
+
+def summary_chars(ticket: Ticket) -> int:
+    return sum(len(text) for text in ticket.per_image.values())
 
 
 def guidance_chars(guidance: dict[str, str]) -> int:

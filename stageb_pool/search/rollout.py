@@ -24,9 +24,9 @@ from ..stageb.guidance import Guidance
 from ..stageb.hashing import content_hash
 from ..stageb.prompts import PromptProfile
 from ..stageb.text import short
-from ..stageb.tickets import Ticket
+from ..stageb.tickets import Ticket, TicketText
 from ..stageb.verdicts import TicketStats
-from .chunk_cost import chunk_cost, guidance_chars
+from .chunk_cost import chunk_cost, guidance_chars, summary_chars
 from .rollout_speculation import SpeculativeSubmissions, chat_key
 
 log = logging.getLogger("stageb_pool")
@@ -121,6 +121,7 @@ class RolloutRunner(SpeculativeSubmissions):
         self._done_s: dict[str, float] = {}
         self._profile_shared = pool.share(profile)  # encoded once per runner
         self._verdicts = verdicts.VerdictParser(profile.verdict)  # answers repeat: each distinct one parsed once
+        self._ticket_texts: dict[str, tuple[Ticket, TicketText, int]] = {}  # key -> (ticket, its text, chars)
         self.on_progress = None  # called at the start of every wait and after each of its event-loop turns
         self._start_speculation()
 
@@ -138,7 +139,8 @@ class RolloutRunner(SpeculativeSubmissions):
                                 spec.seed_key, index, self.save_rollouts, self.engine_key])
             owner = key not in self._cache and key not in self._inflight
             if owner:
-                chunk = RolloutChunk(seed_key=spec.seed_key, chunk_index=index, tickets=[t.text() for t in tickets],
+                texts, chars = self._texts(tickets)
+                chunk = RolloutChunk(seed_key=spec.seed_key, chunk_index=index, tickets=texts,
                                      grid=list(sampler.grid), samples_per_decode=sampler.samples_per_decode,
                                      max_prompt_tokens=sampler.max_prompt_tokens, return_token_ids=self.save_rollouts,
                                      constrain_verdict=sampler.constrain_verdict)
@@ -147,7 +149,7 @@ class RolloutRunner(SpeculativeSubmissions):
                 # label: the report's timeline says which rollout kept a worker busy
                 self._inflight[key] = self.pool.submit(
                     "rollout", chunk, result_type=ChunkResult, label=spec.name, **shared,
-                    cost=chunk_cost(tickets, rules_chars, len(sampler.grid) * sampler.samples_per_decode))
+                    cost=chunk_cost(chars, rules_chars, len(sampler.grid) * sampler.samples_per_decode))
             parts.append(_Part(key, len(tickets), owner))
         return Pending(spec, self._claim(parts, spec.name))
 
@@ -246,13 +248,26 @@ class RolloutRunner(SpeculativeSubmissions):
         rules_chars = guidance_chars(guidance)
         tasks = []
         for index, part in chunks:
-            chunk = VerdictChunk(index, [t.text() for t in part], max_prompt_tokens)
+            texts, chars = self._texts(part)
+            chunk = VerdictChunk(index, texts, max_prompt_tokens)
             tasks.append(self.pool.submit("verdict_probabilities", chunk, result_type=VerdictChunkResult,
-                                          cost=chunk_cost(part, rules_chars), label=label, **shared))
+                                          cost=chunk_cost(chars, rules_chars), label=label, **shared))
         results = self._gather(phase, tasks, [len(part) for _, part in chunks])
         for (_, part), result in zip(chunks, results):
             _check_chunk(result, part, "verdict chunk")
         return [scored for result in results for scored in result.tickets]
+
+    def _texts(self, tickets: list[Ticket]) -> tuple[list[TicketText], list[int]]:
+        """What a worker gets of each ticket and its summaries' characters (for the cost),
+        made once per ticket in the run: every rollout sends the same tickets again."""
+        texts, chars = [], []
+        for ticket in tickets:
+            known = self._ticket_texts.get(ticket.key)
+            if known is None or known[0] is not ticket:
+                known = self._ticket_texts[ticket.key] = (ticket, ticket.text(), summary_chars(ticket))
+            texts.append(known[1])
+            chars.append(known[2])
+        return texts, chars
 
     def _chunks(self, tickets: list[Ticket]) -> list[tuple[int, list[Ticket]]]:
         return [(index, tickets[start:start + self.chunk_size])
