@@ -58,7 +58,8 @@ def draw_side_by_side(cache: ChartCache, run_dir) -> str:
 
 
 def _draw_in_child(cache: ChartCache, chart: Chart) -> tuple[int, int]:
-    """(pid, the read end of its pipe) of a child that draws ``chart`` and writes its SVG."""
+    """(pid, the read end of its pipe) of a child that draws ``chart`` and writes its SVG.
+    Safe to fork: matplotlib starts no thread, numpy's BLAS pool is fork-safe (pool/fork.py)."""
     answer, theirs = os.pipe()
 
     def child():
