@@ -91,8 +91,8 @@ def _collect(pid: int, answer: int) -> str | None:
 
 class ReportJob:
     """A child forked at the run's start, while this process is clean, imports matplotlib
-    (seconds) while the run goes on, draws what it can ahead on ``prepare`` and the page on
-    ``render``. This process never imports matplotlib (the fork rules of a later pool)."""
+    (seconds) and draws a first chart while the run goes on, draws what it can ahead on
+    ``prepare`` and the page on ``render``. This process never imports matplotlib (the fork rules of a later pool)."""
 
     def __init__(self, run_dir):
         self.run_dir = run_dir
@@ -101,6 +101,7 @@ class ReportJob:
 
         def child():
             cache = ChartCache(load_chart_libraries())
+            cache.charts.warm_up()
             while RENDER not in (asked := os.read(child_requests, 4096)):
                 if not asked:  # cancelled: the run failed
                     return 0

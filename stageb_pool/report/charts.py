@@ -182,3 +182,10 @@ def audit_progress(steps: list[dict]) -> str:
     ax.grid(alpha=0.3)
     _legend(ax)
     return _svg(fig, "audit", "audit metrics as tickets were judged")
+
+
+def warm_up() -> None:
+    """Draw a throwaway chart: matplotlib's first savefig imports its SVG and Agg backends and
+    reads the font, which a process that imported charts.py ahead (the run's report process)
+    does then rather than when its page is asked for."""
+    audit_progress([{"n_done": 1, "acc": 0.5, "fp_rate": 0.5, "fn_rate": 0.5}])
