@@ -26,9 +26,9 @@ from doubles import scripted_engine as se
 from doubles.run_inputs import MISSION, search_inputs
 from headless import Browser, chromium
 
-from stageb_pool.app import cli, job, report_process
+from stageb_pool.app import cli, job
 from stageb_pool.app import config as config_mod
-from stageb_pool.report import ReportError, files, render_report
+from stageb_pool.report import ReportError, files, load_chart_libraries, render_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,11 +142,12 @@ def test_not_a_run_is_a_report_error(tmp_path):
         render_report(tmp_path)
 
 
-def test_a_failing_report_leaves_the_run_finished_with_a_warning(tmp_path, monkeypatch, caplog):
-    def broken(run_dir):
+@pytest.mark.parametrize("chart", ["metrics_per_iteration", "worker_timeline"])  # drawn by a child, by the process
+def test_a_failing_report_leaves_the_run_finished_with_a_warning(tmp_path, monkeypatch, caplog, chart):
+    def broken(*args):
         raise RuntimeError("no ink")
 
-    monkeypatch.setattr(report_process, "render_report", broken)  # the report's process inherits it
+    monkeypatch.setattr(load_chart_libraries(), chart, broken)  # the report's process inherits it
     with caplog.at_level(logging.WARNING, logger="stageb_pool"):
         run_dir = run_search(tmp_path, gpus="cpu:1", epochs=1)
     assert (run_dir / "summary.json").is_file() and not (run_dir / "report.html").exists()

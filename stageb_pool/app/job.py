@@ -84,7 +84,7 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
     config, inputs, run_dir, devices = plan.config, plan.inputs, plan.run_dir, plan.devices
     factory = engine_factory or engine_factory_for(config.model, inputs.model)
     ray = isinstance(plan.backend, Ray)
-    report = ReportJob()
+    report = ReportJob(run_dir)
     try:
         pool = Pool(factory, devices, backend=plan.backend, task_timeout=config.pool.task_timeout,
                     start_timeout=config.pool.start_timeout, max_restarts=config.pool.max_restarts,
@@ -111,6 +111,7 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
             headroom = summary_entry(run_headroom(runner, tickets=inputs.tickets,
                                                   guidance=dict(inputs.seed_guidance.experiences),
                                                   settings=headroom_settings(config), run_dir=run_dir, log=log))
+            report.prepare()  # its histogram
         headroom_s = round(time.monotonic() - headroom_started, 3)
         if config.mode == "audit":
             # The seed guidance, just written; a resumed audit keeps the file it finds.
@@ -122,7 +123,7 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
             summary = RuleSearch(runner=runner, store=store, run_dir=run_dir, tickets=inputs.tickets,
                                  seed_guidance=inputs.seed_guidance, settings=search_settings(config, inputs),
                                  identity=identity, resume=run.resume_point, log=log, headroom=headroom,
-                                 speculate=config.runner.speculate).run()
+                                 speculate=config.runner.speculate, on_commit=report.prepare).run()
         summary = {**summary, "timing": {**(summary.get("timing") or {}), "headroom_s": headroom_s}}
         write_summary(run_dir, summary, runner=runner, pool=pool, started=started)
         write_jsonl(run_dir / artifacts.TIMELINE.name, timeline_rows(pool))
@@ -130,7 +131,7 @@ def _run_locked(plan: RunPlan, run: RunDir, store: GuidanceStore, identity: RunI
         report.cancel()
         close_after_failure(pool)
         raise
-    report.render(run_dir)
+    report.render()
     try:
         pool.close()
     finally:

@@ -46,11 +46,12 @@ pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f6f8fa;padding:6px 8
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
-def render_report(run_dir) -> str:
+def render_report(run_dir, charts=None) -> str:
     """Raises ReportError when the directory is not a run; anything a run of another version lacks, or a file that
-    cannot be read as what it should hold, is named on the page instead."""
+    cannot be read as what it should hold, is named on the page instead. ``charts``: what draws the charts
+    (charts.py, or a stand-in with its functions: chart_cache.py)."""
     files = RunFiles(run_dir)
-    charts = load_chart_libraries()
+    charts = charts or load_chart_libraries()
     run = files.json(artifacts.RUN.name, RunInfo, None) or RunInfo()
     summary = files.json(artifacts.SUMMARY.name, Summary,
                          "the final metrics, the cache counts and the per-worker throughput") or Summary()

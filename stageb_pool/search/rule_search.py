@@ -29,7 +29,8 @@ class RuleSearch:
 
     def __init__(self, *, runner, store, run_dir, tickets: list, seed_guidance: Guidance,
                  settings: SearchSettings, identity: RunIdentity, resume: state_mod.ResumePoint | None = None,
-                 log: logging.Logger | None = None, headroom: dict | None = None, speculate: bool = False):
+                 log: logging.Logger | None = None, headroom: dict | None = None, speculate: bool = False,
+                 on_commit=None):
         self.settings = settings
         self.identity = identity
         self.tickets = list(tickets)
@@ -44,6 +45,7 @@ class RuleSearch:
         self.guidance: Guidance = seed_guidance  # the committed guidance; set again by _start
         self.iterations_this_run = 0
         self.headroom = headroom  # the judge-headroom check's summary entry, reported as it is
+        self.on_commit = on_commit  # called after each commit (the report draws the committed rows' charts)
         # One worker is never idle while the loop waits: speculation could only delay it.
         self.speculation = Speculation(runner, settings, enabled=speculate and runner.pool.size > 1)
 
@@ -178,6 +180,8 @@ class RuleSearch:
             st.artifacts = state_mod.artifact_lengths(self.run_dir)
             state_mod.write_state(self.run_dir, st)
         self.iterations_this_run += 1
+        if self.on_commit is not None:
+            self.on_commit()
 
     def _finish(self, wall_s: float) -> dict:
         """Distillation (once, with the final guidance), final metrics, the summary."""
