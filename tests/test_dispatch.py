@@ -132,7 +132,7 @@ def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restar
          depth=1):
     devices = [Device("cpu", i, i) for i in range(size)]
     store = SharedStore(protocol.MAX_FRAME_BYTES)
-    d = Dispatcher(transport, devices, store, PoolStats.empty(size), task_timeout=task_timeout,
+    d = Dispatcher(transport, devices, PoolStats.empty(size), task_timeout=task_timeout,
                    start_timeout=start_timeout, max_restarts=max_restarts, max_frame=protocol.MAX_FRAME_BYTES,
                    engine_agreement=engine_agreement, depth=depth)
     d.start()
@@ -140,9 +140,8 @@ def make(transport, size=2, *, task_timeout=60.0, start_timeout=30.0, max_restar
 
 
 def task(store, id, method="square", item=2, rank=None, **shared):
-    keys = store.keys(shared)
-    store.acquire(keys)
-    t = TaskHandle(None, id, method, msgspec.json.encode(item), keys, rank, None)
+    keys, data = store.resolve(shared)
+    t = TaskHandle(None, id, method, msgspec.json.encode(item), keys, rank, None, shared_data=data)
     t.index = id
     return t
 

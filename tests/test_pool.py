@@ -154,6 +154,17 @@ def test_a_value_shared_once_is_the_same_snapshot_as_the_value_itself(monkeypatc
         assert encoded.count(a) == 10  # encoded by the 10 submits that pass the value, never by the others
 
 
+def test_a_value_changed_between_submits_is_sent_as_it_was_at_each_submit():
+    """Only a shared value made by ``pool.share`` (immutable) is resolved once for many submits:
+    a plain value passed again after a change is encoded again, as the worker must see it."""
+    rules = {"G0": "rule a"}
+    with Pool(Engine, "cpu:1") as pool:
+        first = pool.submit("echo", 0, guidance=rules)
+        rules["G1"] = "rule b"
+        second = pool.submit("echo", 1, guidance=rules)
+        assert [t.result()["shared"]["guidance"] for t in (first, second)] == [{"G0": "rule a"}, rules]
+
+
 def test_snapshot_cache_evicts_and_resends():
     from stageb_pool.pool.shared import SHARED_CACHE_SIZE
 

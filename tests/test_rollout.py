@@ -179,6 +179,24 @@ def test_shared_values_sent_once_per_worker(tickets, profile):
     assert 3 <= sends <= 6
 
 
+def test_a_candidate_sends_the_items_of_its_baseline(tickets, profile):
+    """A baseline and its candidates judge the same chunks (the guidance is a shared value):
+    each chunk is encoded once, and the workers get the very same item bytes."""
+    rule = dict(GUIDANCE, G1="Fail if scratch on the door.")
+    with Pool(fake_factory(), "cpu:1", backend=Inline()) as pool:
+        items = []
+        real_submit = pool.submit
+        pool.submit = lambda method, item, **kw: items.append(item) or real_submit(method, item, **kw)
+        runner = RolloutRunner(pool, profile, chunk_size=3)
+        base, cand = runner.wait([runner.submit(spec(tickets)), runner.submit(spec(tickets, name="c", guidance=rule))])
+        other = runner.run(spec(tickets, name="other pool", seed_key="17/other"))
+    chunks = len(base.chunk_done_s)
+    assert len(items) == 3 * chunks
+    assert all(a is b for a, b in zip(items[:chunks], items[chunks:2 * chunks]))
+    assert all(a != b for a, b in zip(items, items[2 * chunks:]))  # another seed key: other items
+    assert base.stats != cand.stats and set(other.stats) == set(base.stats)
+
+
 def test_tickets_are_credited_to_the_worker_that_ran_them(tickets, profile):
     with Pool(fake_factory(), "cpu:2") as pool:
         runner = RolloutRunner(pool, profile, chunk_size=2)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from stageb_pool.stageb import verdicts as verdicts_module
 from stageb_pool.stageb.prompts import VerdictVocab, load_profile
 from stageb_pool.stageb.verdicts import (
     Parsed,
+    TicketTally,
     compute_metrics,
     majority_reason,
     parse_verdict,
@@ -171,6 +173,42 @@ def test_vote_table(verdicts, gt, majority, agreement, difficulty, hard_wrong, c
 def test_stats_are_json_encodable():
     s = ticket_stats("g::pass", "pass", P("pass", None))
     assert msgspec.json.decode(msgspec.json.encode(s), type=type(s)) == s
+
+
+ANSWERS = ("Verdict: pass\nReason: tidy", "Verdict: fail\nReason: a part is missing", "no verdict at all")
+
+
+@pytest.mark.parametrize("texts", [ANSWERS[:1], ANSWERS[1:2], ANSWERS, ANSWERS[::-1], (), ANSWERS[2:] * 2])
+@pytest.mark.parametrize("gt", ["pass", "fail"])
+def test_a_tally_is_the_vote_of_the_parsed_answers(texts, gt):
+    tally = TicketTally(EN)
+    want = ticket_stats("k", gt, [parse_verdict(t, EN) for t in texts])
+    assert tally.stats("k", gt, texts) == want
+    assert tally.stats("k", gt, texts) is tally.stats("k", gt, tuple(texts))  # tallied once
+
+
+def test_a_tally_parses_each_answer_once_and_tells_tickets_labels_and_answers_apart(monkeypatch):
+    parsed = []
+    real = verdicts_module.parse_verdict
+    monkeypatch.setattr(verdicts_module, "parse_verdict", lambda text, vocab: parsed.append(text) or real(text, vocab))
+    tally = TicketTally(EN)
+    a = tally.stats("a", "pass", ANSWERS[:2])
+    assert tally.stats("b", "pass", ANSWERS[:2]).key == "b"  # another ticket, the same answers
+    assert (a.hard_wrong, tally.stats("a", "fail", ANSWERS[:2]).hard_wrong) == (0.5, 0.0)  # another label
+    assert tally.stats("a", "pass", ANSWERS[1:2]).majority == "fail"  # other answers
+    assert tally.stats("a", "pass", ANSWERS[:2]) is a
+    assert sorted(parsed) == sorted(ANSWERS[:2])
+    with pytest.raises(AttributeError):  # shared by many rollouts: nobody may change one
+        a.majority = "pass"
+
+
+def test_a_full_tally_starts_over(monkeypatch):
+    tally = TicketTally(EN, limit=2)
+    first = tally.stats("a", "pass", ANSWERS[:1])
+    tally.stats("b", "pass", ANSWERS[:1])
+    tally.stats("c", "pass", ANSWERS[:1])  # the third entry: the memo started over
+    again = tally.stats("a", "pass", ANSWERS[:1])
+    assert again == first and again is not first
 
 
 # ----------------------------------------------------------------------------- metrics

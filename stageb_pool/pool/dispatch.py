@@ -17,7 +17,6 @@ from .engine_agreement import ACCEPT_ANY, EngineAgreement
 from .errors import PoolError, ProtocolError, WorkerDied, WorkerError, WorkerTimeout
 from .protocol import PROTOCOL_VERSION, Failure, InitFailed, Ready, Reply, Result, Share, Task
 from .slots import Earliest, Slot, Trouble, WorkerState
-from .shared import SharedStore
 from .tasks import Outcome, PoolStats, TaskHandle, TaskQueue
 
 log = logging.getLogger("stageb_pool.pool")
@@ -73,12 +72,12 @@ class Transport(Protocol):
 class Dispatcher:
     """Runs tasks on the workers of ``transport``; ``advance`` is one turn of the event loop."""
 
-    def __init__(self, transport: Transport, devices, shared: SharedStore, stats: PoolStats, *,
+    def __init__(self, transport: Transport, devices, stats: PoolStats, *,
                  task_timeout: float | None, start_timeout: float | None, max_restarts: int, max_frame: int,
                  engine_agreement: EngineAgreement = ACCEPT_ANY, depth: int = 1, stall_warning: float | None = None):
         self.transport = transport
         self.devices = devices
-        self.shared, self.stats = shared, stats
+        self.stats = stats
         self.task_timeout, self.start_timeout = task_timeout, start_timeout
         self.stall_warning = stall_warning
         self.restarts_left = max_restarts
@@ -149,9 +148,10 @@ class Dispatcher:
 
     def _dispatch(self) -> None:
         """One task to each idle worker, lowest rank first (stale ``_free`` entries are dropped when
-        reached); then, with ``depth`` > 1, the further rounds."""
+        reached); then, with ``depth`` > 1, the further rounds. Each is skipped at once where
+        nothing can be sent: this runs twice per turn of the event loop."""
         free = self._free
-        while free:
+        while free and self.queue.any_queued():
             slot = self.slots[free[0]]
             if slot.state is WorkerState.IDLE and not slot.tasks:
                 task = self.queue.pop(slot.rank, speculative=True)  # an idle worker may take speculative work
@@ -159,6 +159,12 @@ class Dispatcher:
                     break
                 self._send_task(slot, task)
             self._in_free.discard(heapq.heappop(free))
+        if self._pinned:
+            self._dispatch_pinned()
+        if self.depth > 1:
+            self._dispatch_deeper()
+
+    def _dispatch_pinned(self) -> None:
         for rank in sorted(self._pinned):
             slot = self.slots[rank]
             if slot.state is WorkerState.IDLE and not slot.tasks:
@@ -167,6 +173,8 @@ class Dispatcher:
                     self._pinned.discard(rank)
                 else:
                     self._send_task(slot, task)
+
+    def _dispatch_deeper(self) -> None:
         # A next task waits in a worker only while more tasks are queued than there are workers
         # (the last ones never wait behind a long task), and never behind a speculative one.
         for in_flight in range(1, self.depth):
@@ -184,14 +192,17 @@ class Dispatcher:
             self._start_running(slot, time.monotonic())
         slot.state, task.ran_on = WorkerState.BUSY, slot.rank
         slot.tasks.append(task)
-        frames = [protocol.frame(Share(key, msgspec.Raw(self.shared.data(key)), evict), self.max_frame)
-                  for key, evict in slot.cache.admit(task.shared)]
-        self.stats.shared_sends += len(frames)
+        data = protocol.frame(Task(task.id, task.method, msgspec.Raw(task.item), task.shared), self.max_frame)
         self.stats.tasks_sent += 1
-        frames.append(protocol.frame(Task(task.id, task.method, msgspec.Raw(task.item), task.shared), self.max_frame))
+        sends = slot.cache.admit(task.shared)
+        if sends:
+            frames = [protocol.frame(Share(key, msgspec.Raw(task.shared_data[key]), evict), self.max_frame)
+                      for key, evict in sends]
+            self.stats.shared_sends += len(frames)
+            data = b"".join([*frames, data])
         # Blocking sends are safe with depth 1: a worker reads while it has no task, and this
         # one has none (a deeper transport, Ray's, never blocks on a busy worker).
-        self.transport.send(slot.rank, b"".join(frames) if len(frames) > 1 else frames[0])
+        self.transport.send(slot.rank, data)
 
     def _on_reply(self, slot: Slot, reply: Reply) -> None:
         match reply:

@@ -10,7 +10,7 @@ import traceback
 
 from . import protocol
 from .errors import FrameTooLarge, WorkerError
-from .shared import SharedCache, SharedStore
+from .shared import SharedCache
 from .tasks import Outcome, PoolStats, TaskHandle
 from .worker_core import WorkerCore, exception_summary
 
@@ -18,10 +18,10 @@ from .worker_core import WorkerCore, exception_summary
 class InlineDispatcher:
     """Runs the gathered tasks one by one, in the order of the gather."""
 
-    def __init__(self, engine_factory, device, shared: SharedStore, stats: PoolStats, max_frame: int):
+    def __init__(self, engine_factory, device, stats: PoolStats, max_frame: int):
         self.device = device.in_this_process()  # e.g. cuda:3, not the cuda:0 of a worker process
         self.core = WorkerCore(engine_factory, self.device, max_frame)
-        self.shared, self.stats = shared, stats
+        self.stats = stats
         self.max_frame = max_frame
         self.worker_info: list[dict] = [{}]
         self.cache = SharedCache()  # the mirror of the core's shared values, as a Slot's
@@ -46,7 +46,7 @@ class InlineDispatcher:
         started = time.monotonic()
         try:
             for key, evict in self.cache.admit(task.shared):
-                self.core.add_shared(key, self.shared.data(key), evict)
+                self.core.add_shared(key, task.shared_data[key], evict)
             raw = protocol.encode(self.core.call(task.method, task.item, task.shared))
             if len(raw) > self.max_frame:
                 raise FrameTooLarge(len(raw), self.max_frame, "Result frame")

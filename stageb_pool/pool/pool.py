@@ -76,7 +76,7 @@ class Pool:
 
     def _dispatcher_for(self, engine_factory, backend: Backend, **limits):
         if isinstance(backend, Inline):
-            return InlineDispatcher(engine_factory, self.devices[0], self._shared, self.stats, self.max_frame)
+            return InlineDispatcher(engine_factory, self.devices[0], self.stats, self.max_frame)
         if isinstance(backend, Fork):
             transport, depth = ForkedTransport(self.devices, engine_factory, self.max_frame, self.stats), 1
         else:
@@ -84,7 +84,7 @@ class Pool:
 
             transport = RayTransport(self.devices, engine_factory, self.max_frame, self.stats, backend)
             depth = RAY_DEPTH
-        return Dispatcher(transport, self.devices, self._shared, self.stats, max_frame=self.max_frame,
+        return Dispatcher(transport, self.devices, self.stats, max_frame=self.max_frame,
                           depth=depth, **limits)
 
     @property
@@ -116,7 +116,7 @@ class Pool:
             raise ValueError(f"cost must be a finite number >= 0 or None, got {cost!r}")
         if label is not None and not isinstance(label, str):
             raise ValueError(f"label must be a string or None, got {label!r}")
-        return self._submit(method, item, rank, result_type, self._shared.keys(shared), cost, label)
+        return self._submit(method, item, rank, result_type, self._shared.resolve(shared), cost, label)
 
     def share(self, value) -> SharedValue:
         """``value`` encoded and hashed once, for a shared keyword of many ``submit`` calls."""
@@ -173,8 +173,8 @@ class Pool:
 
     def map(self, method: str, items, *, on_result=None, result_type=None, **shared) -> list:
         """``engine.<method>(item, **shared)`` for every item; results in input order."""
-        keys = self._shared.keys(shared)
-        tasks = [self._submit(method, item, None, result_type, keys) for item in items]
+        resolved = self._shared.resolve(shared)
+        tasks = [self._submit(method, item, None, result_type, resolved) for item in items]
         return self.gather(tasks, on_result=on_result)
 
     def call(self, rank: int, method: str, item=None, *, result_type=None, **shared):
@@ -198,15 +198,16 @@ class Pool:
         if self._closed:
             raise PoolError("the pool is closed")
 
-    def _submit(self, method, item, rank, result_type, keys, cost=None, label=None) -> TaskHandle:
+    def _submit(self, method, item, rank, result_type, shared, cost=None, label=None) -> TaskHandle:
+        """``shared``: the task's shared keywords, resolved (``SharedStore.resolve``)."""
         self._check_open()
         if rank is not None and not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} does not exist: the pool has ranks 0-{self.size - 1}")
         data = encode(item)  # encode now: a bad item fails here, not in the loop
         if len(data) > self.max_frame:
             raise FrameTooLarge(len(data), self.max_frame, f"item for {method}()")
-        self._shared.acquire(keys)
-        task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type, cost, label)
+        keys, shared_data = shared
+        task = TaskHandle(self, self._next_id, method, data, keys, rank, result_type, cost, label, shared_data)
         task.speculative = self._speculating
         self._next_id += 1
         self._unfinished[task.id] = task
@@ -230,14 +231,14 @@ class Pool:
         if error is None and not cancelled:
             result, error = _decode(task, outcome.raw)
         task._finish(result, error, cancelled=cancelled)
-        self._shared.release(task.shared)  # the parent keeps a shared value while a task needs it
         del self._unfinished[task.id]
         return True
 
     def _deliver(self, task: TaskHandle, on_result) -> None:
-        result = task.result()  # finished: raises its error
+        if task._error is not None:  # finished: its error is the gather's
+            raise task._error
         if on_result is not None:
-            on_result(task.index, result)
+            on_result(task.index, task._result)
 
     def _cancel(self, tasks, why: str) -> None:
         for task in tasks:

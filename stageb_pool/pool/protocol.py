@@ -190,6 +190,9 @@ class FrameReader:
             if self.needed():  # still incomplete: parse it once it is whole, not at every read
                 return []
             data, self.buffer = bytes(self.buffer), bytearray()
+        elif len(data) >= HEADER.size and HEADER.unpack_from(data)[0] == len(data) - HEADER.size:
+            _check_incoming(len(data) - HEADER.size, self.max_frame)  # exactly one frame: most reads
+            return [memoryview(data)[HEADER.size:]]
         view, bodies, start = memoryview(data), [], 0
         while len(data) - start >= HEADER.size:
             (size,) = HEADER.unpack_from(data, start)

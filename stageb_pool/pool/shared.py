@@ -1,5 +1,5 @@
-"""Shared values (``Pool.share``, e.g. the guidance), sent to each worker once: the parent's
-store (``SharedStore``) and its LRU mirror of one worker's cache (``SharedCache``).
+"""Shared values (``Pool.share``, e.g. the guidance), sent to each worker once: how the parent
+encodes them (``SharedStore``) and its LRU mirror of one worker's cache (``SharedCache``).
 """
 
 from __future__ import annotations
@@ -22,43 +22,37 @@ class SharedValue(NamedTuple):
 
 
 class SharedStore:
-    """Encoded shared values by key, each with the number of unfinished tasks using it."""
+    """Encodes the shared values of tasks. A task keeps the encodings it needs
+    (``TaskHandle.shared_data``), so one lives as long as a task that may still send it (to a
+    replacement worker, say) and no count is kept per task."""
 
     def __init__(self, max_frame: int):
         self.max_frame = max_frame
-        self._values: dict[str, list] = {}  # key -> [encoded value, tasks using it]
+        self._last: tuple[dict, tuple] = ({}, ({}, {}))  # the last keywords resolved, and how: most tasks share them
 
     def encode(self, value) -> SharedValue:
         """``value`` encoded and keyed by the hash of its bytes (equal encodings are one value)."""
         data = protocol.encode(value)
         return SharedValue(hashlib.sha256(data).hexdigest()[:16], data)
 
-    def keys(self, shared: dict) -> dict[str, str]:
-        """name -> key of shared values, each distinct value encoded once."""
-        keys = {}
+    def resolve(self, shared: dict) -> tuple[dict[str, str], dict[str, bytes]]:
+        """The shared keywords of a task: name -> key, and key -> encoding (a ``SharedValue``
+        as it is, any other value encoded)."""
+        previous, resolved = self._last
+        if previous.keys() == shared.keys() and all(shared[name] is value for name, value in previous.items()):
+            return resolved  # the very values of the last task (most tasks share theirs): the same read-only answer
+        keys, data = {}, {}
+        encoded = False
         for name, value in shared.items():
-            key, data = value if isinstance(value, SharedValue) else self.encode(value)
-            if key not in self._values:
-                if len(data) > self.max_frame:
-                    raise FrameTooLarge(len(data), self.max_frame, f"shared value {name!r}")
-                self._values[key] = [data, 0]
-            keys[name] = key
-        return keys
-
-    def acquire(self, keys: dict[str, str]) -> None:
-        for key in keys.values():
-            self._values[key][1] += 1
-
-    def release(self, keys: dict[str, str]) -> None:
-        """A task that used ``keys`` is finished: drop the values no other task needs."""
-        for key in keys.values():
-            entry = self._values[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._values[key]
-
-    def data(self, key: str) -> bytes:
-        return self._values[key][0]
+            if type(value) is not SharedValue:
+                value, encoded = self.encode(value), True
+            if len(value.data) > self.max_frame:
+                raise FrameTooLarge(len(value.data), self.max_frame, f"shared value {name!r}")
+            keys[name] = value.key
+            data[value.key] = value.data
+        if not encoded:  # SharedValues only: immutable, so the same objects resolve the same way again
+            self._last = (shared, (keys, data))
+        return keys, data
 
 
 class SharedCache:

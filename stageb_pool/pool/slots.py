@@ -62,7 +62,8 @@ class Slot:
     @deadline.setter
     def deadline(self, t: float | None) -> None:
         self._deadline = t
-        self.earliest.lower(t)
+        if t is not None:
+            self.earliest.lower(t)
 
     @property
     def next_warning(self) -> float | None:
@@ -71,7 +72,8 @@ class Slot:
     @next_warning.setter
     def next_warning(self, t: float | None) -> None:
         self._next_warning = t
-        self.earliest.lower(t)
+        if t is not None:
+            self.earliest.lower(t)
 
     @property
     def task(self) -> TaskHandle | None:

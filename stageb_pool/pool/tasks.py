@@ -51,12 +51,14 @@ class TaskHandle:
     thread would take Ctrl-C away from the event loop). ``ran_on``: the rank that computed it;
     ``busy_s``: the worker time it took."""
 
-    __slots__ = ("id", "method", "item", "shared", "rank", "result_type", "cost", "label", "index", "owner",
-                 "ran_on", "speculative", "busy_s", "_pool", "_state", "_result", "_error")
+    __slots__ = ("id", "method", "item", "shared", "shared_data", "rank", "result_type", "cost", "label", "index",
+                 "owner", "ran_on", "speculative", "busy_s", "_pool", "_state", "_result", "_error")
 
     def __init__(self, pool, id: int, method: str, item: bytes, shared: dict[str, str],
-                 rank: int | None, result_type, cost: float | None = None, label: str | None = None):
+                 rank: int | None, result_type, cost: float | None = None, label: str | None = None,
+                 shared_data: dict[str, bytes] | None = None):
         self.id, self.method, self.item, self.shared = id, method, item, shared
+        self.shared_data = shared_data or {}  # key -> encoding, of each value in ``shared``
         self.rank, self.result_type, self.cost, self.label = rank, result_type, cost, label
         self.index: int | None = None  # position in the gather that waits for it
         self.owner = None  # the gather waiting for it
@@ -134,6 +136,10 @@ class TaskQueue:
     def retry(self, task: TaskHandle) -> None:  # a task whose worker died goes first
         self.push(task, retry=True)
 
+    def any_queued(self) -> bool:
+        """Whether the queue for any worker holds an entry (maybe a done one, dropped when reached)."""
+        return bool(self._any)
+
     def __len__(self) -> int:
         """Tasks queued (cancelled ones included until they are dropped)."""
         return len(self._any) + sum(len(heap) for heap in self._pinned)
@@ -142,8 +148,8 @@ class TaskQueue:
         """The first task the worker of ``rank`` may run (a speculative one only with
         ``speculative``), dropping done and replaced entries on the way."""
         heap = self._live(self._any)
-        pinned = self._live(self._pinned[rank]) if self._pinned[rank] else None
-        if pinned and (not heap or pinned[0][0] < heap[0][0]):
+        pinned = self._pinned[rank]
+        if pinned and self._live(pinned) and (not heap or pinned[0][0] < heap[0][0]):
             heap = pinned
         if not heap:
             return None

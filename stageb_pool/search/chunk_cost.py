@@ -8,11 +8,12 @@ from __future__ import annotations
 from ..stageb.tickets import Ticket
 
 
-def chunk_cost(ticket_chars: list[int], rules_chars: int, samples: int = 1) -> float:
-    """A chunk's expected work: its prompt characters (each ticket's ``summary_chars`` plus the
-    guidance's ``rules_chars``, both counted once, not per chunk) times the samples it generates
-    per ticket (1 for a verdict chunk, a prefill only)."""
-    return float(sum(chars + rules_chars for chars in ticket_chars)) * samples
+def chunk_cost(ticket_chars: int, tickets: int, rules_chars: int, samples: int = 1) -> float:
+    """A chunk's expected work: its prompt characters (its ``tickets``' ``summary_chars``, summed
+    in ``ticket_chars``, plus the guidance's ``rules_chars`` per ticket; each counted once per
+    value, not per chunk) times the samples it generates per ticket (1 for a verdict chunk, a
+    prefill only)."""
+    return float(ticket_chars + rules_chars * tickets) * samples
 
 
 def summary_chars(ticket: Ticket) -> int:

@@ -16,17 +16,18 @@ from collections import Counter
 
 import msgspec
 
-from ..engine.records import (ChatRequest, ChatResult, ChunkResult, RolloutChunk, SamplerConfig, TicketRollout,
+from ..engine.records import (ChatRequest, ChatResult, ChunkResult, SamplerConfig, TicketRollout,
                               TicketVerdictProbability, VerdictChunk, VerdictChunkResult)
 from ..pool import Pool, TaskHandle, WorkerError
 from ..stageb import verdicts
 from ..stageb.guidance import Guidance
-from ..stageb.hashing import content_hash
+from ..stageb.hashing import canonical_json, content_hash
 from ..stageb.prompts import PromptProfile
 from ..stageb.text import short
-from ..stageb.tickets import Ticket, TicketText
+from ..stageb.tickets import Ticket
 from ..stageb.verdicts import TicketStats
-from .chunk_cost import chunk_cost, guidance_chars, summary_chars
+from .chunk_cost import chunk_cost, guidance_chars
+from .chunk_items import ChunkItems
 from .rollout_speculation import SpeculativeSubmissions, chat_key
 
 log = logging.getLogger("stageb_pool")
@@ -76,10 +77,10 @@ class ChatFailure(msgspec.Struct, frozen=True):
 
 
 class _Part(msgspec.Struct):
-    """One chunk of a pending rollout: its cache key and whether this rollout generates it."""
+    """One chunk of a pending rollout: its cache key, its tickets' keys and whether this rollout generates it."""
 
     key: str
-    n_tickets: int
+    tickets: tuple[str, ...]
     owner: bool
 
 
@@ -120,8 +121,8 @@ class RolloutRunner(SpeculativeSubmissions):
         self._inflight: dict[str, TaskHandle] = {}  # cache key -> pool task, submitted, not yet gathered
         self._done_s: dict[str, float] = {}
         self._profile_shared = pool.share(profile)  # encoded once per runner
-        self._verdicts = verdicts.VerdictParser(profile.verdict)  # answers repeat: each distinct one parsed once
-        self._ticket_texts: dict[str, tuple[Ticket, TicketText, int]] = {}  # key -> (ticket, its text, chars)
+        self._tally = verdicts.TicketTally(profile.verdict)
+        self._items = ChunkItems(save_rollouts=save_rollouts)
         self.on_progress = None  # called at the start of every wait and after each of its event-loop turns
         self._start_speculation()
 
@@ -131,26 +132,24 @@ class RolloutRunner(SpeculativeSubmissions):
         cost estimate, the sampler's fields) is encoded or computed once per rollout."""
         sampler = spec.sampler
         sampler_fields = msgspec.to_builtins(sampler)
+        sampler_json = canonical_json(sampler_fields)  # the sampler's part of an item's memo key
         rules_chars = guidance_chars(spec.guidance)
+        samples = len(sampler.grid) * sampler.samples_per_decode
         shared = None  # the shared values, encoded at the first chunk to generate
         parts = []
         for index, tickets in self._chunks(spec.tickets):
-            key = content_hash([[t.key for t in tickets], spec.guidance_hash, self.profile_hash, sampler_fields,
+            keys = tuple([t.key for t in tickets])
+            key = content_hash([keys, spec.guidance_hash, self.profile_hash, sampler_fields,
                                 spec.seed_key, index, self.save_rollouts, self.engine_key])
             owner = key not in self._cache and key not in self._inflight
             if owner:
-                texts, chars = self._texts(tickets)
-                chunk = RolloutChunk(seed_key=spec.seed_key, chunk_index=index, tickets=texts,
-                                     grid=list(sampler.grid), samples_per_decode=sampler.samples_per_decode,
-                                     max_prompt_tokens=sampler.max_prompt_tokens, return_token_ids=self.save_rollouts,
-                                     constrain_verdict=sampler.constrain_verdict)
+                item, chars = self._items.rollout(spec.seed_key, index, tickets, keys, sampler, sampler_json)
                 if shared is None:
                     shared = dict(guidance=self.pool.share(spec.guidance), profile=self._profile_shared)
                 # label: the report's timeline says which rollout kept a worker busy
-                self._inflight[key] = self.pool.submit(
-                    "rollout", chunk, result_type=ChunkResult, label=spec.name, **shared,
-                    cost=chunk_cost(chars, rules_chars, len(sampler.grid) * sampler.samples_per_decode))
-            parts.append(_Part(key, len(tickets), owner))
+                self._inflight[key] = self.pool.submit("rollout", item, result_type=ChunkResult, label=spec.name,
+                                                       cost=chunk_cost(chars, len(keys), rules_chars, samples), **shared)
+            parts.append(_Part(key, keys, owner))
         return Pending(spec, self._claim(parts, spec.name))
 
     def submit_chat(self, request: ChatRequest) -> Pending:
@@ -215,7 +214,7 @@ class RolloutRunner(SpeculativeSubmissions):
                     seen.add(part.key)
                     keys.append(part.key)
                     tasks.append(self._inflight[part.key])
-                    counts.append(part.n_tickets)
+                    counts.append(len(part.tickets))
         started = time.monotonic()
 
         def keep(index, result):
@@ -248,26 +247,14 @@ class RolloutRunner(SpeculativeSubmissions):
         rules_chars = guidance_chars(guidance)
         tasks = []
         for index, part in chunks:
-            texts, chars = self._texts(part)
+            texts, chars = self._items.texts(part)
             chunk = VerdictChunk(index, texts, max_prompt_tokens)
             tasks.append(self.pool.submit("verdict_probabilities", chunk, result_type=VerdictChunkResult,
-                                          cost=chunk_cost(chars, rules_chars), label=label, **shared))
+                                          cost=chunk_cost(sum(chars), len(part), rules_chars), label=label, **shared))
         results = self._gather(phase, tasks, [len(part) for _, part in chunks])
         for (_, part), result in zip(chunks, results):
-            _check_chunk(result, part, "verdict chunk")
+            _check_chunk(result, [t.key for t in part], "verdict chunk")
         return [scored for result in results for scored in result.tickets]
-
-    def _texts(self, tickets: list[Ticket]) -> tuple[list[TicketText], list[int]]:
-        """What a worker gets of each ticket and its summaries' characters (for the cost),
-        made once per ticket in the run: every rollout sends the same tickets again."""
-        texts, chars = [], []
-        for ticket in tickets:
-            known = self._ticket_texts.get(ticket.key)
-            if known is None or known[0] is not ticket:
-                known = self._ticket_texts[ticket.key] = (ticket, ticket.text(), summary_chars(ticket))
-            texts.append(known[1])
-            chars.append(known[2])
-        return texts, chars
 
     def _chunks(self, tickets: list[Ticket]) -> list[tuple[int, list[Ticket]]]:
         return [(index, tickets[start:start + self.chunk_size])
@@ -337,22 +324,27 @@ class RolloutRunner(SpeculativeSubmissions):
         stats, dropped, rollouts = {}, {}, {}
         done_s, samples = [], []
         position = 0
+        tally = self._tally.stats
         for part in pending.parts:
             result = self._cache.get(part.key)
             if result is None:
                 raise RuntimeError(f"rollout {spec.name!r}: a chunk was cancelled by a failed gather; submit it again")
-            tickets = spec.tickets[position : position + part.n_tickets]
-            position += part.n_tickets
-            _check_chunk(result, tickets, "chunk")
+            end = position + len(part.tickets)
+            tickets, position = spec.tickets[position:end], end
+            if len(result.tickets) != len(tickets):
+                _check_chunk(result, part.tickets, "chunk")
             n = 0
             for ticket, rollout in zip(tickets, result.tickets):
+                key = ticket.key
+                if rollout.key != key:
+                    _check_chunk(result, part.tickets, "chunk")
                 if rollout.dropped:
-                    dropped[ticket.key] = rollout.prompt_tokens
+                    dropped[key] = rollout.prompt_tokens
                     continue
-                parsed = [self._verdicts.parse(s.text) for s in rollout.samples]
-                stats[ticket.key] = verdicts.ticket_stats(ticket.key, ticket.label, parsed)
-                rollouts[ticket.key] = rollout
-                n += len(rollout.samples)
+                answers = rollout.samples
+                stats[key] = tally(key, ticket.label, tuple([answer.text for answer in answers]))
+                rollouts[key] = rollout
+                n += len(answers)
             samples.append(n)
             done_s.append(self._done_s.get(part.key, 0.0) if part.owner else 0.0)
         result = RolloutResult(spec_name=spec.name, guidance_hash=spec.guidance_hash, stats=stats, dropped=dropped,
@@ -360,12 +352,11 @@ class RolloutRunner(SpeculativeSubmissions):
         return result, samples
 
 
-def _check_chunk(result, tickets: list[Ticket], what: str) -> None:
-    """The engine must answer every ticket of the chunk, in order: anything else is a bug
-    that would silently misattribute verdicts, so it stops the run."""
+def _check_chunk(result, want, what: str) -> None:
+    """The engine must answer every ticket of the chunk (keys ``want``), in order: anything
+    else is a bug that would silently misattribute verdicts, so it stops the run."""
     got = [t.key for t in result.tickets]
-    want = [t.key for t in tickets]
-    if got != want:
+    if got != list(want):
         raise RuntimeError(f"{what} {result.chunk_index} answered tickets {got[:3]}... for {want[:3]}...")
 
 

@@ -82,12 +82,25 @@ def parse_verdict(text: str | None, vocab: VerdictVocab) -> Parsed:
     return Parsed(verdict, reason)
 
 
-class VerdictParser:
-    """``parse_verdict`` once per distinct text: answers repeat, and parsing is the parent's main cost."""
+class TicketTally:
+    """``ticket_stats`` of a ticket's answers, each distinct (ticket, label, answers) tallied
+    once and each distinct answer parsed once: a baseline and its candidates mostly get the
+    same answers for a ticket, and parsing and voting are the parent's main cost per ticket.
+    Each memo starts over past ``limit`` entries."""
 
     def __init__(self, vocab: VerdictVocab, limit: int = 100_000):
         self.vocab, self.limit = vocab, limit
         self._parsed: dict[str, Parsed] = {}
+        self._stats: dict[tuple[str, str, tuple[str, ...]], TicketStats] = {}
+
+    def stats(self, key: str, gt_label: str, texts: tuple[str, ...]) -> TicketStats:
+        memo_key = (key, gt_label, texts)
+        stats = self._stats.get(memo_key)
+        if stats is None:
+            if len(self._stats) >= self.limit:
+                self._stats.clear()
+            stats = self._stats[memo_key] = ticket_stats(key, gt_label, [self.parse(text) for text in texts])
+        return stats
 
     def parse(self, text: str) -> Parsed:
         parsed = self._parsed.get(text)
@@ -98,7 +111,7 @@ class VerdictParser:
         return parsed
 
 
-class TicketStats(msgspec.Struct):
+class TicketStats(msgspec.Struct, frozen=True):  # frozen: a TicketTally hands the same one to many rollouts
     """The vote of one ticket's candidates (upstream ``build_ticket_stats``)."""
 
     key: str
