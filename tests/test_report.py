@@ -498,3 +498,17 @@ def test_a_report_leaves_no_matplotlib_files_in_home_or_in_the_temporary_folder(
     assert proc.returncode == 0, proc.stderr.decode()
     assert (tmp_path / "r.html").read_text() == render_report(run_dir)
     assert list(home.rglob("*")) == [] and list(tmp.rglob("*")) == []
+
+
+@pytest.mark.parametrize("iterations", [[1], [2, 5]])
+def test_the_candidates_chart_keeps_half_an_iteration_either_side(monkeypatch, iterations):
+    """Candidates of one iteration sit around its tick (their offsets are a few hundredths),
+    not at the two edges of the plot."""
+    from stageb_pool.report import charts
+
+    figures = []
+    monkeypatch.setattr(charts, "_svg", lambda fig, name, label: figures.append(fig) or "")
+    cands = [{"iteration": it, "offset": offset, "d_acc": 0.0, "decision": "rejected", "applied": False}
+             for it in iterations for offset in (-0.04, 0.04)]
+    charts.candidate_deltas(cands)
+    assert figures[0].axes[0].get_xlim() == (iterations[0] - 0.5, iterations[-1] + 0.5)

@@ -107,6 +107,9 @@ def candidate_deltas(cands: list[dict]) -> str:
                    label="applied", zorder=4)
     iterations = sorted({c["iteration"] for c in cands})
     ax.set_xticks(iterations, [str(i) for i in iterations])
+    # Half an iteration either side: a lone iteration's candidates sit around its tick, not
+    # stretched to the plot's edges by matplotlib's margins around their small offsets.
+    ax.set_xlim(iterations[0] - 0.5, iterations[-1] + 0.5)
     ax.set_xlabel("iteration")
     ax.set_ylabel("Δ train accuracy")
     ax.grid(alpha=0.3)
