@@ -12,7 +12,9 @@ from ..engine.records import RolloutChunk, SamplerConfig
 from ..stageb.tickets import Ticket, TicketText
 from .chunk_cost import summary_chars
 
-ITEM_MEMO_LIMIT = 4096  # encoded chunk items kept (then the memo starts over)
+# Encoded chunk items kept (then the memo starts over): an iteration reuses its own pool's
+# chunks and the eval pool's, about 100 at most (an item of 16 demo tickets is 8.5 KB).
+ITEM_MEMO_LIMIT = 1024
 
 
 class ChunkItems:
