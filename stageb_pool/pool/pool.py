@@ -235,10 +235,9 @@ class Pool:
         return True
 
     def _deliver(self, task: TaskHandle, on_result) -> None:
-        if task._error is not None:  # finished: its error is the gather's
-            raise task._error
+        result = task.result()  # finished: raises its error
         if on_result is not None:
-            on_result(task.index, task._result)
+            on_result(task.index, result)
 
     def _cancel(self, tasks, why: str) -> None:
         for task in tasks:

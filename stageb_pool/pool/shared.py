@@ -44,7 +44,7 @@ class SharedStore:
         keys, data = {}, {}
         encoded = False
         for name, value in shared.items():
-            if type(value) is not SharedValue:
+            if not isinstance(value, SharedValue):
                 value, encoded = self.encode(value), True
             if len(value.data) > self.max_frame:
                 raise FrameTooLarge(len(value.data), self.max_frame, f"shared value {name!r}")

@@ -331,13 +331,10 @@ class RolloutRunner(SpeculativeSubmissions):
                 raise RuntimeError(f"rollout {spec.name!r}: a chunk was cancelled by a failed gather; submit it again")
             end = position + len(part.tickets)
             tickets, position = spec.tickets[position:end], end
-            if len(result.tickets) != len(tickets):
-                _check_chunk(result, part.tickets, "chunk")
+            _check_chunk(result, part.tickets, "chunk")
             n = 0
             for ticket, rollout in zip(tickets, result.tickets):
                 key = ticket.key
-                if rollout.key != key:
-                    _check_chunk(result, part.tickets, "chunk")
                 if rollout.dropped:
                     dropped[key] = rollout.prompt_tokens
                     continue
@@ -355,8 +352,8 @@ class RolloutRunner(SpeculativeSubmissions):
 def _check_chunk(result, want, what: str) -> None:
     """The engine must answer every ticket of the chunk (keys ``want``), in order: anything
     else is a bug that would silently misattribute verdicts, so it stops the run."""
-    got = [t.key for t in result.tickets]
-    if got != list(want):
+    got, want = [t.key for t in result.tickets], list(want)
+    if got != want:
         raise RuntimeError(f"{what} {result.chunk_index} answered tickets {got[:3]}... for {want[:3]}...")
 
 
