@@ -512,3 +512,28 @@ def test_the_candidates_chart_keeps_half_an_iteration_either_side(monkeypatch, i
              for it in iterations for offset in (-0.04, 0.04)]
     charts.candidate_deltas(cands)
     assert figures[0].axes[0].get_xlim() == (iterations[0] - 0.5, iterations[-1] + 0.5)
+
+
+def test_the_timeline_draws_each_kind_as_one_collection_with_the_proposer_on_top(monkeypatch):
+    """One collection per kind of task over all workers (an artist per worker and kind made a
+    64-worker page wait for it); intervals of a kind closer than 1/2000 of the run are one bar."""
+    from matplotlib.colors import to_hex
+
+    from stageb_pool.report import charts
+
+    figures = []
+    monkeypatch.setattr(charts, "_svg", lambda fig, name, label: figures.append(fig) or "")
+    rows = [dict(worker="w0", start_s=0.0, end_s=1.0, kind="train"),
+            dict(worker="w0", start_s=1.001, end_s=2.0, kind="train"),  # 1 ms after: the same bar
+            dict(worker="w1", start_s=0.5, end_s=1.5, kind="proposer"),
+            dict(worker="w1", start_s=1.6, end_s=2.5, kind="eval"),
+            dict(worker="w0", start_s=2.6, end_s=3.0, kind="eval")]
+    charts.worker_timeline(rows, ["w0", "w1"], 3.0)
+    collections = figures[0].axes[0].collections
+    assert [to_hex(c.get_facecolor()[0]) for c in collections] == [
+        charts.COLORS["train"], charts.COLORS["eval"], charts.COLORS["proposer"]]
+    bars = [[[tuple(point) for point in path.vertices[:4]] for path in c.get_paths()] for c in collections]
+    assert bars == [
+        [[(0.0, -0.35), (0.0, 0.35), (2.0, 0.35), (2.0, -0.35)]],
+        [[(2.6, -0.35), (2.6, 0.35), (3.0, 0.35), (3.0, -0.35)], [(1.6, 0.65), (1.6, 1.35), (2.5, 1.35), (2.5, 0.65)]],
+        [[(0.5, 0.65), (0.5, 1.35), (1.5, 1.35), (1.5, 0.65)]]]

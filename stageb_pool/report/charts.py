@@ -14,6 +14,7 @@ import io
 import re
 
 import matplotlib
+from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
@@ -146,6 +147,7 @@ def worker_timeline(rows: list[dict], workers: list[str], wall_s: float | None) 
     for r in rows:
         by_worker.setdefault(r["worker"], []).append(r)
     kinds_seen = []
+    boxes: dict[str, list] = {}  # kind -> the corners of each of its bars, all workers
     for y, worker in enumerate(workers):
         bars: dict[str, list[list[float]]] = {}
         for r in sorted(by_worker.get(worker, ()), key=lambda r: r["start_s"]):
@@ -155,11 +157,16 @@ def worker_timeline(rows: list[dict], workers: list[str], wall_s: float | None) 
                 spans[-1][1] = max(spans[-1][1], r["end_s"])
             else:
                 spans.append([r["start_s"], r["end_s"]])
-        for kind in sorted(bars, key=lambda k: k == "proposer"):  # the proposer drawn on top
+        for kind in sorted(bars, key=lambda k: k == "proposer"):
             if kind not in kinds_seen:
                 kinds_seen.append(kind)
-            ax.broken_barh([(s, max(e - s, end / 5000)) for s, e in bars[kind]], (y - 0.35, 0.7),
-                           facecolors=COLORS.get(kind, COLORS["other"]), linewidth=0)
+            y0, y1 = y - 0.35, y + 0.35
+            boxes.setdefault(kind, []).extend([(s, y0), (s, y1), (x1, y1), (x1, y0)]
+                                              for s, e in bars[kind] for x1 in (s + max(e - s, end / 5000),))
+    # One collection per kind, the proposer's drawn on top: one per worker and kind (182 at 64
+    # workers, each laid out and drawn twice) made this chart 0.37 s against 0.26.
+    for kind in sorted(boxes, key=lambda k: k == "proposer"):
+        ax.add_collection(PolyCollection(boxes[kind], facecolors=COLORS.get(kind, COLORS["other"]), linewidths=0))
     ax.set_yticks(range(len(workers)), [_label(w) for w in workers])
     ax.set_ylim(len(workers) - 0.5, -0.5)
     ax.set_xlim(0, end)
