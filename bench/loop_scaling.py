@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/loop_scaling.py                       # small: 1,2,4,8,16,32,64 fork; Ray at 8 and 64
     .venv/bin/python bench/loop_scaling.py --workers 1,8,64 --no-ray --workload small,production --json rows.json
+    .venv/bin/python bench/loop_scaling.py --workers 64 --no-ray --compare HEAD~1   # this tree against a revision
 
 Two workloads (``--workload``), both on demo-style tickets (``configs/demo/make_tickets.py``,
 the demo's seed guidance), 3 candidates per iteration, early stop off, the judge-headroom
@@ -64,6 +65,12 @@ Per row:
 - speculation: its hit rate and the worker-seconds of discarded speculative tasks (columns shown when any row speculated).
 - ``identical``: ``stageb-pool diff`` (``app.diff.diff_runs``) of this run against the
   workload's first row finds no difference.
+
+``--compare REV`` measures a change on a host whose speed drifts (here by up to 60 % within
+minutes, docs/performance.md): each row runs ``--pairs`` times with this tree's code and as
+often with REV's (a detached ``git worktree`` in the temporary directory), back to back, the
+two taking turns to go first; it prints per column both medians and the median of the pairs'
+ratios, and whether all runs wrote the same artifacts.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,7 +88,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# The code a row runs: this tree, or with --compare another revision's checkout (the row's
+# processes, Ray's actors included, import stageb_pool from it through PYTHONPATH).
+SOURCE_ENV = "LOOP_SCALING_SOURCE"
+sys.path.insert(0, os.environ.get(SOURCE_ENV) or str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from stageb_pool.app import job  # noqa: E402
@@ -367,12 +378,17 @@ def start_ray(gpus: int) -> str:
     return "auto"
 
 
-def row_in_fresh_process(root: Path, workload: str, backend: str, workers: int, time_scale: float) -> dict:
+def row_in_fresh_process(root: Path, workload: str, backend: str, workers: int, time_scale: float,
+                         source: Path | None = None) -> dict:
     """``run_row`` in a new Python process: no row pays another's imports (matplotlib, Ray)
-    or inherits its caches."""
+    or inherits its caches. ``source``: the checkout whose stageb_pool it runs (None: this tree)."""
     out = root / f"row-{workload}-{backend}-{workers}.json"
+    env = None
+    if source is not None:
+        env = {**os.environ, SOURCE_ENV: str(source),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(source), os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, __file__, "--row", f"{backend}:{workers}", "--workload", workload,
-                    "--time-scale", str(time_scale), "--keep", str(root), "--json", str(out)], check=True)
+                    "--time-scale", str(time_scale), "--keep", str(root), "--json", str(out)], check=True, env=env)
     return json.loads(out.read_text())
 
 
@@ -430,6 +446,59 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+COMPARED = [("wall_s", "wall s"), ("search_s", "search s"), ("rollout_s", "rollout s"),
+            ("critical_path_s", "critical path s"), ("startup_s", "start-up s"), ("report_wait_s", "report wait s"),
+            ("parent_us_per_item", "parent µs/task (dispatch)"), ("parent_total_us_per_item", "parent µs/task (all)")]
+
+
+def compare_table(pairs: list[tuple[dict, dict]], rev: str) -> str:
+    """Per column, the median of this tree's rows, of ``rev``'s, and of the pairs' ratios
+    (this / rev): the ratio of two rows run back to back, on a host whose speed drifts."""
+    lines = [f"| column | this tree (median) | {rev} (median) | this / {rev} (median of {len(pairs)} pairs) |",
+             "|---|---:|---:|---:|"]
+    for key, title in COMPARED:
+        got = [(a[key], b[key]) for a, b in pairs if a.get(key) is not None and b.get(key) is not None]
+        if got:
+            ratios = [a / b for a, b in got if b]
+            ratio = f"{statistics.median(ratios):.3f}" if ratios else ""
+            lines.append(f"| {title} | {statistics.median(a for a, _ in got):g} | "
+                         f"{statistics.median(b for _, b in got):g} | {ratio} |")
+    return "\n".join(lines)
+
+
+def compare(root: Path, rev: str, pairs: int, workloads: list[str], rows: list[tuple[str, int]],
+            time_scale: float) -> list[dict]:
+    """``--compare REV``: each row ``pairs`` times with this tree's code and as often with REV's
+    (a detached git worktree), back to back, the two taking turns to go first; the medians, and
+    whether every run wrote the same artifacts as this tree's first."""
+    checkout = root / "compared-source"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(checkout), rev], check=True)
+    everything = []
+    try:
+        for workload in workloads:
+            for backend, workers in rows:
+                runs: dict[str, list[dict]] = {"this": [], "rev": []}
+                for i in range(pairs):
+                    order = ("this", "rev") if i % 2 == 0 else ("rev", "this")
+                    for who in order:
+                        folder = root / workload / f"{backend}-{workers}-{who}-{i}"
+                        write_inputs(folder, WORKLOADS[workload]["tickets"])
+                        row = row_in_fresh_process(folder, workload, backend, workers, time_scale,
+                                                   checkout if who == "rev" else None)
+                        runs[who].append({**row, "code": "this tree" if who == "this" else rev})
+                        print(f"{workload} {backend} {workers} {who} {i + 1}/{pairs}: {row['wall_s']} s", flush=True)
+                first = runs["this"][0]["run_dir"]
+                differing = [r["code"] for r in runs["this"][1:] + runs["rev"] if diff_runs(first, r["run_dir"], limit=1)]
+                print(f"\n{workload} {backend} {workers} workers, this tree against {rev}, time scale {time_scale}; "
+                      + (f"artifacts differ from this tree's first run: {', '.join(differing)}" if differing
+                         else f"all {2 * pairs} runs wrote the same artifacts"))
+                print(compare_table(list(zip(runs["this"], runs["rev"])), rev))
+                everything += runs["this"] + runs["rev"]
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(checkout)], check=False)
+    return everything
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="1,2,4,8,16,32,64", help="fork worker counts (the first is the base)")
@@ -439,6 +508,9 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=0.25, help="model.simulated.time_scale")
     parser.add_argument("--json", help="write the rows (a JSON list of objects) to this file")
     parser.add_argument("--keep", help="write the run directories here (default: a temporary directory)")
+    parser.add_argument("--compare", metavar="REV", help="run each row with this tree's code and with REV's "
+                                                            "(a git revision), in turn, and compare the medians")
+    parser.add_argument("--pairs", type=int, default=5, help="with --compare: runs of each row per side")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # BACKEND:WORKERS, one row in this process
     args = parser.parse_args()
     if args.row:
@@ -456,18 +528,22 @@ def main() -> None:
     everything = []
     with contextlib.ExitStack() as stack:
         root = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        for workload in workloads:
-            folder = root / workload
-            write_inputs(folder, WORKLOADS[workload]["tickets"])
-            rows = []
-            for backend, counts in (("fork", fork_counts), ("ray", ray_counts)):
-                for workers in counts:
-                    rows.append(row_in_fresh_process(folder, workload, backend, workers, args.time_scale))
-                    print(f"{workload} {backend} {workers}: {rows[-1]['wall_s']} s", flush=True)
-            finish(rows)
-            print(f"\n{workload}: {WORKLOADS[workload]['what']}; time scale {args.time_scale}")
-            print(table(rows))
-            everything += rows
+        if args.compare:
+            rows = [("fork", n) for n in fork_counts] + [("ray", n) for n in ray_counts]
+            everything = compare(root, args.compare, args.pairs, workloads, rows, args.time_scale)
+        else:
+            for workload in workloads:
+                folder = root / workload
+                write_inputs(folder, WORKLOADS[workload]["tickets"])
+                rows = []
+                for backend, counts in (("fork", fork_counts), ("ray", ray_counts)):
+                    for workers in counts:
+                        rows.append(row_in_fresh_process(folder, workload, backend, workers, args.time_scale))
+                        print(f"{workload} {backend} {workers}: {rows[-1]['wall_s']} s", flush=True)
+                finish(rows)
+                print(f"\n{workload}: {WORKLOADS[workload]['what']}; time scale {args.time_scale}")
+                print(table(rows))
+                everything += rows
     print(f"bench wall {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "run_dir"} for r in everything],
