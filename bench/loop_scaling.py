@@ -37,7 +37,8 @@ Per row:
 - ``wall_s``: ``run_job``, start to end (the guidance check, the workers' start, the search,
   the close); ``speedup`` = the workload's first row's wall / this wall. report.html is
   drawn by its own process while the pool closes and is waited for apart: ``report_s``
-  (from the request for the page to its end).
+  (from the request for the page to its end) and ``report_wait_s`` (the part of it after the
+  close, which a run of the CLI waits for).
 - ``start-up s``: from the call to the pool's ready workers (plan, the guidance check, the
   fork of every worker; under Ray the creation of every actor, each in a new process that
   imports Ray and unpickles the engine factory); ``close s``: the pool's close.
@@ -427,7 +428,7 @@ COLUMNS = [("backend", "backend"), ("workers", "workers"), ("wall_s", "wall s"),
            ("rollout_efficiency", "rollout eff."), ("critical_path_s", "critical path s"),
            ("serial_s", "serial s"), ("rounds_s", "rounds s"), ("bound", "bound"),
            ("ray_cluster_s", "Ray cluster s"), ("startup_s", "start-up s"), ("pool_close_s", "close s"),
-           ("report_s", "report s"),
+           ("report_s", "report s"), ("report_wait_s", "report wait s"),
            ("headroom_s", "headroom s"), ("train_base_s", "train base s"),
            ("proposer_s", "proposer s"), ("candidates_s", "candidates s"), ("eval_s", "eval s"),
            ("final_s", "final s"), ("gate_s", "gate+bootstrap s"), ("io_s", "writes s"),
