@@ -521,6 +521,11 @@ def main() -> None:
     for workload in workloads:
         if workload not in WORKLOADS:
             parser.error(f"--workload {workload!r}: one of {', '.join(WORKLOADS)}")
+    if args.compare and subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet",
+                                        f"{args.compare}^{{commit}}"], capture_output=True).returncode:
+        parser.error(f"--compare {args.compare!r}: not a commit of this repository")
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
     fork_counts = [int(w) for w in args.workers.split(",") if w]
     ray_counts = [] if args.no_ray else [int(w) for w in args.ray_workers.split(",") if w]
     if ray_counts and importlib.util.find_spec("ray") is None:
