@@ -69,8 +69,8 @@ Per row:
 
 ``--compare REV`` measures a change on a host whose speed drifts (here by up to 60 % within
 minutes, docs/performance.md): each row runs ``--pairs`` times with this tree's code and as
-often with REV's (a detached ``git worktree`` in the temporary directory), back to back, the
-two taking turns to go first; it prints per column both medians and the median of the pairs'
+often with REV's (a detached ``git worktree`` in the temporary directory; both byte-compiled,
+as ``bin/setup`` leaves this tree), back to back, the two taking turns to go first; it prints per column both medians and the median of the pairs'
 ratios, and whether all runs wrote the same artifacts.
 """
 
@@ -474,6 +474,10 @@ def compare(root: Path, rev: str, pairs: int, workloads: list[str], rows: list[t
     whether every run wrote the same artifacts as this tree's first."""
     checkout = root / "compared-source"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(checkout), rev], check=True)
+    # Both sides byte-compiled, as bin/setup leaves this tree: where PYTHONDONTWRITEBYTECODE is
+    # set, a side left as sources would compile them in every process (a Ray actor: seconds).
+    for source in (REPO, checkout):
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(source / "stageb_pool")], check=True)
     everything = []
     try:
         for workload in workloads:
