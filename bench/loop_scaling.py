@@ -70,8 +70,9 @@ Per row:
 ``--compare REV`` measures a change on a host whose speed drifts (here by up to 60 % within
 minutes, docs/performance.md): each row runs ``--pairs`` times with this tree's code and as
 often with REV's (a detached ``git worktree`` in the temporary directory; both byte-compiled,
-as ``bin/setup`` leaves this tree), back to back, the two taking turns to go first; it prints per column both medians and the median of the pairs'
-ratios, and whether all runs wrote the same artifacts.
+as ``bin/setup`` leaves this tree), back to back, the two taking turns to go first; it prints
+per column both medians and the median of the pairs' ratios, and whether all runs wrote the
+same artifacts.
 """
 
 from __future__ import annotations
@@ -469,39 +470,41 @@ def compare_table(pairs: list[tuple[dict, dict]], rev: str) -> str:
 
 def compare(root: Path, rev: str, pairs: int, workloads: list[str], rows: list[tuple[str, int]],
             time_scale: float) -> list[dict]:
-    """``--compare REV``: each row ``pairs`` times with this tree's code and as often with REV's
-    (a detached git worktree), back to back, the two taking turns to go first; the medians, and
-    whether every run wrote the same artifacts as this tree's first."""
+    """``--compare REV``: each row (backend, workers) of each workload with this tree's code and
+    with REV's (a detached git worktree); every run, this tree's first."""
     checkout = root / "compared-source"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(checkout), rev], check=True)
     # Both sides byte-compiled, as bin/setup leaves this tree: where PYTHONDONTWRITEBYTECODE is
     # set, a side left as sources would compile them in every process (a Ray actor: seconds).
     for source in (REPO, checkout):
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(source / "stageb_pool")], check=True)
-    everything = []
     try:
-        for workload in workloads:
-            for backend, workers in rows:
-                runs: dict[str, list[dict]] = {"this": [], "rev": []}
-                for i in range(pairs):
-                    order = ("this", "rev") if i % 2 == 0 else ("rev", "this")
-                    for who in order:
-                        folder = root / workload / f"{backend}-{workers}-{who}-{i}"
-                        write_inputs(folder, WORKLOADS[workload]["tickets"])
-                        row = row_in_fresh_process(folder, workload, backend, workers, time_scale,
-                                                   checkout if who == "rev" else None)
-                        runs[who].append({**row, "code": "this tree" if who == "this" else rev})
-                        print(f"{workload} {backend} {workers} {who} {i + 1}/{pairs}: {row['wall_s']} s", flush=True)
-                first = runs["this"][0]["run_dir"]
-                differing = [r["code"] for r in runs["this"][1:] + runs["rev"] if diff_runs(first, r["run_dir"], limit=1)]
-                print(f"\n{workload} {backend} {workers} workers, this tree against {rev}, time scale {time_scale}; "
-                      + (f"artifacts differ from this tree's first run: {', '.join(differing)}" if differing
-                         else f"all {2 * pairs} runs wrote the same artifacts"))
-                print(compare_table(list(zip(runs["this"], runs["rev"])), rev))
-                everything += runs["this"] + runs["rev"]
+        return [run for workload in workloads for backend, workers in rows
+                for run in compare_row(root, checkout, rev, pairs, workload, backend, workers, time_scale)]
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(checkout)], check=False)
-    return everything
+
+
+def compare_row(root: Path, checkout: Path, rev: str, pairs: int, workload: str, backend: str, workers: int,
+                time_scale: float) -> list[dict]:
+    """One row ``pairs`` times with each side's code, back to back, the two taking turns to go
+    first; prints the medians and whether every run wrote the same artifacts as this tree's first."""
+    runs: dict[str, list[dict]] = {"this tree": [], rev: []}
+    for i in range(pairs):
+        for code in (("this tree", rev) if i % 2 == 0 else (rev, "this tree")):
+            this_tree = code == "this tree"
+            folder = root / workload / f"{backend}-{workers}-{'this' if this_tree else 'rev'}-{i}"
+            write_inputs(folder, WORKLOADS[workload]["tickets"])
+            row = row_in_fresh_process(folder, workload, backend, workers, time_scale, None if this_tree else checkout)
+            runs[code].append({**row, "code": code})
+            print(f"{workload} {backend} {workers} {code} {i + 1}/{pairs}: {row['wall_s']} s", flush=True)
+    first = runs["this tree"][0]["run_dir"]
+    differing = [r["code"] for r in runs["this tree"][1:] + runs[rev] if diff_runs(first, r["run_dir"], limit=1)]
+    print(f"\n{workload} {backend} {workers} workers, this tree against {rev}, time scale {time_scale}; "
+          + (f"artifacts differ from this tree's first run: {', '.join(differing)}" if differing
+             else f"all {2 * pairs} runs wrote the same artifacts"))
+    print(compare_table(list(zip(runs["this tree"], runs[rev])), rev))
+    return runs["this tree"] + runs[rev]
 
 
 def main() -> None:
@@ -539,8 +542,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         root = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if args.compare:
-            rows = [("fork", n) for n in fork_counts] + [("ray", n) for n in ray_counts]
-            everything = compare(root, args.compare, args.pairs, workloads, rows, args.time_scale)
+            specs = [("fork", n) for n in fork_counts] + [("ray", n) for n in ray_counts]
+            everything = compare(root, args.compare, args.pairs, workloads, specs, args.time_scale)
         else:
             for workload in workloads:
                 folder = root / workload

@@ -158,9 +158,9 @@ def worker_timeline(rows: list[dict], workers: list[str], wall_s: float | None) 
                 spans.append([r["start_s"], r["end_s"]])
         for kind, spans in bars.items():
             for start, stop in spans:
-                stop = start + max(stop - start, end / 5000)  # at least a visible sliver
-                boxes.setdefault(kind, []).append([(start, y - 0.35), (start, y + 0.35), (stop, y + 0.35),
-                                                   (stop, y - 0.35)])
+                right = start + max(stop - start, end / 5000)  # at least a visible sliver
+                boxes.setdefault(kind, []).append([(start, y - 0.35), (start, y + 0.35), (right, y + 0.35),
+                                                   (right, y - 0.35)])
     # One collection per kind, the proposer's drawn on top: one per worker and kind (182 at 64
     # workers, each laid out and drawn twice) made this chart 0.37 s against 0.26.
     for kind in sorted(boxes, key=lambda k: k == "proposer"):

@@ -99,10 +99,10 @@ class TicketTally:
         if stats is None:
             if len(self._stats) >= self.limit:
                 self._stats.clear()
-            stats = self._stats[memo_key] = ticket_stats(key, gt_label, [self.parse(text) for text in texts])
+            stats = self._stats[memo_key] = ticket_stats(key, gt_label, [self._parse(text) for text in texts])
         return stats
 
-    def parse(self, text: str) -> Parsed:
+    def _parse(self, text: str) -> Parsed:
         parsed = self._parsed.get(text)
         if parsed is None:
             if len(self._parsed) >= self.limit:
