@@ -101,6 +101,9 @@ class RecordedAnswers:
     def send(self, rank: int, data: bytes) -> None:
         self.todo.append((rank, data))
 
+    def cancel(self, rank: int, task_id: int) -> None:
+        raise AssertionError("a replay cancels nothing (it runs no speculation)")
+
     def kill(self, rank: int) -> None:
         raise AssertionError("a replay kills no worker")
 

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 from datetime import timedelta
 
 import pytest
@@ -33,6 +34,20 @@ settings.register_profile("ci", derandomize=True, database=None, max_examples=20
 settings.register_profile("explore", database=None, max_examples=2000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def channel():
+    """A channel from a parent to this process, watched for cancellations as a forked worker's
+    is (``pool.cancellation``): (the worker's end, the parent's end)."""
+    from stageb_pool.pool import cancellation
+
+    worker, parent = socket.socketpair()
+    cancellation.listen(worker)
+    yield worker, parent
+    cancellation.listen(None)
+    worker.close()
+    parent.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

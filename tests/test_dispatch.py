@@ -49,7 +49,8 @@ class Clock:
 
 
 class ScriptedTransport:
-    """Workers that answer by method name: ``square`` answers, ``hang`` never does,
+    """Workers that answer by method name: ``square`` answers, ``hang`` never does (unless
+    cancelled: then it fails with TaskCancelled, as an engine that checks),
     ``die`` exits with code 3, ``close`` closes its channel and is never reported, ``fail``
     raises; ``hang_once``/``die_once`` misbehave the first time only. ``silent`` ranks never
     get a process; ``slow_start`` ranks never send Ready; ``mute_kill`` ranks are never
@@ -63,6 +64,8 @@ class ScriptedTransport:
         self.silent, self.slow_start, self.mute_kill, self.init_fails = silent, slow_start, mute_kill, init_fails
         self.sent: list[tuple[int, object]] = []  # (rank, message) for every frame sent
         self.killed: list[int] = []
+        self.cancelled: list[tuple[int, int]] = []  # (rank, task id) of every Cancel
+        self.running: dict[int, Task] = {}  # rank -> its hanging task
         self.spawned: list[int] = []
         self.closed_with: list[int] | None = None
         self.events: list = []
@@ -103,6 +106,15 @@ class ScriptedTransport:
             self.dead.add(rank)
         elif method == "close":
             self.events.append(WorkerClosed(rank))
+        elif method == "hang":
+            self.running[rank] = task
+
+    def cancel(self, rank, task_id):
+        # A hanging task stops when cancelled, as an engine that checks does.
+        self.cancelled.append((rank, task_id))
+        if rank in self.running and self.running[rank].id == task_id:
+            del self.running[rank]
+            self.events.append(WorkerMessage(rank, Failure(task_id, "TaskCancelled: cancelled", "Traceback")))
 
     def kill(self, rank):
         self.killed.append(rank)
@@ -361,6 +373,24 @@ def test_close_names_the_busy_workers(clock):
     d._dispatch()
     d.close()
     assert t.closed_with == [1]
+
+
+def test_a_cancelled_task_is_stopped_only_where_it_runs_and_its_worker_is_free_after_its_answer(clock):
+    t = ScriptedTransport(clock)
+    d, store = make(t, 1)
+    running, queued = task(store, 0, "hang"), task(store, 1)
+    d.submit(running)
+    d.submit(queued)
+    d._dispatch()
+    for cancelled in (running, queued):  # as Pool.cancel does: the handle first, then the dispatcher
+        cancelled._finish(cancelled=True)
+        d.stop(cancelled)
+    assert t.cancelled == [(0, 0)]  # the queued one is dropped when reached: nothing to tell
+    [answer] = d.advance([])  # its engine stopped: a failure, which the pool drops (the handle is cancelled)
+    assert answer.task is running and "TaskCancelled" in str(answer.error)
+    assert run(d, [task(store, 2)]) == {2: 4}  # the worker is free again
+    d.stop(running)  # answered already: no second Cancel
+    assert t.cancelled == [(0, 0)]
 
 
 # -- depth: the next task waits in the worker (the Ray backend) ---------------------------------------

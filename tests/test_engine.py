@@ -25,7 +25,9 @@ from stageb_pool.engine.records import (
 )
 from stageb_pool.engine import chat_text, verdict_scoring
 from stageb_pool.engine.transformers_engine import TransformersEngine
+from stageb_pool.pool import cancellation, protocol
 from stageb_pool.pool.devices import Device
+from stageb_pool.pool.errors import TaskCancelled
 from stageb_pool.stageb import prompts
 from stageb_pool.stageb.errors import InputError
 
@@ -109,6 +111,22 @@ def test_rollout_answers_every_ticket_in_order_with_all_candidates(engine, profi
             total += s.completion_tokens
     assert result.generated_tokens == total
     assert result.elapsed_s > 0
+
+
+def test_a_rollout_the_parent_cancels_stops_at_its_next_decode_step(engine, profile, channel, monkeypatch):
+    _, parent = channel
+    steps = []
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda *a, **kw: steps.append(1) or forward(*a, **kw))
+    ch = chunk(0, TICKETS[:2], [SAMPLED])
+    with cancellation.running(5):
+        before = rollout(engine, ch, profile)  # no Cancel: every step, the same tokens as anywhere
+        full = len(steps)
+        parent.sendall(protocol.frame(protocol.Cancel(5)))
+        with pytest.raises(TaskCancelled):
+            rollout(engine, ch, profile)
+    assert full > 2 and len(steps) == full + 1  # the prefill, then the check
+    assert ids_of(before) == ids_of(rollout(engine, ch, profile))
 
 
 def test_token_ids_only_when_asked(engine, profile):

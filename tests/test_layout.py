@@ -20,12 +20,14 @@ import os
 import shutil
 import subprocess
 import sys
+import typing
 import zipfile
 from pathlib import Path
 
 import pytest
 
 import stageb_pool
+from stageb_pool.pool import protocol
 
 PACKAGE = Path(stageb_pool.__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -304,7 +306,7 @@ def test_the_worker_core_is_the_one_module_that_handles_requests():
     core = ast.parse((POOL / "worker_core.py").read_text(encoding="utf-8"))
     [match] = [node for node in ast.walk(core) if isinstance(node, ast.Match)]
     cases = {_name(case.pattern.cls) for case in match.cases if isinstance(case.pattern, ast.MatchClass)}
-    assert cases == {"Share", "Task", "Shutdown"}
+    assert cases == {request.__name__ for request in typing.get_args(protocol.Request)}  # each one, once
     # elsewhere in the pool: nobody builds an engine, makes typed calls or matches on requests
     builders = {}
     for path in sorted(POOL.glob("*.py")):

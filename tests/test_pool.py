@@ -24,7 +24,7 @@ from processes import gone, parent_pid
 
 from stageb_pool import Pool, PoolError, WorkerDied, WorkerError, WorkerTimeout
 from stageb_pool.pool import Fork, Inline, RemoteTraceback, TaskCancelled, protocol
-from stageb_pool.pool.protocol import FrameTooLarge, ProtocolError
+from stageb_pool.pool.protocol import PROTOCOL_VERSION, FrameTooLarge, ProtocolError
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(TESTS, "pool_scripts")
@@ -74,6 +74,20 @@ def test_speculative_tasks_run_on_idle_workers_and_between_sees_them_finish(pool
     assert pool3.gather([pool3.submit("square", 3)]) == [9]
     assert all(t.done() for t in ahead) and not ahead[0].cancelled()
     assert sum(pool3.stats.items) - before >= 2 + 1  # the two real tasks and the gathered speculative one
+
+
+def test_a_cancelled_running_task_stops_early_and_its_worker_takes_the_next_task():
+    # The engine waits 60 s unless cancelled: a worker that ran it to its end would hold the
+    # pinned task behind it for a minute.
+    with Pool(Engine, "cpu:2", task_timeout=120) as pool:
+        slow = pool.submit("until_cancelled", 60)
+        assert pool.gather([pool.submit("square", 3)]) == [9]  # both sent; the slow one runs on
+        pool.cancel([slow])
+        assert pool.gather([pool.submit("pid", rank=slow.ran_on)]) == [pool.pids[slow.ran_on]]
+        assert slow.cancelled()
+        [(_, _, _, start, end)] = [i for i in pool.stats.intervals if i[1] == "until_cancelled"]
+        assert end - start < 30
+        assert pool.stats.restarts == 0  # stopped by its engine, not killed
 
 
 def test_every_worker_gets_work_and_results_name_their_rank(pool3):
@@ -403,7 +417,7 @@ def test_protocol_version_mismatch_is_a_clear_error():
         stageb_pool.pool.protocol.PROTOCOL_VERSION = 99  # only in this worker process
         return Engine(device)
 
-    with pytest.raises(ProtocolError, match="speaks protocol 99, the parent 1"):
+    with pytest.raises(ProtocolError, match=f"speaks protocol 99, the parent {PROTOCOL_VERSION}"):
         Pool(factory, "cpu:1")
 
 

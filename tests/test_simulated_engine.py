@@ -119,7 +119,8 @@ def test_overlength_tickets_are_dropped_and_cost_nothing(count, profile):
 
 
 class Clock:
-    """The engine module's ``time``: ``perf_counter`` moves ``step`` seconds a call; ``sleep`` records."""
+    """The engine module's ``time`` and ``cancellation`` (which sleeps for it): ``perf_counter``
+    moves ``step`` seconds a call; ``sleep`` records."""
 
     def __init__(self, step: float):
         self.now, self.step, self.slept = 100.0, step, []
@@ -136,6 +137,7 @@ def test_a_request_takes_the_modelled_time_times_the_scale_its_own_work_included
     # The request's start and its end of work are one step apart: only the rest is slept.
     clock = Clock(step=0.05)
     monkeypatch.setattr(sim, "time", clock)
+    monkeypatch.setattr(sim, "cancellation", clock)
     e = engine(count, msgspec.structs.replace(SETTINGS, time_scale=0.25))
     e.rollout(chunk(), guidance={"G0": "Check."}, profile=profile)
     assert clock.slept == [pytest.approx(e.modelled_s * 0.25 - 0.05, rel=1e-12)]
@@ -144,6 +146,7 @@ def test_a_request_takes_the_modelled_time_times_the_scale_its_own_work_included
     # Work that took longer than the modelled time: no sleep at all, the request is late.
     late = Clock(step=1e6)
     monkeypatch.setattr(sim, "time", late)
+    monkeypatch.setattr(sim, "cancellation", late)
     e.rollout(chunk(), guidance={"G0": "Check."}, profile=profile)
     assert late.slept == []
     engine(count).rollout(chunk(), guidance={"G0": "Check."}, profile=profile)  # time_scale 0: no sleep

@@ -4,14 +4,15 @@ each request frame, as the forked worker and the Ray actor send them on."""
 from __future__ import annotations
 
 import os
+import time
 
 import msgspec
 import pytest
 
-from stageb_pool.pool import protocol
+from stageb_pool.pool import cancellation, protocol
 from stageb_pool.pool.devices import Device
-from stageb_pool.pool.errors import ProtocolError
-from stageb_pool.pool.protocol import Failure, InitFailed, Ready, Result, Shutdown, Share, Task
+from stageb_pool.pool.errors import ProtocolError, TaskCancelled
+from stageb_pool.pool.protocol import Cancel, Failure, InitFailed, Ready, Result, Shutdown, Share, Task
 from stageb_pool.pool.worker_core import WorkerCore
 
 DEVICE = Device("cpu", 0, 0)
@@ -39,6 +40,12 @@ class Engine:
 
     def big(self, n):
         return "x" * n
+
+    def checks(self, steps):
+        """An engine that can stop early: a checkpoint between steps."""
+        for _ in range(steps):
+            cancellation.checkpoint()
+        return steps
 
 
 class NoInfo:
@@ -142,3 +149,49 @@ def test_shutdown_ends_the_serving_without_a_reply():
     core = started()
     assert core.answer(body(Shutdown())) == b""
     assert core.started and not core.serving
+
+
+# -- cancellation: the worker's side ------------------------------------------------------------
+def test_only_a_cancel_of_the_running_task_or_the_channels_end_is_a_request_to_stop(channel):
+    worker, parent = channel
+    assert not cancellation.requested()  # no task running
+    with cancellation.running(7):
+        assert not cancellation.requested()  # nothing sent
+        parent.sendall(protocol.frame(Cancel(8)))
+        assert not cancellation.requested()  # another task's (a late one)
+        cancellation.checkpoint()
+        parent.sendall(protocol.frame(Cancel(7))[:3])
+        assert not cancellation.requested()  # not whole yet
+        parent.sendall(protocol.frame(Cancel(7))[3:])
+        assert cancellation.requested()
+        with pytest.raises(TaskCancelled, match="task 7 was cancelled by the parent"):
+            cancellation.checkpoint()
+    assert not cancellation.requested()  # between tasks nothing is checked
+    # Peeked, never consumed: the worker's loop reads both Cancels next, in order.
+    bodies = protocol.FrameReader().bodies(worker.recv(4096))
+    assert [protocol.decode_request(b) for b in bodies] == [Cancel(8), Cancel(7)]
+    with cancellation.running(9):
+        parent.close()  # the parent is gone
+        assert cancellation.requested()
+
+
+def test_a_sleep_ends_when_the_running_task_is_cancelled(channel):
+    _, parent = channel
+    with cancellation.running(3):
+        cancellation.sleep(0.001)  # nothing came: a plain sleep
+        parent.sendall(protocol.frame(Cancel(3)))
+        started = time.monotonic()
+        with pytest.raises(TaskCancelled):
+            cancellation.sleep(60)
+        assert time.monotonic() - started < 30
+
+
+def test_a_task_cancelled_while_it_runs_is_a_failure_and_a_late_cancel_gets_no_reply(channel):
+    _, parent = channel
+    core = started()
+    assert reply(core.answer(body(Task(1, "checks", msgspec.Raw(b"3"))))) == Result(1, msgspec.Raw(b"3"))
+    assert core.answer(body(Cancel(1))) == b""  # it finished before the Cancel came: dropped
+    parent.sendall(protocol.frame(Cancel(2)))
+    failure = reply(core.answer(body(Task(2, "checks", msgspec.Raw(b"3")))))
+    assert isinstance(failure, Failure) and failure.id == 2 and failure.error.startswith("TaskCancelled: ")
+    assert core.serving

@@ -40,7 +40,10 @@ What every engine keeps, so that a run gives the same bytes on 1 or N workers:
 - results come back in the request's ticket order; ``elapsed_s`` (wall clock) is the only
   field that may differ between two runs of the same request.
 
-A method may raise: the pool reports the error as that task's failure. Adding an engine:
+A method may raise: the pool reports the error as that task's failure. A method that can stop
+early calls ``pool.cancellation.checkpoint()`` between steps (or waits with its ``sleep``): it
+raises ``TaskCancelled`` once the parent no longer wants the task (a discarded speculation), so
+the work the loop waits for does not queue behind it. Adding an engine:
 its module, with a builder, and its entry in ``registry.ENGINES``.
 """
 

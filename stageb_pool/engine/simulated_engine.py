@@ -19,6 +19,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from ..pool import cancellation
 from ..pool.devices import Device
 from ..stageb import prompts
 from ..stageb.hashing import stable_seed
@@ -192,12 +193,14 @@ class SimulatedEngine:
         """Until ``seconds`` (modelled) x ``time_scale`` after ``started`` (``perf_counter`` when
         the request began): the request's own CPU work (rendering, counting, judging) is part
         of its modelled time, not added to it, so workers that share a few cores are not slowed
-        by each other's simulation work. ``modelled_s`` counts the whole modelled time."""
+        by each other's simulation work. ``modelled_s`` counts the whole modelled time. A task the
+        parent cancels meanwhile ends here (``TaskCancelled``), as a GPU's would at its
+        next decode step."""
         self.modelled_s += seconds
         if self.settings.time_scale > 0:
             remaining = seconds * self.settings.time_scale - (time.perf_counter() - started)
             if remaining > 0:
-                time.sleep(remaining)
+                cancellation.sleep(remaining)
 
     def rollout(self, chunk: RolloutChunk, *, guidance: dict[str, str], profile: prompts.PromptProfile) -> ChunkResult:
         start = time.perf_counter()

@@ -11,6 +11,7 @@ import inspect
 
 import torch
 
+from ..pool import cancellation
 from ..pool.devices import Device
 from ..stageb.hashing import stable_seed
 from . import chat_text, models, provenance, sharding
@@ -57,7 +58,7 @@ class TransformersEngine(ModelEngine):
 
     def __init__(self, model, tokenizer, device: Device, *, stop: list[str] | None = None,
                  model_path: str = "", model_name: str = ""):
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, StoppingCriteriaList
 
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
@@ -76,6 +77,7 @@ class TransformersEngine(ModelEngine):
         # stops end generation through eos_token_id; longer ones go to generate's stop_strings.
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.text.stop_ids or None)
         self._grammars: Grammars | None = None
+        self._stopping = StoppingCriteriaList([_StopWhenCancelled()])
         # transformers 5.x renamed forward's past_key_values to cache (the old name warns).
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -163,6 +165,7 @@ class TransformersEngine(ModelEngine):
             repetition_penalty=decode.repetition_penalty,
             eos_token_id=self.text.stop_ids or None,  # stop=[]: always run to max_new_tokens
             pad_token_id=self.pad_id,
+            stopping_criteria=self._stopping,
         )
         if sampling:
             options.update(temperature=decode.temperature, top_p=decode.top_p, top_k=0)
@@ -181,6 +184,22 @@ class TransformersEngine(ModelEngine):
             width = self.model.get_output_embeddings().weight.shape[0]
             self._grammars = Grammars(self.tokenizer, width)
         return self._grammars
+
+
+class _StopWhenCancelled:
+    """A stopping criterion of ``generate``, asked at every decode step: it raises
+    ``TaskCancelled`` once the parent has cancelled the task (``pool.cancellation``: one
+    non-blocking peek at the worker's channel), and otherwise stops no row, so the tokens are
+    those generated without it."""
+
+    def __init__(self):
+        self._none = None  # "stop no row", made once per batch shape
+
+    def __call__(self, input_ids, scores, **kwargs):
+        cancellation.checkpoint()
+        if self._none is None or self._none.shape[0] != input_ids.shape[0] or self._none.device != input_ids.device:
+            self._none = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return self._none
 
 
 @contextlib.contextmanager

@@ -59,6 +59,10 @@ class Transport(Protocol):
         """Frames for the worker of ``rank`` (which has fewer tasks than the dispatcher's depth);
         a worker that is gone shows up as a later event, never as an exception here."""
 
+    def cancel(self, rank: int, task_id: int) -> None:
+        """Tell the worker of ``rank`` that its running task ``task_id`` is no longer wanted (it may
+        stop early: ``cancellation.py``); its reply follows as any task's."""
+
     def kill(self, rank: int) -> None:
         """Kill the worker of ``rank``; its WorkerExited follows."""
 
@@ -116,6 +120,15 @@ class Dispatcher:
 
     def promote(self, task: TaskHandle) -> None:
         self.queue.promote(task)
+
+    def stop(self, task: TaskHandle) -> None:
+        """``task`` was cancelled: if a worker is running it, ask it to stop early, so that the
+        tasks waited for are not queued behind it (its reply is discarded, as any cancelled task's)."""
+        if task.ran_on is None:
+            return
+        slot = self.slots[task.ran_on]
+        if slot.state is WorkerState.BUSY and slot.task is task:
+            self.transport.cancel(slot.rank, task.id)
 
     def advance(self, waiting) -> list[Outcome]:
         """One turn of the event loop; the tasks finished meanwhile (any, not only ``waiting``)."""

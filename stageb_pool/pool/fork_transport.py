@@ -12,7 +12,7 @@ import socket
 from . import protocol
 from .dispatch import WorkerClosed, WorkerExited, WorkerMessage, WorkerStarted
 from .errors import PoolError, ProtocolError
-from .protocol import Exited, Shutdown, Spawned
+from .protocol import Cancel, Exited, Shutdown, Spawned
 from .tasks import PoolStats
 from .zygote import Zygote
 
@@ -52,6 +52,9 @@ class ForkedTransport:
             self.events.append(WorkerClosed(rank))
             return
         self.stats.bytes_sent += len(data)
+
+    def cancel(self, rank: int, task_id: int) -> None:
+        self.send(rank, protocol.frame(Cancel(task_id)))
 
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         if rank in self.pid_of:

@@ -41,6 +41,9 @@ class InlineDispatcher:
 
     promote = submit
 
+    def stop(self, task: TaskHandle) -> None:
+        pass  # nothing runs between two calls of ``advance``
+
     def advance(self, waiting) -> list[Outcome]:
         task = next(t for t in waiting if not t.done())
         started = time.monotonic()

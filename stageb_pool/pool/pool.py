@@ -134,7 +134,8 @@ class Pool:
             self._speculating = False
 
     def cancel(self, tasks) -> None:
-        """Drop tasks that will not be gathered (a running one's result is discarded)."""
+        """Drop tasks that will not be gathered. A running one's result is discarded, and its
+        worker is told: an engine that checks (``cancellation.checkpoint``) stops it early."""
         self._cancel(list(tasks), "cancelled by its submitter")
 
     def gather(self, tasks, *, on_result=None, between=None) -> list:
@@ -185,7 +186,7 @@ class Pool:
         if self._closed:
             return
         self._closed = True
-        self._cancel(list(self._unfinished.values()), "the pool was closed")
+        self._cancel(list(self._unfinished.values()), "the pool was closed", stop=False)  # the workers stop anyway
         self._dispatcher.close()
 
     def __enter__(self):
@@ -239,11 +240,13 @@ class Pool:
         if on_result is not None:
             on_result(task.index, result)
 
-    def _cancel(self, tasks, why: str) -> None:
+    def _cancel(self, tasks, why: str, *, stop: bool = True) -> None:
         for task in tasks:
             if not task.done():
                 error = TaskCancelled(f"task {task.index} {task.method}() was cancelled: {why}")
                 self._finish(Outcome(task, error=error), cancelled=True)
+                if stop:
+                    self._dispatcher.stop(task)
 
 
 _decoders: dict = {}  # result_type -> its decoder, made once

@@ -13,7 +13,7 @@ import msgspec
 
 from .errors import FrameTooLarge, PoolError, ProtocolError  # noqa: F401 - part of this module's API
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Cancel
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # one result of a big rollout chunk is a few MB
 HEADER = struct.Struct("!I")
 
@@ -64,6 +64,14 @@ class Failure(Message):
     traceback: str
 
 
+class Cancel(Message):
+    """To a forked worker running task ``id``: its result is no longer wanted. An engine that
+    can stop early raises ``TaskCancelled`` at its next checkpoint (``cancellation.py``); a
+    Cancel that finds the task finished is dropped."""
+
+    id: int
+
+
 class Shutdown(Message):
     """To a worker: finish and exit. To the zygote: stop all workers (message, TERM, KILL)."""
 
@@ -90,8 +98,8 @@ class Exited(Message):
     signal: int | None
 
 
-AnyMessage = Union[Ready, InitFailed, Share, Task, Result, Failure, Shutdown, Spawn, Spawned, Kill, Exited]
-Request = Union[Share, Task, Shutdown]  # parent -> worker (worker_core.py)
+AnyMessage = Union[Ready, InitFailed, Share, Task, Cancel, Result, Failure, Shutdown, Spawn, Spawned, Kill, Exited]
+Request = Union[Share, Task, Cancel, Shutdown]  # parent -> worker (worker_core.py)
 Reply = Union[Ready, InitFailed, Result, Failure]  # worker -> parent (dispatch.py)
 
 _encoder = msgspec.json.Encoder()

@@ -154,6 +154,9 @@ class RayTransport:
         self.inflight[actor.run.remote(data)] = (rank, actor)
         self.stats.bytes_sent += len(data)
 
+    def cancel(self, rank: int, task_id: int) -> None:
+        pass  # an actor's call has no channel to check: it runs to its end (its result is discarded)
+
     def kill(self, rank: int) -> None:
         # The only way to stop a running actor task; its pending calls then fail with
         # ActorDiedError, which poll reports as the exit (once).

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import protocol
+from . import cancellation, protocol
 from .worker_core import WorkerCore
 
 
@@ -36,8 +36,9 @@ def worker_main(sock, device, engine_factory, max_frame: int) -> int:
     _line_buffered_stdio()
     limit_threads(device)
     core = WorkerCore(engine_factory, device, max_frame)
+    cancellation.listen(sock)
     sock.sendall(core.hello())
     while core.serving and (request := protocol.recv_body(sock, max_frame)) is not None:
-        if reply := core.answer(request):  # a Share or Shutdown needs none
+        if reply := core.answer(request):  # a Share, Cancel or Shutdown needs none
             sock.sendall(reply)
     return 0 if core.started else 1

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import traceback
 
-from . import protocol
+from . import cancellation, protocol
 from .calls import Calls
-from .protocol import Failure, InitFailed, Ready, Result, Share, Shutdown, Task
+from .protocol import Cancel, Failure, InitFailed, Ready, Result, Share, Shutdown, Task
 
 
 class WorkerCore:
@@ -52,15 +52,20 @@ class WorkerCore:
         return self._frame(Ready(protocol.PROTOCOL_VERSION, os.getpid(), {**info, **facts}))
 
     def answer(self, body: bytes) -> bytes:
-        """The reply frame to a request: empty for Share and Shutdown, Result or Failure for a Task."""
+        """The reply frame to a request: empty for Share, Cancel and Shutdown, Result or Failure
+        for a Task (a Task the parent cancels while it runs may end as a Failure: TaskCancelled)."""
         match protocol.decode_request(body):
             case Share(key=key, value=value, evict=evict):
                 self.add_shared(key, value, evict)
             case Task(id=task_id, method=method, item=item, shared=shared):
                 try:  # an oversize result too is this task's Failure, not the worker's end
-                    return self._frame(Result(task_id, self.call(method, item, shared)))
+                    with cancellation.running(task_id):
+                        value = self.call(method, item, shared)
+                    return self._frame(Result(task_id, value))
                 except Exception as exc:
                     return self._frame(Failure(task_id, exception_summary(exc), traceback.format_exc()))
+            case Cancel():
+                pass  # it came after its task had finished (or it ended the task): nothing to do
             case Shutdown():
                 self.shut_down = True
         return b""

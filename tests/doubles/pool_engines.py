@@ -88,6 +88,14 @@ class Engine:
         touch(f"{marker}.{os.getpid()}", str(os.getpid()))
         threading.Event().wait()
 
+    def until_cancelled(self, limit):
+        """What an engine that can stop early does: wait ``limit`` seconds unless the parent
+        cancels the task first (then ``TaskCancelled``); False if it never did."""
+        from stageb_pool.pool import cancellation  # in the method: this module imports only the standard library
+
+        cancellation.sleep(limit)
+        return False
+
     def die_once(self, x, *, marker, how="kill"):
         """Die (or hang) the first time item 3 is run; a retry computes normally."""
         if x == 3 and not os.path.exists(marker):
