@@ -5,7 +5,7 @@ speculation that turned out wrong, the rest of a gather that failed), so that th
 waits for is not queued behind it. An engine calls ``checkpoint()`` between steps, or waits with
 ``sleep()``: either raises ``TaskCancelled`` once that Cancel (or the end of the channel: the
 parent is gone) is waiting, and the task ends as a failure the parent discards. An engine that
-calls neither runs every task to its end, as before. Outside a forked worker's task (inline
+calls neither runs every task to its end. Outside a forked worker's task (inline
 mode, a Ray actor, a test) ``checkpoint`` does nothing and ``sleep`` sleeps.
 
 One system call per check (a non-blocking peek; nothing is consumed): the worker's loop reads
