@@ -363,6 +363,23 @@ def test_speculated_work_is_claimed_by_the_same_submit_and_counted_there(tickets
     assert summary["discarded"] == 0
 
 
+def test_a_discarded_speculation_stops_on_the_workers_that_run_it(tickets, profile):
+    # Each chunk takes a minute unless cancelled: the proposer call after the discard would
+    # wait that long for a worker.
+    request = ChatRequest(system="s", user_head="h", examples=["a"], user_tail="t",
+                          decode=Decode(temperature=0.4), seed_key="17/proposer/it2")
+    with Pool(fake_factory(chat_text="{}", rollout_s=60), "cpu:2", task_timeout=120) as pool:
+        runner = RolloutRunner(pool, profile, chunk_size=4)
+        wrong = runner.speculate(spec(tickets, name="train/it2/base"))
+        # the chat runs on one worker, a speculative chunk on the other, then one on the first
+        assert runner.wait([runner.submit_chat(request)])[0].text == "{}"
+        assert pool.stats.tasks_sent == 3  # the chat and two of the three chunks
+        runner.discard([part.key for part in wrong.parts])
+        assert runner.wait([runner.submit_chat(request)])[0].text == "{}"
+    summary = runner.speculation_summary()
+    assert summary["discarded"] == 3 and summary["wasted_worker_s"] < 30  # two stopped, one never ran
+
+
 def test_discarded_speculation_leaves_no_trace_in_the_cache_or_the_counts(tickets, profile):
     with Pool(fake_factory(), "cpu:2") as pool:
         runner = RolloutRunner(pool, profile, chunk_size=4)

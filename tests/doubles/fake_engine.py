@@ -11,7 +11,9 @@ each sample flips its verdict with probability ``flip * temperature``, drawn fro
 chunk's work-derived seed plus the ticket key, so results never depend on a rank or on
 which worker ran the chunk. Tickets listed in ``drop_keys`` come back dropped (as if
 overlength), ``invalid_keys`` answer unparseable text, ``fail_on`` makes a chunk raise, and
-``max_prompt_tokens`` is honoured with a made-up token count (``prompt_tokens``).
+``max_prompt_tokens`` is honoured with a made-up token count (``prompt_tokens``), and
+``rollout_s`` makes each rollout chunk take that long, as a GPU's would, unless the parent
+cancels it meanwhile (``pool.cancellation.sleep``).
 ``verdict_probabilities`` gives every ticket the same low P(pass), ``p_pass``: the judge of
 the embedded model, whose answer does not depend on the ticket. ``chat`` always answers
 ``chat_text`` (default: no operations), so a rule search with it edits nothing by default.
@@ -30,6 +32,7 @@ import re
 
 import msgspec
 
+from stageb_pool.pool import cancellation
 from stageb_pool.stageb.hashing import stable_seed
 from stageb_pool.engine.records import (
     ChatRequest,
@@ -57,7 +60,8 @@ class FakeEngine:
     """Engine double: ``rollout`` and ``chat`` with the real engine's signatures."""
 
     def __init__(self, device=None, *, fail_words=("missing",), flip: float = 0.0, drop_keys=(),
-                 invalid_keys=(), chat_text: str = '{"operations": []}', fail_on=None, p_pass: float = 0.008):
+                 invalid_keys=(), chat_text: str = '{"operations": []}', fail_on=None, p_pass: float = 0.008,
+                 rollout_s: float = 0.0):
         self.device = device
         self.fail_words = tuple(w.lower() for w in fail_words)
         self.flip = flip
@@ -66,6 +70,7 @@ class FakeEngine:
         self.chat_text = chat_text
         self.fail_on = fail_on  # a ticket key whose rollout raises (error-path tests)
         self.p_pass = p_pass
+        self.rollout_s = rollout_s
         self.calls = 0
 
     def info(self) -> dict:
@@ -93,6 +98,8 @@ class FakeEngine:
                     samples.append(self._sample(ticket.key, hit, d, s, decode.temperature, random.Random(seed),
                                                 chunk.return_token_ids))
             out.append(TicketRollout(key=ticket.key, prompt_tokens=tokens, samples=samples))
+        if self.rollout_s:
+            cancellation.sleep(self.rollout_s)
         return ChunkResult(chunk_index=chunk.chunk_index, tickets=out,
                            generated_tokens=sum(s.completion_tokens for t in out for s in t.samples))
 
