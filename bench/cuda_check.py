@@ -18,13 +18,17 @@ weights travel to a GPU machine) with the embedded model's tokenizer, wraps it i
 transformers ``Engine`` in this process and measures, per chunk size: one prefill of the
 chunk's prompts (prompt tokens/s) and the rollout (generated tokens/s; random weights never
 stop early, so every row generates ``--max-new-tokens``). These are the measured rates the
-simulated engine's cost model is compared with (docs/performance.md).
+simulated engine's cost model is compared with (docs/performance.md). The rollout runs once
+more "watched", as in a forked worker, whose engine peeks at its channel for a cancellation at
+every decode step (``pool.cancellation``): the last column is what that check costs a step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import socket
 import time
 from pathlib import Path
 
@@ -168,6 +172,22 @@ def random_model(shape: str, vocab_size: int, device: str, seed: int = 0):
     return model.eval()
 
 
+@contextlib.contextmanager
+def watched():
+    """Calls inside run as a forked worker's task does: cancellable, its channel checked."""
+    from stageb_pool.pool import cancellation
+
+    worker, parent = socket.socketpair()
+    cancellation.listen(worker)
+    try:
+        with cancellation.running(0):
+            yield
+    finally:
+        cancellation.listen(None)
+        worker.close()
+        parent.close()
+
+
 def shapes(args) -> None:
     import torch
 
@@ -186,8 +206,8 @@ def shapes(args) -> None:
     print(f"model: random {args.shape}, {params / 1e9:.2f}B parameters, bfloat16, sdpa; "
           f"{torch.cuda.get_device_name(0) if device.kind == 'cuda' else 'cpu'}; torch {torch.__version__}")
     print("| chunk | prompt tokens (mean) | prefill s | prompt tokens/s | rollout s | generated tokens/s | "
-          "s per decode step |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "s per decode step | rollout s, watched | check µs per step |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in [int(c) for c in args.chunks.split(",")]:
         chunks, _, _, shared = workload(size, size, args.max_new_tokens)
         chunk = chunks[0]
@@ -205,9 +225,15 @@ def shapes(args) -> None:
         result = engine.rollout(chunk, **shared)
         sync()
         rollout = time.perf_counter() - start
+        with watched():
+            start = time.perf_counter()
+            engine.rollout(chunk, **shared)
+            sync()
+            watched_s = time.perf_counter() - start
         steps = max(s.completion_tokens for t in result.tickets for s in t.samples)
         print(f"| {size} | {prompt_tokens / len(kept):.0f} | {prefill:.3f} | {prompt_tokens / prefill:,.0f} | "
-              f"{rollout:.2f} | {result.generated_tokens / rollout:,.0f} | {(rollout - prefill) / steps:.4f} |")
+              f"{rollout:.2f} | {result.generated_tokens / rollout:,.0f} | {(rollout - prefill) / steps:.4f} | "
+              f"{watched_s:.2f} | {(watched_s - rollout) / steps * 1e6:.0f} |")
 
 
 def repeat(args) -> None:
