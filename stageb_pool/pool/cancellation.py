@@ -20,7 +20,7 @@ import socket
 import time
 
 from .errors import TaskCancelled
-from .protocol import HEADER, Cancel, decode
+from .protocol import Cancel, FrameReader, decode
 
 PEEK_BYTES = 4096  # a Cancel frame is about 30 bytes; while a task runs, nothing else is sent
 
@@ -57,17 +57,9 @@ def requested() -> bool:
         return True
     if not data:
         return True
-    start = 0
-    while len(data) - start >= HEADER.size:
-        (size,) = HEADER.unpack_from(data, start)
-        end = start + HEADER.size + size
-        if end > len(data):
-            break
-        message = decode(data[start + HEADER.size:end])
-        if isinstance(message, Cancel) and message.id == _task:
-            return True
-        start = end
-    return False
+    # The whole frames peeked at (a partial one is left for the next check).
+    return any(isinstance(message, Cancel) and message.id == _task
+               for message in map(decode, FrameReader().bodies(data)))
 
 
 def checkpoint() -> None:
