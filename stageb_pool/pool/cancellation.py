@@ -20,7 +20,7 @@ import socket
 import time
 
 from .errors import TaskCancelled
-from .protocol import Cancel, FrameReader, decode
+from .protocol import Cancel, FrameReader, decode_request
 
 PEEK_BYTES = 4096  # a Cancel frame is about 30 bytes; while a task runs, nothing else is sent
 
@@ -59,7 +59,7 @@ def requested() -> bool:
         return True
     # The whole frames peeked at (a partial one is left for the next check).
     return any(isinstance(message, Cancel) and message.id == _task
-               for message in map(decode, FrameReader().bodies(data)))
+               for message in map(decode_request, FrameReader().bodies(data)))
 
 
 def checkpoint() -> None:

@@ -186,7 +186,7 @@ class Pool:
         if self._closed:
             return
         self._closed = True
-        self._cancel(list(self._unfinished.values()), "the pool was closed", stop=False)  # the workers stop anyway
+        self._cancel(list(self._unfinished.values()), "the pool was closed")
         self._dispatcher.close()
 
     def __enter__(self):
@@ -240,12 +240,12 @@ class Pool:
         if on_result is not None:
             on_result(task.index, result)
 
-    def _cancel(self, tasks, why: str, *, stop: bool = True) -> None:
+    def _cancel(self, tasks, why: str) -> None:
         for task in tasks:
             if not task.done():
                 error = TaskCancelled(f"task {task.index} {task.method}() was cancelled: {why}")
                 self._finish(Outcome(task, error=error), cancelled=True)
-                if stop:
+                if not self._closed:  # a closing pool stops its workers anyway
                     self._dispatcher.stop(task)
 
 
