@@ -209,6 +209,56 @@ def test_a_wait_longer_than_a_release_says_who_holds_the_resources(ray_free, cap
     assert f"waiting up to {5 - PLACEMENT_SETTLE:g} s more for them" in warning
 
 
+# -- cancelling a running task ----------------------------------------------------------------------
+def test_a_cancelled_running_task_stops_early_and_its_actor_takes_the_next_task(ray_free):
+    # As on the fork pool (test_pool.py): the engine waits 60 s unless cancelled, and an actor
+    # runs its calls in order, so one that ran it to its end would hold the pinned task for a minute.
+    with ray_pool(task_timeout=120) as pool:
+        slow = pool.submit("until_cancelled", 60)
+        assert pool.gather([pool.submit("square", 3)]) == [9]  # both sent; the slow one runs on
+        pool.cancel([slow])
+        started = time.monotonic()
+        assert pool.gather([pool.submit("pid", rank=slow.ran_on)]) == [pool.pids[slow.ran_on]]
+        assert time.monotonic() - started < 30
+        assert slow.cancelled()
+        assert pool.stats.restarts == 0  # stopped by its engine, not killed
+
+
+def test_a_cancelled_task_whose_engine_never_checks_holds_its_actor_until_it_ends(ray_free):
+    # Ray answers a cancelled call at once; the pool must not count the actor free (nor start
+    # the next task's clock) while it still runs the call.
+    with ray_pool(task_timeout=120) as pool:
+        slow = pool.submit("sleep", 2.0)  # time.sleep: never looks at the cancellation
+        assert pool.gather([pool.submit("square", 3)]) == [9]
+        pool.cancel([slow])
+        assert pool.gather([pool.submit("pid", rank=slow.ran_on)]) == [pool.pids[slow.ran_on]]
+        [(_, _, _, start, end)] = [i for i in pool.stats.intervals if i[1] == "sleep"]
+        [(_, _, _, next_start, _)] = [i for i in pool.stats.intervals if i[1] == "pid"]
+        assert end - start >= 2.0 and next_start >= end
+
+
+def test_a_call_cancelled_before_it_started_still_leaves_its_shared_value_with_the_actor(ray_free, tmp_path):
+    # Ray drops a call cancelled before it starts, with the Share frame it carried; the next
+    # task's frames omit that value (the parent counts it as sent), so it must go again.
+    import msgspec
+
+    from stageb_pool.pool.protocol import Task, frame
+
+    release = tmp_path / "release"
+    with ray_pool(gpus="1", task_timeout=120) as pool:
+        transport = pool._dispatcher.transport
+        # The actor busy with a call of its own, so that the pool's next call waits behind it.
+        busy = transport.actors[0].run.remote(frame(Task(10**9, "wait_for", msgspec.Raw(json.dumps(str(release))), {})))
+        two = pool.share(2)
+        task = pool.submit("sum_shared", 1, a=two)
+        pool._dispatcher._dispatch()  # sent: Share(2) and the task, queued behind the busy call
+        pool.cancel([task])
+        release.touch()
+        assert ray_free.get(busy)  # the actor is free again
+        assert pool.gather([pool.submit("sum_shared", 10, a=two)]) == [12]
+        assert task.cancelled() and pool.stats.shared_sends == 1
+
+
 # -- faults ------------------------------------------------------------------------------------------
 def test_an_actor_that_exits_mid_task_is_worker_died_and_nothing_is_left(ray_free):
     pool = ray_pool()
