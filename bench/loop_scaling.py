@@ -450,7 +450,8 @@ def table(rows: list[dict]) -> str:
 
 COMPARED = [("wall_s", "wall s"), ("search_s", "search s"), ("rollout_s", "rollout s"),
             ("critical_path_s", "critical path s"), ("startup_s", "start-up s"), ("report_wait_s", "report wait s"),
-            ("parent_us_per_item", "parent µs/task (dispatch)"), ("parent_total_us_per_item", "parent µs/task (all)")]
+            ("parent_us_per_item", "parent µs/task (dispatch)"), ("parent_total_us_per_item", "parent µs/task (all)"),
+            ("speculation_wasted_s", "spec. wasted worker-s")]
 
 
 def compare_table(pairs: list[tuple[dict, dict]], rev: str) -> str:
