@@ -174,7 +174,7 @@ class RayTransport:
         sent after it was framed for an actor holding the shared values that this one brings."""
         ref, data = self.last_call.get(rank, (None, b""))
         if ref not in self.inflight or sum(1 for r, _ in self.inflight.values() if r == rank) > 1:
-            return  # answered already, or another call waits behind it: it runs to its end
+            return  # answered (or lost with its actor), or another call waits behind it: it runs to its end
         self.ray.cancel(ref, recursive=False)
         self.cancelled[ref] = task_id
         # A call dropped before it started never stored its Share frames: they go again, first in the
@@ -241,6 +241,8 @@ class RayTransport:
     def _answer(self, rank: int, actor, ref):
         ray = self.ray
         cancelled = self.cancelled.pop(ref, None)
+        if self.last_call.get(rank, (None,))[0] is ref:  # answered: nothing left to cancel (and Ray frees it)
+            del self.last_call[rank]
         try:
             data = ray.get(ref)
         except ray.exceptions.TaskCancelledError:
