@@ -186,29 +186,6 @@ def test_a_sleep_ends_when_the_running_task_is_cancelled(channel):
         assert time.monotonic() - started < 30
 
 
-def test_a_host_that_cancels_by_a_flag_is_asked_only_while_a_task_runs_and_a_sleep_polls_it():
-    # A Ray actor's cancellation: Ray's flag for the running call (RuntimeContext.is_canceled).
-    answers = iter([False, False, False, True])  # cancelled at the fourth look
-    asked = []
-
-    def is_cancelled():
-        asked.append(True)
-        return next(answers)
-
-    cancellation.watch(is_cancelled)
-    try:
-        assert not cancellation.requested() and not asked  # no task running: not asked
-        with cancellation.running(4):
-            cancellation.checkpoint()
-            started = time.monotonic()
-            with pytest.raises(TaskCancelled, match="task 4 was cancelled"):
-                cancellation.sleep(60)  # looks again every FLAG_POLL_S
-            assert time.monotonic() - started < 30 and len(asked) == 4
-        assert not cancellation.requested() and len(asked) == 4
-    finally:
-        cancellation.listen(None)
-
-
 def test_a_task_cancelled_while_it_runs_is_a_failure_and_a_late_cancel_gets_no_reply(channel):
     _, parent = channel
     core = started()

@@ -13,12 +13,12 @@ import time
 
 import msgspec
 
-from . import cancellation, protocol
+from . import protocol
 from .cluster_probe import gcs_answers
 from .devices import Device
 from .dispatch import WorkerExited, WorkerMessage, WorkerStarted
 from .errors import PoolError, ProtocolError
-from .protocol import Failure, Ready
+from .protocol import Ready
 from .ray_cluster import RayConnection
 from .backend import Ray
 from .ray_placement import bundle_shape, describe_nodes, live_nodes, pack, place, plan_bundles, raylet_answers, show
@@ -45,8 +45,6 @@ class RayWorker:
         # Unpickled here, after the thread limits (Ray unpickles its arguments before __init__); a
         # module missing on this node fails the actor's creation as it did there.
         self.core = WorkerCore(ray.cloudpickle.loads(factory_pickle), self.device, max_frame)
-        # The transport cancels a call with ray.cancel, which only sets this flag while the call runs.
-        cancellation.watch(ray.get_runtime_context().is_canceled)
         # The placement rides along under "ray"; the transport takes it out of worker_info again.
         self.hello = self.core.hello(ray=where)
 
@@ -92,9 +90,6 @@ class RayTransport:
         self.actors: list = [None] * len(self.devices)
         self.placement: list[dict] = [{} for _ in self.devices]
         self.inflight: dict = {}  # ObjectRef -> (rank, actor): the ready() and run() calls not yet answered
-        self.last_call: dict[int, tuple] = {}  # rank -> (ObjectRef, frames) of the last run() call its actor got
-        self.cancelled: dict = {}  # ObjectRef -> the id of the task in that call, cancelled with ray.cancel
-        self.resend: dict[int, bytes] = {}  # rank -> Share frames of a cancelled call, sent again with the next one
         self.events: list = []
         self.waiting: dict[int, float | None] = {}  # rank -> since when no live node has room for it (None: room)
         self.suspects: set[str] = set()  # nodes where an actor died: live only if their raylet answers
@@ -150,36 +145,20 @@ class RayTransport:
         ).remote(msgspec.json.encode(self.devices[rank]), self.factory, self.max_frame)
         self.actors[rank] = actor
         self.placement[rank] = {}  # known once it is ready
-        self.last_call.pop(rank, None)
-        self.resend.pop(rank, None)
         self.inflight[actor.ready.remote()] = (rank, actor)
         self.events.append(WorkerStarted(rank, None))
 
     def send(self, rank: int, data: bytes) -> None:
         # Never blocks: Ray queues the call in the actor, which runs its calls in order.
         actor = self.actors[rank]
-        again = self.resend.pop(rank, None)
-        if again:
-            data = again + data
-        ref = actor.run.remote(data)
-        self.inflight[ref] = (rank, actor)
-        self.last_call[rank] = (ref, data)
+        self.inflight[actor.run.remote(data)] = (rank, actor)
         self.stats.bytes_sent += len(data)
 
     def cancel(self, rank: int, task_id: int) -> None:
-        """``ray.cancel`` of the call that carries ``task_id``, the actor's running task: Ray sets the
-        flag that ``cancellation`` reads while the call runs (or drops the call if the actor has not
-        got it yet); its ``ray.get`` then raises TaskCancelledError once the call has ended, the actor
-        free, and ``poll`` reports the task's Failure. Only the actor's last call is cancelled: a call
-        sent after it was framed for an actor holding the shared values that this one brings."""
-        ref, data = self.last_call.get(rank, (None, b""))
-        if ref not in self.inflight or sum(1 for r, _ in self.inflight.values() if r == rank) > 1:
-            return  # answered (or lost with its actor), or another call waits behind it: it runs to its end
-        self.ray.cancel(ref, recursive=False)
-        self.cancelled[ref] = task_id
-        # A call dropped before it started never stored its Share frames: they go again, first in the
-        # actor's next call (storing a value twice, or evicting one twice, changes nothing).
-        self.resend[rank] = self._share_frames(data)
+        # The call runs to its end (its result is discarded). Not ray.cancel: on Ray 2.60 a call
+        # cancelled before it reached its actor left a gap in the actor's call order, and the actor
+        # waited 30 s for it, then failed every queued call (docs/performance.md).
+        pass
 
     def kill(self, rank: int) -> None:
         # The only way to stop a running actor task; its pending calls then fail with
@@ -240,18 +219,8 @@ class RayTransport:
 
     def _answer(self, rank: int, actor, ref):
         ray = self.ray
-        cancelled = self.cancelled.pop(ref, None)
-        if self.last_call.get(rank, (None,))[0] is ref:  # answered: nothing left to cancel (and Ray frees it)
-            del self.last_call[rank]
         try:
             data = ray.get(ref)
-        except ray.exceptions.TaskCancelledError:
-            if cancelled is None:  # nothing but the pool cancels its calls
-                raise ProtocolError(f"worker {rank} ({self.devices[rank].name}): a call was cancelled outside "
-                                    "the pool") from None
-            # Ray raises once the call has ended (early if its engine checks): the actor is free.
-            return WorkerMessage(rank, Failure(cancelled, f"TaskCancelled: task {cancelled} was cancelled by the "
-                                               "parent (ray.cancel)", ""))
         except ray.exceptions.RayTaskError as exc:  # our actor code raised: a bug, not a death
             raise ProtocolError(f"worker {rank} ({self.devices[rank].name}) failed outside the engine: {exc}") from None
         except ray.exceptions.RayError as exc:  # the actor died (or its node, or its object)
@@ -268,11 +237,6 @@ class RayTransport:
         if isinstance(msg, Ready):
             self.placement[rank] = msg.info.pop("ray", {})
         return WorkerMessage(rank, msg)
-
-    def _share_frames(self, frames: bytes) -> bytes:
-        """The Share frames of a run() call: all but its last frame, the Task."""
-        bodies = protocol.FrameReader(self.max_frame).bodies(frames)[:-1]
-        return b"".join(protocol.HEADER.pack(len(body)) + body for body in bodies)
 
     def _check_cluster(self) -> None:
         """Raise if the cluster's GCS no longer answers (Ray's state queries would block)."""
